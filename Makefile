@@ -1,0 +1,40 @@
+# Two entry points (README): `make demo` and `make test`. Both build .venv on first use.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+BASE := $(VENV)/.base-installed
+DEV := $(VENV)/.dev-installed
+# torch 2.13.0 is the CPU build this machine kind keeps on disk; newer picks a multi-GB CUDA build.
+TORCH ?= torch==2.13.0
+
+.PHONY: demo test test-fast bench proto clean
+
+$(BASE): setup.cfg pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(DEV): $(BASE)
+	$(BIN)/python -m pip install -q "$(TORCH)" -e '.[dev]'
+	touch $@
+
+demo: $(BASE)
+	$(BIN)/tableserver demo
+
+test: $(DEV)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: $(DEV)
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+bench: $(DEV)
+	$(BIN)/python bench/bench_transports.py
+	$(BIN)/python bench/bench_load.py
+
+# Regenerate the committed gRPC stubs (tests/test_proto.py fails when they drift).
+proto: $(DEV)
+	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=. --grpc_python_out=. --pyi_out=. \
+		proto/tableserver/v1/tableserver.proto
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,20 @@
+"""tableclient: the thin client of tableserver, for serving processes.
+
+    from tableclient import TableClient
+    with TableClient("memnode:7070") as client:
+        rows = client.table("engram.layer1").gather(row_ids)   # uint8 [..., row_bytes]
+
+Depends on grpcio, protobuf and numpy; torch is optional (tensors in, tensors
+out) and pyverbs is only imported by the rdma transport.
+"""
+
+from tableclient.client import TableClient
+from tableclient.errors import (
+    AuthError, ConnectError, GatherTimeout, RemoteError, TableClientError, TransportError,
+)
+from tableclient.table import GatherHandle, RemoteTable, TableInfo
+
+__all__ = [
+    "TableClient", "RemoteTable", "GatherHandle", "TableInfo", "TableClientError", "ConnectError",
+    "AuthError", "TransportError", "RemoteError", "GatherTimeout",
+]

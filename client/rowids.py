@@ -1,0 +1,74 @@
+"""Row-id and output-buffer checks: small pure functions over arrays.
+
+Row ids may be any integer numpy array or CPU torch tensor of any shape
+``[...]``; the rows come back as ``uint8 [..., row_bytes]``. Everything is
+checked here, vectorized, before a request is built, so a bad call fails with
+a ``ValueError`` that names the problem and sends nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def is_torch(x) -> bool:
+    return type(x).__module__.split(".")[0] == "torch"
+
+
+def to_row_ids(row_ids, rows: int, table: str) -> tuple[np.ndarray, bool]:
+    """int64 C-contiguous ids (any shape) and whether the input was a torch tensor."""
+    torch_in = is_torch(row_ids)
+    if torch_in:
+        if row_ids.device.type != "cpu":
+            raise ValueError(f"row_ids is on {row_ids.device}: pass a CPU tensor (rows are gathered into host "
+                             "memory; copy them to the device afterwards)")
+        if row_ids.dtype.is_floating_point or row_ids.dtype.is_complex:
+            raise ValueError(f"row_ids must be integers, got a tensor of {row_ids.dtype}")
+        arr = row_ids.detach().numpy()
+    else:
+        arr = np.asarray(row_ids)
+    if arr.size == 0:
+        return np.zeros(arr.shape, dtype=np.int64), torch_in
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"row_ids must be integers, got {arr.dtype} (cast with .astype(np.int64))")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0:
+        raise ValueError(f"row id {lo} is negative: table {table!r} has rows 0..{rows - 1}")
+    if hi >= rows:
+        raise ValueError(f"row id {hi} is out of range: table {table!r} has rows 0..{rows - 1}")
+    return np.ascontiguousarray(arr, dtype=np.int64), torch_in
+
+
+def prepare_out(out, shape: tuple, row_bytes: int, torch_in: bool):
+    """(numpy view to fill, object to return) for an ``out`` argument (or None)."""
+    want = tuple(shape) + (row_bytes,)
+    if out is None:
+        arr = np.empty(want, dtype=np.uint8)
+        if torch_in:
+            import torch
+
+            return arr, torch.from_numpy(arr)
+        return arr, arr
+    if is_torch(out):
+        if out.device.type != "cpu":
+            raise ValueError(f"out is on {out.device}: pass a CPU (ideally pinned) tensor")
+        if str(out.dtype) != "torch.uint8" or not out.is_contiguous() or tuple(out.shape) != want:
+            raise ValueError(f"out must be a contiguous torch.uint8 tensor of shape {want}, got "
+                             f"{out.dtype} {tuple(out.shape)}")
+        return out.numpy(), out
+    if not isinstance(out, np.ndarray):
+        raise ValueError(f"out must be a numpy array or torch tensor, got {type(out).__name__}")
+    if out.dtype != np.uint8 or out.shape != want or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"out must be a writable C-contiguous uint8 array of shape {want}, got {out.dtype} "
+                         f"{out.shape}")
+    return out, out
+
+
+def dedup(flat_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """(unique ids, inverse) when ``flat_ids`` repeats an id, else (flat_ids, None)."""
+    if flat_ids.size < 2:
+        return flat_ids, None
+    unique, inverse = np.unique(flat_ids, return_inverse=True)
+    if unique.size == flat_ids.size:
+        return flat_ids, None
+    return unique, inverse.reshape(-1)

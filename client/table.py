@@ -1,0 +1,122 @@
+"""Tables as the client sees them, and gather handles.
+
+``RemoteTable.gather_async(row_ids, out=None)`` validates the ids and the
+output buffer, fetches each distinct row once (remote transports), splits the
+fetch into requests of at most ``max_rows_per_request`` ids, and returns a
+:class:`GatherHandle`; ``wait`` expands duplicates into the caller's order and
+returns ``[..., row_bytes]`` uint8 (a torch tensor when torch was given).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from tableclient.errors import GatherTimeout
+from tableclient.rowids import dedup, prepare_out, to_row_ids
+
+
+@dataclass(frozen=True)
+class TableInfo:
+    index: int
+    name: str
+    rows: int
+    row_bytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    layer: int
+    version: int
+    checksum: str
+    nbytes: int
+
+    @classmethod
+    def from_proto(cls, t) -> "TableInfo":
+        return cls(index=t.index, name=t.name, rows=t.rows, row_bytes=t.row_bytes, dtype=t.dtype,
+                   shape=tuple(t.shape), layer=t.layer, version=t.version, checksum=t.checksum, nbytes=t.nbytes)
+
+
+class GatherHandle:
+    """One gather in flight. ``wait`` returns its rows; ``cancel`` abandons it."""
+
+    __slots__ = ("_pendings", "_result", "_finish", "rows")
+
+    def __init__(self, pendings: list, result, finish=None, rows: int = 0):
+        self._pendings = pendings
+        self._result = result
+        self._finish = finish
+        self.rows = rows
+
+    def done(self) -> bool:
+        return all(p.done() for p in self._pendings)
+
+    def wait(self, timeout: float | None = None):
+        """The rows, once every request has completed; GatherTimeout past ``timeout`` seconds.
+
+        A timed-out handle stays valid: wait again or cancel it.
+        """
+        if timeout is None:
+            for p in self._pendings:
+                p.wait()
+        else:
+            deadline = time.monotonic() + timeout
+            for p in self._pendings:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 and not p.done():
+                    raise GatherTimeout(f"gather of {self.rows} rows not complete after {timeout * 1e3:.3f} ms")
+                p.wait(max(remaining, 0.0))
+        if self._finish is not None:
+            self._finish()
+            self._finish = None
+        return self._result
+
+    def cancel(self) -> None:
+        """Abandons the gather: rows arriving later never touch the output buffer."""
+        for p in self._pendings:
+            p.cancel()
+
+
+class RemoteTable:
+    """A table of the server, bound to the client's session and transport."""
+
+    def __init__(self, client, info: TableInfo):
+        self._client = client
+        self.info = info
+
+    name = property(lambda self: self.info.name)
+    rows = property(lambda self: self.info.rows)
+    row_bytes = property(lambda self: self.info.row_bytes)
+    layer = property(lambda self: self.info.layer)
+
+    def __repr__(self) -> str:
+        return f"RemoteTable({self.name!r}, rows={self.rows}, row_bytes={self.row_bytes}, layer={self.layer})"
+
+    def gather(self, row_ids, out=None, timeout: float | None = None):
+        """Rows ``row_ids`` (int array/tensor of any shape) as uint8 ``[..., row_bytes]``."""
+        return self.gather_async(row_ids, out).wait(timeout)
+
+    def gather_async(self, row_ids, out=None) -> GatherHandle:
+        info = self.info
+        ids, torch_in = to_row_ids(row_ids, info.rows, info.name)
+        out_arr, result = prepare_out(out, ids.shape, info.row_bytes, torch_in)
+        flat_ids = ids.reshape(-1)
+        flat_out = out_arr.reshape(-1, info.row_bytes)
+        if flat_ids.size == 0:
+            return GatherHandle([], result)
+        transport = self._client._data_transport()
+        if transport.dedups:
+            unique, inverse = dedup(flat_ids)
+            if inverse is not None:
+                scratch = np.empty((unique.size, info.row_bytes), dtype=np.uint8)
+                pendings = self._post(transport, unique, scratch)
+                return GatherHandle(pendings, result,
+                                    lambda: np.take(scratch, inverse, axis=0, out=flat_out), flat_ids.size)
+        return GatherHandle(self._post(transport, flat_ids, flat_out), result, None, flat_ids.size)
+
+    def _post(self, transport, ids: np.ndarray, out: np.ndarray) -> list:
+        step = self._client.max_rows_per_request
+        if ids.size <= step:
+            return [transport.gather(self.info.index, ids, out)]
+        return [transport.gather(self.info.index, ids[a:a + step], out[a:a + step])
+                for a in range(0, ids.size, step)]

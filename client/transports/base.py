@@ -1,0 +1,69 @@
+"""The interface every client-side data transport implements.
+
+A transport is built from the server's offer for this session and moves rows
+for flat, validated, int64 row ids into a caller-provided ``uint8 [n,
+row_bytes]`` buffer. It returns a :class:`Pending` per request. Validation,
+shapes, dedup and splitting into requests live in the table layer, once, for
+all transports. A new transport = one module + one line in ``__init__``.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+
+import numpy as np
+
+from tableclient.errors import GatherTimeout
+
+
+class Pending:
+    """Completion of one transport request. ``wait`` raises what the request hit."""
+
+    __slots__ = ("_event", "_error", "cancelled")
+
+    def __init__(self):
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+        self.cancelled = False
+
+    def complete(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._event.set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        if not self._event.wait(timeout):
+            raise GatherTimeout(f"gather not complete after {timeout:.6f} s")
+        if self._error is not None:
+            raise self._error
+
+    def cancel(self) -> None:
+        """The caller no longer wants the rows: late data must not touch its buffer."""
+        self.cancelled = True
+
+
+class Completed(Pending):
+    """A request that finished synchronously."""
+
+    __slots__ = ()
+
+    def __init__(self):
+        super().__init__()
+        self._event.set()
+
+
+class ClientTransport(abc.ABC):
+    name: str = ""
+    #: remote transports fetch each distinct row once; local ones gather directly
+    dedups: bool = True
+
+    @abc.abstractmethod
+    def gather(self, table_index: int, ids: np.ndarray, out: np.ndarray) -> Pending:
+        """Starts moving rows ``ids`` of table ``table_index`` into ``out``."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Frees the transport. Idempotent; pending requests fail."""

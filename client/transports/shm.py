@@ -1,0 +1,166 @@
+"""shm transport, client side: map the server's tables read-only and gather locally.
+
+Offered only when the server runs on this host (same boot id) and its Unix
+socket is reachable from this process's mount namespace; otherwise it raises
+:class:`TransportUnavailable` and ``transport="auto"`` moves on to tcp.
+A gather is a bounds-safe ``np.take`` from the mapping into the caller's
+buffer: no server round trip, no dedup needed. ``gather`` queues the copy and
+returns; a worker thread runs queued copies in order, and ``wait`` runs its own
+copy inline if the worker has not started it yet. So with
+``gather_many([layer1, layer14])`` the caller copies layer 1 the moment it
+waits for it while the worker copies layer 14 alongside (``np.take`` releases
+the GIL): the first layer never waits behind the others.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import mmap
+import os
+import socket
+import threading
+
+import numpy as np
+
+from tableclient.errors import AuthError, ConnectError, TransportUnavailable
+from tableclient.transports.base import ClientTransport, Pending
+from tableserver.wire import HEADER, HEADER_BYTES, RESPONSE_MAGIC, FrameType, Status, request_header
+
+
+def local_host_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+class _Copy(Pending):
+    """One queued copy; whoever claims it first (worker or waiter) runs it."""
+
+    __slots__ = ("_args", "_claim")
+
+    def __init__(self, args):
+        super().__init__()
+        self._args = args
+        self._claim = threading.Lock()
+
+    def run(self) -> None:
+        if not self._claim.acquire(blocking=False):
+            return  # already running or done elsewhere
+        try:
+            if not self.cancelled:
+                src, ids, out = self._args
+                # ids were range-checked by the caller; clip keeps even a bad id inside the mapping.
+                np.take(src, ids, axis=0, out=out, mode="clip")
+            self._args = None
+            self.complete()
+        except BaseException as e:  # surfaces in wait()
+            self.complete(e)
+
+    def wait(self, timeout: float | None = None) -> None:
+        self.run()
+        super().wait(timeout)
+
+
+class ShmTransport(ClientTransport):
+    name = "shm"
+    dedups = False
+
+    def __init__(self, offer, session, catalog, connect_timeout: float = 10.0):
+        ep = offer.shm
+        if ep.host_id != local_host_id():
+            raise TransportUnavailable("the server runs on another host")
+        self.path = ep.socket_path
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.settimeout(connect_timeout)
+        try:
+            sock.connect(self.path)
+        except OSError as e:
+            sock.close()
+            raise TransportUnavailable(f"shm socket {self.path} not reachable ({e.strerror})") from None
+        self._sock = sock
+        self._maps: list[mmap.mmap] = []
+        self._tables: dict[int, np.ndarray] = {}
+        self._queue: collections.deque[_Copy] = collections.deque()
+        self._ready = threading.Condition()
+        self._worker: threading.Thread | None = None
+        self._closed = False
+        try:
+            self._handshake(session, catalog)
+        except BaseException:
+            self.close()
+            raise
+        sock.settimeout(None)
+
+    def _handshake(self, session, catalog) -> None:
+        self._sock.send(request_header(FrameType.HELLO, 1, 0, len(session.id) + len(session.secret))
+                        + session.id + session.secret)
+        msg, fds, _flags, _addr = socket.recv_fds(self._sock, 1 << 22, len(catalog) + 16)
+        try:
+            if len(msg) < HEADER_BYTES:
+                raise ConnectError(f"shm handshake on {self.path} failed: server closed the connection")
+            magic, _t, status, _rid, _rb, count = HEADER.unpack_from(msg)
+            body = msg[HEADER_BYTES:HEADER_BYTES + count]
+            if magic != RESPONSE_MAGIC or status != Status.OK:
+                text = body.decode(errors="replace")
+                if status == Status.UNAUTHENTICATED:
+                    raise AuthError(f"shm socket {self.path} refused the session: {text}")
+                raise ConnectError(f"shm handshake on {self.path} failed: {text}")
+            doc = json.loads(body)
+            if len(fds) != len(doc):
+                raise ConnectError(f"shm handshake: {len(doc)} tables but {len(fds)} descriptors")
+            by_index = {t.index: t for t in catalog}
+            for entry, fd in zip(doc, fds):
+                info = by_index.get(entry["index"])
+                if info is None or (info.rows, info.row_bytes) != (entry["rows"], entry["row_bytes"]):
+                    raise ConnectError(f"shm table {entry['name']!r} does not match the catalog")
+                mm = mmap.mmap(fd, entry["size"], flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+                self._maps.append(mm)
+                nbytes = info.rows * info.row_bytes
+                self._tables[info.index] = np.frombuffer(mm, np.uint8, count=nbytes).reshape(info.rows,
+                                                                                           info.row_bytes)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def gather(self, table_index: int, ids: np.ndarray, out: np.ndarray) -> Pending:
+        job = _Copy((self._tables[table_index], ids, out))
+        with self._ready:
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, name="tableclient-shm", daemon=True)
+                self._worker.start()
+            self._queue.append(job)
+            self._ready.notify()
+        return job
+
+    def _work(self) -> None:
+        while True:
+            with self._ready:
+                while not self._queue and not self._closed:
+                    self._ready.wait()
+                if self._closed:
+                    return
+                job = self._queue.popleft()
+            job.run()
+
+    def close(self) -> None:
+        with self._ready:
+            self._closed = True
+            pending, self._queue = list(self._queue), collections.deque()
+            self._ready.notify_all()
+        if self._worker is not None:
+            self._worker.join(timeout=5)
+        for job in pending:
+            job.run()  # finish queued copies: their callers own the buffers and may be waiting
+        self._tables.clear()  # drop the views first so the mappings can close
+        for mm in self._maps:
+            try:
+                mm.close()
+            except BufferError:
+                pass
+        self._maps.clear()
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None

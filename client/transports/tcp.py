@@ -1,0 +1,144 @@
+"""tcp transport, client side: pipelined gathers over one connection.
+
+The caller's thread frames a request (header + the int64 ids, one
+``sendmsg``) and returns at once; a receiver thread reads each response
+straight into that request's output buffer (no intermediate copy) and
+completes it. Responses arrive in request order (see tableserver/wire.py).
+
+Lifetime of an output buffer: it belongs to the request until its Pending
+completes. A cancelled request's late rows land in a scratch buffer instead.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import socket
+import threading
+
+import numpy as np
+
+from tableclient.errors import AuthError, ConnectError, RemoteError, TransportError
+from tableclient.transports.base import ClientTransport, Pending
+from tableserver.wire import (
+    FATAL, HEADER, HEADER_BYTES, RESPONSE_MAGIC, FrameType, Status, recv_exact, request_header, send_all,
+)
+
+log = logging.getLogger("tableclient.tcp")
+
+
+class _TcpPending(Pending):
+    __slots__ = ("out", "request_id")
+
+    def __init__(self, out: np.ndarray, request_id: int):
+        super().__init__()
+        self.out = out
+        self.request_id = request_id
+
+
+class TcpTransport(ClientTransport):
+    name = "tcp"
+    dedups = True
+
+    def __init__(self, offer, session, catalog, connect_timeout: float = 10.0):
+        ep = offer.tcp
+        self.endpoint = f"{ep.host}:{ep.port}"
+        try:
+            sock = socket.create_connection((ep.host, ep.port), timeout=connect_timeout)
+        except OSError as e:
+            raise ConnectError(f"cannot connect to the tcp data port {self.endpoint}: {e.strerror or e}: "
+                               "check that the server's --tcp-listen/--tcp-advertise address is reachable") from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock = sock
+        self._hello(session.id, session.secret)
+        sock.settimeout(None)
+        self._ids = itertools.count(1)
+        self._pending: collections.deque[_TcpPending] = collections.deque()
+        self._send_lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._rx = threading.Thread(target=self._receive_loop, name="tableclient-tcp-rx", daemon=True)
+        self._rx.start()
+
+    def _hello(self, session_id: bytes, secret: bytes) -> None:
+        try:
+            send_all(self._sock, [request_header(FrameType.HELLO, 0, 0, len(session_id) + len(secret)),
+                                  session_id, secret])
+            head = bytearray(HEADER_BYTES)
+            if not recv_exact(self._sock, memoryview(head)):
+                raise ConnectionResetError("server closed the connection")
+            magic, _t, status, _rid, _rb, count = HEADER.unpack(head)
+            msg = bytearray(count)
+            if count:
+                recv_exact(self._sock, memoryview(msg))
+        except OSError as e:
+            self._sock.close()
+            raise ConnectError(f"tcp handshake with {self.endpoint} failed: {e}") from None
+        if magic != RESPONSE_MAGIC or status != Status.OK:
+            self._sock.close()
+            text = msg.decode(errors="replace")
+            if status == Status.UNAUTHENTICATED:
+                raise AuthError(f"tcp data port {self.endpoint} refused the session: {text}")
+            raise ConnectError(f"tcp handshake with {self.endpoint} failed: {text or magic!r}")
+
+    def gather(self, table_index: int, ids: np.ndarray, out: np.ndarray) -> Pending:
+        with self._send_lock:
+            if self._error is not None:
+                raise self._error
+            p = _TcpPending(out, next(self._ids))
+            self._pending.append(p)  # before sending: the receiver may answer at once
+            try:
+                send_all(self._sock, [request_header(FrameType.GATHER, p.request_id, table_index, ids.size), ids])
+            except OSError as e:
+                self._fail(TransportError(f"tcp connection to {self.endpoint} broke while sending: {e}"))
+                raise self._error from None
+        return p
+
+    def _receive_loop(self) -> None:
+        head = bytearray(HEADER_BYTES)
+        sock = self._sock
+        try:
+            while True:
+                if not recv_exact(sock, memoryview(head)):
+                    raise ConnectionResetError("server closed the connection")
+                magic, _t, status, req_id, row_bytes, count = HEADER.unpack(head)
+                if magic != RESPONSE_MAGIC:
+                    raise ConnectionError(f"bad response magic {magic!r}")
+                p = self._pending.popleft() if self._pending else None
+                if p is None or p.request_id != req_id:
+                    raise ConnectionError(f"response to request {req_id} that is not next in line")
+                if status == Status.OK:
+                    dest = p.out if not p.cancelled else np.empty(p.out.nbytes, np.uint8)
+                    if count * row_bytes != dest.nbytes:
+                        raise ConnectionError(f"response of {count}x{row_bytes} bytes for a "
+                                              f"{dest.nbytes}-byte buffer")
+                    recv_exact(sock, memoryview(dest).cast("B"))
+                    p.complete()
+                else:
+                    msg = bytearray(count)
+                    recv_exact(sock, memoryview(msg))
+                    name = Status(status).name if status in Status._value2member_map_ else str(status)
+                    p.complete(RemoteError(name, msg.decode(errors="replace")))
+                    if status in FATAL:
+                        raise ConnectionError(f"server closed the connection after {name}")
+        except (OSError, ValueError) as e:
+            self._fail(TransportError(f"tcp connection to {self.endpoint} lost: {e}"))
+
+    def _fail(self, error: TransportError) -> None:
+        if self._error is None:
+            self._error = error if not self._closed else TransportError("transport closed")
+        while self._pending:
+            self._pending.popleft().complete(self._error)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._rx.join(timeout=5)
+        self._sock.close()
+        self._fail(TransportError("transport closed"))

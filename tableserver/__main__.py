@@ -1,0 +1,3 @@
+from tableserver.cli import main
+
+raise SystemExit(main())

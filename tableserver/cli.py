@@ -1,0 +1,161 @@
+"""The ``tableserver`` command.
+
+    tableserver [serve] --tables engram.bin [...]   run the memory-node daemon
+    tableserver gen-demo PATH                       write Engram-shaped demo tables
+    tableserver pack OUT IN.safetensors [...]       build a table file from safetensors
+    tableserver inspect FILE                        print a file's catalog, verify checksums
+    tableserver demo                                demo table + server + client replay
+
+User errors print one line (``tableserver: error: ...``) and exit non-zero,
+without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+from tableserver import __version__
+from tableserver.errors import ConfigError, TableServerError
+
+COMMANDS = ("serve", "gen-demo", "pack", "inspect", "demo")
+log = logging.getLogger("tableserver")
+
+
+def setup_logging(level: str = "info") -> None:
+    """CLI only: library code never configures the root logger."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s tableserver[%(process)d] %(levelname)s %(name)s: "
+                                           "%(message)s", datefmt="%Y-%m-%dT%H:%M:%S"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2, like every other user error
+        raise ConfigError(f"{message} (see `{self.prog} --help`)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from tableserver.config import add_flags
+
+    p = _Parser(prog="tableserver", description="Remote table-memory server: pins lookup tables in host memory "
+                "and serves row gathers over shm, tcp (and rdma).")
+    p.add_argument("--version", action="version", version=f"tableserver {__version__}")
+    sub = p.add_subparsers(dest="command", parser_class=_Parser)
+
+    s = sub.add_parser("serve", help="run the daemon (the default command)")
+    add_flags(s)
+
+    g = sub.add_parser("gen-demo", help="write deterministic Engram-shaped demo tables")
+    g.add_argument("path", help="output table file")
+    g.add_argument("--rows", type=_positive_int, default=None, help="rows per table (default 600000)")
+    g.add_argument("--row-bytes", type=_positive_int, default=264, help="bytes per row (default 264)")
+    g.add_argument("--layers", default="1,14", help="one table per layer (default 1,14)")
+    g.add_argument("--seed", type=int, default=0)
+
+    k = sub.add_parser("pack", help="build a table file from safetensors files")
+    k.add_argument("output", help="table file to write")
+    k.add_argument("inputs", nargs="+", help=".safetensors files")
+    k.add_argument("--version", dest="table_version", type=_positive_int, default=1,
+                   help="content version recorded for every table")
+
+    i = sub.add_parser("inspect", help="print a table file's catalog and verify its checksums")
+    i.add_argument("path")
+    i.add_argument("--no-verify", action="store_true", help="only print the catalog")
+
+    d = sub.add_parser("demo", help="generate the demo table, start a server and replay decode steps")
+    d.add_argument("--rows", type=_positive_int, default=None, help="rows per demo table (default 600000)")
+    d.add_argument("--steps", type=_positive_int, default=200, help="decode steps to replay (default 200)")
+    d.add_argument("--batch", type=_positive_int, default=64, help="tokens per step (default 64)")
+    d.add_argument("--transports", default="shm,tcp", help="transports to replay over (default shm,tcp)")
+    d.add_argument("--table", default="", help="table file to use (default: generated in ~/.cache/tableserver)")
+    return p
+
+
+def _positive_int(v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v!r}")
+    return n
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help", "--version")):
+        argv.insert(0, "serve")
+    try:
+        args = build_parser().parse_args(argv)
+        if args.command == "serve":
+            return _serve(args)
+        setup_logging("info")
+        return {"gen-demo": _gen_demo, "pack": _pack, "inspect": _inspect, "demo": _demo}[args.command](args)
+    except TableServerError as e:
+        print(f"tableserver: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("tableserver: interrupted", file=sys.stderr)
+        return 130
+
+
+def _serve(args) -> int:
+    from tableserver.config import resolve
+    from tableserver.server import serve
+
+    cfg = resolve(args)
+    setup_logging(cfg["log_level"])
+    return serve(cfg)
+
+
+def _gen_demo(args) -> int:
+    from tableserver.demo import DEFAULT_ROWS, default_tables, write_demo_file
+    from tableserver.progress import Progress
+
+    try:
+        layers = [int(x) for x in args.layers.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--layers {args.layers!r}: expected comma-separated layer numbers, e.g. 1,14") from None
+    tables = default_tables(args.rows or DEFAULT_ROWS, args.row_bytes, layers)
+    bar = Progress(sum(t.rows * t.row_bytes for t in tables), f"writing {args.path}")
+    t0 = time.monotonic()
+    _writable_target(args.path)
+    write_demo_file(args.path, tables, seed=args.seed, progress=bar.update)
+    bar.finish()
+    log.info("wrote %s: %d tables in %.1f s", args.path, len(tables), time.monotonic() - t0)
+    return 0
+
+
+def _writable_target(path: str) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(d):
+        raise ConfigError(f"cannot write {path}: directory {d} does not exist")
+    if not os.access(d, os.W_OK):
+        raise ConfigError(f"cannot write {path}: directory {d} is not writable")
+
+
+def _pack(args) -> int:
+    from tableserver.pack import pack
+
+    _writable_target(args.output)
+    pack(args.output, args.inputs, version=args.table_version)
+    return 0
+
+
+def _inspect(args) -> int:
+    from tableserver.pack import inspect_file
+
+    return inspect_file(args.path, verify=not args.no_verify, out=sys.stdout)
+
+
+def _demo(args) -> int:
+    from tableserver.demo_run import run_demo
+
+    return run_demo(rows=args.rows, steps=args.steps, batch=args.batch,
+                    transports=[t for t in args.transports.split(",") if t], table=args.table or None)

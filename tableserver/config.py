@@ -1,0 +1,162 @@
+"""Server configuration: one table of options, read from a TOML file, the
+environment (``TABLESERVER_<NAME>``) and flags. Precedence: flags > env > file
+> defaults. Every bad value is a one-line :class:`ConfigError` naming where it
+came from and what is expected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+from dataclasses import dataclass
+
+from tableserver.errors import ConfigError
+
+ENV_PREFIX = "TABLESERVER_"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    kind: str  # str | int | float | bool | list | choice
+    default: object
+    help: str
+    choices: tuple = ()
+    metavar: str | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+SERVE_OPTIONS = (
+    Option("tables", "list", [], "table files to serve: engram.bin files and/or .safetensors, comma-separated",
+           metavar="FILE[,FILE]"),
+    Option("listen", "str", "127.0.0.1:7070", "gRPC control-plane address (port 0 = any free port)",
+           metavar="HOST:PORT"),
+    Option("transports", "list", ["shm", "tcp"], "data transports to offer, in preference order",
+           metavar="NAME[,NAME]"),
+    Option("tcp_listen", "str", "", "tcp data address (default: the --listen host, control port + 1)",
+           metavar="HOST:PORT"),
+    Option("tcp_advertise", "str", "", "host name clients use to reach the tcp port (default: its bind host)",
+           metavar="HOST"),
+    Option("shm_socket", "str", "", "Unix socket of the shm transport (default: $XDG_RUNTIME_DIR or "
+           "/run/tableserver/tableserver-PORT.sock)", metavar="PATH"),
+    Option("hugepages", "choice", "auto", "page size of table memory: auto picks 1 GiB, then 2 MiB hugepages "
+           "when enough are free, else normal pages", choices=("auto", "1g", "2m", "off")),
+    Option("mlock", "bool", True, "lock table memory so it never pages out"),
+    Option("verify", "bool", True, "verify table checksums while loading"),
+    Option("lease_seconds", "float", 15.0, "a session ends this long after its last keepalive",
+           metavar="SECONDS"),
+    Option("max_rows_per_request", "int", 65536, "row ids per data-transport request (clients split larger "
+           "gathers)", metavar="N"),
+    Option("auth_token", "str", "", "bearer token every control-plane call must carry", metavar="TOKEN"),
+    Option("auth_token_file", "str", "", "file holding the bearer token", metavar="PATH"),
+    Option("tls_cert", "str", "", "PEM server certificate: serve the control plane over TLS", metavar="PATH"),
+    Option("tls_key", "str", "", "PEM private key of --tls-cert", metavar="PATH"),
+    Option("tls_client_ca", "str", "", "PEM CA: require client certificates it signed (mutual TLS)",
+           metavar="PATH"),
+    Option("ready_file", "str", "", "write a JSON file with the bound addresses once SERVING", metavar="PATH"),
+    Option("progress", "choice", "auto", "load progress on stderr", choices=("auto", "always", "never")),
+    Option("load_workers", "int", 0, "threads that load tables (0 = min(8, cores))", metavar="N"),
+    Option("log_level", "choice", "info", "log level", choices=("debug", "info", "warning", "error")),
+)
+
+
+def add_flags(parser: argparse.ArgumentParser, options=SERVE_OPTIONS) -> None:
+    parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
+                        help=f"TOML config file with the options below as keys (env: {ENV_PREFIX}CONFIG)")
+    for opt in options:
+        env_note = f" (env {opt.env}; default {_show(opt.default)})"
+        if opt.kind == "bool":
+            parser.add_argument(opt.flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                                help=opt.help + env_note)
+        else:
+            parser.add_argument(opt.flag, dest=opt.name, default=argparse.SUPPRESS, metavar=opt.metavar,
+                                choices=opt.choices or None, help=opt.help + env_note)
+
+
+def _show(value) -> str:
+    if isinstance(value, list):
+        return ",".join(value) or "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value) if value != "" else "unset"
+
+
+def _convert(opt: Option, value, where: str):
+    try:
+        if opt.kind == "bool":
+            if isinstance(value, bool):
+                return value
+            v = str(value).strip().lower()
+            if v in _TRUE:
+                return True
+            if v in _FALSE:
+                return False
+            raise ValueError("expected true or false")
+        if opt.kind == "int":
+            if isinstance(value, bool):
+                raise ValueError("expected an integer")
+            v = int(value)
+            if v < 0:
+                raise ValueError("expected a non-negative integer")
+            return v
+        if opt.kind == "float":
+            v = float(value)
+            if not v > 0:
+                raise ValueError("expected a positive number")
+            return v
+        if opt.kind == "list":
+            items = value if isinstance(value, list) else str(value).split(",")
+            return [str(x).strip() for x in items if str(x).strip()]
+        if opt.kind == "choice":
+            v = str(value).strip().lower()
+            if v not in opt.choices:
+                raise ValueError(f"expected one of {', '.join(opt.choices)}")
+            return v
+        return str(value)
+    except ValueError as e:
+        msg = str(e) if str(e).startswith("expected") else f"expected a {opt.kind}"
+        raise ConfigError(f"{where} = {value!r}: {msg}") from None
+
+
+def resolve(args: argparse.Namespace, environ=None, options=SERVE_OPTIONS) -> dict:
+    """Merges defaults, config file, environment and flags into one dict."""
+    environ = os.environ if environ is None else environ
+    values = {o.name: o.default for o in options}
+    by_name = {o.name: o for o in options}
+    config_path = getattr(args, "config", None) or environ.get(ENV_PREFIX + "CONFIG")
+    if config_path:
+        for key, value in _read_config(config_path).items():
+            name = key.replace("-", "_")
+            if name not in by_name:
+                raise ConfigError(f"{config_path}: unknown key {key!r}: known keys are "
+                                  f"{', '.join(sorted(by_name))}")
+            values[name] = _convert(by_name[name], value, f"{config_path}: {key}")
+    for opt in options:
+        if opt.env in environ and environ[opt.env] != "":
+            values[opt.name] = _convert(opt, environ[opt.env], opt.env)
+    for opt in options:
+        if hasattr(args, opt.name):
+            values[opt.name] = _convert(opt, getattr(args, opt.name), opt.flag)
+    return values
+
+
+def _read_config(path: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found: fix --config") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path} ({e.strerror})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML ({e})") from None

@@ -1,0 +1,171 @@
+"""The gRPC control plane: catalog, sessions, liveness, health.
+
+Runs on grpc.aio so that each client's long-lived KeepAlive stream costs no
+thread. Health (``grpc.health.v1``) reports NOT_SERVING until every table is
+pinned and every transport is serving, SERVING after, and NOT_SERVING again
+from the moment a graceful shutdown begins. gRPC never carries row data.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+from tableserver import __version__
+from tableserver.errors import ListenError
+from tableserver.sessions import SessionRegistry
+from tableserver.transports import KNOWN
+from tableserver.v1 import tableserver_pb2 as pb
+from tableserver.v1 import tableserver_pb2_grpc as pb_grpc
+
+log = logging.getLogger("tableserver.control")
+
+SERVICE_NAME = "tableserver.v1.TableService"
+
+
+class ServerState:
+    """What the control plane answers from; filled in as the server starts."""
+
+    def __init__(self, sessions: SessionRegistry, transports: dict, max_rows: int, host_id: str):
+        self.sessions = sessions
+        self.transports = transports  # name -> ServerTransport, in server preference order
+        self.tables = None  # TableSet once loaded
+        self.max_rows = max_rows
+        self.host_id = host_id
+        self.ready = False
+
+    def server_info(self) -> pb.ServerInfo:
+        return pb.ServerInfo(version=__version__, hostname=socket.gethostname(), host_id=self.host_id,
+                             transports=list(self.transports), max_rows_per_request=self.max_rows)
+
+    def catalog(self) -> pb.Catalog:
+        tables = [pb.TableInfo(index=t.index, name=t.name, rows=t.rows, row_bytes=t.row_bytes,
+                               dtype=t.spec.dtype, shape=list(t.spec.logical_shape), layer=t.spec.layer,
+                               version=t.spec.version, checksum=t.checksum, nbytes=t.nbytes)
+                  for t in self.tables]
+        return pb.Catalog(tables=tables, server=self.server_info())
+
+
+class TableService(pb_grpc.TableServiceServicer):
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    async def _require_ready(self, context) -> None:
+        if not self.state.ready:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "tables are still loading: retry when health reports SERVING")
+
+    async def GetCatalog(self, request, context):
+        await self._require_ready(context)
+        return self.state.catalog()
+
+    async def OpenSession(self, request, context):
+        await self._require_ready(context)
+        state = self.state
+        wanted = list(request.transports) or list(state.transports)
+        unknown = [t for t in wanted if t not in KNOWN and t != "rdma"]
+        if unknown:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"unknown transport {unknown[0]!r}: use {', '.join(KNOWN)}")
+        granted = [t for t in wanted if t in state.transports]
+        if not granted:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"none of the requested transports ({', '.join(wanted)}) is enabled on this "
+                                f"server (enabled: {', '.join(state.transports)})")
+        session = state.sessions.open(client_name=request.client_name, hostname=request.hostname,
+                                      pid=request.pid, peer=context.peer(), transports=tuple(granted))
+        try:
+            offers = [o for o in (state.transports[t].offer(session, request) for t in granted) if o is not None]
+        except Exception as e:
+            state.sessions.close(session.id, f"transport setup failed: {e}")
+            log.exception("OpenSession: transport setup failed")
+            await context.abort(grpc.StatusCode.INTERNAL, f"transport setup failed: {e}")
+        return pb.OpenSessionResponse(session_id=session.id, secret=session.secret,
+                                      lease_seconds=state.sessions.lease_seconds, offers=offers,
+                                      max_rows_per_request=state.max_rows)
+
+    async def KeepAlive(self, request_iterator, context):
+        sessions = self.state.sessions
+        session_id = None
+        try:
+            async for req in request_iterator:
+                session_id = session_id or req.session_id
+                if req.session_id != session_id or not sessions.renew(session_id):
+                    await context.abort(grpc.StatusCode.NOT_FOUND,
+                                        "session expired or closed: open a new session")
+                yield pb.KeepAliveResponse(lease_seconds=sessions.lease_seconds)
+        finally:
+            # The stream is the session's liveness: when it ends (client exit,
+            # crash, network loss), the session and its resources go with it.
+            if session_id is not None:
+                sessions.close(session_id, "keepalive stream ended")
+
+    async def CloseSession(self, request, context):
+        self.state.sessions.close(request.session_id, "closed by client")
+        return pb.CloseSessionResponse()
+
+
+async def start_control_plane(state: ServerState, host: str, port: int, *, credentials=None,
+                              interceptors=()) -> tuple[grpc.aio.Server, HealthServicer, int]:
+    """Binds and starts the gRPC server (health NOT_SERVING). Returns (server, health, port)."""
+    options = [("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it
+               ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
+               ("grpc.http2.max_pings_without_data", 0), ("grpc.keepalive_permit_without_calls", 1)]
+    server = grpc.aio.server(interceptors=list(interceptors), options=options)
+    pb_grpc.add_TableServiceServicer_to_server(TableService(state), server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    await health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError as e:
+        bound = 0
+        detail = str(e)
+    else:
+        detail = ""
+    if not bound:
+        in_use = _port_in_use(host, port)
+        reason = "is already in use: stop the other server or pass --listen HOST:PORT (port 0 picks a free port)" \
+            if in_use else f"cannot be bound ({detail or 'bad address'}): fix --listen"
+        raise ListenError(f"control port {host}:{port} {reason}", errno=98 if in_use else None)
+    await server.start()
+    return server, health, bound
+
+
+async def set_serving(health: HealthServicer, serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    await health.set("", status)
+    await health.set(SERVICE_NAME, status)
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    if port == 0:
+        return False
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((host, port))
+    except OSError as e:
+        return e.errno == 98
+    return False
+
+
+def is_loopback(host: str) -> bool:
+    """True when ``host`` names a loopback address (only local clients can reach it)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        try:
+            return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+        except (OSError, ValueError):
+            return False

@@ -1,0 +1,151 @@
+"""Loading tables from their sources into pinned memory.
+
+``load_tables`` plans memory for every table first (so a too-small machine
+fails before anything is read), then fills each table's region from its
+source with a pool of threads (file reads and CRCs release the GIL), verifies
+checksums on the way, locks and seals each region. On any error every region
+made so far is freed: the caller gets either all tables or an exception.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from tableserver.errors import TableFileError
+from tableserver.memory import PinnedRegion, plan_memory
+from tableserver.progress import Progress, human_bytes
+from tableserver.sources import open_source
+from tableserver.tablefile import TableSpec
+
+log = logging.getLogger("tableserver.loader")
+
+
+@dataclass
+class Table:
+    """A table pinned in memory and ready to serve."""
+
+    index: int
+    spec: TableSpec
+    checksum: str
+    source: str
+    region: PinnedRegion
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def rows(self) -> int:
+        return self.spec.rows
+
+    @property
+    def row_bytes(self) -> int:
+        return self.spec.row_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.spec.nbytes
+
+    @property
+    def data(self) -> np.ndarray:
+        """uint8 ``[rows, row_bytes]`` view of the pinned rows."""
+        return self.region.array[: self.nbytes].reshape(self.rows, self.row_bytes)
+
+
+class TableSet:
+    """The loaded tables, by catalog index and by name. Owns their regions."""
+
+    def __init__(self, tables: list[Table], load_seconds: float = 0.0):
+        self.tables = tables
+        self.by_name = {t.name: t for t in tables}
+        self.load_seconds = load_seconds
+
+    def __iter__(self):
+        return iter(self.tables)
+
+    def __len__(self) -> int:
+        return len(self.tables)
+
+    def __getitem__(self, index: int) -> Table:
+        return self.tables[index]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tables)
+
+    def close(self) -> None:
+        for t in self.tables:
+            t.region.close()
+
+    def __enter__(self) -> "TableSet":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def load_tables(paths: list[str], *, hugepages: str = "auto", lock: bool = True, verify: bool = True,
+                progress: str = "auto", workers: int | None = None, cancel=None) -> TableSet:
+    """Loads every table of every file in ``paths`` into pinned memory.
+
+    ``cancel``, when given, is called as bytes arrive and may raise to abort
+    the load (the daemon does so on SIGTERM); every region is freed then.
+    """
+    if not paths:
+        raise TableFileError("no table files given: pass --tables FILE[,FILE...] "
+                             "(make a demo file with `tableserver gen-demo PATH`)")
+    entries = []  # (source, spec)
+    where: dict[str, str] = {}
+    for path in paths:
+        source = open_source(path)
+        for spec in source.specs:
+            if spec.name in where:
+                raise TableFileError(f"table {spec.name!r} is defined in both {where[spec.name]} and {path}: "
+                                     "table names must be unique across --tables")
+            where[spec.name] = path
+            entries.append((source, spec))
+    if not entries:
+        raise TableFileError(f"{', '.join(paths)}: no tables found: pack some with `tableserver pack`")
+    plan = plan_memory([s.nbytes for _, s in entries], hugepages=hugepages, lock=lock)
+    log.info("memory plan: %s for %d tables", plan.describe(), len(entries))
+    total = sum(s.nbytes for _, s in entries)
+    bar = Progress(total, "loading tables", mode=progress)
+
+    def advance(n: int) -> None:
+        if cancel is not None:
+            cancel()
+        bar.update(n)
+
+    workers = workers or min(8, max(2, os.cpu_count() or 2))
+    tables: list[Table] = []
+    t0 = time.monotonic()
+    try:
+        with ThreadPoolExecutor(workers, thread_name_prefix="tableserver-load") as pool:
+            for index, ((source, spec), page) in enumerate(zip(entries, plan.page_sizes)):
+                region = PinnedRegion(spec.name, spec.nbytes, page)
+                tables.append(Table(index, spec, "", source.path, region))
+                region.advise_hugepage()
+                checksum = source.load(spec, region.array, pool, advance, verify)
+                tables[-1].checksum = checksum or spec.checksum
+                if lock:
+                    region.lock()
+                region.seal()
+                log.info("table %s: %d rows x %d B = %s, layer %d, %s, checksum %s%s",
+                         spec.name, spec.rows, spec.row_bytes, human_bytes(spec.nbytes), spec.layer,
+                         region.kind, tables[-1].checksum or "-", "" if verify else " (not verified)")
+    except BaseException:
+        for t in tables:
+            t.region.close()
+        raise
+    finally:
+        bar.finish()
+    elapsed = time.monotonic() - t0
+    log.info("loaded %d tables, %s in %.2f s (%s/s)", len(tables), human_bytes(total), elapsed,
+             human_bytes(total / max(elapsed, 1e-9)))
+    return TableSet(tables, elapsed)

@@ -1,0 +1,203 @@
+"""The memory-node daemon: bind, load and pin tables, serve, shut down gracefully.
+
+Order matters and is an invariant:
+
+1. bind every listening socket (gRPC control, tcp, shm) so a port in use
+   fails in milliseconds, not after minutes of loading;
+2. start gRPC with health NOT_SERVING (orchestrators see "starting");
+3. load, verify, pin and seal every table;
+4. start the data transports, then report SERVING (health, ready file,
+   systemd ``READY=1``);
+5. on SIGTERM/SIGINT: NOT_SERVING, end all sessions, stop gRPC with a grace
+   period, close transports, and only then unmap tables (no transport can be
+   reading them any more).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+
+from tableserver.auth import TokenAuthInterceptor, load_token, server_credentials
+from tableserver.control import ServerState, is_loopback, set_serving, start_control_plane
+from tableserver.errors import ConfigError, TableServerError
+from tableserver.loader import load_tables
+from tableserver.progress import human_bytes
+from tableserver.sessions import SessionRegistry
+from tableserver.transports import KNOWN, transport_class
+from tableserver.transports.shm import host_id
+from tableserver.transports.tcp import parse_hostport
+
+log = logging.getLogger("tableserver.server")
+
+
+class LoadCancelled(TableServerError):
+    exit_code = 0
+
+
+class TableServer:
+    def __init__(self, cfg: dict):
+        self.cfg = cfg
+        if not cfg["tables"]:
+            raise ConfigError("no tables to serve: pass --tables FILE (make a demo file with "
+                              "`tableserver gen-demo demo.bin`)")
+        self.host, self.port = parse_hostport(cfg["listen"], "--listen")
+        names = cfg["transports"]
+        bad = [n for n in names if n not in KNOWN]
+        if bad:
+            raise ConfigError(f"--transports: unknown transport {bad[0]!r}: use {', '.join(KNOWN)}")
+        if not names:
+            raise ConfigError("--transports is empty: enable at least one of " + ", ".join(KNOWN))
+        self.token = load_token(cfg["auth_token"], cfg["auth_token_file"])
+        self.credentials = (server_credentials(cfg["tls_cert"], cfg["tls_key"], cfg["tls_client_ca"])
+                            if cfg["tls_cert"] or cfg["tls_key"] or cfg["tls_client_ca"] else None)
+        if cfg["max_rows_per_request"] < 1:
+            raise ConfigError("--max-rows-per-request must be at least 1")
+        self.sessions: SessionRegistry | None = None
+        self.transports: dict = {}
+        self.tables = None
+        self.state: ServerState | None = None
+        self._stop: asyncio.Event | None = None
+        self._cancel_load = threading.Event()
+        self.started = time.monotonic()
+        self.time_to_serving = None
+
+    # ------------------------------------------------------------------ run
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop, sig)
+        cfg = self.cfg
+        self.sessions = SessionRegistry(cfg["lease_seconds"])
+        grpc_server = None
+        try:
+            self.state = ServerState(self.sessions, self.transports, cfg["max_rows_per_request"], host_id())
+            interceptors = [TokenAuthInterceptor(self.token)] if self.token else []
+            grpc_server, health, self.port = await start_control_plane(
+                self.state, self.host, self.port, credentials=self.credentials, interceptors=interceptors)
+            self._bind_transports()
+            self._warn_if_exposed()
+            log.info("control plane on %s:%d (%s%s), health NOT_SERVING while loading", self.host, self.port,
+                     "TLS" if self.credentials else "plaintext", ", token auth" if self.token else "")
+            self.tables = await loop.run_in_executor(None, self._load)
+            for t in self.transports.values():
+                t.start(self.tables)
+                self.sessions.add_listener(t.release)
+            self.state.tables = self.tables
+            self.state.ready = True
+            await set_serving(health, True)
+            self.time_to_serving = time.monotonic() - self.started
+            self._announce()
+            await self._stop.wait()
+            log.info("shutting down: health NOT_SERVING, ending %d sessions", len(self.sessions))
+            await health.enter_graceful_shutdown()
+            self.state.ready = False
+            self.sessions.close_all()
+            await grpc_server.stop(grace=2.0)
+            grpc_server = None
+            return 0
+        except LoadCancelled:
+            log.info("stopped while loading tables")
+            return 0
+        finally:
+            if grpc_server is not None:
+                await grpc_server.stop(grace=None)
+            self.sessions.close_all()
+            for t in self.transports.values():
+                t.close()
+            if self.tables is not None:
+                self.tables.close()
+            if cfg["ready_file"]:
+                _remove(cfg["ready_file"])
+
+    def request_stop(self, sig=None) -> None:
+        if sig is not None:
+            log.info("received %s", signal.Signals(sig).name)
+        self._cancel_load.set()
+        if self._stop is not None:
+            self._stop.set()
+
+    # -------------------------------------------------------------- helpers
+    def _bind_transports(self) -> None:
+        cfg = self.cfg
+        if cfg["tcp_listen"]:
+            tcp = parse_hostport(cfg["tcp_listen"], "--tcp-listen")
+        else:
+            tcp = (self.host, self.port + 1 if parse_hostport(cfg["listen"], "--listen")[1] else 0)
+        options = dict(cfg, tcp_listen=tcp, control_port=self.port)
+        for name in cfg["transports"]:
+            t = transport_class(name)(self.sessions, options)
+            self.transports[name] = t
+            t.bind()
+
+    def _warn_if_exposed(self) -> None:
+        if not is_loopback(self.host) and self.credentials is None:
+            log.warning("the control plane listens on %s without TLS: tokens and session secrets travel in "
+                        "clear; pass --tls-cert/--tls-key (and --auth-token)", self.host)
+        if not is_loopback(self.host) and not self.token:
+            log.warning("the control plane listens on %s without --auth-token: any host that reaches it can "
+                        "read every table", self.host)
+
+    def _load(self):
+        cfg = self.cfg
+
+        def check_cancel() -> None:
+            if self._cancel_load.is_set():
+                raise LoadCancelled("stopped while loading")
+
+        return load_tables(cfg["tables"], hugepages=cfg["hugepages"], lock=cfg["mlock"], verify=cfg["verify"],
+                           progress=cfg["progress"], workers=cfg["load_workers"] or None, cancel=check_cancel)
+
+    def _announce(self) -> None:
+        cfg = self.cfg
+        endpoints = {"control": f"{self.host}:{self.port}"}
+        for name, t in self.transports.items():
+            endpoints[name] = t.describe().split(" ", 1)[1]
+        log.info("SERVING %d tables (%s) in %.2f s: %s", len(self.tables), human_bytes(self.tables.nbytes),
+                 self.time_to_serving, ", ".join(f"{k} {v}" for k, v in endpoints.items()))
+        if cfg["ready_file"]:
+            doc = dict(endpoints, pid=os.getpid(), tables=[t.name for t in self.tables],
+                       time_to_serving_s=self.time_to_serving)
+            _write_atomic(cfg["ready_file"], json.dumps(doc, indent=1))
+        sd_notify(f"READY=1\nSTATUS=serving {len(self.tables)} tables")
+
+
+def sd_notify(message: str) -> None:
+    """systemd Type=notify readiness (no-op outside systemd)."""
+    path = os.environ.get("NOTIFY_SOCKET")
+    if not path:
+        return
+    if path.startswith("@"):
+        path = "\0" + path[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.sendto(message.encode(), path)
+    except OSError as e:
+        log.warning("sd_notify failed: %s", e)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def serve(cfg: dict) -> int:
+    """Runs the daemon until SIGTERM/SIGINT; returns the exit code."""
+    server = TableServer(cfg)
+    return asyncio.run(server.run())

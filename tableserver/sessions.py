@@ -1,0 +1,119 @@
+"""Client sessions: identity, secret, lease, and the release of their resources.
+
+A session is opened over gRPC (authenticated there) and gets a random id and
+secret; data transports admit a connection only with both. A session ends when
+the client closes it, when its KeepAlive stream ends (the client process died
+or disconnected), or when its lease lapses without a ping. Ending a session
+calls every release listener (the transports drop its connections and QPs)
+exactly once, outside the registry lock.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from tableserver.wire import SECRET_BYTES, SESSION_ID_BYTES
+
+log = logging.getLogger("tableserver.sessions")
+
+
+@dataclass(eq=False)
+class Session:
+    id: bytes
+    secret: bytes = field(repr=False)
+    client_name: str = ""
+    hostname: str = ""
+    pid: int = 0
+    peer: str = ""
+    transports: tuple[str, ...] = ()
+    created: float = field(default_factory=time.monotonic)
+    deadline: float = 0.0
+    closed: bool = False
+    close_reason: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"{self.id.hex()[:12]} ({self.client_name or '?'} pid {self.pid} from {self.peer or '?'})"
+
+
+class SessionRegistry:
+    def __init__(self, lease_seconds: float = 15.0, reap_interval: float = 0.5):
+        self.lease_seconds = lease_seconds
+        self._sessions: dict[bytes, Session] = {}
+        self._lock = threading.Lock()
+        self._listeners: list[Callable[[Session], None]] = []
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, args=(reap_interval,), name="tableserver-reaper",
+                                        daemon=True)
+        self._reaper.start()
+
+    def add_listener(self, fn: Callable[[Session], None]) -> None:
+        """``fn(session)`` runs once when any session ends."""
+        self._listeners.append(fn)
+
+    def open(self, **info) -> Session:
+        s = Session(id=os.urandom(SESSION_ID_BYTES), secret=os.urandom(SECRET_BYTES), **info)
+        s.deadline = time.monotonic() + self.lease_seconds
+        with self._lock:
+            self._sessions[s.id] = s
+        log.info("session %s opened (transports %s)", s.label, ",".join(s.transports))
+        return s
+
+    def get(self, session_id: bytes) -> Session | None:
+        with self._lock:
+            return self._sessions.get(session_id)
+
+    def authenticate(self, session_id: bytes, secret: bytes) -> Session | None:
+        s = self.get(session_id)
+        if s is None or s.closed or not hmac.compare_digest(s.secret, secret):
+            return None
+        return s
+
+    def renew(self, session_id: bytes) -> bool:
+        with self._lock:
+            s = self._sessions.get(session_id)
+            if s is None or s.closed:
+                return False
+            s.deadline = time.monotonic() + self.lease_seconds
+            return True
+
+    def close(self, session_id: bytes, reason: str = "closed by client") -> bool:
+        with self._lock:
+            s = self._sessions.pop(session_id, None)
+            if s is None:
+                return False
+            s.closed, s.close_reason = True, reason
+        log.info("session %s ended: %s", s.label, reason)
+        for fn in self._listeners:
+            try:
+                fn(s)
+            except Exception:  # a transport failing to clean up must not stop the others
+                log.exception("releasing session %s", s.label)
+        return True
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+    def sessions(self) -> list[Session]:
+        with self._lock:
+            return list(self._sessions.values())
+
+    def _reap(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            now = time.monotonic()
+            with self._lock:
+                expired = [s.id for s in self._sessions.values() if s.deadline < now]
+            for sid in expired:
+                self.close(sid, f"lease of {self.lease_seconds:g} s lapsed without a keepalive")
+
+    def close_all(self, reason: str = "server shutting down") -> None:
+        self._stop.set()
+        for s in self.sessions():
+            self.close(s.id, reason)

@@ -1,0 +1,230 @@
+"""Where tables come from: table files (``engram.bin``) and safetensors files.
+
+A source lists its tables as :class:`~tableserver.tablefile.TableSpec` and
+fills a table's bytes into memory the loader provides. Both sources read
+through zero-copy file views and never hold a whole table in Python objects.
+
+safetensors layout rules (DeepSeek-V4.1 checkpoints):
+
+* an FP8 e4m3 weight ``[N, 256]`` with a sibling ue8m0 scale ``[N, 8]`` (named
+  ``...scale``, ``...weight_scale_inv``, ``...scale_inv`` or ``...weight_scale``)
+  becomes one Engram table of 264-byte rows (the 256 weight bytes, then the 8
+  scale bytes), named ``engram.layer<L>`` after the ``layers.<L>.`` in its name;
+* any other 2-D tensor becomes a table of plain rows (``row_bytes`` = columns x
+  element size), named after the tensor;
+* tensors of other ranks are skipped (and logged).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import numpy as np
+
+from tableserver.errors import TableFileError
+from tableserver.tablefile import (
+    ENGRAM_DTYPE, ENGRAM_ROW_BYTES, MAGIC, TableSpec, check_table_name, read_header,
+)
+
+log = logging.getLogger("tableserver.sources")
+
+Progress = Callable[[int], None]
+
+_ST_DTYPES = {  # safetensors dtype -> (catalog dtype name, element bytes)
+    "BOOL": ("bool", 1), "U8": ("uint8", 1), "I8": ("int8", 1),
+    "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1), "F8_E8M0": ("float8_e8m0fnu", 1),
+    "I16": ("int16", 2), "U16": ("uint16", 2), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
+    "I32": ("int32", 4), "U32": ("uint32", 4), "F32": ("float32", 4),
+    "I64": ("int64", 8), "U64": ("uint64", 8), "F64": ("float64", 8), "C64": ("complex64", 8),
+}
+_SCALE_SUFFIXES = ("scale", "weight_scale_inv", "scale_inv", "weight_scale")
+_LAYER_RE = re.compile(r"(?:^|\.)layers?\.(\d+)\.")
+_BLOCK_ROWS = 1 << 16
+
+
+class TableFileSource:
+    """A table file made by ``tableserver pack`` / ``gen-demo``."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.header = read_header(path)
+        self.specs = list(self.header.tables)
+
+    def load(self, spec: TableSpec, dest: np.ndarray, pool: ThreadPoolExecutor, progress: Progress,
+             verify: bool) -> str:
+        """Reads ``spec``'s bytes into ``dest`` (uint8 [nbytes]); returns its checksum.
+
+        Each 64 MiB chunk is read and, when ``verify``, CRC-checked by one
+        worker while it is still in cache: one pass over memory.
+        """
+        import zlib
+
+        from tableserver.tablefile import checksum_error, chunk_ranges
+
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            view = memoryview(dest)
+
+            def chunk(i_range):
+                i, (a, b) = i_range
+                part = view[a:b]
+                pos = 0
+                while pos < len(part):
+                    n = os.preadv(fd, [part[pos:]], spec.offset + a + pos)
+                    if n <= 0:
+                        raise TableFileError(f"{self.path}: truncated table file: table {spec.name!r} "
+                                             f"ends early at byte {spec.offset + a + pos}: re-copy or re-pack it")
+                    pos += n
+                if verify and zlib.crc32(part) != spec.chunk_crcs[i]:
+                    raise checksum_error(self.path, spec, i)
+                progress(b - a)
+
+            for _ in pool.map(chunk, enumerate(chunk_ranges(spec.nbytes, spec.chunk_bytes))):
+                pass
+        finally:
+            os.close(fd)
+        return spec.checksum
+
+
+class SafetensorsSource:
+    """Tables read directly from a safetensors file (no checksums stored there)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._tensors, self._data_start = _read_safetensors_header(path)
+        self._plans: dict[str, list[tuple[str, int]]] = {}  # table -> [(tensor, row bytes)]
+        self.specs = self._discover()
+
+    def _discover(self) -> list[TableSpec]:
+        t = self._tensors
+        used: set[str] = set()
+        specs: list[TableSpec] = []
+        for name, info in t.items():
+            if info["dtype"] != "F8_E4M3" or info["shape"][1:] != [ENGRAM_ROW_BYTES - 8] or not name.endswith("weight"):
+                continue
+            prefix = name[: -len("weight")]
+            scale = next((prefix + s for s in _SCALE_SUFFIXES if prefix + s in t
+                          and t[prefix + s]["shape"] == [info["shape"][0], 8]
+                          and t[prefix + s]["dtype"] in ("F8_E8M0", "U8", "I8")), None)
+            if scale is None:
+                continue
+            layer = _layer_of(name)
+            table = f"engram.layer{layer}" if layer >= 0 else prefix.rstrip(".") or name
+            specs.append(TableSpec(name=check_table_name(table), rows=info["shape"][0],
+                                   row_bytes=ENGRAM_ROW_BYTES, dtype=ENGRAM_DTYPE,
+                                   shape=(info["shape"][0], ENGRAM_ROW_BYTES), layer=layer,
+                                   metadata={"weight": name, "scale": scale}))
+            self._plans[table] = [(name, 256), (scale, 8)]
+            used.update((name, scale))
+        for name, info in t.items():
+            if name in used:
+                continue
+            if len(info["shape"]) != 2:
+                log.info("%s: skipping tensor %s of shape %s (only 2-D tensors are tables)",
+                         self.path, name, info["shape"])
+                continue
+            dtype, size = _ST_DTYPES[info["dtype"]]
+            rows, cols = info["shape"]
+            specs.append(TableSpec(name=check_table_name(name), rows=rows, row_bytes=cols * size,
+                                   dtype=dtype, shape=(rows, cols), layer=_layer_of(name)))
+            self._plans[name] = [(name, cols * size)]
+        names = [s.name for s in specs]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup:
+            raise TableFileError(f"{self.path}: two tensors map to table name {dup!r}: rename one")
+        return specs
+
+    def _tensor_rows(self, tensor: str, row_bytes: int) -> np.ndarray:
+        a, b = self._tensors[tensor]["data_offsets"]
+        mm = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self._data_start + a, shape=(b - a,))
+        return mm.reshape(-1, row_bytes)
+
+    def rows(self, spec: TableSpec, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows ``start..stop-1`` of a table as uint8 ``[n, row_bytes]``."""
+        out = np.empty((stop - start, spec.row_bytes), np.uint8) if out is None else out
+        col = 0
+        for tensor, width in self._plans[spec.name]:
+            out[:, col:col + width] = self._tensor_rows(tensor, width)[start:stop]
+            col += width
+        return out
+
+    def load(self, spec: TableSpec, dest: np.ndarray, pool: ThreadPoolExecutor, progress: Progress,
+             verify: bool) -> str:
+        rows = dest[: spec.nbytes].reshape(spec.rows, spec.row_bytes)
+
+        def block(a):
+            b = min(a + _BLOCK_ROWS, spec.rows)
+            self.rows(spec, a, b, out=rows[a:b])
+            progress((b - a) * spec.row_bytes)
+
+        for _ in pool.map(block, range(0, spec.rows, _BLOCK_ROWS)):
+            pass
+        return compute_checksum(dest[: spec.nbytes], spec.chunk_bytes, pool) if verify else ""
+
+
+def compute_checksum(data: np.ndarray, chunk_bytes: int, pool: ThreadPoolExecutor) -> str:
+    """The catalog checksum of bytes already in memory (chunk CRCs in parallel)."""
+    import zlib
+
+    from tableserver.tablefile import chunk_ranges, table_digest
+
+    view = memoryview(data)
+    crcs = list(pool.map(lambda r: zlib.crc32(view[r[0]:r[1]]), chunk_ranges(len(data), chunk_bytes)))
+    return table_digest(crcs)
+
+
+def _layer_of(name: str) -> int:
+    m = _LAYER_RE.search(name)
+    return int(m.group(1)) if m else -1
+
+
+def _read_safetensors_header(path: str) -> tuple[dict, int]:
+    """Tensor entries of a safetensors file, validated by the safetensors package."""
+    try:
+        from safetensors import safe_open
+    except ImportError:  # pragma: no cover - safetensors is a hard dependency
+        raise TableFileError("reading .safetensors needs the safetensors package: pip install safetensors")
+    try:
+        with safe_open(path, framework="numpy") as f:
+            keys = set(f.keys())
+    except FileNotFoundError:
+        raise TableFileError(f"table file {path} not found: check --tables", errno=2) from None
+    except Exception as e:  # SafetensorError is not exported as a class we can name portably
+        raise TableFileError(f"{path}: not a valid safetensors file ({e}): re-export it") from None
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        doc = json.loads(f.read(n))
+    doc.pop("__metadata__", None)
+    tensors = {k: v for k, v in doc.items() if k in keys}
+    for k, v in tensors.items():
+        if v["dtype"] not in _ST_DTYPES:
+            raise TableFileError(f"{path}: tensor {k} has unsupported dtype {v['dtype']}")
+    return tensors, 8 + n
+
+
+def open_source(path: str):
+    """A source for ``path``: a table file, or safetensors by extension or content."""
+    if path.endswith(".safetensors"):
+        return SafetensorsSource(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except FileNotFoundError:
+        raise TableFileError(f"table file {path} not found: check --tables (make a demo file with "
+                             "`tableserver gen-demo PATH`)", errno=2) from None
+    except IsADirectoryError:
+        raise TableFileError(f"table file {path} is a directory: pass a file to --tables", errno=21) from None
+    except PermissionError as e:
+        raise TableFileError(f"cannot read table file {path}: permission denied", errno=e.errno) from None
+    if head != MAGIC and len(head) == 8 and struct.unpack("<Q", head)[0] < (100 << 20):
+        try:
+            return SafetensorsSource(path)
+        except TableFileError:
+            pass
+    return TableFileSource(path)

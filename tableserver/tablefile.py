@@ -1,0 +1,395 @@
+"""The table file (``engram.bin``): one header describing every table, then rows.
+
+Layout, all integers little-endian (docs/DESIGN.md has the full contract)::
+
+    offset 0    preamble, 64 bytes
+                  magic         8s   b"TBLSRV01"
+                  version       u16  format version, 1
+                  flags         u16  0
+                  header_bytes  u32  length of the JSON header
+                  header_crc    u32  zlib.crc32 of the JSON header bytes
+                  reserved      u32  0
+                  data_offset   u64  offset of the first table
+                  reserved      32 zero bytes
+    offset 64   JSON header (UTF-8), header_bytes long, then zero padding
+    table i     at its own ``alignment`` (2 MiB) boundary: rows * row_bytes
+                bytes, row-major, so a table can be read straight into
+                hugepage memory.
+
+Each table records the CRC-32 of every ``chunk_bytes`` (64 MiB) slice of its
+bytes. Chunks let a loader verify in parallel and name the corrupt region; the
+table's catalog checksum is the CRC-32 of its chunk CRCs (``crc32:xxxxxxxx``),
+so the same rows give the same checksum whichever way they were loaded.
+
+Files are written to ``PATH.tmp`` and renamed into place only when complete,
+so a partial table file is never visible under its final name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import zlib
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from tableserver.errors import ChecksumError, TableFileError
+
+MAGIC = b"TBLSRV01"
+FORMAT_VERSION = 1
+PREAMBLE = struct.Struct("<8sHHIIIQ32x")
+assert PREAMBLE.size == 64
+ALIGNMENT = 2 << 20  # 2 MiB: a table can go straight into 2 MiB hugepages
+CHUNK_BYTES = 64 << 20
+MAX_HEADER_BYTES = 64 << 20
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,254}$")
+
+#: dtype name of DeepSeek-V4.1 packed Engram rows: 256 FP8 e4m3 values then
+#: 8 ue8m0 scales (one per 32 values), 264 bytes.
+ENGRAM_DTYPE = "engram_fp8_e4m3_ue8m0"
+ENGRAM_ROW_BYTES = 264
+
+
+def align_up(value: int, alignment: int) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+def table_digest(chunk_crcs: Sequence[int]) -> str:
+    """The catalog checksum of a table: CRC-32 over its chunk CRCs."""
+    packed = np.asarray(chunk_crcs, dtype="<u4").tobytes()
+    return f"crc32:{zlib.crc32(packed):08x}"
+
+
+def chunk_ranges(nbytes: int, chunk_bytes: int = CHUNK_BYTES) -> list[tuple[int, int]]:
+    """[start, end) byte ranges of the checksum chunks of a table."""
+    return [(a, min(a + chunk_bytes, nbytes)) for a in range(0, nbytes, chunk_bytes)]
+
+
+def check_table_name(name: str) -> str:
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise TableFileError(
+            f"invalid table name {name!r}: use 1-255 characters of letters, digits and ._:/- "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """One table as a file (or another source) describes it."""
+
+    name: str
+    rows: int
+    row_bytes: int
+    dtype: str = "uint8"
+    shape: tuple[int, ...] = ()
+    layer: int = -1
+    version: int = 1
+    offset: int = 0  # byte offset in its table file; 0 when not file-backed
+    chunk_crcs: tuple[int, ...] | None = None
+    chunk_bytes: int = CHUNK_BYTES
+    metadata: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row_bytes
+
+    @property
+    def checksum(self) -> str:
+        return table_digest(self.chunk_crcs) if self.chunk_crcs is not None else ""
+
+    @property
+    def logical_shape(self) -> tuple[int, ...]:
+        return self.shape or (self.rows, self.row_bytes)
+
+
+@dataclass(frozen=True)
+class TableFileHeader:
+    path: str
+    file_size: int
+    data_offset: int
+    chunk_bytes: int
+    tables: tuple[TableSpec, ...]
+    created_by: str = ""
+    metadata: dict = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _bad(path: str, what: str, fix: str = "re-create it with `tableserver pack`") -> TableFileError:
+    return TableFileError(f"{path}: {what}: {fix}")
+
+
+def read_header(path: str) -> TableFileHeader:
+    """Reads and validates a table file's header (no row data is read)."""
+    try:
+        with open(path, "rb") as f:
+            file_size = os.fstat(f.fileno()).st_size
+            pre = f.read(PREAMBLE.size)
+            if len(pre) < PREAMBLE.size:
+                raise _bad(path, f"truncated table file ({file_size} bytes, less than the "
+                           f"{PREAMBLE.size}-byte preamble)")
+            magic, version, _flags, header_bytes, header_crc, _r, data_offset = PREAMBLE.unpack(pre)
+            if magic != MAGIC:
+                raise TableFileError(
+                    f"{path}: not a tableserver table file (magic {magic[:8]!r}, expected {MAGIC!r}): "
+                    "pass a file made by `tableserver pack` or `tableserver gen-demo`, or a .safetensors file"
+                )
+            if version != FORMAT_VERSION:
+                raise TableFileError(
+                    f"{path}: table file format version {version}, this tableserver reads version "
+                    f"{FORMAT_VERSION}: upgrade tableserver or re-pack the file"
+                )
+            if header_bytes == 0 or header_bytes > MAX_HEADER_BYTES:
+                raise _bad(path, f"bad header length {header_bytes}")
+            raw = f.read(header_bytes)
+    except FileNotFoundError:
+        raise TableFileError(
+            f"table file {path} not found: check --tables (make a demo file with "
+            "`tableserver gen-demo PATH`)", errno=2) from None
+    except IsADirectoryError:
+        raise TableFileError(f"table file {path} is a directory: pass a file to --tables", errno=21) from None
+    except PermissionError as e:
+        raise TableFileError(f"cannot read table file {path}: permission denied: fix its mode or "
+                             "run as a user that can read it", errno=e.errno) from None
+    if len(raw) < header_bytes:
+        raise _bad(path, f"truncated table file (header needs {PREAMBLE.size + header_bytes} bytes, "
+                   f"file has {file_size})")
+    if zlib.crc32(raw) != header_crc:
+        raise _bad(path, "corrupt header (header checksum mismatch)")
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _bad(path, f"bad header JSON ({e})") from None
+    return _parse_header(path, file_size, data_offset, header_bytes, doc)
+
+
+def _parse_header(path: str, file_size: int, data_offset: int, header_bytes: int, doc) -> TableFileHeader:
+    if not isinstance(doc, dict) or not isinstance(doc.get("tables"), list):
+        raise _bad(path, "bad header: no 'tables' list")
+    chunk_bytes = doc.get("chunk_bytes", CHUNK_BYTES)
+    alignment = doc.get("alignment", ALIGNMENT)
+    if not (isinstance(chunk_bytes, int) and chunk_bytes > 0 and isinstance(alignment, int) and alignment > 0):
+        raise _bad(path, "bad header: chunk_bytes and alignment must be positive integers")
+    if data_offset < PREAMBLE.size + header_bytes or data_offset % alignment:
+        raise _bad(path, f"bad header: data offset {data_offset} overlaps the header or is not "
+                   f"{alignment}-aligned")
+    specs: list[TableSpec] = []
+    seen: set[str] = set()
+    for i, t in enumerate(doc["tables"]):
+        try:
+            spec = _parse_table(t, chunk_bytes)
+        except (KeyError, TypeError, ValueError) as e:
+            raise _bad(path, f"bad header: table #{i}: {e}") from None
+        except TableFileError as e:
+            raise _bad(path, f"bad header: table #{i}: {e}") from None
+        if spec.name in seen:
+            raise TableFileError(f"{path}: table name {spec.name!r} appears twice: "
+                                 "table names must be unique; re-pack with distinct names")
+        seen.add(spec.name)
+        if spec.offset < data_offset or spec.offset % alignment:
+            raise _bad(path, f"bad header: table {spec.name!r} offset {spec.offset} is before the data "
+                       f"or not {alignment}-aligned")
+        end = spec.offset + spec.nbytes
+        if end > file_size:
+            raise TableFileError(
+                f"{path}: truncated table file: table {spec.name!r} ends at byte {end} but the file has "
+                f"{file_size} bytes: re-copy or re-pack it")
+        specs.append(spec)
+    ordered = sorted(specs, key=lambda s: s.offset)
+    for a, b in zip(ordered, ordered[1:]):
+        if a.offset + a.nbytes > b.offset:
+            raise _bad(path, f"bad header: tables {a.name!r} and {b.name!r} overlap")
+    return TableFileHeader(path=path, file_size=file_size, data_offset=data_offset,
+                           chunk_bytes=chunk_bytes, tables=tuple(specs),
+                           created_by=str(doc.get("created_by", "")),
+                           metadata=dict(doc.get("metadata") or {}))
+
+
+def _parse_table(t: dict, chunk_bytes: int) -> TableSpec:
+    if not isinstance(t, dict):
+        raise TypeError("entry is not an object")
+    name = check_table_name(t["name"])
+    rows, row_bytes, offset = int(t["rows"]), int(t["row_bytes"]), int(t["offset"])
+    if rows < 0 or row_bytes <= 0 or offset < 0:
+        raise ValueError(f"rows={rows} row_bytes={row_bytes} offset={offset} out of range")
+    if int(t.get("nbytes", rows * row_bytes)) != rows * row_bytes:
+        raise ValueError(f"nbytes {t['nbytes']} != rows * row_bytes")
+    crcs = t.get("chunk_crc32")
+    n_chunks = len(chunk_ranges(rows * row_bytes, chunk_bytes))
+    if not isinstance(crcs, list) or len(crcs) != n_chunks:
+        raise ValueError(f"needs {n_chunks} chunk checksums")
+    shape = tuple(int(x) for x in t.get("shape") or (rows, row_bytes))
+    return TableSpec(name=name, rows=rows, row_bytes=row_bytes, dtype=str(t.get("dtype", "uint8")),
+                     shape=shape, layer=int(t.get("layer", -1)), version=int(t.get("version", 1)),
+                     offset=offset, chunk_crcs=tuple(int(c, 16) for c in crcs), chunk_bytes=chunk_bytes,
+                     metadata=dict(t.get("metadata") or {}))
+
+
+def verify_table(path: str, spec: TableSpec, data) -> None:
+    """Checks ``data`` (the table's bytes) against the spec's chunk CRCs."""
+    view = memoryview(data).cast("B")
+    for i, (a, b) in enumerate(chunk_ranges(spec.nbytes, spec.chunk_bytes)):
+        if zlib.crc32(view[a:b]) != spec.chunk_crcs[i]:
+            raise checksum_error(path, spec, i)
+
+
+def checksum_error(path: str, spec: TableSpec, chunk: int) -> ChecksumError:
+    a = chunk * spec.chunk_bytes
+    return ChecksumError(
+        f"{path}: checksum mismatch in table {spec.name!r} bytes {a}..{min(a + spec.chunk_bytes, spec.nbytes)} "
+        f"(rows {a // spec.row_bytes}..{min(a + spec.chunk_bytes, spec.nbytes) // spec.row_bytes}): the file is "
+        "corrupt; re-copy or re-pack it (or pass --no-verify to serve it unchecked)")
+
+
+# --------------------------------------------------------------------------- writing
+
+
+class TableFileWriter:
+    """Writes a table file sequentially; publishes it atomically on commit.
+
+    Rows of each table are appended in order with :meth:`append`; CRCs are
+    computed while writing. Use as a context manager: the file appears under
+    its final name only if the block exits without an exception.
+    """
+
+    def __init__(self, path: str, tables: Iterable[TableSpec], *, chunk_bytes: int = CHUNK_BYTES,
+                 alignment: int = ALIGNMENT, metadata: dict | None = None, created_by: str = ""):
+        self.path = path
+        self.tmp_path = f"{path}.tmp"
+        self.chunk_bytes = chunk_bytes
+        self.alignment = alignment
+        self.metadata = dict(metadata or {})
+        self.created_by = created_by or _created_by()
+        specs = list(tables)
+        names = [check_table_name(s.name) for s in specs]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise TableFileError(f"table name {sorted(dup)[0]!r} given twice: table names must be unique")
+        self._specs = specs
+        self._crcs: list[list[int]] = [[] for _ in specs]
+        self._running = [0] * len(specs)
+        self._written = [0] * len(specs)
+        header = self._header_bytes(placeholder=True)
+        offset = align_up(PREAMBLE.size + len(header), alignment)
+        self.data_offset = offset
+        self.offsets = []
+        for s in specs:
+            self.offsets.append(offset)
+            offset = align_up(offset + s.nbytes, alignment)
+        self.file_size = self.offsets[-1] + specs[-1].nbytes if specs else self.data_offset
+        self._fd = os.open(self.tmp_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.ftruncate(self._fd, self.file_size)
+
+    # -- header
+    def _table_doc(self, i: int, placeholder: bool) -> dict:
+        s = self._specs[i]
+        n_chunks = len(chunk_ranges(s.nbytes, self.chunk_bytes))
+        crcs = ["00000000"] * n_chunks if placeholder else [f"{c:08x}" for c in self._crcs[i]]
+        return {"name": s.name, "layer": s.layer, "dtype": s.dtype, "shape": list(s.logical_shape),
+                "rows": s.rows, "row_bytes": s.row_bytes, "version": s.version,
+                "offset": 0 if placeholder else self.offsets[i], "nbytes": s.nbytes,
+                "metadata": s.metadata, "chunk_crc32": crcs}
+
+    def _header_bytes(self, placeholder: bool) -> bytes:
+        doc = {"format": "tableserver-tables", "version": FORMAT_VERSION, "alignment": self.alignment,
+               "chunk_bytes": self.chunk_bytes, "created_by": self.created_by, "metadata": self.metadata,
+               "tables": [self._table_doc(i, placeholder) for i in range(len(self._specs))]}
+        raw = json.dumps(doc, separators=(",", ":")).encode()
+        if placeholder:
+            # Offsets are not known yet: reserve room for the widest offset.
+            raw += b" " * (24 * max(1, len(self._specs)))
+        return raw
+
+    # -- rows
+    def append(self, table: int, rows: np.ndarray) -> None:
+        """Appends the next rows (uint8 ``[n, row_bytes]``) of table ``table``."""
+        s = self._specs[table]
+        block = np.ascontiguousarray(rows, dtype=np.uint8)
+        if block.ndim != 2 or block.shape[1] != s.row_bytes:
+            raise ValueError(f"rows for {s.name!r} must be uint8 [n, {s.row_bytes}], got {rows.shape}")
+        if self._written[table] + block.nbytes > s.nbytes:
+            raise ValueError(f"too many rows for table {s.name!r} ({s.rows} rows)")
+        view = memoryview(block).cast("B")
+        _pwrite_all(self._fd, view, self.offsets[table] + self._written[table])
+        self._crc_update(table, view)
+
+    def fill_zeros(self, table: int) -> None:
+        """Declares the rest of a table zero (left sparse on disk)."""
+        s = self._specs[table]
+        zero_chunk_crc = None
+        while self._written[table] < s.nbytes:
+            pos = self._written[table]
+            n = min(self.chunk_bytes - pos % self.chunk_bytes, s.nbytes - pos)
+            if n == self.chunk_bytes:  # a whole aligned chunk: one CRC serves them all
+                if zero_chunk_crc is None:
+                    zero_chunk_crc = zlib.crc32(bytes(n))
+                self._crcs[table].append(zero_chunk_crc)
+                self._written[table] += n
+            else:
+                self._crc_update(table, memoryview(bytes(n)))
+
+    def _crc_update(self, table: int, view: memoryview) -> None:
+        pos, crc = self._written[table], self._running[table]
+        while len(view):
+            room = self.chunk_bytes - pos % self.chunk_bytes
+            part, view = view[:room], view[room:]
+            crc = zlib.crc32(part, crc)
+            pos += len(part)
+            if pos % self.chunk_bytes == 0:
+                self._crcs[table].append(crc)
+                crc = 0
+        self._written[table], self._running[table] = pos, crc
+
+    # -- publish
+    def commit(self) -> str:
+        for i, s in enumerate(self._specs):
+            if self._written[i] != s.nbytes:
+                raise ValueError(f"table {s.name!r}: wrote {self._written[i]} of {s.nbytes} bytes")
+            if s.nbytes % self.chunk_bytes:
+                self._crcs[i].append(self._running[i])
+        header = self._header_bytes(placeholder=False)
+        if PREAMBLE.size + len(header) > self.data_offset:
+            raise AssertionError("header outgrew its reservation")
+        pre = PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(header), zlib.crc32(header), 0, self.data_offset)
+        _pwrite_all(self._fd, memoryview(pre + header), 0)
+        os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = -1
+        os.replace(self.tmp_path, self.path)
+        return self.path
+
+    def abort(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        try:
+            os.unlink(self.tmp_path)
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self) -> "TableFileWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while len(view):
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _created_by() -> str:
+    from tableserver import __version__
+
+    return f"tableserver {__version__}"

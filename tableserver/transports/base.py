@@ -1,0 +1,80 @@
+"""The interface every server-side data transport implements.
+
+A transport is constructed with the loaded tables and the session registry,
+binds its listening resources in :meth:`bind` (before tables load, so a port
+in use fails fast), starts serving in :meth:`start` (after tables load),
+describes itself to each new session in :meth:`offer`, drops a session's
+resources in :meth:`release`, and frees everything in :meth:`close`
+(idempotent). Adding a transport = one new module + one line in
+``tableserver/transports/__init__.py``.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import threading
+import time
+
+from tableserver.sessions import Session, SessionRegistry
+from tableserver.v1 import tableserver_pb2 as pb
+
+
+class ServerTransport(abc.ABC):
+    name: str = ""
+
+    def __init__(self, sessions: SessionRegistry, options: dict):
+        self.sessions = sessions
+        self.options = options
+        self.tables = None  # TableSet, set by start()
+
+    @abc.abstractmethod
+    def bind(self) -> None:
+        """Acquires listening resources; raises ListenError."""
+
+    @abc.abstractmethod
+    def start(self, tables) -> None:
+        """Starts serving ``tables`` (a TableSet)."""
+
+    @abc.abstractmethod
+    def offer(self, session: Session, request: pb.OpenSessionRequest) -> pb.TransportOffer | None:
+        """This transport's endpoint for ``session``; None if it cannot serve that client."""
+
+    def release(self, session: Session) -> None:
+        """Frees what ``session`` holds in this transport (connections, QPs)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stops serving and frees everything. Idempotent."""
+
+    def describe(self) -> str:
+        return self.name
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class RateLimitedLog:
+    """Logs at most one message per ``interval`` per key (hot-path errors)."""
+
+    def __init__(self, logger: logging.Logger, interval: float = 5.0):
+        self.logger = logger
+        self.interval = interval
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def warning(self, key: str, msg: str, *args) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(key, -1e9) < self.interval:
+                self._suppressed[key] = self._suppressed.get(key, 0) + 1
+                return
+            self._last[key] = now
+            suppressed = self._suppressed.pop(key, 0)
+        if suppressed:
+            msg += f" ({suppressed} similar suppressed)"
+        self.logger.warning(msg, *args)

@@ -1,0 +1,167 @@
+"""Gathers through each transport of a real daemon, bit-exact with local table[row_ids]."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tableclient import GatherTimeout, TableClient
+
+TRANSPORTS = ["shm", "tcp"]
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def client(request, daemon):
+    with TableClient(daemon.address, transport=request.param) as c:
+        assert c.transport == request.param
+        yield c
+
+
+def test_catalog_matches_file(client, demo_file, demo_local):
+    from tableserver.tablefile import read_header
+
+    header = read_header(demo_file)
+    assert list(client.tables) == [s.name for s in header.tables]
+    for spec in header.tables:
+        info = client.tables[spec.name]
+        assert (info.rows, info.row_bytes, info.layer, info.checksum) == (spec.rows, spec.row_bytes, spec.layer,
+                                                                          spec.checksum)
+        assert info.checksum.startswith("crc32:")
+    assert client.server.host_id and client.server.max_rows_per_request == 65536
+    assert client.table(layer=14).name == "engram.layer14"
+
+
+@pytest.mark.parametrize("name", ["engram.layer1", "engram.layer14", "dense.f32", "tiny"])
+def test_random_ids_bit_exact(client, demo_local, name):
+    table = client.table(name)
+    local = demo_local[name]
+    rng = np.random.default_rng(1)
+    for shape in [(1,), (1536,), (64, 24), (2, 3, 8)]:
+        ids = rng.integers(0, table.rows, size=shape)
+        rows = table.gather(ids)
+        assert rows.dtype == np.uint8 and rows.shape == shape + (table.row_bytes,)
+        np.testing.assert_array_equal(rows, local[ids])
+
+
+def test_first_last_duplicates_empty(client, demo_local):
+    table = client.table("engram.layer14")
+    local = demo_local[table.name]
+    last = table.rows - 1
+    ids = np.array([0, last, 0, last, 5, 5, 5, last])
+    np.testing.assert_array_equal(table.gather(ids), local[ids])
+    np.testing.assert_array_equal(table.gather(np.full((4, 6), 3)), local[np.full((4, 6), 3)])
+    for empty in (np.zeros(0, np.int64), np.zeros((0, 24), np.int64), []):
+        out = table.gather(empty)
+        assert out.shape == np.asarray(empty).shape + (264,)
+
+
+def test_zipfian_ids(client, demo_local):
+    table = client.table("engram.layer1")
+    ids = (np.random.default_rng(3).zipf(1.3, size=(64, 24)) - 1) % table.rows
+    np.testing.assert_array_equal(table.gather(ids), demo_local[table.name][ids])
+
+
+def test_other_integer_dtypes(client, demo_local):
+    table = client.table("engram.layer1")
+    for dtype in (np.int32, np.uint32, np.uint16, np.int64, np.uint64):
+        ids = np.arange(0, 40, 3).astype(dtype)
+        np.testing.assert_array_equal(table.gather(ids), demo_local[table.name][ids.astype(np.int64)])
+    np.testing.assert_array_equal(table.gather([1, 2, 3]), demo_local[table.name][[1, 2, 3]])
+
+
+def test_torch_in_torch_out(client, demo_local):
+    table = client.table("engram.layer1")
+    ids = torch.randint(0, table.rows, (8, 24), dtype=torch.int64)
+    rows = table.gather(ids)
+    assert isinstance(rows, torch.Tensor) and rows.dtype == torch.uint8 and tuple(rows.shape) == (8, 24, 264)
+    np.testing.assert_array_equal(rows.numpy(), demo_local[table.name][ids.numpy()])
+    out = torch.empty((8, 24, 264), dtype=torch.uint8)
+    assert table.gather(ids, out=out) is out
+    np.testing.assert_array_equal(out.numpy(), demo_local[table.name][ids.numpy()])
+
+
+def test_out_buffer_is_filled_in_place(client, demo_local):
+    table = client.table("engram.layer14")
+    out = np.zeros((64, 24, 264), np.uint8)
+    address = out.ctypes.data
+    for seed in range(3):
+        ids = np.random.default_rng(seed).integers(0, table.rows, size=(64, 24))
+        ids[0, :4] = ids[1, :4]  # duplicates take the dedup path
+        assert table.gather(ids, out=out) is out and out.ctypes.data == address
+        np.testing.assert_array_equal(out, demo_local[table.name][ids])
+
+
+def test_gather_many_in_order_and_async(client, demo_local):
+    l1, l14 = client.table("engram.layer1"), client.table("engram.layer14")
+    rng = np.random.default_rng(5)
+    ids1, ids14 = rng.integers(0, l1.rows, (64, 24)), rng.integers(0, l14.rows, (64, 24))
+    h1, h14 = client.gather_many([(l1, ids1), ("engram.layer14", ids14)])
+    np.testing.assert_array_equal(h1.wait(timeout=10), demo_local[l1.name][ids1])
+    np.testing.assert_array_equal(h14.wait(timeout=10), demo_local[l14.name][ids14])
+    assert h1.done() and h14.done()
+    handles = [l1.gather_async(rng.integers(0, l1.rows, 100)) for _ in range(16)]  # pipelined
+    for h in handles:
+        assert h.wait(timeout=10).shape == (100, 264)
+
+
+def test_more_rows_than_one_request(client, demo_local):
+    """Gathers larger than max_rows_per_request are split and reassembled in order."""
+    table = client.table("engram.layer14")
+    ids = np.random.default_rng(9).integers(0, table.rows, 200_000)
+    np.testing.assert_array_equal(table.gather(ids), demo_local[table.name][ids])
+
+
+def test_zero_timeout_raises_or_returns(client):
+    table = client.table("engram.layer14")
+    h = table.gather_async(np.arange(60_000))
+    try:
+        h.wait(timeout=0.0)
+    except GatherTimeout:
+        pass
+    assert h.wait(timeout=30).shape == (60_000, 264)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_property_bit_exact(transport, data, daemon, demo_local, request):
+    client = request.getfixturevalue(f"property_client_{transport}")
+    name = data.draw(st.sampled_from(sorted(demo_local)))
+    table = client.table(name)
+    shape = tuple(data.draw(st.lists(st.integers(0, 9), min_size=1, max_size=3)))
+    n = int(np.prod(shape))
+    values = data.draw(st.lists(st.one_of(st.integers(0, table.rows - 1), st.sampled_from([0, table.rows - 1])),
+                                min_size=n, max_size=n))
+    ids = np.array(values, dtype=np.int64).reshape(shape)
+    np.testing.assert_array_equal(table.gather(ids), demo_local[name][ids])
+
+
+@pytest.fixture(scope="module")
+def property_client_shm(daemon):
+    with TableClient(daemon.address, transport="shm") as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def property_client_tcp(daemon):
+    with TableClient(daemon.address, transport="tcp") as c:
+        yield c
+
+
+def test_auto_prefers_shm_on_the_same_host(daemon):
+    with TableClient(daemon.address) as c:
+        assert c.transport == "shm"
+
+
+def test_auto_falls_back_to_tcp_when_shm_is_unreachable(fresh_daemon, demo_local):
+    d = fresh_daemon("--transports", "shm,tcp")
+    import os
+
+    os.rename(d.ready["shm"], d.ready["shm"] + ".hidden")  # as if the socket lived in another mount namespace
+    with TableClient(d.address) as c:
+        assert c.transport == "tcp"
+        ids = np.arange(10)
+        np.testing.assert_array_equal(c.table("engram.layer1").gather(ids), demo_local["engram.layer1"][ids])
