@@ -203,7 +203,6 @@ class TableClient:
         if self._closed:
             return
         self._closed = True
-        self._stop.set()
         if self._transport is not None:
             self._transport.close()
             self._transport = None
@@ -213,6 +212,7 @@ class TableClient:
                                         metadata=self._metadata)
             except grpc.RpcError:
                 pass  # the server may be gone; the lease reclaims the session
+        self._stop.set()  # after CloseSession, so the server logs why the session ended
         if self._keepalive_call is not None:
             self._keepalive_call.cancel()
         if self._keepalive_thread is not None:

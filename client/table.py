@@ -94,9 +94,13 @@ class RemoteTable:
 
     def gather(self, row_ids, out=None, timeout: float | None = None):
         """Rows ``row_ids`` (int array/tensor of any shape) as uint8 ``[..., row_bytes]``."""
-        return self.gather_async(row_ids, out).wait(timeout)
+        return self._submit(row_ids, out, sync=True).wait(timeout)
 
     def gather_async(self, row_ids, out=None) -> GatherHandle:
+        """Starts a gather and returns at once; ``handle.wait()`` returns the rows."""
+        return self._submit(row_ids, out, sync=False)
+
+    def _submit(self, row_ids, out, sync: bool) -> GatherHandle:
         info = self.info
         ids, torch_in = to_row_ids(row_ids, info.rows, info.name)
         out_arr, result = prepare_out(out, ids.shape, info.row_bytes, torch_in)
@@ -109,14 +113,14 @@ class RemoteTable:
             unique, inverse = dedup(flat_ids)
             if inverse is not None:
                 scratch = np.empty((unique.size, info.row_bytes), dtype=np.uint8)
-                pendings = self._post(transport, unique, scratch)
+                pendings = self._post(transport, unique, scratch, sync)
                 return GatherHandle(pendings, result,
                                     lambda: np.take(scratch, inverse, axis=0, out=flat_out), flat_ids.size)
-        return GatherHandle(self._post(transport, flat_ids, flat_out), result, None, flat_ids.size)
+        return GatherHandle(self._post(transport, flat_ids, flat_out, sync), result, None, flat_ids.size)
 
-    def _post(self, transport, ids: np.ndarray, out: np.ndarray) -> list:
+    def _post(self, transport, ids: np.ndarray, out: np.ndarray, sync: bool) -> list:
         step = self._client.max_rows_per_request
         if ids.size <= step:
-            return [transport.gather(self.info.index, ids, out)]
-        return [transport.gather(self.info.index, ids[a:a + step], out[a:a + step])
+            return [transport.gather(self.info.index, ids, out, sync)]
+        return [transport.gather(self.info.index, ids[a:a + step], out[a:a + step], sync)
                 for a in range(0, ids.size, step)]

@@ -124,7 +124,8 @@ def _convert(opt: Option, value, where: str):
             return v
         return str(value)
     except ValueError as e:
-        msg = str(e) if str(e).startswith("expected") else f"expected a {opt.kind}"
+        msg = str(e) if str(e).startswith("expected") else {
+            "int": "expected a non-negative integer", "float": "expected a positive number"}.get(opt.kind, str(e))
         raise ConfigError(f"{where} = {value!r}: {msg}") from None
 
 

@@ -319,20 +319,28 @@ class TableFileWriter:
         _pwrite_all(self._fd, view, self.offsets[table] + self._written[table])
         self._crc_update(table, view)
 
-    def fill_zeros(self, table: int) -> None:
-        """Declares the rest of a table zero (left sparse on disk)."""
+    def skip(self, table: int, rows: int) -> None:
+        """Appends ``rows`` zero rows without writing them (the file stays sparse there)."""
         s = self._specs[table]
+        end = self._written[table] + rows * s.row_bytes
+        if end > s.nbytes:
+            raise ValueError(f"too many rows for table {s.name!r} ({s.rows} rows)")
         zero_chunk_crc = None
-        while self._written[table] < s.nbytes:
+        while self._written[table] < end:
             pos = self._written[table]
-            n = min(self.chunk_bytes - pos % self.chunk_bytes, s.nbytes - pos)
-            if n == self.chunk_bytes:  # a whole aligned chunk: one CRC serves them all
+            n = min(self.chunk_bytes - pos % self.chunk_bytes, end - pos)
+            if n == self.chunk_bytes:  # a whole aligned chunk of zeros: one CRC serves them all
                 if zero_chunk_crc is None:
                     zero_chunk_crc = zlib.crc32(bytes(n))
                 self._crcs[table].append(zero_chunk_crc)
                 self._written[table] += n
             else:
                 self._crc_update(table, memoryview(bytes(n)))
+
+    def fill_zeros(self, table: int) -> None:
+        """Declares the rest of a table zero (left sparse on disk)."""
+        s = self._specs[table]
+        self.skip(table, (s.nbytes - self._written[table]) // s.row_bytes)
 
     def _crc_update(self, table: int, view: memoryview) -> None:
         pos, crc = self._written[table], self._running[table]

@@ -46,13 +46,19 @@ class Pending:
 
 
 class Completed(Pending):
-    """A request that finished synchronously."""
+    """A request that finished synchronously (one shared instance: DONE)."""
 
     __slots__ = ()
 
     def __init__(self):
         super().__init__()
         self._event.set()
+
+    def cancel(self) -> None:
+        pass  # nothing left to cancel
+
+
+DONE = Completed()
 
 
 class ClientTransport(abc.ABC):
@@ -61,8 +67,12 @@ class ClientTransport(abc.ABC):
     dedups: bool = True
 
     @abc.abstractmethod
-    def gather(self, table_index: int, ids: np.ndarray, out: np.ndarray) -> Pending:
-        """Starts moving rows ``ids`` of table ``table_index`` into ``out``."""
+    def gather(self, table_index: int, ids: np.ndarray, out: np.ndarray, sync: bool = False) -> Pending:
+        """Starts moving rows ``ids`` of table ``table_index`` into ``out``.
+
+        ``sync`` says the caller will wait at once: a local transport then
+        copies inline instead of handing the copy to a thread.
+        """
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -4,8 +4,8 @@ Offered only when the server runs on this host (same boot id) and its Unix
 socket is reachable from this process's mount namespace; otherwise it raises
 :class:`TransportUnavailable` and ``transport="auto"`` moves on to tcp.
 A gather is a bounds-safe ``np.take`` from the mapping into the caller's
-buffer: no server round trip, no dedup needed. ``gather`` queues the copy and
-returns; a worker thread runs queued copies in order, and ``wait`` runs its own
+buffer: no server round trip, no dedup needed. A synchronous ``gather``
+copies inline. ``gather_async`` queues the copy and returns; a worker thread runs queued copies in order, and ``wait`` runs its own
 copy inline if the worker has not started it yet. So with
 ``gather_many([layer1, layer14])`` the caller copies layer 1 the moment it
 waits for it while the worker copies layer 14 alongside (``np.take`` releases
@@ -24,7 +24,7 @@ import threading
 import numpy as np
 
 from tableclient.errors import AuthError, ConnectError, TransportUnavailable
-from tableclient.transports.base import ClientTransport, Pending
+from tableclient.transports.base import DONE, ClientTransport, Pending
 from tableserver.wire import HEADER, HEADER_BYTES, RESPONSE_MAGIC, FrameType, Status, request_header
 
 
@@ -68,7 +68,8 @@ class ShmTransport(ClientTransport):
     name = "shm"
     dedups = False
 
-    def __init__(self, offer, session, catalog, connect_timeout: float = 10.0):
+    def __init__(self, offer, session, catalog, connect_timeout: float = 10.0, populate: bool = True):
+        self.populate = populate
         ep = offer.shm
         if ep.host_id != local_host_id():
             raise TransportUnavailable("the server runs on another host")
@@ -116,7 +117,10 @@ class ShmTransport(ClientTransport):
                 info = by_index.get(entry["index"])
                 if info is None or (info.rows, info.row_bytes) != (entry["rows"], entry["row_bytes"]):
                     raise ConnectError(f"shm table {entry['name']!r} does not match the catalog")
-                mm = mmap.mmap(fd, entry["size"], flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+                # MAP_POPULATE builds this process's page tables now, so no gather
+                # pays a first-touch fault (hugepage-backed tables make this cheap).
+                flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if self.populate else 0)
+                mm = mmap.mmap(fd, entry["size"], flags=flags, prot=mmap.PROT_READ)
                 self._maps.append(mm)
                 nbytes = info.rows * info.row_bytes
                 self._tables[info.index] = np.frombuffer(mm, np.uint8, count=nbytes).reshape(info.rows,
@@ -125,7 +129,10 @@ class ShmTransport(ClientTransport):
             for fd in fds:
                 os.close(fd)
 
-    def gather(self, table_index: int, ids: np.ndarray, out: np.ndarray) -> Pending:
+    def gather(self, table_index: int, ids: np.ndarray, out: np.ndarray, sync: bool = False) -> Pending:
+        if sync:  # the caller waits at once: a thread handoff would only add latency
+            np.take(self._tables[table_index], ids, axis=0, out=out, mode="clip")
+            return DONE
         job = _Copy((self._tables[table_index], ids, out))
         with self._ready:
             if self._worker is None:

@@ -182,6 +182,7 @@ class TcpTransport(ServerTransport):
                     self._ratelog.warning(f"{e.status.name}", "tcp %s: %s: %s", peer, e.status.name, e)
                     send_all(conn, [response_header(ftype, e.status, req_id, 0, len(msg)), msg])
                     if e.status in FATAL:
+                        _lingering_close(conn)
                         return
         except (ConnectionError, OSError) as e:
             if not self._closed:
@@ -239,6 +240,23 @@ class _Buffers:
         if self._out.size < need:
             self._out = np.empty(max(need, 1 << 20), dtype=np.uint8)
         return self._out[:need].reshape(count, row_bytes)
+
+
+def _lingering_close(conn: socket.socket, max_bytes: int = 1 << 20, timeout: float = 1.0) -> None:
+    """Half-closes, then drains what the peer already sent, so the error frame
+    reaches it (closing with unread input makes the kernel send RST, which can
+    destroy the frame in flight)."""
+    try:
+        conn.shutdown(socket.SHUT_WR)
+        conn.settimeout(timeout)
+        drained = 0
+        while drained < max_bytes:
+            chunk = conn.recv(65536)
+            if not chunk:
+                break
+            drained += len(chunk)
+    except OSError:
+        pass
 
 
 def _shutdown(sock: socket.socket) -> None:

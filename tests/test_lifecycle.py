@@ -1,0 +1,134 @@
+"""Health lifecycle, hugepage memory, and several client processes on one table copy."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import socket
+import time
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from conftest import local_tables, start_daemon
+from tableclient import TableClient
+from tableserver.tablefile import TableFileWriter, TableSpec
+from tableserver.v1 import tableserver_pb2 as pb
+from tableserver.v1 import tableserver_pb2_grpc as pb_grpc
+
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+def test_health_not_serving_until_loaded_then_serving_then_not_serving(tmp_path):
+    path = str(tmp_path / "big.bin")
+    with TableFileWriter(path, [TableSpec("big", (3 << 30) // 264, 264)]) as w:
+        w.fill_zeros(0)  # 3 GiB to load and verify: seconds, on any machine
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = start_daemon(str(tmp_path / "d"), "--tables", path, "--listen", f"127.0.0.1:{port}", wait=False)
+    seen = []
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stream = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""),
+                                                          wait_for_ready=True, timeout=120)
+            for resp in stream:
+                seen.append(resp.status)
+                if resp.status == NOT_SERVING and len(seen) == 1:
+                    with pytest.raises(grpc.RpcError) as e:
+                        pb_grpc.TableServiceStub(ch).GetCatalog(pb.GetCatalogRequest(), timeout=10)
+                    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "still loading" in e.value.details()
+                if resp.status == SERVING and SERVING not in seen[:-1]:
+                    d.proc.send_signal(signal.SIGTERM)
+                if resp.status == NOT_SERVING and SERVING in seen:
+                    break
+    except grpc.RpcError:
+        pass  # the server may end the stream as it stops
+    finally:
+        d.stop()
+    assert seen[0] == NOT_SERVING and SERVING in seen, seen
+    assert seen[-1] == NOT_SERVING or d.proc.returncode == 0, seen
+    assert d.proc.returncode == 0
+
+
+HUGEPAGES = "/sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages"
+
+
+@pytest.fixture
+def reserved_hugepages():
+    """Reserves 2 MiB hugepages for the test (root only), then restores the pool."""
+    try:
+        with open(HUGEPAGES) as f:
+            before = int(f.read())
+        with open(HUGEPAGES, "w") as f:
+            f.write(str(before + 256))
+        with open(HUGEPAGES) as f:
+            got = int(f.read())
+    except OSError as e:
+        pytest.skip(f"cannot reserve hugepages here ({e.strerror}): needs root and a writable {HUGEPAGES}")
+    if got < before + 160:
+        with open(HUGEPAGES, "w") as f:
+            f.write(str(before))
+        pytest.skip(f"the kernel granted only {got - before} of 256 hugepages (memory fragmented)")
+    yield got - before
+    with open(HUGEPAGES, "w") as f:
+        f.write(str(before))
+
+
+def test_hugepage_backed_tables(fresh_daemon, reserved_hugepages, demo_local):
+    d = fresh_daemon("--hugepages", "2m")
+    assert "hugetlb-2M" in d.log()
+    for transport in ("shm", "tcp"):
+        with TableClient(d.address, transport=transport) as c:
+            for name in demo_local:
+                ids = np.random.default_rng(0).integers(0, c.tables[name].rows, 500)
+                np.testing.assert_array_equal(c.table(name).gather(ids), demo_local[name][ids])
+
+
+def _worker(address, transport, path, seed, steps, results):
+    local = local_tables(path)
+    try:
+        with TableClient(address, transport=transport, client_name=f"worker-{seed}") as c:
+            assert c.transport == transport
+            rng = np.random.default_rng(seed)
+            l1, l14 = c.table("engram.layer1"), c.table("engram.layer14")
+            for _ in range(steps):
+                ids1, ids14 = rng.integers(0, l1.rows, (64, 24)), rng.integers(0, l14.rows, (64, 24))
+                h1, h14 = c.gather_many([(l1, ids1), (l14, ids14)])
+                if not (np.array_equal(h1.wait(30), local[l1.name][ids1])
+                        and np.array_equal(h14.wait(30), local[l14.name][ids14])):
+                    results.put((seed, "mismatch"))
+                    return
+        results.put((seed, "ok"))
+    except Exception as e:  # reported to the parent
+        results.put((seed, repr(e)))
+
+
+def test_four_client_processes_share_one_copy(daemon, demo_file):
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(daemon.address, t, demo_file, seed, 150, results))
+             for seed, t in enumerate(["shm", "tcp", "shm", "tcp", "tcp", "shm"])]
+    for p in procs:
+        p.start()
+    outcomes = dict(results.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert outcomes == {i: "ok" for i in range(len(procs))}, outcomes
+
+
+def test_server_memory_is_one_copy(daemon):
+    """The daemon's resident memory stays near one copy of the tables, with clients attached."""
+    pid = daemon.ready["pid"]
+    with TableClient(daemon.address, transport="shm") as c:
+        total = sum(t.nbytes for t in c.tables.values())
+        c.table("engram.layer14").gather(np.arange(1000))
+        with open(f"/proc/{pid}/status") as f:
+            status = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.startswith(("Rss", "VmLck"))}
+    assert status["VmLck"] >= total  # pinned
+    assert status["RssShmem"] >= total and status["RssShmem"] < total + (64 << 20)
+    assert os.path.exists(daemon.ready["shm"])

@@ -1,0 +1,146 @@
+"""Control-plane security: bearer token, TLS, mutual TLS; data ports admit sessions only."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+import grpc
+import numpy as np
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tableclient import AuthError, ConnectError, TableClient
+
+TOKEN = "s3cret-token-for-tests"
+
+
+def _name(cn):
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _cert(subject, issuer_name, issuer_key, key, ca=False, san=None):
+    now = datetime.datetime.now(datetime.timezone.utc)
+    b = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(issuer_name)
+         .public_key(key.public_key()).serial_number(x509.random_serial_number())
+         .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if san:
+        b = b.add_extension(x509.SubjectAlternativeName([x509.DNSName(s) for s in san]), critical=False)
+    return b.sign(issuer_key, hashes.SHA256())
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pki")
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = _cert("tableserver test CA", _name("tableserver test CA"), ca_key, ca_key, ca=True)
+    files = {}
+
+    def write(name, cert, key):
+        files[name] = str(d / f"{name}.pem"), str(d / f"{name}.key")
+        (d / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        (d / f"{name}.key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                          serialization.PrivateFormat.PKCS8,
+                                                          serialization.NoEncryption()))
+
+    write("ca", ca, ca_key)
+    for who, san in (("server", ["localhost"]), ("client", None)):
+        key = ec.generate_private_key(ec.SECP256R1())
+        write(who, _cert(who, ca.subject, ca_key, key, san=san), key)
+    return files
+
+
+def test_token_required(fresh_daemon, demo_local):
+    d = fresh_daemon("--auth-token", TOKEN)
+    with pytest.raises(AuthError, match="missing bearer token"):
+        TableClient(d.address)
+    with pytest.raises(AuthError, match="wrong bearer token"):
+        TableClient(d.address, token="guess")
+    for transport in ("tcp", "shm"):
+        with TableClient(d.address, transport=transport, token=TOKEN) as c:
+            np.testing.assert_array_equal(c.table("tiny").gather([0]), demo_local["tiny"][[0]])
+    with grpc.insecure_channel(d.address) as ch:  # health stays open to probes without a token
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_token_from_file_and_env(fresh_daemon, tmp_path, monkeypatch):
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    d = fresh_daemon("--auth-token-file", str(token_file))
+    monkeypatch.setenv("TABLESERVER_AUTH_TOKEN", TOKEN)
+    with TableClient(d.address) as c:
+        assert c.table("tiny").gather([0]).shape == (1, 8)
+
+
+def test_tls(fresh_daemon, pki, demo_local):
+    cert, key = pki["server"]
+    d = fresh_daemon("--tls-cert", cert, "--tls-key", key, "--auth-token", TOKEN)
+    port = d.address.rsplit(":", 1)[1]
+    with TableClient(f"localhost:{port}", tls_ca=pki["ca"][0], token=TOKEN, transport="tcp") as c:
+        np.testing.assert_array_equal(c.table("tiny").gather([0]), demo_local["tiny"][[0]])
+    with pytest.raises(ConnectError):
+        TableClient(f"localhost:{port}", token=TOKEN, connect_timeout=3)  # plaintext to a TLS port
+
+
+def test_mutual_tls(fresh_daemon, pki):
+    cert, key = pki["server"]
+    d = fresh_daemon("--tls-cert", cert, "--tls-key", key, "--tls-client-ca", pki["ca"][0])
+    target = f"localhost:{d.address.rsplit(':', 1)[1]}"
+    with pytest.raises(ConnectError):
+        TableClient(target, tls_ca=pki["ca"][0], connect_timeout=3)  # no client certificate
+    ccert, ckey = pki["client"]
+    with TableClient(target, tls_ca=pki["ca"][0], tls_cert=ccert, tls_key=ckey) as c:
+        assert c.table("tiny").gather([0]).shape == (1, 8)
+
+
+def test_exposed_listen_address_warns(fresh_daemon):
+    d = fresh_daemon("--listen", "0.0.0.0:0", "--tcp-listen", "127.0.0.1:0")
+    log = d.log()
+    assert "without TLS" in log and "without --auth-token" in log
+
+
+def test_data_port_rejects_forged_sessions(daemon):
+    from tableserver.wire import HEADER, FrameType, Status, recv_exact, request_header, send_all
+
+    host, port = daemon.ready["tcp"].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        send_all(s, [request_header(FrameType.HELLO, 1, 0, 48), bytes(48)])
+        head = bytearray(HEADER.size)
+        recv_exact(s, memoryview(head))
+        assert HEADER.unpack(head)[2] == Status.UNAUTHENTICATED
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.connect(daemon.ready["shm"])
+        s.send(request_header(FrameType.HELLO, 1, 0, 48) + bytes(48))
+        msg, fds, _, _ = socket.recv_fds(s, 4096, 8)
+        assert HEADER.unpack_from(msg)[2] == Status.UNAUTHENTICATED and fds == []
+
+
+def test_shm_fds_are_read_only(daemon):
+    """A client cannot write the shared tables: fds are O_RDONLY and the memfds are sealed."""
+    import mmap
+    import os
+
+    from tests_helpers import shm_fds
+
+    fds = shm_fds(daemon)
+    try:
+        for fd in fds:
+            with pytest.raises(PermissionError):
+                mmap.mmap(fd, 4096, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            rw = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)  # even reopened read-write:
+            try:
+                with pytest.raises(PermissionError):  # F_SEAL_FUTURE_WRITE forbids writable mappings
+                    mmap.mmap(rw, 4096, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                with pytest.raises(PermissionError):
+                    os.pwrite(rw, b"x", 0)
+            finally:
+                os.close(rw)
+    finally:
+        for fd in fds:
+            os.close(fd)

@@ -1,0 +1,130 @@
+"""Pure logic: row-id checks, dedup, config precedence, wire framing, memory planning."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+
+import numpy as np
+import pytest
+import torch
+
+from tableclient.rowids import dedup, prepare_out, to_row_ids
+from tableserver.config import SERVE_OPTIONS, add_flags, resolve
+from tableserver.errors import ConfigError, MemoryLimitError
+from tableserver.memory import plan_memory
+from tableserver.wire import HEADER, FrameType, Status, recv_exact, request_header, response_header, send_all
+
+
+@pytest.mark.parametrize("ids, message", [
+    (np.array([0.0, 1.0]), "must be integers"),
+    (np.array([True, False]), "must be integers"),
+    (np.array(["1"]), "must be integers"),
+    (np.array([-1, 3]), "row id -1 is negative"),
+    (np.array([[0, 10]]), "row id 10 is out of range: table 't' has rows 0..9"),
+    (np.array([2**63 + 5], dtype=np.uint64), "out of range"),
+    (torch.tensor([1.0]), "must be integers"),
+])
+def test_bad_row_ids_raise_value_error(ids, message):
+    with pytest.raises(ValueError, match=message):
+        to_row_ids(ids, 10, "t")
+
+
+def test_row_ids_normalized():
+    ids, torch_in = to_row_ids(np.arange(6, dtype=np.int32).reshape(2, 3)[:, ::2], 10, "t")
+    assert ids.dtype == np.int64 and ids.flags.c_contiguous and ids.shape == (2, 2) and not torch_in
+    ids, torch_in = to_row_ids(torch.arange(4), 10, "t")
+    assert torch_in and ids.tolist() == [0, 1, 2, 3]
+    ids, _ = to_row_ids([], 10, "t")
+    assert ids.shape == (0,) and ids.dtype == np.int64
+
+
+def test_out_buffer_checks():
+    arr, res = prepare_out(None, (2, 3), 8, torch_in=False)
+    assert arr.shape == (2, 3, 8) and res is arr
+    _, res = prepare_out(None, (2,), 8, torch_in=True)
+    assert isinstance(res, torch.Tensor)
+    for bad in (np.zeros((2, 3, 7), np.uint8), np.zeros((2, 3, 8), np.int8), np.zeros((3, 2, 8), np.uint8).transpose(1, 0, 2),
+                torch.zeros((2, 3, 8), dtype=torch.int16), [1, 2]):
+        with pytest.raises(ValueError):
+            prepare_out(bad, (2, 3), 8, torch_in=False)
+    ro = np.zeros((2, 3, 8), np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="writable"):
+        prepare_out(ro, (2, 3), 8, torch_in=False)
+
+
+def test_dedup():
+    ids = np.array([5, 3, 5, 9, 3])
+    unique, inverse = dedup(ids)
+    assert unique.tolist() == [3, 5, 9] and np.array_equal(unique[inverse], ids)
+    same, inv = dedup(np.array([4, 1, 2]))
+    assert inv is None and same.tolist() == [4, 1, 2]  # no duplicates: order kept, no copy
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser()
+    add_flags(p)
+    return p.parse_args(argv)
+
+
+def test_config_precedence(tmp_path):
+    cfg_file = tmp_path / "ts.toml"
+    cfg_file.write_text('listen = "127.0.0.1:1"\nlease-seconds = 3.5\ntransports = ["tcp"]\nmlock = false\n')
+    env = {"TABLESERVER_LISTEN": "127.0.0.1:2", "TABLESERVER_MAX_ROWS_PER_REQUEST": "77"}
+    cfg = resolve(_parse(["--config", str(cfg_file), "--max-rows-per-request", "99"]), env)
+    assert cfg["listen"] == "127.0.0.1:2"  # env beats file
+    assert cfg["max_rows_per_request"] == 99  # flag beats env
+    assert cfg["lease_seconds"] == 3.5 and cfg["transports"] == ["tcp"] and cfg["mlock"] is False
+    assert resolve(_parse([]), {})["listen"] == "127.0.0.1:7070"
+    assert resolve(_parse(["--no-verify"]), {"TABLESERVER_VERIFY": "1"})["verify"] is False
+    assert {o.name for o in SERVE_OPTIONS} >= {"tables", "listen", "transports", "auth_token", "tls_cert"}
+
+
+@pytest.mark.parametrize("args, env, toml, message", [
+    (["--lease-seconds", "abc"], {}, None, "--lease-seconds = 'abc': expected a positive number"),
+    ([], {"TABLESERVER_MLOCK": "maybe"}, None, "TABLESERVER_MLOCK = 'maybe': expected true or false"),
+    ([], {}, "bogus = 1\n", "unknown key 'bogus'"),
+    ([], {}, "listen = [\n", "not valid TOML"),
+    ([], {"TABLESERVER_MAX_ROWS_PER_REQUEST": "-3"}, None, "non-negative"),
+])
+def test_config_errors(tmp_path, args, env, toml, message):
+    if toml is not None:
+        (tmp_path / "c.toml").write_text(toml)
+        args = args + ["--config", str(tmp_path / "c.toml")]
+    with pytest.raises(ConfigError, match=message):
+        resolve(_parse(args), env)
+
+
+def test_wire_roundtrip_over_a_real_socket_pair():
+    a, b = socket.socketpair()
+    ids = np.arange(1000, dtype="<i8")
+    send_all(a, [request_header(FrameType.GATHER, 42, 3, ids.size), ids])
+    head = bytearray(HEADER.size)
+    assert recv_exact(b, memoryview(head))
+    magic, ftype, _flags, req, table, count = HEADER.unpack(head)
+    got = np.empty(count, "<i8")
+    recv_exact(b, memoryview(got).cast("B"))
+    assert (magic, ftype, req, table) == (b"TSQ1", FrameType.GATHER, 42, 3) and np.array_equal(got, ids)
+    assert HEADER.unpack(response_header(2, Status.ROW_OUT_OF_RANGE, 42, 264, 5))[2] == Status.ROW_OUT_OF_RANGE
+    a.close()
+    assert recv_exact(b, memoryview(head)) is False  # clean EOF
+    b.close()
+
+
+def test_memory_plan_limits():
+    plan = plan_memory([10 << 20, 1], hugepages="off")
+    assert plan.page_sizes == (4096, 4096) and plan.total_bytes == (10 << 20) + 4096
+    with pytest.raises(MemoryLimitError, match="available"):
+        plan_memory([1 << 50], hugepages="off")
+    with pytest.raises(MemoryLimitError, match="--hugepages 1g needs 2 free 1024 MiB hugepages"):
+        plan_memory([(1 << 30) + 1], hugepages="1g")
+
+
+def test_deploy_config_parses():
+    import os
+
+    from conftest import ROOT
+
+    cfg = resolve(_parse(["--config", os.path.join(ROOT, "deploy", "tableserver.toml")]), {})
+    assert cfg["tables"] == ["/var/lib/tableserver/engram.bin"] and cfg["tls_cert"] and cfg["auth_token_file"]
