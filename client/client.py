@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import grpc
 
 from tableclient.errors import AuthError, ConnectError, TableClientError, TransportUnavailable
-from tableclient.table import GatherHandle, RemoteTable, TableInfo
+from tableclient.table import GatherHandle, RemoteTable, TableInfo, check_mode
 from tableclient.transports import AUTO_ORDER, KNOWN, transport_class
 from tableclient.transports.shm import local_host_id
 from tableserver.v1 import tableserver_pb2 as pb
@@ -58,9 +58,16 @@ class TableClient:
     def __init__(self, address: str = "127.0.0.1:7070", transport: str = "auto", *, token: str | None = None,
                  tls: bool = False, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, tls_server_name: str | None = None, client_name: str = "",
-                 connect_timeout: float = 10.0):
+                 connect_timeout: float = 10.0, mode: str = "read", rdma_device: str | None = None,
+                 rdma_gid_index: int | None = None, rdma_port: int = 1, rdma_qps: int = 4,
+                 rdma_ring_rows: int = 4096):
         if transport != "auto" and transport not in KNOWN:
             raise ValueError(f"unknown transport {transport!r}: use auto, {', '.join(KNOWN)}")
+        self.mode = check_mode(mode)
+        if not 1 <= rdma_qps <= 64 or rdma_ring_rows < 16:
+            raise ValueError("rdma_qps must be 1..64 and rdma_ring_rows at least 16")
+        self._rdma_options = dict(device=rdma_device, gid_index=rdma_gid_index, port=rdma_port, qps=rdma_qps,
+                                  ring_rows=rdma_ring_rows)
         self.address = address
         self.connect_timeout = connect_timeout
         token = token if token is not None else os.environ.get("TABLESERVER_AUTH_TOKEN") or None
@@ -114,22 +121,41 @@ class TableClient:
 
     def _connect(self, transport: str, client_name: str) -> None:
         wanted = list(AUTO_ORDER) if transport == "auto" else [transport]
-        if transport == "auto" and self.server.host_id != local_host_id():
-            wanted.remove("shm")  # another host: do not even ask for it
-        wanted = [t for t in wanted if t in self.server.transports] or wanted
-        resp = self._call(self._stub.OpenSession, pb.OpenSessionRequest(
-            client_name=client_name or f"tableclient/{os.path.basename(sys.argv[0] or 'python')}",
-            hostname=socket.gethostname(), host_id=local_host_id(), pid=os.getpid(), transports=wanted))
-        self.session = SessionInfo(resp.session_id, resp.secret, resp.lease_seconds, resp.max_rows_per_request)
-        self._start_keepalive()
+        if transport == "auto":
+            if self.server.host_id != local_host_id():
+                wanted.remove("shm")  # another host: do not even ask for it
+            wanted = [t for t in wanted if t in self.server.transports] or wanted
         reasons = []
-        for offer in resp.offers:
+        prepared = None
+        if "rdma" in wanted:  # the handshake carries our QPs, so they exist before the session
             try:
-                self._transport = transport_class(offer.name)(offer, self.session, self._infos,
-                                                              self.connect_timeout)
-                break
+                prepared = transport_class("rdma").prepare(**self._rdma_options, tables=len(self._infos))
             except TransportUnavailable as e:
-                reasons.append(f"{offer.name}: {e}")
+                if transport == "rdma":
+                    raise ConnectError(f"transport='rdma' to {self.address}: {e}") from None
+                wanted.remove("rdma")
+                reasons.append(f"rdma: {e}")
+        try:
+            resp = self._call(self._stub.OpenSession, pb.OpenSessionRequest(
+                client_name=client_name or f"tableclient/{os.path.basename(sys.argv[0] or 'python')}",
+                hostname=socket.gethostname(), host_id=local_host_id(), pid=os.getpid(), transports=wanted,
+                rdma=prepared.params() if prepared is not None else None))
+            self.session = SessionInfo(resp.session_id, resp.secret, resp.lease_seconds, resp.max_rows_per_request)
+            self._start_keepalive()
+            for offer in resp.offers:
+                extra = dict(prepared=prepared) if offer.name == "rdma" else {}
+                try:
+                    self._transport = transport_class(offer.name)(offer, self.session, self._infos,
+                                                                  self.connect_timeout, **extra)
+                    break
+                except TransportUnavailable as e:
+                    reasons.append(f"{offer.name}: {e}")
+                    if offer.name == "rdma":
+                        prepared.close()
+                        prepared = None
+        finally:
+            if prepared is not None and (self._transport is None or self._transport.name != "rdma"):
+                prepared.close()
         if self._transport is None:
             raise ConnectError(f"no usable transport to {self.address} ({'; '.join(reasons) or 'none offered'})")
         log.debug("session %s uses %s", self.session.id.hex()[:12], self._transport.name)
@@ -166,17 +192,18 @@ class TableClient:
     def max_rows_per_request(self) -> int:
         return self.session.max_rows_per_request or 65536
 
-    def table(self, name: str | None = None, *, layer: int | None = None) -> RemoteTable:
-        """A table by name, or by model layer (``client.table(layer=1)``)."""
+    def table(self, name: str | None = None, *, layer: int | None = None, mode: str | None = None) -> RemoteTable:
+        """A table by name, or by model layer (``client.table(layer=1)``); ``mode`` "read" or "pack"."""
+        mode = mode or self.mode
         if name is not None:
             info = self.tables.get(name)
             if info is None:
                 raise KeyError(f"no table {name!r} on {self.address}: it serves {', '.join(self.tables) or 'none'}")
-            return RemoteTable(self, info)
+            return RemoteTable(self, info, mode)
         matches = [t for t in self._infos if layer is not None and t.layer == layer]
         if len(matches) != 1:
             raise KeyError(f"{len(matches)} tables for layer {layer} on {self.address}: pass a name instead")
-        return RemoteTable(self, matches[0])
+        return RemoteTable(self, matches[0], mode)
 
     def gather_many(self, requests, outs=None) -> list[GatherHandle]:
         """Issues several tables' gathers in the order given (put the shortest deadline first).

@@ -77,12 +77,27 @@ class GatherHandle:
             p.cancel()
 
 
-class RemoteTable:
-    """A table of the server, bound to the client's session and transport."""
+MODES = ("read", "pack")
 
-    def __init__(self, client, info: TableInfo):
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"unknown gather mode {mode!r}: use 'read' (one-sided RDMA reads) or 'pack' "
+                         "(the server packs the rows and writes them once)")
+    return mode
+
+
+class RemoteTable:
+    """A table of the server, bound to the client's session and transport.
+
+    ``mode`` matters for rdma only: "read" posts one-sided READs, "pack" asks
+    the server to gather the rows and RDMA-WRITE them packed. Both are bit-exact.
+    """
+
+    def __init__(self, client, info: TableInfo, mode: str = "read"):
         self._client = client
         self.info = info
+        self.mode = check_mode(mode)
 
     name = property(lambda self: self.info.name)
     rows = property(lambda self: self.info.rows)
@@ -90,17 +105,19 @@ class RemoteTable:
     layer = property(lambda self: self.info.layer)
 
     def __repr__(self) -> str:
-        return f"RemoteTable({self.name!r}, rows={self.rows}, row_bytes={self.row_bytes}, layer={self.layer})"
+        return (f"RemoteTable({self.name!r}, rows={self.rows}, row_bytes={self.row_bytes}, layer={self.layer}, "
+                f"mode={self.mode!r})")
 
-    def gather(self, row_ids, out=None, timeout: float | None = None):
+    def gather(self, row_ids, out=None, timeout: float | None = None, mode: str | None = None):
         """Rows ``row_ids`` (int array/tensor of any shape) as uint8 ``[..., row_bytes]``."""
-        return self._submit(row_ids, out, sync=True).wait(timeout)
+        return self._submit(row_ids, out, True, mode).wait(timeout)
 
-    def gather_async(self, row_ids, out=None) -> GatherHandle:
+    def gather_async(self, row_ids, out=None, mode: str | None = None) -> GatherHandle:
         """Starts a gather and returns at once; ``handle.wait()`` returns the rows."""
-        return self._submit(row_ids, out, sync=False)
+        return self._submit(row_ids, out, False, mode)
 
-    def _submit(self, row_ids, out, sync: bool) -> GatherHandle:
+    def _submit(self, row_ids, out, sync: bool, mode: str | None) -> GatherHandle:
+        mode = check_mode(mode) if mode is not None else self.mode
         info = self.info
         ids, torch_in = to_row_ids(row_ids, info.rows, info.name)
         out_arr, result = prepare_out(out, ids.shape, info.row_bytes, torch_in)
@@ -113,14 +130,14 @@ class RemoteTable:
             unique, inverse = dedup(flat_ids)
             if inverse is not None:
                 scratch = np.empty((unique.size, info.row_bytes), dtype=np.uint8)
-                pendings = self._post(transport, unique, scratch, sync)
+                pendings = self._post(transport, unique, scratch, sync, mode)
                 return GatherHandle(pendings, result,
                                     lambda: np.take(scratch, inverse, axis=0, out=flat_out), flat_ids.size)
-        return GatherHandle(self._post(transport, flat_ids, flat_out, sync), result, None, flat_ids.size)
+        return GatherHandle(self._post(transport, flat_ids, flat_out, sync, mode), result, None, flat_ids.size)
 
-    def _post(self, transport, ids: np.ndarray, out: np.ndarray, sync: bool) -> list:
-        step = self._client.max_rows_per_request
+    def _post(self, transport, ids: np.ndarray, out: np.ndarray, sync: bool, mode: str) -> list:
+        step = min(self._client.max_rows_per_request, transport.request_rows(mode) or 1 << 62)
         if ids.size <= step:
-            return [transport.gather(self.info.index, ids, out, sync)]
-        return [transport.gather(self.info.index, ids[a:a + step], out[a:a + step], sync)
+            return [transport.gather(self.info.index, ids, out, sync, mode)]
+        return [transport.gather(self.info.index, ids[a:a + step], out[a:a + step], sync, mode)
                 for a in range(0, ids.size, step)]

@@ -30,7 +30,8 @@ from tableserver.errors import ConfigError, TableServerError
 from tableserver.loader import load_tables
 from tableserver.progress import human_bytes
 from tableserver.sessions import SessionRegistry
-from tableserver.transports import KNOWN, transport_class
+from tableserver.rdma import RdmaUnavailable
+from tableserver.transports import AUTO, KNOWN, transport_class
 from tableserver.transports.shm import host_id
 from tableserver.transports.tcp import parse_hostport
 
@@ -49,11 +50,13 @@ class TableServer:
                               "`tableserver gen-demo demo.bin`)")
         self.host, self.port = parse_hostport(cfg["listen"], "--listen")
         names = cfg["transports"]
-        bad = [n for n in names if n not in KNOWN]
+        bad = [n for n in names if n not in KNOWN and n != "auto"]
         if bad:
-            raise ConfigError(f"--transports: unknown transport {bad[0]!r}: use {', '.join(KNOWN)}")
+            raise ConfigError(f"--transports: unknown transport {bad[0]!r}: use auto or {', '.join(KNOWN)}")
         if not names:
             raise ConfigError("--transports is empty: enable at least one of " + ", ".join(KNOWN))
+        self.auto = "auto" in names
+        self.transport_names = list(dict.fromkeys(n for x in names for n in (AUTO if x == "auto" else (x,))))
         self.token = load_token(cfg["auth_token"], cfg["auth_token_file"])
         self.credentials = (server_credentials(cfg["tls_cert"], cfg["tls_key"], cfg["tls_client_ca"])
                             if cfg["tls_cert"] or cfg["tls_key"] or cfg["tls_client_ca"] else None)
@@ -87,8 +90,8 @@ class TableServer:
             log.info("control plane on %s:%d (%s%s), health NOT_SERVING while loading", self.host, self.port,
                      "TLS" if self.credentials else "plaintext", ", token auth" if self.token else "")
             self.tables = await loop.run_in_executor(None, self._load)
-            for t in self.transports.values():
-                t.start(self.tables)
+            for t in self.transports.values():  # rdma registers every table here: keep health answering
+                await loop.run_in_executor(None, t.start, self.tables)
                 self.sessions.add_listener(t.release)
             self.state.tables = self.tables
             self.state.ready = True
@@ -132,10 +135,16 @@ class TableServer:
         else:
             tcp = (self.host, self.port + 1 if parse_hostport(cfg["listen"], "--listen")[1] else 0)
         options = dict(cfg, tcp_listen=tcp, control_port=self.port)
-        for name in cfg["transports"]:
-            t = transport_class(name)(self.sessions, options)
+        for name in self.transport_names:
+            try:
+                t = transport_class(name)(self.sessions, options)
+                t.bind()
+            except RdmaUnavailable as e:
+                if not self.auto:
+                    raise
+                log.info("transports auto: no rdma (%s)", e)
+                continue
             self.transports[name] = t
-            t.bind()
 
     def _warn_if_exposed(self) -> None:
         if not is_loopback(self.host) and self.credentials is None:

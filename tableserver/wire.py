@@ -83,3 +83,18 @@ def send_all(sock: socket.socket, parts: list) -> None:
             views.pop(0)
         if views and sent:
             views[0] = views[0][sent:]
+
+
+# --------------------------------------------------------------------------- rdma pack mode
+#
+# Owner-side packing over an RC QP: the client SENDs one request (header + the
+# int64 row ids); the server gathers the rows into a registered staging buffer
+# and RDMA-WRITEs them, packed, to ``dest_addr`` (``dest_rkey``) WITH_IMM, the
+# immediate data being ``request_id``. A refused request is answered by a SEND
+# of PACK_ERROR + a UTF-8 message into one of the client's receive buffers.
+
+PACK_REQUEST = struct.Struct("<4sIIIQI4x")  # magic, request_id, table, count, dest_addr, dest_rkey
+PACK_REQUEST_MAGIC = b"TSPK"
+PACK_ERROR = struct.Struct("<4sIII")  # magic, request_id, status, message bytes
+PACK_ERROR_MAGIC = b"TSPE"
+PACK_REPLY_BYTES = 512  # size of the client's receive buffers (error replies are truncated to fit)

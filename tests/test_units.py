@@ -128,3 +128,34 @@ def test_deploy_config_parses():
 
     cfg = resolve(_parse(["--config", os.path.join(ROOT, "deploy", "tableserver.toml")]), {})
     assert cfg["tables"] == ["/var/lib/tableserver/engram.bin"] and cfg["tls_cert"] and cfg["auth_token_file"]
+
+
+def test_ring_allocator_is_fifo_contiguous_and_never_overlaps():
+    import random
+
+    from tableserver.rdma import RingAllocator
+
+    ring = RingAllocator(100)
+    a, b = ring.alloc(60), ring.alloc(30)
+    assert (a, b) == (0, 60) and ring.alloc(20) is None  # 10 left at the end, none at the start
+    ring.free(b)
+    assert ring.alloc(20) is None  # b is free but a (older) is not: space returns in order
+    ring.free(a)
+    assert ring.alloc(20) == 0 and ring.alloc(81) is None and ring.alloc(70) == 20
+    with pytest.raises(ValueError):
+        ring.alloc(101)
+    rng = random.Random(0)
+    ring, live = RingAllocator(64), {}
+    for _ in range(5000):
+        if live and (rng.random() < 0.5 or len(live) > 6):
+            start = rng.choice(list(live))
+            ring.free(start)
+            del live[start]
+        else:
+            n = rng.randint(1, 40)
+            start = ring.alloc(n)
+            if start is not None:
+                assert 0 <= start and start + n <= 64
+                for s, m in live.items():
+                    assert start + n <= s or s + m <= start, "overlap"
+                live[start] = n

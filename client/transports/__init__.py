@@ -5,12 +5,14 @@ from __future__ import annotations
 import importlib
 
 _REGISTRY = {
+    "rdma": "tableclient.transports.rdma:RdmaTransport",
     "shm": "tableclient.transports.shm:ShmTransport",
     "tcp": "tableclient.transports.tcp:TcpTransport",
 }
 
-#: What ``transport="auto"`` tries, in order: local shared memory, then the network.
-AUTO_ORDER = ("shm", "tcp")
+#: What ``transport="auto"`` tries, in order: RDMA when a device reaches the server, then
+#: shared memory when the server is on this host, then tcp.
+AUTO_ORDER = ("rdma", "shm", "tcp")
 KNOWN = tuple(_REGISTRY)
 
 

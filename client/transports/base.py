@@ -66,13 +66,22 @@ class ClientTransport(abc.ABC):
     #: remote transports fetch each distinct row once; local ones gather directly
     dedups: bool = True
 
+    #: gather modes this transport implements (rdma: one-sided "read" or owner-side "pack")
+    modes: tuple = ("read",)
+
     @abc.abstractmethod
-    def gather(self, table_index: int, ids: np.ndarray, out: np.ndarray, sync: bool = False) -> Pending:
+    def gather(self, table_index: int, ids: np.ndarray, out: np.ndarray, sync: bool = False,
+               mode: str = "read") -> Pending:
         """Starts moving rows ``ids`` of table ``table_index`` into ``out``.
 
         ``sync`` says the caller will wait at once: a local transport then
-        copies inline instead of handing the copy to a thread.
+        copies inline instead of handing the copy to a thread. ``mode`` is one
+        of ``modes`` (others ignore it).
         """
+
+    def request_rows(self, mode: str = "read") -> int | None:
+        """Most row ids one request of this transport may carry (None: the session's limit)."""
+        return None
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -129,7 +129,8 @@ class ShmTransport(ClientTransport):
             for fd in fds:
                 os.close(fd)
 
-    def gather(self, table_index: int, ids: np.ndarray, out: np.ndarray, sync: bool = False) -> Pending:
+    def gather(self, table_index: int, ids: np.ndarray, out: np.ndarray, sync: bool = False,
+               mode: str = "read") -> Pending:
         if sync:  # the caller waits at once: a thread handoff would only add latency
             np.take(self._tables[table_index], ids, axis=0, out=out, mode="clip")
             return DONE

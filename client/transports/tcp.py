@@ -82,7 +82,8 @@ class TcpTransport(ClientTransport):
                 raise AuthError(f"tcp data port {self.endpoint} refused the session: {text}")
             raise ConnectError(f"tcp handshake with {self.endpoint} failed: {text or magic!r}")
 
-    def gather(self, table_index: int, ids: np.ndarray, out: np.ndarray, sync: bool = False) -> Pending:
+    def gather(self, table_index: int, ids: np.ndarray, out: np.ndarray, sync: bool = False,
+               mode: str = "read") -> Pending:
         with self._send_lock:
             if self._error is not None:
                 raise self._error

@@ -5,12 +5,15 @@ from __future__ import annotations
 import importlib
 
 _REGISTRY = {
+    "rdma": "tableserver.transports.rdma:RdmaTransport",
     "shm": "tableserver.transports.shm:ShmTransport",
     "tcp": "tableserver.transports.tcp:TcpTransport",
 }
 
 #: Every transport name a client may ask for, in the server's default preference.
-KNOWN = ("shm", "tcp")
+KNOWN = ("rdma", "shm", "tcp")
+#: ``--transports auto``: rdma when this host has a usable device, then shm and tcp.
+AUTO = KNOWN
 
 
 def transport_class(name: str):

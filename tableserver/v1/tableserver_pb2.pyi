@@ -128,18 +128,20 @@ class RdmaQueuePair(_message.Message):
     def __init__(self, qp_num: _Optional[int] = ..., psn: _Optional[int] = ..., gid: _Optional[bytes] = ..., lid: _Optional[int] = ..., mtu: _Optional[int] = ...) -> None: ...
 
 class RdmaClientParams(_message.Message):
-    __slots__ = ("qps", "device", "staging_addr", "staging_rkey", "staging_bytes")
+    __slots__ = ("qps", "device", "staging_addr", "staging_rkey", "staging_bytes", "max_rd_atomic")
     QPS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     STAGING_ADDR_FIELD_NUMBER: _ClassVar[int]
     STAGING_RKEY_FIELD_NUMBER: _ClassVar[int]
     STAGING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_RD_ATOMIC_FIELD_NUMBER: _ClassVar[int]
     qps: _containers.RepeatedCompositeFieldContainer[RdmaQueuePair]
     device: str
     staging_addr: int
     staging_rkey: int
     staging_bytes: int
-    def __init__(self, qps: _Optional[_Iterable[_Union[RdmaQueuePair, _Mapping]]] = ..., device: _Optional[str] = ..., staging_addr: _Optional[int] = ..., staging_rkey: _Optional[int] = ..., staging_bytes: _Optional[int] = ...) -> None: ...
+    max_rd_atomic: int
+    def __init__(self, qps: _Optional[_Iterable[_Union[RdmaQueuePair, _Mapping]]] = ..., device: _Optional[str] = ..., staging_addr: _Optional[int] = ..., staging_rkey: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., max_rd_atomic: _Optional[int] = ...) -> None: ...
 
 class RdmaRegion(_message.Message):
     __slots__ = ("table", "table_offset", "addr", "rkey", "length")
@@ -156,14 +158,18 @@ class RdmaRegion(_message.Message):
     def __init__(self, table: _Optional[int] = ..., table_offset: _Optional[int] = ..., addr: _Optional[int] = ..., rkey: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class RdmaEndpoint(_message.Message):
-    __slots__ = ("qps", "regions", "device")
+    __slots__ = ("qps", "regions", "device", "pack_max_rows", "max_rd_atomic")
     QPS_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PACK_MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RD_ATOMIC_FIELD_NUMBER: _ClassVar[int]
     qps: _containers.RepeatedCompositeFieldContainer[RdmaQueuePair]
     regions: _containers.RepeatedCompositeFieldContainer[RdmaRegion]
     device: str
-    def __init__(self, qps: _Optional[_Iterable[_Union[RdmaQueuePair, _Mapping]]] = ..., regions: _Optional[_Iterable[_Union[RdmaRegion, _Mapping]]] = ..., device: _Optional[str] = ...) -> None: ...
+    pack_max_rows: int
+    max_rd_atomic: int
+    def __init__(self, qps: _Optional[_Iterable[_Union[RdmaQueuePair, _Mapping]]] = ..., regions: _Optional[_Iterable[_Union[RdmaRegion, _Mapping]]] = ..., device: _Optional[str] = ..., pack_max_rows: _Optional[int] = ..., max_rd_atomic: _Optional[int] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -1,0 +1,372 @@
+"""rdma transport, server side: read-only memory regions, per-session RC QPs, owner-side packing.
+
+**Read mode** (one-sided): every table is registered as memory regions with
+``REMOTE_READ`` only (never remote write or atomics), row-aligned chunks no
+larger than the device's max MR size (or ``--rdma-mr-chunk-bytes``). A session
+gets its own RC QPs, connected to the client's over the gRPC handshake with
+random PSNs; clients then READ rows without this process's CPU.
+
+**Pack mode** (owner-side, for windows too short for one READ per row): a
+client SENDs its row ids; one server thread gathers them with ``np.take`` into
+the session's registered staging buffer and RDMA-WRITEs them packed, with the
+request id as immediate data, to the destination the request names. Invariant:
+the staging buffer is reused only after its WRITE has completed.
+
+A session's QPs, CQ and buffers are destroyed when the session ends (client
+close, keepalive loss, lease expiry); nothing else is disturbed.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tableserver.rdma import Device, QpInfo, RdmaUnavailable, connect_rc_qp, create_rc_qp, verbs
+from tableserver.sessions import Session
+from tableserver.transports.base import RateLimitedLog, ServerTransport
+from tableserver.v1 import tableserver_pb2 as pb
+from tableserver.wire import (
+    PACK_ERROR, PACK_ERROR_MAGIC, PACK_REPLY_BYTES, PACK_REQUEST, PACK_REQUEST_MAGIC, ROW_ID_BYTES, Status,
+)
+
+log = logging.getLogger("tableserver.rdma")
+
+RECV_DEPTH = 16  # pack requests a QP can have queued at the server
+SEND_DEPTH = 64
+
+
+@dataclass
+class Region:
+    """One read-only MR: ``length`` bytes of table ``table`` from ``table_offset``, at ``addr``."""
+
+    table: int
+    table_offset: int
+    length: int
+    addr: int
+    mr: object
+
+    def proto(self) -> pb.RdmaRegion:
+        return pb.RdmaRegion(table=self.table, table_offset=self.table_offset, addr=self.addr, rkey=self.mr.rkey,
+                             length=self.length)
+
+
+@dataclass(eq=False)
+class _Buffer:
+    """Anonymous page-aligned memory registered as one MR (freed in close)."""
+
+    mm: mmap.mmap
+    array: np.ndarray
+    addr: int
+    mr: object
+
+    def close(self) -> None:
+        self.mr.close()
+        self.array = None
+        try:
+            self.mm.close()
+        except BufferError:
+            pass
+
+
+def _buffer(dev: Device, nbytes: int, access: int) -> _Buffer:
+    mm = mmap.mmap(-1, max(nbytes, mmap.PAGESIZE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+    array = np.frombuffer(mm, dtype=np.uint8)
+    addr = array.ctypes.data
+    return _Buffer(mm, array, addr, dev.register(addr, len(mm), access))
+
+
+@dataclass(eq=False)
+class _SessionQPs:
+    session: Session
+    cq: object
+    qps: list
+    infos: list
+    recv: _Buffer | None = None
+    staging: _Buffer | None = None
+    reply: _Buffer | None = None
+    recv_wrs: list = field(default_factory=list)
+    slot: int = 0  # bytes per receive buffer
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    closed: bool = False
+
+    def close(self) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            for qp in self.qps:
+                qp.close()
+            self.cq.close()
+            for b in (self.recv, self.staging, self.reply):
+                if b is not None:
+                    b.close()
+
+
+class RdmaTransport(ServerTransport):
+    name = "rdma"
+
+    def __init__(self, sessions, options):
+        super().__init__(sessions, options)
+        self.device_name = options.get("rdma_device") or None
+        gid = str(options.get("rdma_gid_index", "") or "")
+        if gid and not gid.isdigit():
+            from tableserver.errors import ConfigError
+
+            raise ConfigError(f"--rdma-gid-index {gid!r}: expected a GID table index (0, 1, ...) or nothing for auto")
+        self.gid_index = int(gid) if gid else -1
+        self.port_num = options.get("rdma_port", 1) or 1
+        self.max_qps = options.get("rdma_max_qps_per_session", 16) or 16
+        self.chunk = options.get("rdma_mr_chunk_bytes", 0) or 0
+        self.pack_max_rows = options.get("rdma_pack_max_rows", 16384)
+        self.dev: Device | None = None
+        self.regions: list[Region] = []
+        self._sessions: dict[bytes, _SessionQPs] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._packer: threading.Thread | None = None
+        self._closed = False
+        self._ratelog = RateLimitedLog(log)
+        self.register_seconds = 0.0
+
+    # ---------------------------------------------------------------- lifecycle
+    def bind(self) -> None:
+        try:
+            self.dev = Device(self.device_name, self.port_num, self.gid_index if self.gid_index >= 0 else None)
+        except RdmaUnavailable as e:
+            raise RdmaUnavailable(f"rdma transport: {e}") from None
+        log.info("rdma: device %s port %d, GID index %d, MTU %d, max MR %d bytes", self.dev.name, self.dev.port,
+                 self.dev.gid_index, 128 << self.dev.mtu, self.dev.max_mr_size)
+
+    def start(self, tables) -> None:
+        """Registers every table read-only before the server reports SERVING."""
+        self.tables = tables
+        e = verbs().e
+        jobs = []
+        for t in tables:
+            limit = min(self.dev.max_mr_size, self.chunk or self.dev.max_mr_size)
+            step = max(t.row_bytes, limit // t.row_bytes * t.row_bytes)  # chunks end on row boundaries
+            for off in range(0, max(t.nbytes, 1), step):
+                jobs.append((t, off, min(step, t.nbytes - off) or t.row_bytes))
+        t0 = time.monotonic()
+
+        def register(job):
+            t, off, length = job
+            addr = t.region.addr + off
+            return Region(t.index, off, length, addr, self.dev.register(addr, length, e.IBV_ACCESS_REMOTE_READ))
+
+        # pyverbs 44 holds the GIL inside ibv_reg_mr, so chunks register one at a
+        # time there; a pyverbs that releases it registers them concurrently.
+        with ThreadPoolExecutor(4, thread_name_prefix="tableserver-reg") as pool:
+            self.regions = list(pool.map(register, jobs))
+        self.register_seconds = time.monotonic() - t0
+        log.info("rdma: registered %d read-only MRs over %d tables (%.2f GiB) in %.2f s", len(self.regions),
+                 len(tables), tables.nbytes / 2**30, self.register_seconds)
+        self._packer = threading.Thread(target=self._pack_loop, name="tableserver-rdma-pack", daemon=True)
+        self._packer.start()
+
+    def describe(self) -> str:
+        return f"rdma {self.dev.name}" if self.dev else "rdma"
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._packer is not None:
+            self._packer.join(timeout=5)
+        with self._lock:
+            sessions = list(self._sessions.values())
+            self._sessions.clear()
+        for s in sessions:
+            s.close()
+        for r in self.regions:
+            r.mr.close()
+        self.regions = []
+        if self.dev is not None:
+            self.dev.close()
+
+    # ----------------------------------------------------------------- sessions
+    def offer(self, session: Session, request: pb.OpenSessionRequest):
+        params = request.rdma
+        if not params.qps:
+            return None  # this client brought no QPs: it cannot use rdma
+        if len(params.qps) > self.max_qps:
+            raise ValueError(f"{len(params.qps)} RDMA QPs requested, this server allows {self.max_qps} per session")
+        v, dev = verbs(), self.dev
+        e = v.e
+        depth = max(dev.max_rd_atomic, 1)
+        rd_atomic = min(depth, 16, params.max_rd_atomic or 16)
+        cq = v.cq.CQ(dev.context, len(params.qps) * (RECV_DEPTH + SEND_DEPTH) + 16)
+        s = _SessionQPs(session, cq, [], [])
+        try:
+            for remote in params.qps:
+                qp, info = create_rc_qp(dev, cq, SEND_DEPTH, RECV_DEPTH, e.IBV_ACCESS_REMOTE_READ)
+                s.qps.append(qp)
+                s.infos.append(info)
+            if self.pack_max_rows:
+                self._setup_pack(s)
+            for qp, info, remote in zip(s.qps, s.infos, params.qps):
+                connect_rc_qp(dev, qp, info, QpInfo(remote.qp_num, remote.psn, remote.gid, remote.mtu), rd_atomic)
+        except Exception:
+            s.close()
+            raise
+        with self._lock:
+            self._sessions[session.id] = s
+        log.info("rdma: session %s connected %d QPs (reads in flight per QP: %d)", session.label, len(s.qps),
+                 rd_atomic)
+        return pb.TransportOffer(name="rdma", rdma=pb.RdmaEndpoint(
+            qps=[pb.RdmaQueuePair(qp_num=i.qp_num, psn=i.psn, gid=i.gid, mtu=i.mtu) for i in s.infos],
+            regions=[r.proto() for r in self.regions], device=dev.name,
+            pack_max_rows=self.pack_max_rows, max_rd_atomic=rd_atomic))
+
+    def release(self, session: Session) -> None:
+        with self._lock:
+            s = self._sessions.pop(session.id, None)
+        if s is not None:
+            s.close()
+            log.info("rdma: session %s: destroyed %d QPs", session.label, len(s.qps))
+
+    def session_qps(self) -> int:
+        with self._lock:
+            return sum(len(s.qps) for s in self._sessions.values())
+
+    # ---------------------------------------------------------------- pack mode
+    def _setup_pack(self, s: _SessionQPs) -> None:
+        v, dev = verbs(), self.dev
+        e = v.e
+        slot = PACK_REQUEST.size + self.pack_max_rows * ROW_ID_BYTES
+        s.recv = _buffer(dev, slot * RECV_DEPTH * len(s.qps), e.IBV_ACCESS_LOCAL_WRITE)
+        row_bytes = max((t.row_bytes for t in self.tables), default=1)
+        s.staging = _buffer(dev, self.pack_max_rows * row_bytes, e.IBV_ACCESS_LOCAL_WRITE)
+        s.reply = _buffer(dev, PACK_REPLY_BYTES, e.IBV_ACCESS_LOCAL_WRITE)
+        for q, qp in enumerate(s.qps):
+            for i in range(RECV_DEPTH):
+                k = q * RECV_DEPTH + i
+                sge = v.wr.SGE(s.recv.addr + k * slot, slot, s.recv.mr.lkey)
+                wr = v.wr.RecvWR(wr_id=k, num_sge=1, sg=[sge])
+                s.recv_wrs.append(wr)
+                qp.post_recv(wr)
+        s.slot = slot
+
+    def _pack_loop(self) -> None:
+        """Serves pack requests of every session; backs off to 1 ms polls when idle."""
+        idle = 0
+        while not self._stop.is_set():
+            with self._lock:
+                sessions = list(self._sessions.values())
+            busy = False
+            for s in sessions:
+                with s.lock:
+                    if s.closed or s.recv is None:
+                        continue
+                    try:
+                        busy |= self._poll_session(s)
+                    except Exception as e:  # a broken session must not stop the others
+                        self._ratelog.warning("pack", "rdma: session %s pack error: %s", s.session.label, e)
+            if busy:
+                idle = 0
+            else:
+                idle += 1
+                time.sleep(0 if idle < 50 else 0.0002 if idle < 500 else 0.001)
+
+    def _poll_session(self, s: _SessionQPs) -> bool:
+        e = verbs().e
+        n, wcs = s.cq.poll(16)
+        for wc in wcs[:n]:
+            if wc.status != e.IBV_WC_SUCCESS:
+                self._ratelog.warning("wc", "rdma: session %s: completion error status %d opcode %d", s.session.label,
+                                      wc.status, wc.opcode)
+                continue
+            if wc.opcode == e.IBV_WC_RECV:
+                self._serve_pack(s, wc)
+        return n > 0
+
+    def _qp_of(self, s: _SessionQPs, qp_num: int):
+        for qp, info in zip(s.qps, s.infos):
+            if info.qp_num == qp_num:
+                return qp
+        raise KeyError(qp_num)
+
+    def _serve_pack(self, s: _SessionQPs, wc) -> None:
+        v = verbs()
+        e = v.e
+        k = wc.wr_id
+        base = k * s.slot
+        raw = s.recv.array[base:base + wc.byte_len]
+        qp = self._qp_of(s, wc.qp_num)
+        request_id = 0
+        try:
+            if wc.byte_len < PACK_REQUEST.size:
+                raise _Refuse(Status.BAD_FRAME, "pack request shorter than its header")
+            magic, request_id, table_index, count, dest, rkey = PACK_REQUEST.unpack_from(raw)
+            if magic != PACK_REQUEST_MAGIC:
+                raise _Refuse(Status.BAD_FRAME, f"bad pack request magic {bytes(magic)!r}")
+            if count > self.pack_max_rows:
+                raise _Refuse(Status.TOO_MANY_ROWS, f"{count} rows in one pack request, the limit is "
+                                                    f"{self.pack_max_rows}")
+            if wc.byte_len != PACK_REQUEST.size + count * ROW_ID_BYTES:
+                raise _Refuse(Status.BAD_FRAME, f"pack request of {wc.byte_len} bytes for {count} ids")
+            if table_index >= len(self.tables):
+                raise _Refuse(Status.UNKNOWN_TABLE, f"no table #{table_index}")
+            table = self.tables[table_index]
+            ids = raw[PACK_REQUEST.size:].view("<i8")
+            if count:
+                lo, hi = int(ids.min()), int(ids.max())
+                if lo < 0 or hi >= table.rows:
+                    raise _Refuse(Status.ROW_OUT_OF_RANGE, f"row id {lo if lo < 0 else hi} out of range for "
+                                                           f"table {table.name!r} (0..{table.rows - 1})")
+            nbytes = count * table.row_bytes
+            rows = s.staging.array[:nbytes].reshape(count, table.row_bytes)
+            np.take(table.data, ids, axis=0, out=rows, mode="clip")
+            sge = v.wr.SGE(s.staging.addr, nbytes, s.staging.mr.lkey)
+            wr = v.wr.SendWR(wr_id=1 << 40, opcode=e.IBV_WR_RDMA_WRITE_WITH_IMM, num_sge=1, sg=[sge],
+                             imm_data=request_id, send_flags=e.IBV_SEND_SIGNALED)
+            wr.set_wr_rdma(rkey, dest)
+            self._post_and_wait(s, qp, wr)
+        except _Refuse as r:
+            self._ratelog.warning(r.status.name, "rdma: session %s pack request refused: %s", s.session.label, r)
+            msg = str(r).encode()[: PACK_REPLY_BYTES - PACK_ERROR.size]
+            body = PACK_ERROR.pack(PACK_ERROR_MAGIC, request_id, r.status, len(msg)) + msg
+            s.reply.array[:len(body)] = np.frombuffer(body, np.uint8)
+            sge = v.wr.SGE(s.reply.addr, len(body), s.reply.mr.lkey)
+            self._post_and_wait(s, qp, v.wr.SendWR(wr_id=1 << 41, opcode=e.IBV_WR_SEND, num_sge=1, sg=[sge],
+                                                   send_flags=e.IBV_SEND_SIGNALED))
+        finally:
+            qp.post_recv(s.recv_wrs[k])  # the receive buffer is free again
+
+    def _post_and_wait(self, s: _SessionQPs, qp, wr, timeout: float = 5.0) -> None:
+        """Posts ``wr`` and polls until it completes; receives seen meanwhile are served after."""
+        e = verbs().e
+        qp.post_send(wr)
+        deadline = time.monotonic() + timeout
+        deferred = []
+        while True:
+            n, wcs = s.cq.poll(8)
+            done = False
+            for wc in wcs[:n]:
+                if wc.wr_id == wr.wr_id and wc.opcode in (e.IBV_WC_RDMA_WRITE, e.IBV_WC_SEND):
+                    if wc.status != e.IBV_WC_SUCCESS:
+                        raise RuntimeError(f"pack reply failed with status {wc.status}")
+                    done = True
+                else:
+                    deferred.append(wc)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError("pack reply did not complete in time")
+        for wc in deferred:
+            if wc.status == e.IBV_WC_SUCCESS and wc.opcode == e.IBV_WC_RECV:
+                self._serve_pack(s, wc)
+
+
+class _Refuse(Exception):
+    def __init__(self, status: Status, message: str):
+        super().__init__(message)
+        self.status = status
+

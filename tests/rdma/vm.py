@@ -1,0 +1,289 @@
+"""Run commands on a real verbs stack: kernel Soft-RoCE (rdma_rxe) in a QEMU guest.
+
+These machines have no RDMA NIC and no RDMA in the host kernel, and their KVM
+is paravirtual (a stock kernel hangs under it), so the RDMA suite runs in a
+QEMU guest under TCG with Debian's kernel:
+
+* a tiny initramfs (busybox + the virtio/9p modules of the installed kernel)
+  mounts the host's ``/`` read-only over 9p and chroots into it, so the guest
+  runs the very same checkout and virtual environment;
+* ``/tmp`` and ``/run`` are tmpfs in the guest; a second, writable 9p share
+  carries the command in and the exit code and logs out;
+* the initramfs' ``/sbin/modprobe`` forwards into the chroot, so the kernel
+  can load rdma_rxe's dependencies (crc32) from the host's module tree;
+* in the guest: ``modprobe rdma_rxe ib_uverbs``, ``rdma link add rxe_lo type
+  rxe netdev lo`` (GID index 1 is the IPv4-mapped 127.0.0.1).
+
+Soft-RoCE under TCG moves ~7.5k READs/s: correctness and same-run ratios
+only, never absolute speed. Usage from the command line::
+
+    python tests/rdma/vm.py [--install] -- 'ibv_devices; rdma link'
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import io
+import os
+import shutil
+import site
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+DEBIAN_PACKAGES = ("qemu-system-x86", "linux-image-amd64", "busybox-static", "rdma-core", "ibverbs-providers",
+                   "ibverbs-utils", "perftest", "python3-pyverbs", "iproute2", "kmod")
+INITRAMFS_MODULES = ("virtio", "virtio_ring", "virtio_pci_legacy_dev", "virtio_pci_modern_dev", "virtio_pci",
+                     "netfs", "fscache", "9pnet", "9pnet_virtio", "9p")
+DEBIAN_PYVERBS = "/usr/lib/python3/dist-packages/pyverbs"
+QEMU = "qemu-system-x86_64"
+
+
+class GuestUnavailable(RuntimeError):
+    """Something needed to boot the guest is missing (the message says what)."""
+
+
+@dataclass
+class GuestResult:
+    rc: int
+    console: str
+    results: str  # host directory the guest wrote into
+    seconds: float
+
+
+def kernel_version() -> str | None:
+    kernels = sorted(glob.glob("/boot/vmlinuz-*"))
+    for k in reversed(kernels):
+        version = k.split("vmlinuz-", 1)[1]
+        if os.path.isdir(f"/lib/modules/{version}/kernel/drivers/infiniband/sw/rxe"):
+            return version
+    return None
+
+
+def missing() -> list[str]:
+    """What this host lacks to run the RDMA suite (empty when ready)."""
+    need = []
+    if shutil.which(QEMU) is None:
+        need.append("qemu-system-x86")
+    if kernel_version() is None:
+        need.append("linux-image-amd64 (a kernel with rdma_rxe)")
+    if not os.path.exists("/bin/busybox") or "static" not in _file_kind("/bin/busybox"):
+        need.append("busybox-static")
+    if not os.path.isdir(DEBIAN_PYVERBS):
+        need.append("python3-pyverbs")
+    for tool, pkg in (("ibv_devices", "ibverbs-utils"), ("ib_read_bw", "perftest"), ("rdma", "iproute2")):
+        if shutil.which(tool) is None:
+            need.append(pkg)
+    if not glob.glob("/usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav*.so"):
+        need.append("ibverbs-providers")
+    return need
+
+
+def _file_kind(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+        return "static" if b"/lib64/ld-linux" not in head and b"ld-linux" not in head else "dynamic"
+    except OSError:
+        return ""
+
+
+def ensure_host_packages(install: bool = True) -> None:
+    """Installs the Debian packages the guest needs (as root); raises GuestUnavailable otherwise."""
+    need = missing()
+    if not need:
+        return
+    if not install or os.geteuid() != 0 or shutil.which("apt-get") is None:
+        raise GuestUnavailable(f"Soft-RoCE guest needs: {', '.join(need)} (install as root: apt-get install "
+                               f"{' '.join(DEBIAN_PACKAGES)})")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
+    subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *DEBIAN_PACKAGES], check=True,
+                   env=env, stdout=subprocess.DEVNULL)
+    still = missing()
+    if still:
+        raise GuestUnavailable(f"installed the packages but still missing: {', '.join(still)}")
+
+
+def link_pyverbs(python: str = sys.executable) -> str:
+    """Makes Debian's pyverbs (rdma-core 44, CPython 3.11) importable from ``python``'s environment.
+
+    pyverbs must match the rdma-core userspace it runs on; Debian ships it for
+    its own python3.11, whose ABI our venv shares. A .pth file adds a
+    directory holding only a ``pyverbs`` symlink, so nothing else of Debian's
+    dist-packages leaks into the venv. Returns the .pth path.
+    """
+    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+    link_dir = os.path.join(os.path.dirname(os.path.dirname(purelib)), "tableserver-pyverbs")
+    os.makedirs(link_dir, exist_ok=True)
+    link = os.path.join(link_dir, "pyverbs")
+    if not os.path.islink(link):
+        os.symlink(DEBIAN_PYVERBS, link)
+    pth = os.path.join(purelib, "tableserver-pyverbs.pth")
+    with open(pth, "w") as f:
+        f.write(link_dir + "\n")
+    return pth
+
+
+_INIT = r"""#!/bin/busybox sh
+/bin/busybox --install -s /bin
+export PATH=/bin:/sbin
+mount -t proc proc /proc
+mount -t sysfs sys /sys
+mount -t devtmpfs dev /dev
+for m in __MODULES__; do insmod /lib/modules/$m.ko 2>/dev/null; done
+mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=1048576,cache=loose hostroot /mnt || { echo "GUEST: 9p root failed"; poweroff -f; }
+mount -t tmpfs -o size=75% tmp /mnt/tmp
+mount -t tmpfs run /mnt/run
+R=$(cat /proc/cmdline | sed -n 's/.*tsresults=\([^ ]*\).*/\1/p')
+mkdir -p /mnt$R 2>/dev/null
+mount -t 9p -o trans=virtio,version=9p2000.L,msize=1048576 results /mnt$R || { echo "GUEST: 9p results failed"; poweroff -f; }
+mount --bind /dev /mnt/dev
+mount -t devpts devpts /mnt/dev/pts 2>/dev/null
+mount -t proc proc /mnt/proc
+mount -t sysfs sys /mnt/sys
+echo /sbin/modprobe > /proc/sys/kernel/modprobe
+echo "GUEST: up in $(cut -d' ' -f1 /proc/uptime) s"
+chroot /mnt /bin/sh -c "cd / && . $R/env.sh && /bin/sh $R/cmd.sh" > /dev/console 2>&1
+echo $? > /mnt$R/rc
+sync
+echo "GUEST: done in $(cut -d' ' -f1 /proc/uptime) s"
+poweroff -f
+"""
+
+_MODPROBE = """#!/bin/busybox sh
+exec /bin/busybox chroot /mnt /sbin/modprobe "$@"
+"""
+
+
+def build_initramfs(path: str, version: str) -> str:
+    """A gzipped newc cpio: busybox, the 9p/virtio modules, /init, forwarding modprobe."""
+    root = tempfile.mkdtemp(prefix="ts-initramfs-")
+    try:
+        for d in ("bin", "sbin", "proc", "sys", "dev", "mnt", "lib/modules"):
+            os.makedirs(os.path.join(root, d))
+        shutil.copy2("/bin/busybox", os.path.join(root, "bin", "busybox"))
+        found = []
+        for m in INITRAMFS_MODULES:
+            hits = glob.glob(f"/lib/modules/{version}/kernel/**/{m}.ko*", recursive=True)
+            if not hits:
+                continue  # built into this kernel
+            src = hits[0]
+            dst = os.path.join(root, "lib", "modules", f"{m}.ko")
+            if src.endswith(".xz"):
+                import lzma
+
+                with lzma.open(src) as fi, open(dst, "wb") as fo:
+                    shutil.copyfileobj(fi, fo)
+            elif src.endswith(".zst"):
+                subprocess.run(["zstd", "-dq", src, "-o", dst], check=True)
+            else:
+                shutil.copy2(src, dst)
+            found.append(m)
+        for name, text in (("init", _INIT.replace("__MODULES__", " ".join(found))), ("sbin/modprobe", _MODPROBE)):
+            p = os.path.join(root, name)
+            with open(p, "w") as f:
+                f.write(text)
+            os.chmod(p, 0o755)
+        cpio = subprocess.run("find . | cpio -o -H newc --quiet", shell=True, cwd=root, check=True,
+                              capture_output=True).stdout
+        with gzip.open(path, "wb", compresslevel=1) as f:
+            f.write(cpio)
+        return path
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def run_guest(script: str, *, workdir: str | None = None, timeout: float = 1800, memory_mb: int = 6144,
+              cpus: int = 2, env: dict | None = None, echo: bool = False) -> GuestResult:
+    """Boots the guest, runs ``script`` (sh) in the chroot, returns its exit code and console."""
+    ensure_host_packages(install=os.geteuid() == 0)
+    version = kernel_version()
+    workdir = workdir or tempfile.mkdtemp(prefix="ts-guest-")
+    results = os.path.join(workdir, "results")
+    os.makedirs(results, exist_ok=True)
+    os.chmod(results, 0o777)
+    initrd = os.path.join(workdir, "initramfs.cpio.gz")
+    if not os.path.exists(initrd):
+        build_initramfs(initrd, version)
+    with open(os.path.join(results, "cmd.sh"), "w") as f:
+        f.write("set -u\n" + script + "\n")
+    base_env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/tmp",
+                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "TMPDIR": "/tmp",
+                "TABLESERVER_IN_GUEST": "1", "TABLESERVER_GUEST_RESULTS": results, "LANG": "C.UTF-8"}
+    base_env.update(env or {})
+    with open(os.path.join(results, "env.sh"), "w") as f:
+        for k, v in base_env.items():
+            f.write(f"export {k}='{v}'\n")
+    rc_file = os.path.join(results, "rc")
+    if os.path.exists(rc_file):
+        os.unlink(rc_file)
+    cmd = [QEMU, "-accel", "tcg,thread=multi", "-cpu", "max", "-smp", str(cpus), "-m", str(memory_mb),
+           "-nographic", "-no-reboot", "-net", "none", "-kernel", f"/boot/vmlinuz-{version}", "-initrd", initrd,
+           "-append", f"console=ttyS0 quiet loglevel=3 panic=-1 tsresults={results}",
+           "-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap",
+           "-virtfs", f"local,path={results},mount_tag=results,security_model=none,multidevs=remap"]
+    start = time.monotonic()
+    console = io.StringIO()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            text=True, errors="replace")
+
+    def pump():
+        for line in proc.stdout:
+            console.write(line)
+            if echo:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+
+    import threading
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        reader.join(5)
+        raise TimeoutError(f"guest did not finish in {timeout:.0f} s; console tail:\n{console.getvalue()[-4000:]}")
+    reader.join(5)
+    try:
+        with open(rc_file) as f:
+            rc = int(f.read().strip() or 1)
+    except (OSError, ValueError):
+        rc = 255  # the guest never reached the end of the script
+    return GuestResult(rc, console.getvalue(), results, time.monotonic() - start)
+
+
+RXE_SETUP = """
+modprobe rdma_rxe && modprobe ib_uverbs || exit 90
+ip link set lo up
+rdma link add rxe_lo type rxe netdev lo || exit 91
+"""
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description="run a shell command in the Soft-RoCE QEMU guest")
+    ap.add_argument("--install", action="store_true", help="apt-get install what is missing (root)")
+    ap.add_argument("--no-rxe", action="store_true", help="do not create the rxe_lo device first")
+    ap.add_argument("--memory", type=int, default=6144, help="guest memory in MiB")
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("command", nargs=argparse.REMAINDER)
+    args = ap.parse_args()
+    ensure_host_packages(install=args.install)
+    link_pyverbs()
+    command = " ".join(args.command[1:] if args.command[:1] == ["--"] else args.command) or "ibv_devinfo"
+    res = run_guest(("" if args.no_rxe else RXE_SETUP) + f"cd {os.getcwd()}\n" + command, echo=True,
+                    memory_mb=args.memory, timeout=args.timeout)
+    print(f"\n[guest exit {res.rc} after {res.seconds:.1f} s]")
+    return res.rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
