@@ -30,6 +30,7 @@ test-fast: $(DEV)
 bench: $(DEV)
 	$(BIN)/python bench/bench_transports.py
 	$(BIN)/python bench/bench_load.py
+	$(BIN)/python bench/bench_rdma.py
 
 # Regenerate the committed gRPC stubs (tests/test_proto.py fails when they drift).
 proto: $(DEV)

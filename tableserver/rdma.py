@@ -13,6 +13,7 @@ What lives here:
   list; that is reported as :class:`RdmaUnavailable`.
 * :func:`create_rc_qp` and :func:`connect_rc_qp`: the RC recipe of rdma-core's
   tests (INIT with access flags, RTR with the peer's QPN/PSN/GID/MTU, RTS).
+* :class:`RegisteredBuffer`: fixed-address memory registered as one MR.
 * :class:`RingAllocator`: FIFO allocation of contiguous slots in a ring of
   prebuilt work requests / staging rows.
 
@@ -214,6 +215,33 @@ def connect_rc_qp(dev: Device, qp, local: QpInfo, remote: QpInfo, rd_atomic: int
         qp.to_rts(attr)
     except v.Error as e:
         raise RdmaError(f"Failed to connect RC QP {local.qp_num} to {remote.qp_num}: {e}") from None
+
+
+class RegisteredBuffer:
+    """Page-aligned anonymous memory at a fixed address, prefaulted and registered as one MR."""
+
+    def __init__(self, dev: Device, nbytes: int, access: int):
+        import mmap
+
+        import numpy as np
+
+        self.mm = mmap.mmap(-1, max(nbytes, mmap.PAGESIZE),
+                            flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+        self.array = np.frombuffer(self.mm, dtype=np.uint8)
+        self.addr = self.array.ctypes.data
+        self.mr = dev.register(self.addr, len(self.mm), access)
+
+    def close(self) -> None:
+        """Deregisters, then unmaps (views still alive keep the memory until they go)."""
+        if self.mr is None:
+            return
+        self.mr.close()
+        self.mr = None
+        self.array = None
+        try:
+            self.mm.close()
+        except BufferError:
+            pass
 
 
 class RingAllocator:

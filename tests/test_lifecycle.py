@@ -25,8 +25,8 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 
 def test_health_not_serving_until_loaded_then_serving_then_not_serving(tmp_path):
     path = str(tmp_path / "big.bin")
-    with TableFileWriter(path, [TableSpec("big", (3 << 30) // 264, 264)]) as w:
-        w.fill_zeros(0)  # 3 GiB to load and verify: seconds, on any machine
+    with TableFileWriter(path, [TableSpec("big", (4 << 30) // 264, 264)]) as w:
+        w.fill_zeros(0)  # 4 GiB to allocate, zero and lock: seconds, on any machine
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import mmap
 import threading
 import time
 from dataclasses import dataclass
@@ -40,7 +39,9 @@ import numpy as np
 
 from tableclient.errors import ConnectError, GatherTimeout, RemoteError, TransportError, TransportUnavailable
 from tableclient.transports.base import ClientTransport, Pending
-from tableserver.rdma import Device, QpInfo, RdmaError, RdmaUnavailable, RingAllocator, connect_rc_qp, create_rc_qp, verbs
+from tableserver.rdma import (
+    Device, QpInfo, RdmaError, RdmaUnavailable, RegisteredBuffer, RingAllocator, connect_rc_qp, create_rc_qp, verbs,
+)
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.wire import (
     PACK_ERROR, PACK_ERROR_MAGIC, PACK_REPLY_BYTES, PACK_REQUEST, PACK_REQUEST_MAGIC, ROW_ID_BYTES, Status,
@@ -77,29 +78,10 @@ class Prepared:
         self.dev.close()
 
 
-class _Buffer:
-    """Page-aligned anonymous memory at a fixed address, registered as one MR."""
-
-    def __init__(self, dev: Device, nbytes: int, access: int):
-        self.mm = mmap.mmap(-1, max(nbytes, mmap.PAGESIZE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS |
-                            mmap.MAP_POPULATE)
-        self.array = np.frombuffer(self.mm, dtype=np.uint8)
-        self.addr = self.array.ctypes.data
-        self.mr = dev.register(self.addr, len(self.mm), access)
-
-    def close(self) -> None:
-        self.mr.close()
-        self.array = None
-        try:
-            self.mm.close()
-        except BufferError:
-            pass
-
-
 class _ReadRing:
     """Prebuilt READ chains of one (table, QP): slot i reads into staging row ``base + i``."""
 
-    def __init__(self, v, staging: _Buffer, base_row: int, rows: int, row_bytes: int):
+    def __init__(self, v, staging: RegisteredBuffer, base_row: int, rows: int, row_bytes: int):
         e = v.e
         self.slots = RingAllocator(rows)
         lkey = staging.mr.lkey
@@ -146,10 +128,10 @@ class _TableState:
     starts: np.ndarray  # table offset of each MR, ascending
     addrs: np.ndarray
     rkeys: np.ndarray
-    staging: _Buffer | None = None
+    staging: RegisteredBuffer | None = None
     staging_rows: np.ndarray | None = None  # [qps * ring_rows, row_bytes] view of staging
     rings: list | None = None
-    pack: _Buffer | None = None
+    pack: RegisteredBuffer | None = None
     pack_ring: RingAllocator | None = None
     pack_rows: np.ndarray | None = None
 
@@ -247,7 +229,7 @@ class RdmaTransport(ClientTransport):
         self._rr = itertools.cycle(range(len(self._qps)))
         self._error: BaseException | None = None
         self._closed = False
-        self._buffers: list[_Buffer] = []
+        self._buffers: list[RegisteredBuffer] = []
         if len(ep.qps) != len(self._qps):
             raise ConnectError(f"server answered {len(ep.qps)} QPs for our {len(self._qps)}")
         rd_atomic = max(1, min(ep.max_rd_atomic or 16, 16, self.dev.max_rd_atomic))
@@ -276,8 +258,8 @@ class RdmaTransport(ClientTransport):
             t.rings = [_ReadRing(self._v, t.staging, q * rows, rows, rb) for q in range(len(self._qps))]
         return t
 
-    def _register(self, nbytes: int, access: int) -> _Buffer:
-        b = _Buffer(self.dev, nbytes, access)
+    def _register(self, nbytes: int, access: int) -> RegisteredBuffer:
+        b = RegisteredBuffer(self.dev, nbytes, access)
         self._buffers.append(b)
         return b
 

@@ -19,7 +19,6 @@ close, keepalive loss, lease expiry); nothing else is disturbed.
 from __future__ import annotations
 
 import logging
-import mmap
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tableserver.rdma import Device, QpInfo, RdmaUnavailable, connect_rc_qp, create_rc_qp, verbs
+from tableserver.rdma import Device, QpInfo, RdmaUnavailable, RegisteredBuffer, connect_rc_qp, create_rc_qp, verbs
 from tableserver.sessions import Session
 from tableserver.transports.base import RateLimitedLog, ServerTransport
 from tableserver.v1 import tableserver_pb2 as pb
@@ -57,39 +56,14 @@ class Region:
 
 
 @dataclass(eq=False)
-class _Buffer:
-    """Anonymous page-aligned memory registered as one MR (freed in close)."""
-
-    mm: mmap.mmap
-    array: np.ndarray
-    addr: int
-    mr: object
-
-    def close(self) -> None:
-        self.mr.close()
-        self.array = None
-        try:
-            self.mm.close()
-        except BufferError:
-            pass
-
-
-def _buffer(dev: Device, nbytes: int, access: int) -> _Buffer:
-    mm = mmap.mmap(-1, max(nbytes, mmap.PAGESIZE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
-    array = np.frombuffer(mm, dtype=np.uint8)
-    addr = array.ctypes.data
-    return _Buffer(mm, array, addr, dev.register(addr, len(mm), access))
-
-
-@dataclass(eq=False)
 class _SessionQPs:
     session: Session
     cq: object
     qps: list
     infos: list
-    recv: _Buffer | None = None
-    staging: _Buffer | None = None
-    reply: _Buffer | None = None
+    recv: RegisteredBuffer | None = None
+    staging: RegisteredBuffer | None = None
+    reply: RegisteredBuffer | None = None
     recv_wrs: list = field(default_factory=list)
     slot: int = 0  # bytes per receive buffer
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -241,10 +215,10 @@ class RdmaTransport(ServerTransport):
         v, dev = verbs(), self.dev
         e = v.e
         slot = PACK_REQUEST.size + self.pack_max_rows * ROW_ID_BYTES
-        s.recv = _buffer(dev, slot * RECV_DEPTH * len(s.qps), e.IBV_ACCESS_LOCAL_WRITE)
+        s.recv = RegisteredBuffer(dev, slot * RECV_DEPTH * len(s.qps), e.IBV_ACCESS_LOCAL_WRITE)
         row_bytes = max((t.row_bytes for t in self.tables), default=1)
-        s.staging = _buffer(dev, self.pack_max_rows * row_bytes, e.IBV_ACCESS_LOCAL_WRITE)
-        s.reply = _buffer(dev, PACK_REPLY_BYTES, e.IBV_ACCESS_LOCAL_WRITE)
+        s.staging = RegisteredBuffer(dev, self.pack_max_rows * row_bytes, e.IBV_ACCESS_LOCAL_WRITE)
+        s.reply = RegisteredBuffer(dev, PACK_REPLY_BYTES, e.IBV_ACCESS_LOCAL_WRITE)
         for q, qp in enumerate(s.qps):
             for i in range(RECV_DEPTH):
                 k = q * RECV_DEPTH + i

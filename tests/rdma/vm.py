@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 
 DEBIAN_PACKAGES = ("qemu-system-x86", "linux-image-amd64", "busybox-static", "rdma-core", "ibverbs-providers",
-                   "ibverbs-utils", "perftest", "python3-pyverbs", "iproute2", "kmod")
+                   "ibverbs-utils", "perftest", "python3-pyverbs", "iproute2", "kmod", "cpio")
 INITRAMFS_MODULES = ("virtio", "virtio_ring", "virtio_pci_legacy_dev", "virtio_pci_modern_dev", "virtio_pci",
                      "netfs", "fscache", "9pnet", "9pnet_virtio", "9p")
 DEBIAN_PYVERBS = "/usr/lib/python3/dist-packages/pyverbs"
@@ -76,7 +76,8 @@ def missing() -> list[str]:
         need.append("busybox-static")
     if not os.path.isdir(DEBIAN_PYVERBS):
         need.append("python3-pyverbs")
-    for tool, pkg in (("ibv_devices", "ibverbs-utils"), ("ib_read_bw", "perftest"), ("rdma", "iproute2")):
+    for tool, pkg in (("ibv_devices", "ibverbs-utils"), ("ib_read_bw", "perftest"), ("rdma", "iproute2"),
+                      ("cpio", "cpio"), ("modprobe", "kmod")):
         if shutil.which(tool) is None:
             need.append(pkg)
     if not glob.glob("/usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav*.so"):
@@ -145,6 +146,8 @@ R=$(cat /proc/cmdline | sed -n 's/.*tsresults=\([^ ]*\).*/\1/p')
 mkdir -p /mnt$R 2>/dev/null
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=1048576 results /mnt$R || { echo "GUEST: 9p results failed"; poweroff -f; }
 mount --bind /dev /mnt/dev
+mkdir -p /dev/shm /dev/pts
+mount -t tmpfs shm /mnt/dev/shm
 mount -t devpts devpts /mnt/dev/pts 2>/dev/null
 mount -t proc proc /mnt/proc
 mount -t sysfs sys /mnt/sys

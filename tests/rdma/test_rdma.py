@@ -1,0 +1,258 @@
+"""The rdma transport on a real verbs stack (Soft-RoCE rxe_lo in the QEMU guest).
+
+Run by tests/test_rdma_guest.py inside the guest; the server and every client
+are separate processes; expected rows always come from the table file.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, local_tables, start_daemon
+from tableclient import GatherTimeout, RemoteError, TableClient, TransportError
+from tableserver.demo import DemoRows, DemoTable
+from tableserver.rdma import list_devices, verbs
+from tableserver.tablefile import TableFileWriter
+
+pytestmark = pytest.mark.rdma
+
+MODES = ["read", "pack"]
+
+
+@pytest.fixture(scope="module")
+def rdma_daemon(demo_file, tmp_path_factory):
+    """shm off; 3 MiB MR chunks so the larger tables span several regions."""
+    d = start_daemon(str(tmp_path_factory.mktemp("rdma")), "--tables", demo_file, "--transports", "rdma,tcp",
+                     "--rdma-mr-chunk-bytes", str(3 << 20), "--lease-seconds", "5")
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module", params=MODES)
+def client(request, rdma_daemon):
+    with TableClient(rdma_daemon.address, transport="rdma", mode=request.param, rdma_ring_rows=1024) as c:
+        assert c.transport == "rdma"
+        yield c
+
+
+def test_device_present():
+    assert "rxe_lo" in list_devices()
+
+
+def test_handshake(rdma_daemon, demo_local):
+    with TableClient(rdma_daemon.address, transport="rdma", rdma_qps=3, rdma_ring_rows=256) as c:
+        t = c._transport
+        assert len(t._qps) == 3 and t.device == "rxe_lo"
+        for info in c.tables.values():  # the regions tile every table exactly, on row boundaries
+            state = t._tables[info.index]
+            assert state.starts[0] == 0 and all(s % info.row_bytes == 0 for s in state.starts)
+        big = t._tables[c.tables["engram.layer14"].index]
+        assert len(big.starts) > 1  # 18 MB over 3 MiB chunks
+        assert c.table("tiny").gather([0]).tobytes() == demo_local["tiny"][0].tobytes()
+    log = rdma_daemon.log()
+    assert "registered" in log and "read-only MRs" in log and "connected 3 QPs" in log
+
+
+@pytest.mark.parametrize("name", ["engram.layer1", "engram.layer14", "dense.f32", "tiny"])
+def test_random_zipf_duplicates_first_last(client, demo_local, name):
+    table = client.table(name)
+    local = demo_local[name]
+    rng = np.random.default_rng(11)
+    last = table.rows - 1
+    cases = [
+        rng.integers(0, table.rows, (64, 24)),  # one decode step of one layer
+        (rng.zipf(1.3, size=(8, 24)) - 1) % table.rows,
+        np.array([0, last, 0, last, 0]),
+        np.full((3, 5), last // 2),
+        np.zeros((0, 24), np.int64),
+        rng.integers(0, table.rows, 3000),  # several ring blocks / pack requests
+    ]
+    for ids in cases:
+        rows = table.gather(ids, timeout=120)
+        assert rows.shape == ids.shape + (table.row_bytes,)
+        np.testing.assert_array_equal(rows, local[ids])
+
+
+def test_gather_many_and_fixed_out_buffers(client, demo_local):
+    l1, l14 = client.table("engram.layer1"), client.table("engram.layer14")
+    outs = [np.empty((64, 24, 264), np.uint8), np.empty((64, 24, 264), np.uint8)]
+    addresses = [o.ctypes.data for o in outs]
+    rng = np.random.default_rng(2)
+    for _ in range(3):
+        ids = [rng.integers(0, l1.rows, (64, 24)), rng.integers(0, l14.rows, (64, 24))]
+        h1, h14 = client.gather_many([(l1, ids[0]), (l14, ids[1])], outs=outs)
+        assert h1.wait(120) is outs[0] and h14.wait(120) is outs[1]
+        np.testing.assert_array_equal(outs[0], demo_local[l1.name][ids[0]])
+        np.testing.assert_array_equal(outs[1], demo_local[l14.name][ids[1]])
+    assert [o.ctypes.data for o in outs] == addresses
+
+
+def test_both_modes_in_one_session(rdma_daemon, demo_local):
+    with TableClient(rdma_daemon.address, transport="rdma", rdma_ring_rows=512) as c:
+        t = c.table("engram.layer14")
+        ids = np.random.default_rng(4).integers(0, t.rows, 700)
+        a, b = t.gather_async(ids, mode="read"), t.gather_async(ids, mode="pack")
+        np.testing.assert_array_equal(a.wait(120), demo_local[t.name][ids])
+        np.testing.assert_array_equal(b.wait(120), demo_local[t.name][ids])
+        with pytest.raises(ValueError, match="unknown gather mode"):
+            t.gather([1], mode="write")
+
+
+def test_auto_prefers_rdma(rdma_daemon):
+    with TableClient(rdma_daemon.address) as c:
+        assert c.transport == "rdma"
+
+
+def test_out_of_range_rejected_before_posting(client):
+    t = client.table("engram.layer1")
+    transport = client._transport
+    before = next(transport._tokens)
+    for bad in ([t.rows], [-1], [0.5]):
+        with pytest.raises(ValueError):
+            t.gather(bad)
+    assert next(transport._tokens) == before + 1  # no request was built, let alone posted
+    assert not transport._inflight
+
+
+def test_pack_server_checks_ids_itself(rdma_daemon, demo_local):
+    """A client that skips validation gets ROW_OUT_OF_RANGE from the server; the session lives on."""
+    with TableClient(rdma_daemon.address, transport="rdma", mode="pack", rdma_ring_rows=256) as c:
+        t = c.table("engram.layer1")
+        out = np.empty((2, 264), np.uint8)
+        pending = c._transport.gather(t.info.index, np.array([0, t.rows + 5], np.int64), out, mode="pack")
+        with pytest.raises(RemoteError, match="ROW_OUT_OF_RANGE"):
+            pending.wait(60)
+        np.testing.assert_array_equal(t.gather([3, 4], timeout=60), demo_local[t.name][[3, 4]])
+
+
+def test_server_refuses_remote_write(rdma_daemon, demo_local):
+    """Tables are registered REMOTE_READ only: an RDMA WRITE into one fails at the responder."""
+    v = verbs()
+    e = v.e
+    with TableClient(rdma_daemon.address, transport="rdma", rdma_qps=1, rdma_ring_rows=64) as c:
+        t = c._transport
+        info = c.tables["engram.layer1"]
+        state = t._tables[info.index]
+        local = t._register(4096, e.IBV_ACCESS_LOCAL_WRITE)
+        local.array[:264] = 0xAB
+        wr = v.wr.SendWR(wr_id=77, opcode=e.IBV_WR_RDMA_WRITE, num_sge=1, sg=[v.wr.SGE(local.addr, 264, local.mr.lkey)],
+                         send_flags=e.IBV_SEND_SIGNALED)
+        wr.set_wr_rdma(int(state.rkeys[0]), int(state.addrs[0]))
+        t._qps[0].post_send(wr)
+        deadline = time.monotonic() + 60
+        statuses = []
+        with t._poll_lock:
+            while not statuses and time.monotonic() < deadline:
+                n, wcs = t._cq.poll(4)
+                statuses += [wc.status for wc in wcs[:n] if wc.wr_id == 77]
+        # The server QP grants no remote write (rxe NAKs: invalid request) and the MR grants none either
+        # (access error): either way the responder refused.
+        assert statuses and statuses[0] in (e.IBV_WC_REM_ACCESS_ERR, e.IBV_WC_REM_INV_REQ_ERR), statuses
+    with TableClient(rdma_daemon.address, transport="rdma", rdma_ring_rows=256) as c2:  # row 0 intact, still served
+        row0 = c2.table("engram.layer1").gather([0, 1], timeout=60)
+        np.testing.assert_array_equal(row0, demo_local["engram.layer1"][[0, 1]])
+        assert not (row0[0] == 0xAB).all()
+
+
+def _worker(address, mode, path, seed, steps, results):
+    local = local_tables(path)
+    try:
+        with TableClient(address, transport="rdma", mode=mode, rdma_ring_rows=512) as c:
+            rng = np.random.default_rng(seed)
+            l1, l14 = c.table("engram.layer1"), c.table("engram.layer14")
+            for _ in range(steps):
+                ids1, ids14 = rng.integers(0, l1.rows, (16, 24)), rng.integers(0, l14.rows, (16, 24))
+                h1, h14 = c.gather_many([(l1, ids1), (l14, ids14)])
+                if not (np.array_equal(h1.wait(120), local[l1.name][ids1])
+                        and np.array_equal(h14.wait(120), local[l14.name][ids14])):
+                    results.put((seed, "mismatch"))
+                    return
+        results.put((seed, "ok"))
+    except Exception as e:
+        results.put((seed, repr(e)))
+
+
+def test_concurrent_client_processes(rdma_daemon, demo_file):
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(rdma_daemon.address, mode, demo_file, seed, 8, results))
+             for seed, mode in enumerate(["read", "pack", "read"])]
+    for p in procs:
+        p.start()
+    outcomes = dict(results.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(60)
+    assert outcomes == {i: "ok" for i in range(len(procs))}, outcomes
+
+
+def test_client_killed_mid_gather(rdma_daemon, demo_local):
+    code = ("import sys, numpy as np; from tableclient import TableClient\n"
+            f"c = TableClient({rdma_daemon.address!r}, transport='rdma', rdma_ring_rows=1024)\n"
+            "t = c.table('engram.layer14')\n"
+            "print('ready', flush=True)\n"
+            "while True: t.gather(np.random.default_rng().integers(0, t.rows, 4000))\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, cwd=ROOT)
+    assert child.stdout.readline().strip() == b"ready"
+    time.sleep(1.0)  # reads in flight
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    deadline = time.monotonic() + 120
+    while rdma_daemon.log().count("destroyed") < 1 + rdma_daemon.log().count("closed by client"):
+        assert time.monotonic() < deadline, rdma_daemon.log()[-3000:]
+        time.sleep(0.2)
+    with TableClient(rdma_daemon.address, transport="rdma", rdma_ring_rows=256) as c:
+        ids = np.arange(0, 70_001, 997)
+        np.testing.assert_array_equal(c.table("engram.layer14").gather(ids, timeout=120), demo_local["engram.layer14"][ids])
+
+
+def test_server_gone_fails_gathers_cleanly(demo_file, tmp_path):
+    d = start_daemon(str(tmp_path / "d"), "--tables", demo_file, "--transports", "rdma")
+    c = TableClient(d.address, transport="rdma", rdma_ring_rows=256)
+    assert c.table("tiny").gather([0], timeout=60).shape == (1, 8)
+    d.stop(signal.SIGKILL)
+    with pytest.raises((TransportError, GatherTimeout)):
+        c.table("engram.layer1").gather(np.arange(100), timeout=30)
+    c.close()
+
+
+@pytest.mark.slow
+def test_table_with_offsets_over_4gib(tmp_path):
+    rows = 17_000_000  # x 264 B = 4.18 GiB
+    boundary = (1 << 32) // 264
+    real = [(0, 2000), (boundary - 2000, boundary + 2000), (rows - 2000, rows)]
+    path = str(tmp_path / "large.bin")
+    table = DemoTable("big", rows, 264, 1)
+    with TableFileWriter(path, [table.spec()]) as w:
+        gen, pos = DemoRows(table), 0
+        for a, b in real:
+            w.skip(0, a - pos)
+            w.append(0, gen.rows(a, b))
+            pos = b
+        w.fill_zeros(0)
+    try:
+        with open("/sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages", "w") as f:
+            f.write("2200")  # hugepages: far fewer pages to pin for the 4 GiB MR
+    except OSError:
+        pass
+    d = start_daemon(str(tmp_path / "d"), "--tables", path, "--transports", "rdma", "--no-mlock", timeout=900)
+    try:
+        local = local_tables(path)["big"]
+        rng = np.random.default_rng(0)
+        ids = np.concatenate([rng.integers(a, b, 300) for a, b in real] + [np.arange(boundary - 2, boundary + 3)])
+        assert (ids * 264 >= 1 << 32).sum() >= 400  # half the boundary rows, all the tail rows
+        for mode in MODES:
+            with TableClient(d.address, transport="rdma", mode=mode, rdma_ring_rows=512) as c:
+                rows = c.table("big").gather(ids, timeout=300)
+                np.testing.assert_array_equal(rows, local[ids])
+                assert rows[-1].any()
+    finally:
+        d.stop()
+        os.unlink(path)
