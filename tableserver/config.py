@@ -26,6 +26,7 @@ class Option:
     help: str
     choices: tuple = ()
     metavar: str | None = None
+    aliases: tuple = ()
 
     @property
     def flag(self) -> str:
@@ -65,7 +66,8 @@ SERVE_OPTIONS = (
            metavar="PATH"),
     Option("rdma_device", "str", "", "RDMA device (default: the first one)", metavar="NAME"),
     Option("rdma_port", "int", 1, "RDMA device port", metavar="N"),
-    Option("rdma_gid_index", "str", "", "GID index (default: the first RoCE v2 IPv4-mapped GID)", metavar="N"),
+    Option("rdma_gid_index", "str", "", "GID index (default: the first RoCE v2 IPv4-mapped GID)", metavar="N",
+           aliases=("--gid-index",)),
     Option("rdma_max_qps_per_session", "int", 16, "most RC QPs one client session may open", metavar="N"),
     Option("rdma_mr_chunk_bytes", "int", 0, "register tables in memory regions of at most this many bytes "
            "(0: as large as the device allows)", metavar="BYTES"),
@@ -87,8 +89,8 @@ def add_flags(parser: argparse.ArgumentParser, options=SERVE_OPTIONS) -> None:
             parser.add_argument(opt.flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                 help=opt.help + env_note)
         else:
-            parser.add_argument(opt.flag, dest=opt.name, default=argparse.SUPPRESS, metavar=opt.metavar,
-                                choices=opt.choices or None, help=opt.help + env_note)
+            parser.add_argument(opt.flag, *opt.aliases, dest=opt.name, default=argparse.SUPPRESS,
+                                metavar=opt.metavar, choices=opt.choices or None, help=opt.help + env_note)
 
 
 def _show(value) -> str:

@@ -291,3 +291,17 @@ def test_sigint_during_load_exits_cleanly(tmp_path):
         time.sleep(0.05)
     assert d.stop(signal.SIGINT) == 0
     assert "stopped while loading" in d.log()
+
+
+def test_rdma_requested_without_a_device(demo_file):
+    """This host has no RDMA device (the RDMA suite runs in the Soft-RoCE guest): a clear refusal."""
+    res = run_cli("--tables", demo_file, "--listen", "127.0.0.1:0", "--transports", "rdma")
+    assert_one_line_error(res, "rdma transport:")
+    assert "rdma link add" in res.stderr or "python3-pyverbs" in res.stderr
+
+
+def test_client_asks_for_rdma_without_a_device(daemon):
+    from tableclient import ConnectError
+
+    with pytest.raises(ConnectError, match="rdma"):
+        TableClient(daemon.address, transport="rdma")

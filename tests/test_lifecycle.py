@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import socket
@@ -13,7 +12,8 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import local_tables, start_daemon
+from conftest import start_daemon
+from tests_helpers import run_workers
 from tableclient import TableClient
 from tableserver.tablefile import TableFileWriter, TableSpec
 from tableserver.v1 import tableserver_pb2 as pb
@@ -89,36 +89,10 @@ def test_hugepage_backed_tables(fresh_daemon, reserved_hugepages, demo_local):
                 np.testing.assert_array_equal(c.table(name).gather(ids), demo_local[name][ids])
 
 
-def _worker(address, transport, path, seed, steps, results):
-    local = local_tables(path)
-    try:
-        with TableClient(address, transport=transport, client_name=f"worker-{seed}") as c:
-            assert c.transport == transport
-            rng = np.random.default_rng(seed)
-            l1, l14 = c.table("engram.layer1"), c.table("engram.layer14")
-            for _ in range(steps):
-                ids1, ids14 = rng.integers(0, l1.rows, (64, 24)), rng.integers(0, l14.rows, (64, 24))
-                h1, h14 = c.gather_many([(l1, ids1), (l14, ids14)])
-                if not (np.array_equal(h1.wait(30), local[l1.name][ids1])
-                        and np.array_equal(h14.wait(30), local[l14.name][ids14])):
-                    results.put((seed, "mismatch"))
-                    return
-        results.put((seed, "ok"))
-    except Exception as e:  # reported to the parent
-        results.put((seed, repr(e)))
-
-
-def test_four_client_processes_share_one_copy(daemon, demo_file):
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(daemon.address, t, demo_file, seed, 150, results))
-             for seed, t in enumerate(["shm", "tcp", "shm", "tcp", "tcp", "shm"])]
-    for p in procs:
-        p.start()
-    outcomes = dict(results.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(30)
-    assert outcomes == {i: "ok" for i in range(len(procs))}, outcomes
+def test_six_client_processes_share_one_copy(daemon, demo_file):
+    configs = [dict(transport=t) for t in ("shm", "tcp", "shm", "tcp", "tcp", "shm")]
+    outcomes = run_workers(configs, daemon.address, demo_file, steps=150)
+    assert outcomes == {i: "ok" for i in range(len(configs))}, outcomes
 
 
 def test_server_memory_is_one_copy(daemon):

@@ -159,3 +159,9 @@ def test_ring_allocator_is_fifo_contiguous_and_never_overlaps():
                 for s, m in live.items():
                     assert start + n <= s or s + m <= start, "overlap"
                 live[start] = n
+
+
+def test_rdma_flags():
+    cfg = resolve(_parse(["--gid-index", "1", "--rdma-device", "rxe0", "--transports", "rdma,tcp"]), {})
+    assert cfg["rdma_gid_index"] == "1" and cfg["rdma_device"] == "rxe0" and cfg["transports"] == ["rdma", "tcp"]
+    assert resolve(_parse([]), {})["transports"] == ["auto"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 
 import grpc
+import numpy as np
 
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.v1 import tableserver_pb2_grpc as pb_grpc
@@ -27,3 +28,46 @@ def shm_fds(daemon) -> list[int]:
         msg, fds, _, _ = socket.recv_fds(s, 1 << 20, 16)
     assert HEADER.unpack_from(msg)[2] == Status.OK
     return fds
+
+
+def gather_worker(address: str, path: str, seed: int, steps: int, results, batch: int = 64, **client_kwargs):
+    """A client process: decode steps over both Engram tables, each checked bit-exact against the file.
+
+    Puts ``(seed, "ok")`` or ``(seed, what went wrong)`` on ``results``.
+    """
+    from conftest import local_tables
+    from tableclient import TableClient
+
+    local = local_tables(path)
+    try:
+        with TableClient(address, client_name=f"worker-{seed}", **client_kwargs) as c:
+            if "transport" in client_kwargs:
+                assert c.transport == client_kwargs["transport"]
+            rng = np.random.default_rng(seed)
+            l1, l14 = c.table("engram.layer1"), c.table("engram.layer14")
+            for _ in range(steps):
+                ids1, ids14 = rng.integers(0, l1.rows, (batch, 24)), rng.integers(0, l14.rows, (batch, 24))
+                h1, h14 = c.gather_many([(l1, ids1), (l14, ids14)])
+                if not (np.array_equal(h1.wait(120), local[l1.name][ids1])
+                        and np.array_equal(h14.wait(120), local[l14.name][ids14])):
+                    results.put((seed, "mismatch"))
+                    return
+        results.put((seed, "ok"))
+    except Exception as e:  # reported to the parent
+        results.put((seed, repr(e)))
+
+
+def run_workers(configs: list[dict], address: str, path: str, steps: int, batch: int = 64) -> dict:
+    """Runs one spawned gather_worker per config concurrently; returns {seed: outcome}."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=gather_worker, args=(address, path, seed, steps, results, batch), kwargs=kw)
+             for seed, kw in enumerate(configs)]
+    for p in procs:
+        p.start()
+    outcomes = dict(results.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(60)
+    return outcomes

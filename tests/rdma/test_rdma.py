@@ -6,7 +6,6 @@ are separate processes; expected rows always come from the table file.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, local_tables, start_daemon
+from tests_helpers import run_workers
 from tableclient import GatherTimeout, RemoteError, TableClient, TransportError
 from tableserver.demo import DemoRows, DemoTable
 from tableserver.rdma import list_devices, verbs
@@ -162,35 +162,10 @@ def test_server_refuses_remote_write(rdma_daemon, demo_local):
         assert not (row0[0] == 0xAB).all()
 
 
-def _worker(address, mode, path, seed, steps, results):
-    local = local_tables(path)
-    try:
-        with TableClient(address, transport="rdma", mode=mode, rdma_ring_rows=512) as c:
-            rng = np.random.default_rng(seed)
-            l1, l14 = c.table("engram.layer1"), c.table("engram.layer14")
-            for _ in range(steps):
-                ids1, ids14 = rng.integers(0, l1.rows, (16, 24)), rng.integers(0, l14.rows, (16, 24))
-                h1, h14 = c.gather_many([(l1, ids1), (l14, ids14)])
-                if not (np.array_equal(h1.wait(120), local[l1.name][ids1])
-                        and np.array_equal(h14.wait(120), local[l14.name][ids14])):
-                    results.put((seed, "mismatch"))
-                    return
-        results.put((seed, "ok"))
-    except Exception as e:
-        results.put((seed, repr(e)))
-
-
 def test_concurrent_client_processes(rdma_daemon, demo_file):
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(rdma_daemon.address, mode, demo_file, seed, 8, results))
-             for seed, mode in enumerate(["read", "pack", "read"])]
-    for p in procs:
-        p.start()
-    outcomes = dict(results.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join(60)
-    assert outcomes == {i: "ok" for i in range(len(procs))}, outcomes
+    configs = [dict(transport="rdma", mode=m, rdma_ring_rows=512) for m in ("read", "pack", "read")]
+    outcomes = run_workers(configs, rdma_daemon.address, demo_file, steps=8, batch=16)
+    assert outcomes == {i: "ok" for i in range(len(configs))}, outcomes
 
 
 def test_client_killed_mid_gather(rdma_daemon, demo_local):

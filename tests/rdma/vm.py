@@ -7,8 +7,9 @@ QEMU guest under TCG with Debian's kernel:
 * a tiny initramfs (busybox + the virtio/9p modules of the installed kernel)
   mounts the host's ``/`` read-only over 9p and chroots into it, so the guest
   runs the very same checkout and virtual environment;
-* ``/tmp`` and ``/run`` are tmpfs in the guest; a second, writable 9p share
-  carries the command in and the exit code and logs out;
+* ``/run`` is a tmpfs in the guest (``TMPDIR`` and ``HOME`` point into it; the
+  host's ``/tmp`` stays visible, read-only, since a checkout may live there);
+  a second, writable 9p share carries the command in and the exit code and logs out;
 * the initramfs' ``/sbin/modprobe`` forwards into the chroot, so the kernel
   can load rdma_rxe's dependencies (crc32) from the host's module tree;
 * in the guest: ``modprobe rdma_rxe ib_uverbs``, ``rdma link add rxe_lo type
@@ -140,8 +141,8 @@ mount -t sysfs sys /sys
 mount -t devtmpfs dev /dev
 for m in __MODULES__; do insmod /lib/modules/$m.ko 2>/dev/null; done
 mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=1048576,cache=loose hostroot /mnt || { echo "GUEST: 9p root failed"; poweroff -f; }
-mount -t tmpfs -o size=75% tmp /mnt/tmp
-mount -t tmpfs run /mnt/run
+mount -t tmpfs -o size=75% run /mnt/run
+mkdir -p /mnt/run/tmp
 R=$(cat /proc/cmdline | sed -n 's/.*tsresults=\([^ ]*\).*/\1/p')
 mkdir -p /mnt$R 2>/dev/null
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=1048576 results /mnt$R || { echo "GUEST: 9p results failed"; poweroff -f; }
@@ -217,8 +218,10 @@ def run_guest(script: str, *, workdir: str | None = None, timeout: float = 1800,
         build_initramfs(initrd, version)
     with open(os.path.join(results, "cmd.sh"), "w") as f:
         f.write("set -u\n" + script + "\n")
-    base_env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/tmp",
-                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "TMPDIR": "/tmp",
+    # The host's / (with /tmp, where a checkout may live) is read-only in the guest; scratch space is
+    # a tmpfs under /run.
+    base_env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/run/tmp",
+                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "TMPDIR": "/run/tmp",
                 "TABLESERVER_IN_GUEST": "1", "TABLESERVER_GUEST_RESULTS": results, "LANG": "C.UTF-8"}
     base_env.update(env or {})
     with open(os.path.join(results, "env.sh"), "w") as f:
