@@ -136,34 +136,41 @@ def in_guest() -> None:
         path = write_demo_file(os.path.join(tmp, "t.bin"), [DemoTable("engram.layer1", 200_000, 264, 1)])
         d = start_daemon(os.path.join(tmp, "d"), "--tables", path, "--transports", "rdma")
         try:
-            with TableClient(d.address, transport="rdma", rdma_ring_rows=4096) as c:
-                t = c.table("engram.layer1")
-                rng = np.random.default_rng(0)
-                out = np.empty((1536, 264), np.uint8)
-                t.gather(rng.integers(0, t.rows, 1536), out=out, timeout=300)  # builds the chains
-                total, start = 0, time.perf_counter()
-                while total < n_ib:
-                    ids = rng.permutation(t.rows)[:1536]  # distinct rows: 1,536 READs per gather
-                    t.gather(ids, out=out, timeout=300)
-                    total += ids.size
-                ours = total / (time.perf_counter() - start)
-                lat = {}
-                for n in (1536, 12288):
-                    buf = np.empty((n, 264), np.uint8)
-                    for mode in ("read", "pack"):
-                        samples = []
-                        for _ in range(8 if n == 1536 else 4):
-                            ids = rng.permutation(t.rows)[:n]
-                            s = time.perf_counter()
-                            t.gather(ids, out=buf, timeout=300, mode=mode)
-                            samples.append(time.perf_counter() - s)
-                        lat[(n, mode)] = (np.percentile(samples, 50), np.percentile(samples, 99))
+            rates = {}
+            for qps in (1, 4):
+                with TableClient(d.address, transport="rdma", rdma_ring_rows=4096, rdma_qps=qps) as c:
+                    t = c.table("engram.layer1")
+                    rng = np.random.default_rng(qps)
+                    out = np.empty((1536, 264), np.uint8)
+                    t.gather(rng.integers(0, t.rows, 1536), out=out, timeout=300)  # builds the chains
+                    total, start = 0, time.perf_counter()
+                    while total < n_ib:
+                        ids = rng.permutation(t.rows)[:1536]  # distinct rows: 1,536 READs per gather
+                        t.gather(ids, out=out, timeout=300)
+                        total += ids.size
+                    rates[qps] = total / (time.perf_counter() - start)
+                    if qps != 4:
+                        continue
+                    lat = {}
+                    for n in (1536, 12288):
+                        buf = np.empty((n, 264), np.uint8)
+                        for mode in ("read", "pack"):
+                            samples = []
+                            for _ in range(8 if n == 1536 else 4):
+                                ids = rng.permutation(t.rows)[:n]
+                                s = time.perf_counter()
+                                t.gather(ids, out=buf, timeout=300, mode=mode)
+                                samples.append(time.perf_counter() - s)
+                            lat[(n, mode)] = (np.percentile(samples, 50), np.percentile(samples, 99))
         finally:
             d.stop()
     print(f"\nSoft-RoCE (rxe_lo, QEMU TCG) — same boot, 264-byte rows:")
     print(f"  ib_read_bw        {ib_rate:>12,.0f} READs/s  ({n_ib} messages, 1 QP)")
-    print(f"  tableserver read  {ours:>12,.0f} rows/s   (gathers of 1,536 distinct rows, 4 QPs)")
-    print(f"  ratio             {ours / ib_rate:>12.2f}x   target >= 0.8x [{'met' if ours / ib_rate >= 0.8 else 'MISSED'}]")
+    for qps, rate in rates.items():
+        print(f"  tableserver read  {rate:>12,.0f} rows/s   (gathers of 1,536 distinct rows, {qps} QP{'s' if qps > 1 else ''}): "
+              f"{rate / ib_rate:.2f}x")
+    ours = max(rates.values())
+    print(f"  best ratio        {ours / ib_rate:>12.2f}x   target >= 0.8x [{'met' if ours / ib_rate >= 0.8 else 'MISSED'}]")
     print(f"\n  {'rows':>6}  {'mode':<6}{'p50 ms':>10}{'p99 ms':>10}")
     for (n, mode), (p50, p99) in lat.items():
         print(f"  {n:>6}  {mode:<6}{p50 * 1e3:>10.1f}{p99 * 1e3:>10.1f}")

@@ -69,7 +69,7 @@ class Prepared:
     def params(self) -> pb.RdmaClientParams:
         return pb.RdmaClientParams(
             qps=[pb.RdmaQueuePair(qp_num=i.qp_num, psn=i.psn, gid=i.gid, mtu=i.mtu) for i in self.infos],
-            device=self.dev.name, max_rd_atomic=min(16, self.dev.max_rd_atomic))
+            device=self.dev.name, max_rd_atomic=self.dev.max_rd_atomic)
 
     def close(self) -> None:
         for qp in self.qps:
@@ -158,6 +158,7 @@ class _Batch(Pending):
 
     def wait(self, timeout: float | None = None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
+        spin = self.transport.spin_polls
         idle = 0
         while not self._event.is_set():
             if self.transport._progress():
@@ -166,8 +167,10 @@ class _Batch(Pending):
             idle += 1
             if deadline is not None and time.monotonic() > deadline:
                 raise GatherTimeout(f"rdma gather not complete after {timeout * 1e3:.3f} ms")
-            if idle > 2000:
-                time.sleep(0)  # let other threads run while we spin
+            if idle > spin:
+                # A hardware NIC answers within the spin; a software one (rxe, siw) runs on our
+                # CPUs, so keep polling without starving it.
+                time.sleep(0 if spin >= 2000 else 20e-6)
         super().wait(0)
 
 
@@ -221,6 +224,9 @@ class RdmaTransport(ClientTransport):
         ep = offer.rdma
         self.device = self.dev.name
         self.ring_rows = prepared.ring_rows
+        # Software RDMA (rxe, siw) executes on the host CPUs: spin briefly, then sleep between polls.
+        software = self.dev.name.startswith(("rxe", "siw")) or int(getattr(self.dev.attr, "vendor_id", 1)) == 0
+        self.spin_polls = 100 if software else 2000
         self.pack_max_rows = ep.pack_max_rows
         self._post_lock = threading.Lock()
         self._poll_lock = threading.Lock()
@@ -232,7 +238,7 @@ class RdmaTransport(ClientTransport):
         self._buffers: list[RegisteredBuffer] = []
         if len(ep.qps) != len(self._qps):
             raise ConnectError(f"server answered {len(ep.qps)} QPs for our {len(self._qps)}")
-        rd_atomic = max(1, min(ep.max_rd_atomic or 16, 16, self.dev.max_rd_atomic))
+        rd_atomic = max(1, min(ep.max_rd_atomic or 1, self.dev.max_rd_atomic))
         for qp, local, remote in zip(self._qps, prepared.infos, ep.qps):
             connect_rc_qp(self.dev, qp, local, QpInfo(remote.qp_num, remote.psn, remote.gid, remote.mtu), rd_atomic)
         self._tables: dict[int, _TableState] = {}

@@ -174,8 +174,8 @@ class RdmaTransport(ServerTransport):
             raise ValueError(f"{len(params.qps)} RDMA QPs requested, this server allows {self.max_qps} per session")
         v, dev = verbs(), self.dev
         e = v.e
-        depth = max(dev.max_rd_atomic, 1)
-        rd_atomic = min(depth, 16, params.max_rd_atomic or 16)
+        # Reads in flight per QP: as many as both devices allow (16 on ConnectX, 128 on rxe).
+        rd_atomic = max(1, min(dev.max_rd_atomic, params.max_rd_atomic or 1))
         cq = v.cq.CQ(dev.context, len(params.qps) * (RECV_DEPTH + SEND_DEPTH) + 16)
         s = _SessionQPs(session, cq, [], [])
         try:

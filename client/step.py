@@ -1,0 +1,198 @@
+"""The per-worker step API a serving engine calls every decode step.
+
+    step = EngramStep(client, [LayerPlan(1, "engram.layer1", 0.3e-3),
+                               LayerPlan(14, "engram.layer14", 9.3e-3)], max_tokens=256)
+    step.begin_step({1: ids1, 14: ids14})     # at step start: every gather issued, shortest window first
+    ...                                         # layers 0.. run on the GPU
+    rows1 = step.wait(1)                       # torch uint8 [T, 24, 264], a view of fixed staging
+    rows14, event = step.wait_to_device(14)    # optional copy into a persistent device tensor
+
+Why this shape (SGLang #39205, vLLM #57023): row ids depend only on tokens,
+so fetching starts at step start and overlaps earlier layers; the fetch and
+the wait run outside CUDA graphs, and only the host-to-device copy and the
+dequantization are captured. A captured graph bakes in buffer addresses, so
+every layer's rows land in a **persistent staging buffer allocated once**
+(pinned when CUDA is there) and, optionally, a persistent device tensor: no
+allocation per step, same addresses every step.
+
+Each ``wait`` records when the rows arrived relative to the layer's window.
+Failure policy per deployment: ``fail`` raises, ``zeros`` serves zero rows
+(counted), ``fallback`` re-gathers through another client (e.g. tcp, or a
+second memory node) and raises only if that fails too.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tableclient.errors import TableClientError
+
+log = logging.getLogger("tableclient.step")
+
+POLICIES = ("fail", "zeros", "fallback")
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    layer: int
+    table: str
+    window_s: float  # the layer needs its rows this long after step start
+    mode: str = "read"
+
+
+@dataclass
+class LayerStats:
+    steps: int = 0
+    deadline_misses: int = 0
+    zeros_served: int = 0
+    fallbacks: int = 0
+    latencies: list = field(default_factory=list)  # seconds from step start to rows in staging
+
+    def summary(self) -> dict:
+        lat = np.array(self.latencies) if self.latencies else np.zeros(1)
+        return {"steps": self.steps, "deadline_misses": self.deadline_misses, "zeros_served": self.zeros_served,
+                "fallbacks": self.fallbacks, "p50_s": float(np.percentile(lat, 50)),
+                "p99_s": float(np.percentile(lat, 99))}
+
+
+class _Failed:
+    """Stands in for a handle whose gather could not even be issued."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+    def wait(self, timeout=None):
+        raise self.error
+
+
+class EngramStep:
+    """Issues a step's gathers at step start and hands each layer its rows when it waits."""
+
+    def __init__(self, client, plans: list, max_tokens: int, *, rows_per_token: int = 24, policy: str = "fail",
+                 fallback=None, device=None, pin: bool | None = None, timeout: float = 5.0,
+                 keep_latencies: int = 100_000):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown failure policy {policy!r}: use {', '.join(POLICIES)}")
+        if policy == "fallback" and fallback is None:
+            raise ValueError("policy 'fallback' needs fallback= (another TableClient)")
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        self.client, self.fallback, self.policy = client, fallback, policy
+        self.plans = sorted(plans, key=lambda p: p.window_s)  # shortest window first
+        self.max_tokens, self.rows_per_token, self.timeout = max_tokens, rows_per_token, timeout
+        self.keep = keep_latencies
+        self.tables = {p.layer: client.table(p.table, mode=p.mode) for p in self.plans}
+        self.stats = {p.layer: LayerStats() for p in self.plans}
+        self._torch = _torch()
+        cuda = self._torch is not None and self._torch.cuda.is_available()
+        pin = cuda if pin is None else pin
+        self.staging, self._staging_np = {}, {}
+        for p in self.plans:  # allocated once: these addresses never change
+            shape = (max_tokens, rows_per_token, self.tables[p.layer].row_bytes)
+            if self._torch is not None:
+                buf = self._torch.empty(shape, dtype=self._torch.uint8, pin_memory=pin)
+                self.staging[p.layer], self._staging_np[p.layer] = buf, buf.numpy()
+            else:
+                buf = np.empty(shape, np.uint8)
+                self.staging[p.layer] = self._staging_np[p.layer] = buf
+        self.device_rows, self._events, self._stream = {}, {}, None
+        if device is not None:
+            torch = self._torch
+            self._stream = torch.cuda.Stream(device=device)
+            for p in self.plans:
+                shape = self.staging[p.layer].shape
+                self.device_rows[p.layer] = torch.empty(shape, dtype=torch.uint8, device=device)
+                self._events[p.layer] = torch.cuda.Event()
+        self._handles: dict = {}
+        self._ids: dict = {}
+        self._tokens = 0
+        self._t0 = 0.0
+        self.issue_order: list = []
+
+    # ---------------------------------------------------------------- a step
+    def begin_step(self, row_ids: dict) -> None:
+        """Issues every layer's gather now, shortest window first. ``row_ids[layer]`` is ``[T, 24]``."""
+        self._t0 = time.perf_counter()
+        self._handles, self.issue_order, self._ids = {}, [], {}
+        sizes = set()
+        for p in self.plans:
+            ids = row_ids[p.layer]
+            t = len(ids)
+            if t > self.max_tokens:
+                raise ValueError(f"{t} tokens in a step, this EngramStep holds {self.max_tokens}")
+            sizes.add(t)
+            self._ids[p.layer] = ids  # a reference, for the fallback policy
+            out = self._staging_np[p.layer][:t]
+            try:
+                self._handles[p.layer] = self.tables[p.layer].gather_async(ids, out=out)
+            except ValueError:
+                raise  # bad row ids are the caller's bug, whatever the policy
+            except (TableClientError, OSError) as e:
+                self._handles[p.layer] = _Failed(e)
+            self.issue_order.append(p.layer)
+        if len(sizes) > 1:
+            raise ValueError(f"every layer needs row ids for the same tokens, got sizes {sorted(sizes)}")
+        self._tokens = sizes.pop() if sizes else 0
+
+    def wait(self, layer: int):
+        """That layer's rows: a ``[T, 24, row_bytes]`` view of its persistent staging buffer."""
+        handle = self._handles.pop(layer)
+        view = self._staging_np[layer][: self._tokens]
+        stats = self.stats[layer]
+        try:
+            handle.wait(self.timeout)
+        except (TableClientError, TimeoutError, OSError) as e:
+            self._on_failure(layer, view, e)
+        elapsed = time.perf_counter() - self._t0
+        stats.steps += 1
+        if len(stats.latencies) < self.keep:
+            stats.latencies.append(elapsed)
+        if elapsed > self._plan(layer).window_s:
+            stats.deadline_misses += 1
+        return self.staging[layer][: self._tokens]
+
+    def wait_to_device(self, layer: int):
+        """(device tensor view, CUDA event): rows copied on a side stream into the persistent device tensor."""
+        if self._stream is None:
+            raise RuntimeError("EngramStep was built without device=")
+        rows = self.wait(layer)
+        torch = self._torch
+        dev = self.device_rows[layer][: self._tokens]
+        with torch.cuda.stream(self._stream):
+            dev.copy_(rows, non_blocking=True)
+            self._events[layer].record(self._stream)
+        return dev, self._events[layer]
+
+    # -------------------------------------------------------------- helpers
+    def _plan(self, layer: int) -> LayerPlan:
+        return next(p for p in self.plans if p.layer == layer)
+
+    def _on_failure(self, layer: int, view: np.ndarray, error: BaseException) -> None:
+        stats = self.stats[layer]
+        if self.policy == "fail":
+            raise error
+        if self.policy == "zeros":
+            view.fill(0)
+            stats.zeros_served += 1
+            if stats.zeros_served in (1, 10, 100) or stats.zeros_served % 1000 == 0:
+                log.warning("layer %d: serving zero rows (%d times so far): %s", layer, stats.zeros_served, error)
+            return
+        plan = self._plan(layer)
+        self.fallback.table(plan.table, mode=plan.mode).gather(self._ids[layer], out=view, timeout=self.timeout)
+        stats.fallbacks += 1
+
+    def summary(self) -> dict:
+        return {layer: s.summary() for layer, s in self.stats.items()}
+
+
+def _torch():
+    try:
+        import torch
+
+        return torch
+    except ImportError:
+        return None

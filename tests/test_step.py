@@ -1,0 +1,129 @@
+"""The step API against real daemons: order, fixed buffers, deadlines, failure policies, CUDA staging."""
+
+from __future__ import annotations
+
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from tableclient import TableClient, TableClientError
+from tableclient.step import EngramStep, LayerPlan
+
+PLANS = [LayerPlan(14, "engram.layer14", 9.3e-3), LayerPlan(1, "engram.layer1", 0.3e-3)]
+
+
+def _ids(rng, t=64):
+    return {1: rng.integers(0, 50_000, (t, 24)), 14: rng.integers(0, 70_001, (t, 24))}
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_order_fixed_buffers_and_bit_exact_rows(daemon, demo_local, transport):
+    with TableClient(daemon.address, transport=transport) as c:
+        step = EngramStep(c, PLANS, max_tokens=64)
+        addresses = {layer: buf.data_ptr() for layer, buf in step.staging.items()}
+        rng = np.random.default_rng(0)
+        for t in (64, 17, 64):
+            ids = _ids(rng, t)
+            step.begin_step(ids)
+            assert step.issue_order == [1, 14]  # shortest window first, whatever order the plans came in
+            for layer, name in ((1, "engram.layer1"), (14, "engram.layer14")):
+                rows = step.wait(layer)
+                assert isinstance(rows, torch.Tensor) and tuple(rows.shape) == (t, 24, 264)
+                assert rows.data_ptr() == addresses[layer]  # a view of the persistent staging buffer
+                np.testing.assert_array_equal(rows.numpy(), demo_local[name][ids[layer]])
+        assert {layer: b.data_ptr() for layer, b in step.staging.items()} == addresses
+        assert step.summary()[1]["steps"] == 3
+
+
+def test_deadline_accounting(daemon):
+    with TableClient(daemon.address, transport="tcp") as c:
+        plans = [LayerPlan(1, "engram.layer1", 0.0), LayerPlan(14, "engram.layer14", 60.0)]
+        step = EngramStep(c, plans, max_tokens=64)
+        rng = np.random.default_rng(1)
+        for _ in range(5):
+            step.begin_step(_ids(rng))
+            step.wait(1)
+            step.wait(14)
+        s = step.summary()
+        assert s[1]["deadline_misses"] == 5 and s[14]["deadline_misses"] == 0  # nothing lands in 0 s; all in 60 s
+        assert 0 < s[1]["p50_s"] <= s[14]["p99_s"] < 60
+
+
+def test_bad_input(daemon):
+    with TableClient(daemon.address, transport="tcp") as c:
+        step = EngramStep(c, PLANS, max_tokens=8)
+        with pytest.raises(ValueError, match="holds 8"):
+            step.begin_step({1: np.zeros((9, 24), np.int64), 14: np.zeros((9, 24), np.int64)})
+        with pytest.raises(ValueError, match="out of range"):
+            step.begin_step({1: np.full((2, 24), 10**9), 14: np.zeros((2, 24), np.int64)})
+        with pytest.raises(ValueError, match="policy"):
+            EngramStep(c, PLANS, 8, policy="pray")
+        with pytest.raises(ValueError, match="fallback="):
+            EngramStep(c, PLANS, 8, policy="fallback")
+
+
+@pytest.mark.parametrize("policy", ["fail", "zeros", "fallback"])
+def test_failure_policy_with_the_server_killed_mid_step(fresh_daemon, demo_local, policy):
+    primary = fresh_daemon()
+    backup = fresh_daemon() if policy == "fallback" else None
+    c = TableClient(primary.address, transport="tcp")
+    fb = TableClient(backup.address, transport="tcp") if backup else None
+    try:
+        step = EngramStep(c, PLANS, max_tokens=64, policy=policy, fallback=fb, timeout=10)
+        rng = np.random.default_rng(2)
+        step.begin_step(_ids(rng))
+        step.wait(1), step.wait(14)
+        primary.stop(signal.SIGKILL)  # the memory node dies between steps
+        ids = _ids(rng)
+        step.begin_step(ids)
+        if policy == "fail":
+            with pytest.raises(TableClientError):
+                step.wait(1)
+            return
+        rows1 = step.wait(1)
+        rows14 = step.wait(14)
+        if policy == "zeros":
+            assert not rows1.numpy().any() and not rows14.numpy().any()
+            assert step.summary()[1]["zeros_served"] == 1 and step.summary()[14]["zeros_served"] == 1
+        else:
+            np.testing.assert_array_equal(rows1.numpy(), demo_local["engram.layer1"][ids[1]])
+            np.testing.assert_array_equal(rows14.numpy(), demo_local["engram.layer14"][ids[14]])
+            assert step.summary()[1]["fallbacks"] == 1
+    finally:
+        c.close()
+        if fb:
+            fb.close()
+
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+
+
+@requires_cuda
+def test_cuda_staging_and_graph_capture_of_the_copy(daemon, demo_local):
+    """Pinned staging, copy to a persistent device tensor on a side stream, and a CUDA graph of that copy."""
+    with TableClient(daemon.address, transport="shm") as c:
+        step = EngramStep(c, PLANS, max_tokens=64, device="cuda")
+        assert all(b.is_pinned() for b in step.staging.values())
+        rng = np.random.default_rng(3)
+        ids = _ids(rng)
+        step.begin_step(ids)
+        dev, event = step.wait_to_device(1)
+        event.synchronize()
+        np.testing.assert_array_equal(dev.cpu().numpy(), demo_local["engram.layer1"][ids[1]])
+        step.wait(14)
+        # Capture only the H2D copy from the fixed staging into the fixed device tensor; replay each step.
+        graph = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            with torch.cuda.graph(graph):
+                step.device_rows[14].copy_(step.staging[14], non_blocking=True)
+        for _ in range(3):
+            ids = _ids(rng)
+            step.begin_step(ids)
+            step.wait(1)
+            step.wait(14)
+            graph.replay()
+            torch.cuda.synchronize()
+            np.testing.assert_array_equal(step.device_rows[14].cpu().numpy(), demo_local["engram.layer14"][ids[14]])
