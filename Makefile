@@ -7,7 +7,7 @@ DEV := $(VENV)/.dev-installed
 # torch 2.13.0 is the CPU build this machine kind keeps on disk; newer picks a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test test-fast bench proto clean
+.PHONY: demo test test-fast bench replay proto clean
 
 $(BASE): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,6 +31,10 @@ bench: $(DEV)
 	$(BIN)/python bench/bench_transports.py
 	$(BIN)/python bench/bench_load.py
 	$(BIN)/python bench/bench_rdma.py
+
+# Engram traffic replay + deadline model on the demo table: bench/out/replay.txt and replay_cdf.png
+replay: $(DEV)
+	$(BIN)/python bench/replay.py
 
 # Regenerate the committed gRPC stubs (tests/test_proto.py fails when they drift).
 proto: $(DEV)

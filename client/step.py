@@ -50,7 +50,8 @@ class LayerStats:
     deadline_misses: int = 0
     zeros_served: int = 0
     fallbacks: int = 0
-    latencies: list = field(default_factory=list)  # seconds from step start to rows in staging
+    latencies: list = field(default_factory=list)  # seconds from step start until wait() returned
+    arrivals: list = field(default_factory=list)  # seconds from step start until the rows were in place
 
     def summary(self) -> dict:
         lat = np.array(self.latencies) if self.latencies else np.zeros(1)
@@ -147,10 +148,13 @@ class EngramStep:
             handle.wait(self.timeout)
         except (TableClientError, TimeoutError, OSError) as e:
             self._on_failure(layer, view, e)
-        elapsed = time.perf_counter() - self._t0
+        now = time.perf_counter()
+        elapsed = now - self._t0
+        done_at = getattr(handle, "completed_at", 0.0)
         stats.steps += 1
         if len(stats.latencies) < self.keep:
             stats.latencies.append(elapsed)
+            stats.arrivals.append((done_at if self._t0 < done_at <= now else now) - self._t0)
         if elapsed > self._plan(layer).window_s:
             stats.deadline_misses += 1
         return self.staging[layer][: self._tokens]

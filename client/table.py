@@ -51,6 +51,11 @@ class GatherHandle:
     def done(self) -> bool:
         return all(p.done() for p in self._pendings)
 
+    @property
+    def completed_at(self) -> float:
+        """perf_counter() when the last request's rows were in place (0 before; sync copies: the wait)."""
+        return max((p.completed_at for p in self._pendings), default=0.0)
+
     def wait(self, timeout: float | None = None):
         """The rows, once every request has completed; GatherTimeout past ``timeout`` seconds.
 

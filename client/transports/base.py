@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import threading
+import time
 
 import numpy as np
 
@@ -20,15 +21,17 @@ from tableclient.errors import GatherTimeout
 class Pending:
     """Completion of one transport request. ``wait`` raises what the request hit."""
 
-    __slots__ = ("_event", "_error", "cancelled")
+    __slots__ = ("_event", "_error", "cancelled", "completed_at")
 
     def __init__(self):
         self._event = threading.Event()
         self._error: BaseException | None = None
         self.cancelled = False
+        self.completed_at = 0.0  # time.perf_counter() when the rows were in place
 
     def complete(self, error: BaseException | None = None) -> None:
         self._error = error
+        self.completed_at = time.perf_counter()
         self._event.set()
 
     def done(self) -> bool:
@@ -58,7 +61,7 @@ class Completed(Pending):
         pass  # nothing left to cancel
 
 
-DONE = Completed()
+DONE = Completed()  # its completed_at is meaningless: synchronous callers time the call itself
 
 
 class ClientTransport(abc.ABC):

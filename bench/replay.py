@@ -1,0 +1,289 @@
+#!/usr/bin/env python3
+"""Traffic replay and deadline model: does each Engram layer's read land inside its window?
+
+    python bench/replay.py [--steps 300] [--batches 1,64,256] [--out bench/out]
+
+1. **Traffic**: synthetic chat and agent sessions (a shared system prompt,
+   per-session prompt reuse, Zipfian tokens), hashed to row ids with the real
+   DeepSeek-V4.1 Engram algorithm (tableclient.engram) on demo-sized tables.
+2. **Replay**: per transport and batch size, decode steps issue both layers'
+   gathers at step start while the GPU timeline is simulated: the worker
+   reaches layer 1 at W_1 = 0.3 ms and layer 14 at W_14 = 9.3 ms plus the
+   stall so far, and waits there for the rows. Each step records when each
+   layer's rows were in place (R_1, R_14) and how long the waits held it up.
+3. **Model**: stall_1 = max(R_1 - W_1, 0) + o_1, stall_14 = max(R_14 - (W_14 +
+   stall_1), 0) + o_14, where o is what a wait() costs beyond late rows (GIL
+   and thread hand-offs, measured). E[stall] is estimated by resampling the
+   read times and wait costs of the first half of the steps and compared with
+   the stall measured in the second half (target error <= 10%).
+5. **Recommendation** per layer: the option with the least expected stall,
+   preferring options that keep the table off the serving host when their
+   stall is within 1% of the window: remote read/pack (rdma) > tcp (owner-side
+   gather) > shm (one copy per node) > row cache > local (a copy per process).
+   The row cache's hit rate is measured on the replay's id stream (LRU of 1%
+   of the table).
+
+Writes ``replay.txt`` and ``replay_cdf.png`` (read-time CDFs against the windows)
+into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from tableclient import TableClient  # noqa: E402
+from tableclient.engram import EngramConfig, EngramHasher  # noqa: E402
+from tableclient.step import EngramStep, LayerPlan  # noqa: E402
+from tableserver.demo import DEFAULT_ROWS  # noqa: E402
+from tableserver.demo_run import WINDOWS_S, ensure_demo_file, start_server  # noqa: E402
+
+VOCAB = 50_000
+# A prime search start so each layer's 24 head tables fit a demo table of DEFAULT_ROWS rows.
+ENGRAM = EngramConfig(vocab_size=24_000, compressed_vocab_size=VOCAB)
+PREFERENCE = ["rdma", "tcp", "shm", "cache", "local"]  # fewest table copies on the serving host first
+
+
+class Traffic:
+    """Chat and agent sessions: prompt reuse within a session, Zipfian tokens, a shared system prompt."""
+
+    def __init__(self, batch: int, seed: int = 0):
+        self.rng = np.random.default_rng(seed)
+        self.system = self._zipf(200).tolist()
+        self.templates = [self._zipf(40).tolist() for _ in range(8)]  # agent tool-call scaffolding
+        self.sessions = [self._new() for _ in range(batch)]
+
+    def _zipf(self, n: int) -> np.ndarray:
+        return np.minimum(self.rng.zipf(1.15, size=n), VOCAB - 1)
+
+    def _new(self) -> dict:
+        agent = self.rng.random() < 0.5
+        history = list(self.system) + self._zipf(int(self.rng.integers(20, 200))).tolist()
+        return {"agent": agent, "history": history, "left": int(self.rng.integers(50, 400))}
+
+    def step(self) -> list:
+        """Appends one decoded token to every session; returns the histories."""
+        for i, s in enumerate(self.sessions):
+            if s["left"] <= 0:
+                s = self.sessions[i] = self._new()
+            h = s["history"]
+            if s["agent"] and self.rng.random() < 0.3:  # replaying a template
+                t = self.templates[int(self.rng.integers(len(self.templates)))]
+                tok = t[len(h) % len(t)]
+            elif self.rng.random() < 0.4:  # reusing something said earlier in the session
+                tok = h[int(self.rng.integers(len(h)))]
+            else:
+                tok = int(self._zipf(1)[0])
+            h.append(tok)
+            s["left"] -= 1
+        return [s["history"] for s in self.sessions]
+
+
+def step_ids(hasher: EngramHasher, traffic: Traffic) -> dict:
+    return hasher.by_layer(hasher.step(traffic.step()))
+
+
+def spin_until(t: float) -> None:
+    """Simulated GPU work up to time t: busy like a worker launching kernels, and like CUDA calls it
+    releases the GIL all the time (os.sched_yield: ~0.5 us), so the client's threads make progress."""
+    while time.perf_counter() < t:
+        os.sched_yield()
+
+
+def run_steps(step: EngramStep, hasher, traffic, steps: int) -> np.ndarray:
+    """[steps, 4]: R1, R14 (rows in place after step start), stall1, stall14 (seconds).
+
+    The simulated GPU reaches layer 1 at W1 and layer 14 at W14 plus the stall so far, and waits
+    there; a layer's stall is how long its wait() held the step up.
+    """
+    out = np.zeros((steps, 4))
+    w1, w14 = WINDOWS_S[1], WINDOWS_S[14]
+    for i in range(steps):
+        step.begin_step(step_ids(hasher, traffic))
+        t0 = step._t0
+        spin_until(t0 + w1)
+        g1 = time.perf_counter()
+        step.wait(1)
+        stall1 = time.perf_counter() - g1
+        spin_until(t0 + w14 + stall1)
+        g14 = time.perf_counter()
+        step.wait(14)
+        stall14 = time.perf_counter() - g14
+        out[i] = step.stats[1].arrivals[-1], step.stats[14].arrivals[-1], stall1, stall14
+    return out
+
+
+def wait_overheads(samples: np.ndarray) -> np.ndarray:
+    """[n, 2]: what each wait() cost beyond waiting for late rows (GIL and thread hand-offs)."""
+    late1 = np.maximum(samples[:, 0] - WINDOWS_S[1], 0)
+    late14 = np.maximum(samples[:, 1] - (WINDOWS_S[14] + samples[:, 2]), 0)
+    return np.maximum(np.stack([samples[:, 2] - late1, samples[:, 3] - late14], axis=1), 0)
+
+
+def predict_stall(reads: np.ndarray, overheads: np.ndarray, rng, n: int = 20000) -> float:
+    """E[step stall] from read times [m, 2] and wait costs [m, 2], resampled per step.
+
+    stall1 = max(R1 - W1, 0) + o1; stall14 = max(R14 - (W14 + stall1), 0) + o14.
+    """
+    k = rng.integers(0, len(reads), n)
+    r1, r14 = reads[k, 0], reads[k, 1]
+    o1, o14 = overheads[k, 0], overheads[k, 1]
+    stall1 = np.maximum(r1 - WINDOWS_S[1], 0) + o1
+    stall14 = np.maximum(r14 - (WINDOWS_S[14] + stall1), 0) + o14
+    return float((stall1 + stall14).mean())
+
+
+def layer_stall(samples: np.ndarray, window: float) -> float:
+    return float(np.maximum(samples - window, 0).mean())
+
+
+def lru_hit_rate(id_stream: list, capacity: int) -> float:
+    cache: collections.OrderedDict = collections.OrderedDict()
+    hits = total = 0
+    for ids in id_stream:
+        for r in np.unique(ids).tolist():
+            total += 1
+            if r in cache:
+                hits += 1
+                cache.move_to_end(r)
+            else:
+                cache[r] = True
+                if len(cache) > capacity:
+                    cache.popitem(last=False)
+    return hits / max(total, 1)
+
+
+def local_gather_times(table: np.ndarray, id_stream: list) -> np.ndarray:
+    out = np.empty((id_stream[0].size, table.shape[1]), np.uint8)
+    times = []
+    for ids in id_stream:
+        s = time.perf_counter()
+        np.take(table, ids.reshape(-1), axis=0, out=out[: ids.size])
+        times.append(time.perf_counter() - s)
+    return np.array(times)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--batches", default="1,64,256")
+    ap.add_argument("--transports", default="", help="default: every transport the server offers here")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "out"))
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    os.makedirs(args.out, exist_ok=True)
+    path = ensure_demo_file(DEFAULT_ROWS)
+    hasher = EngramHasher(ENGRAM, np.arange(VOCAB))
+    assert max(hasher.layout.table_rows) <= DEFAULT_ROWS
+    from tableserver.tablefile import read_header
+
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    local = {s.layer: np.array(mm[s.offset:s.offset + s.nbytes]).reshape(s.rows, s.row_bytes)
+             for s in read_header(path).tables}
+    lines, cdf = [], {}
+    rng = np.random.default_rng(7)
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, ready = start_server(path, tmp)
+        try:
+            offered = [t for t in ("rdma", "shm", "tcp") if t in ready]
+            transports = [t for t in args.transports.split(",") if t] or offered
+            plans = [LayerPlan(1, "engram.layer1", WINDOWS_S[1]), LayerPlan(14, "engram.layer14", WINDOWS_S[14])]
+            lines.append(f"replay: {args.steps} decode steps per configuration, windows layer 1 "
+                         f"{WINDOWS_S[1] * 1e3:.1f} ms / layer 14 {WINDOWS_S[14] * 1e3:.1f} ms, transports "
+                         f"{', '.join(transports)}\n")
+            lines.append(f"{'transport':<10}{'batch':>6}{'rows/layer':>11}{'R1 p50 us':>11}{'R1 p99 us':>11}"
+                         f"{'R14 p99 us':>11}{'pred stall us':>14}{'meas stall us':>14}{'error':>9}")
+            results = {}
+            for name in transports:
+                with TableClient(ready["control"], transport=name) as client:
+                    for batch in batches:
+                        step = EngramStep(client, plans, max_tokens=batch)
+                        traffic = Traffic(batch, seed=batch)
+                        run_steps(step, hasher, traffic, 20)  # warm-up
+                        replay = run_steps(step, hasher, traffic, 2 * args.steps)
+                        # Out of sample: read times and wait costs of the first half predict the stall
+                        # measured in the second half.
+                        first, second = replay[: args.steps], replay[args.steps:]
+                        predicted = predict_stall(first[:, :2], wait_overheads(first), rng)
+                        measured = float(second[:, 2:4].sum(axis=1).mean())
+                        err = abs(predicted - measured) / measured
+                        results[(name, batch)] = replay
+                        cdf[(name, batch)] = replay
+                        err_s = f"{err * 100:.1f}%"
+                        lines.append(f"{name:<10}{batch:>6}{batch * 24:>11}{np.percentile(replay[:, 0], 50) * 1e6:>11.0f}"
+                                     f"{np.percentile(replay[:, 0], 99) * 1e6:>11.0f}"
+                                     f"{np.percentile(replay[:, 1], 99) * 1e6:>11.0f}{predicted * 1e6:>14.1f}"
+                                     f"{measured * 1e6:>14.1f}{err_s:>9}")
+            lines.append("\nR = rows in place after step start; stall = how long the step waited on Engram rows (mean "
+                         "per step,\nwait calls included). predicted: by the model from the read times and wait costs "
+                         "of the first\nhalf of the steps; measured: the second half. error = |predicted - measured| / "
+                         "measured")
+            # ---------------------------------------------------------------- recommendation
+            lines.append(f"\nrecommendation per layer (expected stall per step, us; hit rate of an LRU of 1% of the "
+                         f"table measured on the replay ids):")
+            for batch in batches:
+                traffic = Traffic(batch, seed=1000 + batch)
+                stream = [step_ids(hasher, traffic) for _ in range(args.steps)]
+                for layer in (1, 14):
+                    window = WINDOWS_S[layer]
+                    col = 0 if layer == 1 else 1
+                    options = {name: layer_stall(results[(name, batch)][:, col], window)
+                               for name in transports if (name, batch) in results}
+                    ids_stream = [s[layer] for s in stream]
+                    loc = local_gather_times(local[layer], ids_stream)
+                    options["local"] = layer_stall(loc, window)
+                    hit = lru_hit_rate(ids_stream, capacity=local[layer].shape[0] // 100)
+                    remote = min((n for n in options if n in ("rdma", "tcp", "shm")), key=lambda n: options[n],
+                                 default=None)
+                    if remote is not None:  # hits cost a local gather of the hit rows, misses a remote fetch
+                        options["cache"] = hit * layer_stall(loc, window) + (1 - hit) * options[remote]
+                    best = min(options.values())
+                    ok = [n for n in PREFERENCE if n in options and options[n] <= best + 0.01 * window]
+                    pick = ok[0]
+                    shown = "  ".join(f"{n} {options[n] * 1e6:.0f}" for n in PREFERENCE if n in options)
+                    lines.append(f"  batch {batch:>3} layer {layer:>2}: {pick:<6} ({shown}; cache hit rate {hit:.0%})")
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    report = "\n".join(lines)
+    print(report)
+    with open(os.path.join(args.out, "replay.txt"), "w") as f:
+        f.write(report + "\n")
+    _plot(cdf, os.path.join(args.out, "replay_cdf.png"))
+    print(f"\nwrote {os.path.join(args.out, 'replay.txt')} and replay_cdf.png")
+    return 0
+
+
+def _plot(cdf: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, (col, layer) in zip(axes, ((0, 1), (1, 14))):
+        for (name, batch), arr in sorted(cdf.items()):
+            x = np.sort(arr[:, col]) * 1e3
+            ax.plot(x, np.arange(1, len(x) + 1) / len(x), label=f"{name} batch {batch}")
+        ax.axvline(WINDOWS_S[layer] * 1e3, color="k", linestyle="--", label=f"window {WINDOWS_S[layer] * 1e3:g} ms")
+        ax.set_xscale("log")
+        ax.set_xlabel("rows in place after step start (ms, log)")
+        ax.set_ylabel("fraction of steps")
+        ax.set_title(f"Engram layer {layer}: gather latency CDF")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
