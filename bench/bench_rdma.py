@@ -171,7 +171,7 @@ def in_guest() -> None:
                             lat[(n, mode)] = (np.percentile(samples, 50), np.percentile(samples, 99))
         finally:
             d.stop()
-    print(f"\nSoft-RoCE (rxe_lo, QEMU TCG) — same boot, 264-byte rows:")
+    print("\nSoft-RoCE (rxe_lo, QEMU TCG) — same boot, 264-byte rows:")
     print(f"  ib_read_bw        {ib_rate:>12,.0f} READs/s  ({n_ib} messages, 1 QP)")
     for qps, rate in rates.items():
         print(f"  tableserver read  {rate:>12,.0f} rows/s   (gathers of 1,536 distinct rows, {qps} QP{'s' if qps > 1 else ''}): "

@@ -228,8 +228,8 @@ def main() -> int:
                          "of the first\nhalf of the steps; measured: the second half. error = |predicted - measured| / "
                          "measured")
             # ---------------------------------------------------------------- recommendation
-            lines.append(f"\nrecommendation per layer (expected stall per step, us; hit rate of an LRU of 1% of the "
-                         f"table measured on the replay ids):")
+            lines.append("\nrecommendation per layer (expected stall per step, us; hit rate of an LRU of 1% of the "
+                         "table measured on the replay ids):")
             for batch in batches:
                 traffic = Traffic(batch, seed=1000 + batch)
                 stream = [step_ids(hasher, traffic) for _ in range(args.steps)]

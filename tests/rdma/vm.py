@@ -29,8 +29,6 @@ import gzip
 import io
 import os
 import shutil
-import site
-import stat
 import subprocess
 import sys
 import tempfile
