@@ -17,12 +17,12 @@ safetensors layout rules (DeepSeek-V4.1 checkpoints):
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import re
 import struct
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -178,10 +178,8 @@ def _is_hole(fd: int, offset: int, length: int) -> bool:
     """True when [offset, offset + length) of the file holds no data (a sparse hole)."""
     try:
         return os.lseek(fd, offset, os.SEEK_DATA) >= offset + length
-    except OSError:  # ENXIO: no data past offset; EINVAL: SEEK_DATA unsupported (then read it)
-        import errno
-
-        return sys.exc_info()[1].errno == errno.ENXIO
+    except OSError as e:  # ENXIO: no data past offset; EINVAL: SEEK_DATA unsupported (then read it)
+        return e.errno == errno.ENXIO
 
 
 _ZERO_CRCS: dict[int, int] = {}
