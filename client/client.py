@@ -25,13 +25,19 @@ from dataclasses import dataclass
 import grpc
 
 from tableclient.errors import AuthError, ConnectError, TableClientError, TransportUnavailable
+from tableclient.metrics import metrics
 from tableclient.table import GatherHandle, RemoteTable, TableInfo, check_mode
 from tableclient.transports import AUTO_ORDER, KNOWN, transport_class
 from tableclient.transports.shm import local_host_id
+
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.v1 import tableserver_pb2_grpc as pb_grpc
 
 log = logging.getLogger("tableclient")
+
+# Addresses whose session this process lost: the next connect there is a reconnect.
+_lost: set[str] = set()
+_lost_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,7 @@ class TableClient:
         token = token if token is not None else os.environ.get("TABLESERVER_AUTH_TOKEN") or None
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._closed = False
+        self._counted = ""  # transport this client counts in tableserver_client_sessions
         self._transport = None
         self._keepalive_thread = None
         self._keepalive_call = None
@@ -81,6 +88,7 @@ class TableClient:
         self.session_error: BaseException | None = None
         self._channel = self._make_channel(address, tls or bool(tls_ca or tls_cert), tls_ca, tls_cert, tls_key,
                                            tls_server_name)
+        self._metrics = metrics()
         try:
             self._stub = pb_grpc.TableServiceStub(self._channel)
             catalog = self._call(self._stub.GetCatalog, pb.GetCatalogRequest())
@@ -88,9 +96,18 @@ class TableClient:
             self._infos = [TableInfo.from_proto(t) for t in catalog.tables]
             self.tables: dict[str, TableInfo] = {t.name: t for t in self._infos}
             self._connect(transport, client_name)
-        except BaseException:
+        except BaseException as e:
+            if isinstance(e, Exception):
+                self._metrics.error(e)
             self.close()
             raise
+        self._metrics.connects.labels(self.transport).inc()
+        self._metrics.sessions.labels(self.transport).inc()
+        self._counted = self.transport
+        with _lost_lock:
+            if address in _lost:
+                _lost.discard(address)
+                self._metrics.reconnects.inc()
 
     # ----------------------------------------------------------- connecting
     @staticmethod
@@ -177,6 +194,9 @@ class TableClient:
             except grpc.RpcError as e:
                 if not self._stop.is_set():
                     self.session_error = self._rpc_error(e)
+                    self._metrics.session_losses.inc()
+                    with _lost_lock:
+                        _lost.add(self.address)
                     log.warning("tableserver session lost: %s", self.session_error)
 
         self._keepalive_thread = threading.Thread(target=run, name="tableclient-keepalive", daemon=True)
@@ -230,6 +250,9 @@ class TableClient:
         if self._closed:
             return
         self._closed = True
+        if self._counted:
+            self._metrics.sessions.labels(self._counted).dec()
+            self._counted = ""
         if self._transport is not None:
             self._transport.close()
             self._transport = None

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tableclient.errors import TableClientError
+from tableclient.metrics import metrics
 
 log = logging.getLogger("tableclient.step")
 
@@ -88,6 +89,13 @@ class EngramStep:
         self.keep = keep_latencies
         self.tables = {p.layer: client.table(p.table, mode=p.mode) for p in self.plans}
         self.stats = {p.layer: LayerStats() for p in self.plans}
+        m = metrics()
+        # metric children per layer: (waits, deadline misses, zero rows served, fallbacks)
+        self._inst = {p.layer: (m.layer_waits.labels(str(p.layer)), m.deadline_misses.labels(str(p.layer)),
+                                m.zero_rows.labels(str(p.layer)), m.fallbacks.labels(str(p.layer)))
+                      for p in self.plans}
+        for p in self.plans:
+            m.window.labels(str(p.layer)).set(p.window_s)
         self._torch = _torch()
         cuda = self._torch is not None and self._torch.cuda.is_available()
         pin = cuda if pin is None else pin
@@ -152,11 +160,14 @@ class EngramStep:
         elapsed = now - self._t0
         done_at = getattr(handle, "completed_at", 0.0)
         stats.steps += 1
+        inst = self._inst[layer]
+        inst[0].inc()
         if len(stats.latencies) < self.keep:
             stats.latencies.append(elapsed)
             stats.arrivals.append((done_at if self._t0 < done_at <= now else now) - self._t0)
         if elapsed > self._plan(layer).window_s:
             stats.deadline_misses += 1
+            inst[1].inc()
         return self.staging[layer][: self._tokens]
 
     def wait_to_device(self, layer: int):
@@ -182,12 +193,14 @@ class EngramStep:
         if self.policy == "zeros":
             view.fill(0)
             stats.zeros_served += 1
+            self._inst[layer][2].inc()
             if stats.zeros_served in (1, 10, 100) or stats.zeros_served % 1000 == 0:
                 log.warning("layer %d: serving zero rows (%d times so far): %s", layer, stats.zeros_served, error)
             return
         plan = self._plan(layer)
         self.fallback.table(plan.table, mode=plan.mode).gather(self._ids[layer], out=view, timeout=self.timeout)
         stats.fallbacks += 1
+        self._inst[layer][3].inc()
 
     def summary(self) -> dict:
         return {layer: s.summary() for layer, s in self.stats.items()}

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tableclient.errors import GatherTimeout
+from tableclient.metrics import metrics
 from tableclient.rowids import dedup, prepare_out, to_row_ids
 
 
@@ -40,13 +41,15 @@ class TableInfo:
 class GatherHandle:
     """One gather in flight. ``wait`` returns its rows; ``cancel`` abandons it."""
 
-    __slots__ = ("_pendings", "_result", "_finish", "rows")
+    __slots__ = ("_pendings", "_result", "_finish", "rows", "_t0", "_latency")
 
-    def __init__(self, pendings: list, result, finish=None, rows: int = 0):
+    def __init__(self, pendings: list, result, finish=None, rows: int = 0, t0: float = 0.0, latency=None):
         self._pendings = pendings
         self._result = result
         self._finish = finish
         self.rows = rows
+        self._t0 = t0  # perf_counter() at issue
+        self._latency = latency  # histogram child, observed once on the first successful wait
 
     def done(self) -> bool:
         return all(p.done() for p in self._pendings)
@@ -61,19 +64,34 @@ class GatherHandle:
 
         A timed-out handle stays valid: wait again or cancel it.
         """
-        if timeout is None:
-            for p in self._pendings:
-                p.wait()
-        else:
-            deadline = time.monotonic() + timeout
-            for p in self._pendings:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 and not p.done():
-                    raise GatherTimeout(f"gather of {self.rows} rows not complete after {timeout * 1e3:.3f} ms")
-                p.wait(max(remaining, 0.0))
+        try:
+            if timeout is None:
+                for p in self._pendings:
+                    p.wait()
+            else:
+                deadline = time.monotonic() + timeout
+                for p in self._pendings:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 and not p.done():
+                        raise GatherTimeout(f"gather of {self.rows} rows not complete after {timeout * 1e3:.3f} ms")
+                    p.wait(max(remaining, 0.0))
+        except Exception as e:
+            if self._latency is not None:
+                metrics().error(e)
+            raise
+        finish_s = 0.0
         if self._finish is not None:
+            f0 = time.perf_counter()
             self._finish()
             self._finish = None
+            finish_s = time.perf_counter() - f0
+        if self._latency is not None:
+            # Rows were in place when the last request completed (plus the
+            # duplicate expansion), not when the caller came to wait for them.
+            latency, self._latency = self._latency, None
+            now = time.perf_counter()
+            done = self.completed_at
+            latency.observe((done + finish_s if self._t0 < done <= now else now) - self._t0)
         return self._result
 
     def cancel(self) -> None:
@@ -103,6 +121,7 @@ class RemoteTable:
         self._client = client
         self.info = info
         self.mode = check_mode(mode)
+        self._inst: dict[tuple, tuple] = {}  # (transport, mode) -> metric children
 
     name = property(lambda self: self.info.name)
     rows = property(lambda self: self.info.rows)
@@ -122,6 +141,7 @@ class RemoteTable:
         return self._submit(row_ids, out, False, mode)
 
     def _submit(self, row_ids, out, sync: bool, mode: str | None) -> GatherHandle:
+        t0 = time.perf_counter()
         mode = check_mode(mode) if mode is not None else self.mode
         info = self.info
         ids, torch_in = to_row_ids(row_ids, info.rows, info.name)
@@ -131,14 +151,36 @@ class RemoteTable:
         if flat_ids.size == 0:
             return GatherHandle([], result)
         transport = self._client._data_transport()
-        if transport.dedups:
-            unique, inverse = dedup(flat_ids)
-            if inverse is not None:
-                scratch = np.empty((unique.size, info.row_bytes), dtype=np.uint8)
-                pendings = self._post(transport, unique, scratch, sync, mode)
-                return GatherHandle(pendings, result,
-                                    lambda: np.take(scratch, inverse, axis=0, out=flat_out), flat_ids.size)
-        return GatherHandle(self._post(transport, flat_ids, flat_out, sync, mode), result, None, flat_ids.size)
+        latency, rows, unique_rows, nbytes = self._instruments(transport.name,
+                                                               mode if mode in transport.modes else "read")
+        rows.inc(flat_ids.size)
+        try:
+            if transport.dedups:
+                unique, inverse = dedup(flat_ids)
+                if inverse is not None:
+                    unique_rows.inc(unique.size)
+                    nbytes.inc(unique.size * info.row_bytes)
+                    scratch = np.empty((unique.size, info.row_bytes), dtype=np.uint8)
+                    pendings = self._post(transport, unique, scratch, sync, mode)
+                    return GatherHandle(pendings, result, lambda: np.take(scratch, inverse, axis=0, out=flat_out),
+                                        flat_ids.size, t0, latency)
+            unique_rows.inc(flat_ids.size)
+            nbytes.inc(flat_out.nbytes)
+            return GatherHandle(self._post(transport, flat_ids, flat_out, sync, mode), result, None, flat_ids.size,
+                                t0, latency)
+        except Exception as e:
+            metrics().error(e)
+            raise
+
+    def _instruments(self, transport: str, mode: str) -> tuple:
+        """Metric children of (transport, mode), made once per table (labels() costs microseconds)."""
+        inst = self._inst.get((transport, mode))
+        if inst is None:
+            m, name, layer = metrics(), self.info.name, str(self.info.layer)
+            inst = self._inst[(transport, mode)] = (
+                m.gather_latency.labels(name, layer, transport, mode), m.rows.labels(name, layer, transport),
+                m.unique_rows.labels(name, layer, transport), m.bytes.labels(name, layer, transport))
+        return inst
 
     def _post(self, transport, ids: np.ndarray, out: np.ndarray, sync: bool, mode: str) -> list:
         step = min(self._client.max_rows_per_request, transport.request_rows(mode) or 1 << 62)

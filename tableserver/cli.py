@@ -5,6 +5,7 @@
     tableserver pack OUT IN.safetensors [...]       build a table file from safetensors
     tableserver inspect FILE                        print a file's catalog, verify checksums
     tableserver demo                                demo table + server + client replay
+    tableserver dashboard check|render --prometheus URL   check / draw the Grafana dashboard's queries
 
 User errors print one line (``tableserver: error: ...``) and exit non-zero,
 without a traceback.
@@ -18,21 +19,11 @@ import os
 import sys
 import time
 
-from tableserver import __version__
+from tableserver import __version__, logs
 from tableserver.errors import ConfigError, TableServerError
 
-COMMANDS = ("serve", "gen-demo", "pack", "inspect", "demo")
+COMMANDS = ("serve", "gen-demo", "pack", "inspect", "demo", "dashboard")
 log = logging.getLogger("tableserver")
-
-
-def setup_logging(level: str = "info") -> None:
-    """CLI only: library code never configures the root logger."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s tableserver[%(process)d] %(levelname)s %(name)s: "
-                                           "%(message)s", datefmt="%Y-%m-%dT%H:%M:%S"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
 
 
 class _Parser(argparse.ArgumentParser):
@@ -74,6 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--batch", type=_positive_int, default=64, help="tokens per step (default 64)")
     d.add_argument("--transports", default="shm,tcp", help="transports to replay over (default shm,tcp)")
     d.add_argument("--table", default="", help="table file to use (default: generated in ~/.cache/tableserver)")
+
+    b = sub.add_parser("dashboard", help="check or render the Grafana dashboard's queries against a Prometheus")
+    b.add_argument("action", choices=("check", "render"), help="check: every panel query returns data; render: "
+                   "draw the main panels to a PNG (needs matplotlib)")
+    b.add_argument("--prometheus", default="http://127.0.0.1:9090", help="Prometheus URL (default %(default)s)")
+    b.add_argument("--dashboard", default="", help="dashboard JSON (default deploy/grafana/dashboards/tableserver.json)")
+    b.add_argument("--rate-interval", default="1m", help="what $__rate_interval stands for (default %(default)s)")
+    b.add_argument("--out", default="dashboard.png", help="render: PNG to write (default %(default)s)")
+    b.add_argument("--minutes", type=float, default=15.0, help="render: time span to draw (default %(default)s)")
     return p
 
 
@@ -95,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if args.command == "serve":
             return _serve(args)
-        setup_logging("info")
-        return {"gen-demo": _gen_demo, "pack": _pack, "inspect": _inspect, "demo": _demo}[args.command](args)
+        logs.setup("info")
+        return {"gen-demo": _gen_demo, "pack": _pack, "inspect": _inspect, "demo": _demo,
+                "dashboard": _dashboard}[args.command](args)
     except TableServerError as e:
         print(f"tableserver: error: {e}", file=sys.stderr)
         return e.exit_code
@@ -110,7 +111,7 @@ def _serve(args) -> int:
     from tableserver.server import serve
 
     cfg = resolve(args)
-    setup_logging(cfg["log_level"])
+    logs.setup(cfg["log_level"], cfg["log_format"])
     return serve(cfg)
 
 
@@ -159,3 +160,24 @@ def _demo(args) -> int:
 
     return run_demo(rows=args.rows, steps=args.steps, batch=args.batch,
                     transports=[t for t in args.transports.split(",") if t], table=args.table or None)
+
+
+def _dashboard(args) -> int:
+    from tableserver import dashboard
+
+    path = args.dashboard or dashboard.DEFAULT_DASHBOARD
+    if not os.path.exists(path):
+        raise ConfigError(f"dashboard {path} not found: pass --dashboard deploy/grafana/dashboards/tableserver.json")
+    prom = dashboard.Prometheus(args.prometheus)
+    if not prom.ready():
+        raise ConfigError(f"no Prometheus ready at {args.prometheus}: start one (deploy/monitoring) or fix --prometheus")
+    if args.action == "render":
+        _writable_target(args.out)
+        print(dashboard.render(prom, args.out, path=path, minutes=args.minutes, rate_interval=args.rate_interval))
+        return 0
+    targets = dashboard.load_targets(path)
+    problems = dashboard.check(prom, path, args.rate_interval)
+    for t, why in problems:
+        print(f"NO DATA  {t.panel}: {t.expr}\n         {why}")
+    print(f"{len(targets) - len(problems)} of {len(targets)} dashboard queries return data")
+    return 1 if problems else 0

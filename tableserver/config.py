@@ -76,7 +76,13 @@ SERVE_OPTIONS = (
     Option("ready_file", "str", "", "write a JSON file with the bound addresses once SERVING", metavar="PATH"),
     Option("progress", "choice", "auto", "load progress on stderr", choices=("auto", "always", "never")),
     Option("load_workers", "int", 0, "threads that load tables (0 = min(8, cores))", metavar="N"),
+    Option("metrics_port", "str", "", "Prometheus /metrics port (default: control port + 2; 0 = any free "
+           "port; off = no endpoint)", metavar="PORT|off"),
+    Option("metrics_host", "str", "", "address the /metrics endpoint binds (default: the --listen host)",
+           metavar="HOST"),
     Option("log_level", "choice", "info", "log level", choices=("debug", "info", "warning", "error")),
+    Option("log_format", "choice", "text", "log lines as text (`tableserver[pid] LEVEL logger: message "
+           "key=value`) or json (one object per line)", choices=("text", "json")),
 )
 
 

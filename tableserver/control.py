@@ -30,8 +30,9 @@ SERVICE_NAME = "tableserver.v1.TableService"
 class ServerState:
     """What the control plane answers from; filled in as the server starts."""
 
-    def __init__(self, sessions: SessionRegistry, transports: dict, max_rows: int, host_id: str):
+    def __init__(self, sessions: SessionRegistry, transports: dict, max_rows: int, host_id: str, metrics=None):
         self.sessions = sessions
+        self.metrics = metrics
         self.transports = transports  # name -> ServerTransport, in server preference order
         self.tables = None  # TableSet once loaded
         self.max_rows = max_rows
@@ -78,6 +79,8 @@ class TableService(pb_grpc.TableServiceServicer):
                                 f"server (enabled: {', '.join(state.transports)})")
         session = state.sessions.open(client_name=request.client_name, hostname=request.hostname,
                                       pid=request.pid, peer=context.peer(), transports=tuple(granted))
+        if state.metrics is not None:
+            state.metrics.sessions_opened.inc()
         try:
             offers = [o for o in (state.transports[t].offer(session, request) for t in granted) if o is not None]
         except Exception as e:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tableserver.errors import TableFileError
+from tableserver.logs import kv
 from tableserver.memory import PinnedRegion, plan_memory
 from tableserver.progress import Progress, human_bytes
 from tableserver.sources import open_source
@@ -113,7 +114,8 @@ def load_tables(paths: list[str], *, hugepages: str = "auto", lock: bool = True,
     if not entries:
         raise TableFileError(f"{', '.join(paths)}: no tables found: pack some with `tableserver pack`")
     plan = plan_memory([s.nbytes for _, s in entries], hugepages=hugepages, lock=lock)
-    log.info("memory plan: %s for %d tables", plan.describe(), len(entries))
+    log.info("memory plan: %s for %d tables", plan.describe(), len(entries),
+             extra=kv(event="memory_plan", tables=len(entries), plan=plan.describe()))
     total = sum(s.nbytes for _, s in entries)
     bar = Progress(total, "loading tables", mode=progress)
 
@@ -138,7 +140,10 @@ def load_tables(paths: list[str], *, hugepages: str = "auto", lock: bool = True,
                 region.seal()
                 log.info("table %s: %d rows x %d B = %s, layer %d, %s, checksum %s%s",
                          spec.name, spec.rows, spec.row_bytes, human_bytes(spec.nbytes), spec.layer,
-                         region.kind, tables[-1].checksum or "-", "" if verify else " (not verified)")
+                         region.kind, tables[-1].checksum or "-", "" if verify else " (not verified)",
+                         extra=kv(event="table_loaded", table=spec.name, layer=spec.layer, rows=spec.rows,
+                                  row_bytes=spec.row_bytes, bytes=spec.nbytes, memory=region.kind,
+                                  page_size=region.page_size, verified=verify))
     except BaseException:
         for t in tables:
             t.region.close()
@@ -147,5 +152,6 @@ def load_tables(paths: list[str], *, hugepages: str = "auto", lock: bool = True,
         bar.finish()
     elapsed = time.monotonic() - t0
     log.info("loaded %d tables, %s in %.2f s (%s/s)", len(tables), human_bytes(total), elapsed,
-             human_bytes(total / max(elapsed, 1e-9)))
+             human_bytes(total / max(elapsed, 1e-9)),
+             extra=kv(event="tables_loaded", tables=len(tables), bytes=total, seconds=round(elapsed, 3)))
     return TableSet(tables, elapsed)

@@ -26,11 +26,13 @@ import time
 
 from tableserver.auth import TokenAuthInterceptor, load_token, server_credentials
 from tableserver.control import ServerState, is_loopback, set_serving, start_control_plane
-from tableserver.errors import ConfigError, TableServerError
+from tableserver.errors import ConfigError, ListenError, TableServerError
 from tableserver.loader import load_tables
+from tableserver.logs import kv
+from tableserver.metrics import MetricsInterceptor, ServerMetrics
 from tableserver.progress import human_bytes
-from tableserver.sessions import SessionRegistry
 from tableserver.rdma import RdmaUnavailable
+from tableserver.sessions import SessionRegistry
 from tableserver.transports import AUTO, KNOWN, transport_class
 from tableserver.transports.shm import host_id
 from tableserver.transports.tcp import parse_hostport
@@ -62,6 +64,10 @@ class TableServer:
                             if cfg["tls_cert"] or cfg["tls_key"] or cfg["tls_client_ca"] else None)
         if cfg["max_rows_per_request"] < 1:
             raise ConfigError("--max-rows-per-request must be at least 1")
+        self.metrics_host = cfg.get("metrics_host") or self.host
+        self.metrics_port = _metrics_port(cfg.get("metrics_port", ""), self.port)
+        self.metrics = ServerMetrics()
+        self.metrics.bind(self)
         self.sessions: SessionRegistry | None = None
         self.transports: dict = {}
         self.tables = None
@@ -79,13 +85,18 @@ class TableServer:
             loop.add_signal_handler(sig, self.request_stop, sig)
         cfg = self.cfg
         self.sessions = SessionRegistry(cfg["lease_seconds"])
+        self.sessions.add_listener(self.metrics.session_ended)
         grpc_server = None
         try:
-            self.state = ServerState(self.sessions, self.transports, cfg["max_rows_per_request"], host_id())
-            interceptors = [TokenAuthInterceptor(self.token)] if self.token else []
+            self.state = ServerState(self.sessions, self.transports, cfg["max_rows_per_request"], host_id(),
+                                     self.metrics)
+            # metrics first: it also counts the calls the token check refuses
+            interceptors = [MetricsInterceptor(self.metrics)] + ([TokenAuthInterceptor(self.token)]
+                                                                 if self.token else [])
             grpc_server, health, self.port = await start_control_plane(
                 self.state, self.host, self.port, credentials=self.credentials, interceptors=interceptors)
             self._bind_transports()
+            self._start_metrics()
             self._warn_if_exposed()
             log.info("control plane on %s:%d (%s%s), health NOT_SERVING while loading", self.host, self.port,
                      "TLS" if self.credentials else "plaintext", ", token auth" if self.token else "")
@@ -115,6 +126,7 @@ class TableServer:
             self.sessions.close_all()
             for t in self.transports.values():
                 t.close()
+            self.metrics.close()
             if self.tables is not None:
                 self.tables.close()
             if cfg["ready_file"]:
@@ -134,7 +146,7 @@ class TableServer:
             tcp = parse_hostport(cfg["tcp_listen"], "--tcp-listen")
         else:
             tcp = (self.host, self.port + 1 if parse_hostport(cfg["listen"], "--listen")[1] else 0)
-        options = dict(cfg, tcp_listen=tcp, control_port=self.port)
+        options = dict(cfg, tcp_listen=tcp, control_port=self.port, metrics=self.metrics)
         for name in self.transport_names:
             try:
                 t = transport_class(name)(self.sessions, options)
@@ -145,6 +157,19 @@ class TableServer:
                 log.info("transports auto: no rdma (%s)", e)
                 continue
             self.transports[name] = t
+
+    def _start_metrics(self) -> None:
+        """/metrics from the start, so a scrape sees the load (tableserver_serving 0) too."""
+        if self.metrics_port is None:
+            return
+        try:
+            self.metrics_port = self.metrics.serve(self.metrics_host, self.metrics_port)
+        except OSError as e:
+            raise ListenError(f"cannot serve metrics on {self.metrics_host}:{self.metrics_port} ({e.strerror}): "
+                              "pass --metrics-port PORT (0 picks a free port, off disables it)",
+                              errno=e.errno) from None
+        log.info("metrics on http://%s:%d/metrics", self.metrics_host, self.metrics_port,
+                 extra=kv(event="metrics", address=f"{self.metrics_host}:{self.metrics_port}"))
 
     def _warn_if_exposed(self) -> None:
         if not is_loopback(self.host) and self.credentials is None:
@@ -169,13 +194,29 @@ class TableServer:
         endpoints = {"control": f"{self.host}:{self.port}"}
         for name, t in self.transports.items():
             endpoints[name] = t.describe().split(" ", 1)[1]
+        if self.metrics_port is not None:
+            endpoints["metrics"] = f"{self.metrics_host}:{self.metrics_port}"
         log.info("SERVING %d tables (%s) in %.2f s: %s", len(self.tables), human_bytes(self.tables.nbytes),
-                 self.time_to_serving, ", ".join(f"{k} {v}" for k, v in endpoints.items()))
+                 self.time_to_serving, ", ".join(f"{k} {v}" for k, v in endpoints.items()),
+                 extra=kv(event="serving", tables=len(self.tables), bytes=self.tables.nbytes,
+                          time_to_serving_s=round(self.time_to_serving, 3), **endpoints))
         if cfg["ready_file"]:
             doc = dict(endpoints, pid=os.getpid(), tables=[t.name for t in self.tables],
                        time_to_serving_s=self.time_to_serving)
             _write_atomic(cfg["ready_file"], json.dumps(doc, indent=1))
         sd_notify(f"READY=1\nSTATUS=serving {len(self.tables)} tables")
+
+
+def _metrics_port(value: str, control_port: int) -> int | None:
+    """--metrics-port: '' = control port + 2 (any free port when the control port is), 'off' = None."""
+    value = str(value).strip().lower()
+    if value in ("off", "none", "-1"):
+        return None
+    if value == "":
+        return control_port + 2 if control_port else 0
+    if not value.isdigit() or int(value) > 65535:
+        raise ConfigError(f"--metrics-port {value!r}: expected a port number 0..65535 or off")
+    return int(value)
 
 
 def sd_notify(message: str) -> None:

@@ -12,9 +12,6 @@ resources in :meth:`release`, and frees everything in :meth:`close`
 from __future__ import annotations
 
 import abc
-import logging
-import threading
-import time
 
 from tableserver.sessions import Session, SessionRegistry
 from tableserver.v1 import tableserver_pb2 as pb
@@ -27,6 +24,12 @@ class ServerTransport(abc.ABC):
         self.sessions = sessions
         self.options = options
         self.tables = None  # TableSet, set by start()
+        metrics = options.get("metrics")
+        if metrics is None:
+            from tableserver.metrics import ServerMetrics
+
+            metrics = ServerMetrics()  # a private registry: a transport used on its own (tests)
+        self.metrics = metrics
 
     @abc.abstractmethod
     def bind(self) -> None:
@@ -43,6 +46,10 @@ class ServerTransport(abc.ABC):
     def release(self, session: Session) -> None:
         """Frees what ``session`` holds in this transport (connections, QPs)."""
 
+    def active_sessions(self) -> int:
+        """Sessions attached to this transport now (tableserver_sessions{transport})."""
+        return 0
+
     @abc.abstractmethod
     def close(self) -> None:
         """Stops serving and frees everything. Idempotent."""
@@ -55,26 +62,3 @@ class ServerTransport(abc.ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-class RateLimitedLog:
-    """Logs at most one message per ``interval`` per key (hot-path errors)."""
-
-    def __init__(self, logger: logging.Logger, interval: float = 5.0):
-        self.logger = logger
-        self.interval = interval
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def warning(self, key: str, msg: str, *args) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last.get(key, -1e9) < self.interval:
-                self._suppressed[key] = self._suppressed.get(key, 0) + 1
-                return
-            self._last[key] = now
-            suppressed = self._suppressed.pop(key, 0)
-        if suppressed:
-            msg += f" ({suppressed} similar suppressed)"
-        self.logger.warning(msg, *args)

@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tableserver.logs import RateLimitedLog
 from tableserver.rdma import Device, QpInfo, RdmaUnavailable, RegisteredBuffer, connect_rc_qp, create_rc_qp, verbs
 from tableserver.sessions import Session
-from tableserver.transports.base import RateLimitedLog, ServerTransport
+from tableserver.transports.base import ServerTransport
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.wire import (
     PACK_ERROR, PACK_ERROR_MAGIC, PACK_REPLY_BYTES, PACK_REQUEST, PACK_REQUEST_MAGIC, ROW_ID_BYTES, Status,
@@ -106,6 +107,7 @@ class RdmaTransport(ServerTransport):
         self._packer: threading.Thread | None = None
         self._closed = False
         self._ratelog = RateLimitedLog(log)
+        self._inst: dict[int, tuple] = {}
         self.register_seconds = 0.0
 
     # ---------------------------------------------------------------- lifecycle
@@ -120,6 +122,9 @@ class RdmaTransport(ServerTransport):
     def start(self, tables) -> None:
         """Registers every table read-only before the server reports SERVING."""
         self.tables = tables
+        if self.pack_max_rows:
+            for t in tables:  # series exist from 0, so rate() counts the first requests
+                self._instruments(t.index)
         e = verbs().e
         jobs = []
         for t in tables:
@@ -206,6 +211,10 @@ class RdmaTransport(ServerTransport):
             s.close()
             log.info("rdma: session %s: destroyed %d QPs", session.label, len(s.qps))
 
+    def active_sessions(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
     def session_qps(self) -> int:
         with self._lock:
             return sum(len(s.qps) for s in self._sessions.values())
@@ -242,6 +251,7 @@ class RdmaTransport(ServerTransport):
                     try:
                         busy |= self._poll_session(s)
                     except Exception as e:  # a broken session must not stop the others
+                        self.metrics.error("qp_error")
                         self._ratelog.warning("pack", "rdma: session %s pack error: %s", s.session.label, e)
             if busy:
                 idle = 0
@@ -254,6 +264,7 @@ class RdmaTransport(ServerTransport):
         n, wcs = s.cq.poll(16)
         for wc in wcs[:n]:
             if wc.status != e.IBV_WC_SUCCESS:
+                self.metrics.error("qp_error")
                 self._ratelog.warning("wc", "rdma: session %s: completion error status %d opcode %d", s.session.label,
                                       wc.status, wc.opcode)
                 continue
@@ -295,6 +306,7 @@ class RdmaTransport(ServerTransport):
                 if lo < 0 or hi >= table.rows:
                     raise _Refuse(Status.ROW_OUT_OF_RANGE, f"row id {lo if lo < 0 else hi} out of range for "
                                                            f"table {table.name!r} (0..{table.rows - 1})")
+            start = time.perf_counter()
             nbytes = count * table.row_bytes
             rows = s.staging.array[:nbytes].reshape(count, table.row_bytes)
             np.take(table.data, ids, axis=0, out=rows, mode="clip")
@@ -303,7 +315,12 @@ class RdmaTransport(ServerTransport):
                              imm_data=request_id, send_flags=e.IBV_SEND_SIGNALED)
             wr.set_wr_rdma(rkey, dest)
             self._post_and_wait(s, qp, wr)
+            latency, nrows, nbytes_total = self._instruments(table_index)
+            latency.observe(time.perf_counter() - start)
+            nrows.inc(count)
+            nbytes_total.inc(nbytes)
         except _Refuse as r:
+            self.metrics.refused(r.status)
             self._ratelog.warning(r.status.name, "rdma: session %s pack request refused: %s", s.session.label, r)
             msg = str(r).encode()[: PACK_REPLY_BYTES - PACK_ERROR.size]
             body = PACK_ERROR.pack(PACK_ERROR_MAGIC, request_id, r.status, len(msg)) + msg
@@ -313,6 +330,12 @@ class RdmaTransport(ServerTransport):
                                                    send_flags=e.IBV_SEND_SIGNALED))
         finally:
             qp.post_recv(s.recv_wrs[k])  # the receive buffer is free again
+
+    def _instruments(self, table_index: int):
+        inst = self._inst.get(table_index)
+        if inst is None:
+            inst = self._inst[table_index] = self.metrics.gather_op("rdma", "pack", self.tables[table_index].name)
+        return inst
 
     def _post_and_wait(self, s: _SessionQPs, qp, wr, timeout: float = 5.0) -> None:
         """Posts ``wr`` and polls until it completes; receives seen meanwhile are served after."""

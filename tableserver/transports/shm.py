@@ -24,6 +24,7 @@ import stat
 import threading
 
 from tableserver.errors import ListenError
+from tableserver.logs import RateLimitedLog
 from tableserver.sessions import Session
 from tableserver.transports.base import ServerTransport
 from tableserver.transports.tcp import _shutdown
@@ -69,6 +70,7 @@ class ShmTransport(ServerTransport):
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._closed = False
+        self._ratelog = RateLimitedLog(log)
 
     def bind(self) -> None:
         if not self.path:
@@ -102,6 +104,10 @@ class ShmTransport(ServerTransport):
             conns = [c for c, s in self._conns.items() if s is session]
         for c in conns:
             _shutdown(c)
+
+    def active_sessions(self) -> int:
+        with self._lock:
+            return len({id(s) for s in self._conns.values() if s is not None})
 
     def close(self) -> None:
         if self._closed:
@@ -178,7 +184,8 @@ class ShmTransport(ServerTransport):
 
     def _refuse(self, conn: socket.socket, req_id: int, status: Status, message: str) -> None:
         body = message.encode()
-        log.warning("shm: refused a connection: %s", message)
+        self.metrics.refused(status)
+        self._ratelog.warning(status.name, "shm: refused a connection: %s", message)
         try:
             conn.send(response_header(FrameType.HELLO, status, req_id, 0, len(body)) + body)
         except OSError:

@@ -17,12 +17,14 @@ import errno
 import logging
 import socket
 import threading
+import time
 
 import numpy as np
 
 from tableserver.errors import ListenError
+from tableserver.logs import RateLimitedLog
 from tableserver.sessions import Session
-from tableserver.transports.base import RateLimitedLog, ServerTransport
+from tableserver.transports.base import ServerTransport
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.wire import (
     FATAL, HEADER, HEADER_BYTES, HELLO_BYTES, REQUEST_MAGIC, SESSION_ID_BYTES, FrameType, Status,
@@ -84,6 +86,7 @@ class TcpTransport(ServerTransport):
         self._threads: list[threading.Thread] = []
         self._closed = False
         self._ratelog = RateLimitedLog(log)
+        self._inst: dict[int, tuple] = {}
 
     # -- lifecycle
     def bind(self) -> None:
@@ -92,6 +95,8 @@ class TcpTransport(ServerTransport):
 
     def start(self, tables) -> None:
         self.tables = tables
+        for t in tables:  # series exist from 0, so rate() counts the first requests
+            self._instruments(t.index)
         t = threading.Thread(target=self._accept_loop, name="tableserver-tcp-accept", daemon=True)
         t.start()
         self._threads.append(t)
@@ -128,6 +133,10 @@ class TcpTransport(ServerTransport):
     def connections(self) -> int:
         with self._lock:
             return len(self._conns)
+
+    def active_sessions(self) -> int:
+        with self._lock:
+            return len({id(s) for s in self._conns.values() if s is not None})
 
     # -- serving
     def _accept_loop(self) -> None:
@@ -175,9 +184,15 @@ class TcpTransport(ServerTransport):
                                            f"{self.max_rows}: split the gather")
                     ids = buffers.ids(count)
                     recv_exact(conn, memoryview(ids).cast("B"))
+                    start = time.perf_counter()
                     rows = self._gather(table_index, ids, buffers)
                     send_all(conn, [response_header(ftype, Status.OK, req_id, rows.shape[1], count), rows])
+                    latency, nrows, nbytes = self._instruments(table_index)
+                    latency.observe(time.perf_counter() - start)
+                    nrows.inc(count)
+                    nbytes.inc(rows.nbytes)
                 except RequestError as e:
+                    self.metrics.refused(e.status)
                     msg = str(e).encode()
                     self._ratelog.warning(f"{e.status.name}", "tcp %s: %s: %s", peer, e.status.name, e)
                     send_all(conn, [response_header(ftype, e.status, req_id, 0, len(msg)), msg])
@@ -186,13 +201,22 @@ class TcpTransport(ServerTransport):
                         return
         except (ConnectionError, OSError) as e:
             if not self._closed:
-                log.info("tcp %s: connection ended mid-request (%s)", peer, e)
+                self.metrics.error("disconnect")
+                self._ratelog.info("disconnect", "tcp %s: connection ended mid-request (%s)", peer, e)
         except Exception:
+            self.metrics.error("internal")
             log.exception("tcp %s: internal error; closing this connection", peer)
         finally:
             with self._lock:
                 self._conns.pop(conn, None)
             conn.close()
+
+    def _instruments(self, table_index: int):
+        """Per-table metric children, made once (labels() is too slow for every request)."""
+        inst = self._inst.get(table_index)
+        if inst is None:
+            inst = self._inst[table_index] = self.metrics.gather_op("tcp", "gather", self.tables[table_index].name)
+        return inst
 
     def _hello(self, conn: socket.socket, count: int) -> Session:
         if count != HELLO_BYTES:

@@ -1,0 +1,140 @@
+"""Prometheus metrics of the client library (``tableserver_client_*``).
+
+Library rules (docs/DESIGN.md, "Observability"):
+
+* metrics are created lazily, on the first :class:`~tableclient.TableClient`,
+  in prometheus_client's default registry, so a host process that already
+  exposes metrics (SGLang does) exports ours with its own;
+* inside SGLang prometheus_client runs in **multiprocess mode**
+  (``PROMETHEUS_MULTIPROC_DIR``): every worker writes its values to files and
+  the host's exporter aggregates them. Gauges therefore say how to aggregate
+  (``multiprocess_mode``), and this library **never starts an HTTP server**
+  on its own. A standalone client calls :func:`start_http_server` explicitly
+  (it aggregates the multiprocess directory when one is set);
+* labels stay low-cardinality: table, layer, transport, mode, reason.
+
+Latency buckets default to 2 us .. ~0.5 s (exponential, x2); override them
+with ``TABLESERVER_CLIENT_LATENCY_BUCKETS="0.00001,0.0001,..."`` (seconds)
+before the first client is created.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+#: exponential latency buckets, 2 us .. ~0.5 s
+DEFAULT_BUCKETS = tuple(2e-6 * 2 ** k for k in range(19))
+BUCKETS_ENV = "TABLESERVER_CLIENT_LATENCY_BUCKETS"
+#: error reasons (label values of tableserver_client_errors_total), all exported from the start
+ERROR_REASONS = ("timeout", "remote", "transport", "connect", "auth", "other")
+
+
+def latency_buckets(environ=None) -> tuple[float, ...]:
+    """The histogram buckets: ``TABLESERVER_CLIENT_LATENCY_BUCKETS`` or the default."""
+    value = (os.environ if environ is None else environ).get(BUCKETS_ENV, "").strip()
+    if not value:
+        return DEFAULT_BUCKETS
+    try:
+        buckets = tuple(sorted(float(x) for x in value.split(",") if x.strip()))
+    except ValueError:
+        raise ValueError(f"{BUCKETS_ENV}={value!r}: expected comma-separated seconds, e.g. "
+                         "0.00001,0.0001,0.001") from None
+    if not buckets or buckets[0] <= 0:
+        raise ValueError(f"{BUCKETS_ENV}={value!r}: expected positive bucket bounds in seconds")
+    return buckets
+
+
+class ClientMetrics:
+    """Every client metric, in one registry (the default one unless given)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, buckets: tuple[float, ...] | None = None):
+        r = registry if registry is not None else REGISTRY
+        self.gather_latency = Histogram(
+            "tableserver_client_gather_duration_seconds", "Time from issuing a gather to its rows being in "
+            "place in the caller's buffer.", ["table", "layer", "transport", "mode"],
+            buckets=buckets or latency_buckets(), registry=r)
+        self.rows = Counter("tableserver_client_rows_total", "Row ids gathered (duplicates included).",
+                            ["table", "layer", "transport"], registry=r)
+        self.unique_rows = Counter("tableserver_client_unique_rows_total", "Distinct rows fetched from the server "
+                                   "(rows_total minus duplicates a gather fetched once).",
+                                   ["table", "layer", "transport"], registry=r)
+        self.bytes = Counter("tableserver_client_read_bytes_total", "Row bytes fetched from the server.",
+                             ["table", "layer", "transport"], registry=r)
+        self.layer_waits = Counter("tableserver_client_layer_waits_total", "Per-layer waits of the step API "
+                                   "(one per layer per decode step).", ["layer"], registry=r)
+        self.deadline_misses = Counter("tableserver_client_deadline_misses_total", "Per-layer waits whose rows "
+                                       "were not in place by the layer's window.", ["layer"], registry=r)
+        self.window = Gauge("tableserver_client_layer_window_seconds", "Each layer's window: how long after "
+                            "step start its rows are due.", ["layer"], multiprocess_mode="max", registry=r)
+        self.zero_rows = Counter("tableserver_client_zero_rows_served_total", "Steps where a layer was served "
+                                 "zero rows after a failure (failure policy 'zeros').", ["layer"], registry=r)
+        self.fallbacks = Counter("tableserver_client_fallbacks_total", "Steps where a layer's rows came from the "
+                                 "fallback transport (failure policy 'fallback').", ["layer"], registry=r)
+        self.sessions = Gauge("tableserver_client_sessions", "Open client sessions, by data transport.",
+                              ["transport"], multiprocess_mode="livesum", registry=r)
+        self.connects = Counter("tableserver_client_connects_total", "Sessions opened with a tableserver.",
+                                ["transport"], registry=r)
+        self.reconnects = Counter("tableserver_client_reconnects_total", "Sessions opened with a server whose "
+                                  "previous session in this process had been lost.", registry=r)
+        self.session_losses = Counter("tableserver_client_session_losses_total", "Sessions lost (keepalive "
+                                      "stream broken: server gone or unreachable).", registry=r)
+        self.errors = Counter("tableserver_client_errors_total", "Failed gathers and connects, by reason.",
+                              ["reason"], registry=r)
+        for reason in ERROR_REASONS:
+            self.errors.labels(reason)
+        self.reconnects.inc(0)
+        self.session_losses.inc(0)
+
+    def error(self, exc: BaseException) -> None:
+        self.errors.labels(error_reason(exc)).inc()
+
+
+def error_reason(exc: BaseException) -> str:
+    from tableclient.errors import (
+        AuthError,
+        ConnectError,
+        GatherTimeout,
+        RemoteError,
+        TransportError,
+    )
+
+    for cls, reason in ((GatherTimeout, "timeout"), (RemoteError, "remote"), (AuthError, "auth"),
+                        (TransportError, "transport"), (ConnectError, "connect")):
+        if isinstance(exc, cls):
+            return reason
+    return "transport" if isinstance(exc, (OSError, ConnectionError)) else "other"
+
+
+_lock = threading.Lock()
+_metrics: ClientMetrics | None = None
+
+
+def metrics() -> ClientMetrics:
+    """The process's client metrics, created on first use."""
+    global _metrics
+    if _metrics is None:
+        with _lock:
+            if _metrics is None:
+                _metrics = ClientMetrics()
+    return _metrics
+
+
+def start_http_server(port: int, addr: str = "127.0.0.1") -> int:
+    """Explicitly serves /metrics for a standalone client; returns the bound port.
+
+    Never called by the library itself. In multiprocess mode it serves the
+    aggregate of every process writing to ``PROMETHEUS_MULTIPROC_DIR``.
+    """
+    import prometheus_client
+    from prometheus_client import multiprocess
+
+    metrics()
+    registry = REGISTRY
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+    server, _thread = prometheus_client.start_http_server(port, addr=addr, registry=registry)
+    return server.server_port

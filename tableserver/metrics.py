@@ -1,0 +1,288 @@
+"""Prometheus metrics of the memory-node daemon.
+
+Counters and histograms are updated on the paths they describe (gRPC calls,
+tcp gathers, owner-side packing, errors); everything that is *state* (tables,
+pinned and registered bytes, sessions, QPs, serving) is read from the live
+objects at scrape time by :class:`_StateCollector`, so a gauge can never
+drift from what the daemon holds. Every metric lives in the daemon's own
+registry (with the standard process, platform and GC collectors), so two
+daemons in one test process never collide.
+
+Names follow Prometheus conventions (docs/DESIGN.md, "Observability"):
+``tableserver_`` prefix, base units (``_seconds``, ``_bytes``), ``_total``
+counters, low-cardinality labels only (table, layer, transport, op, method,
+code, reason, page_size).
+"""
+
+from __future__ import annotations
+
+import inspect
+import platform
+import time
+
+import grpc
+from prometheus_client import (
+    CollectorRegistry, Counter, GCCollector, Histogram, Info, PlatformCollector, ProcessCollector, start_http_server,
+)
+from prometheus_client.core import GaugeMetricFamily
+
+from tableserver import __version__
+from tableserver.wire import Status
+
+#: exponential latency buckets, 2 us .. ~0.5 s (RDMA reads to a slow tcp path)
+LATENCY_BUCKETS = tuple(2e-6 * 2 ** k for k in range(19))
+#: gRPC control calls are slower: 50 us .. ~6.5 s
+GRPC_BUCKETS = tuple(50e-6 * 2 ** k for k in range(18))
+
+#: error reasons (the label values of tableserver_errors_total), all exported from the start
+ERROR_REASONS = ("bad_row_ids", "unknown_table", "too_many_rows", "bad_frame", "auth", "session_closed",
+                 "qp_error", "disconnect", "internal")
+STATUS_REASON = {Status.ROW_OUT_OF_RANGE: "bad_row_ids", Status.UNKNOWN_TABLE: "unknown_table",
+                 Status.TOO_MANY_ROWS: "too_many_rows", Status.BAD_FRAME: "bad_frame",
+                 Status.UNAUTHENTICATED: "auth", Status.SESSION_CLOSED: "session_closed",
+                 Status.INTERNAL: "internal"}
+#: why sessions end (label values of tableserver_sessions_ended_total)
+END_REASONS = ("closed", "disconnected", "lease_expired", "shutdown", "setup_failed")
+
+
+def end_reason(text: str) -> str:
+    """Maps a session's free-text close reason to a low-cardinality label value."""
+    text = text.lower()
+    for key, value in (("lease", "lease_expired"), ("keepalive", "disconnected"), ("shutting down", "shutdown"),
+                       ("setup failed", "setup_failed")):
+        if key in text:
+            return value
+    return "closed"
+
+
+class ServerMetrics:
+    """The daemon's metrics. ``bind(server)`` attaches the live-state collector."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
+        Info("tableserver_build", "Version of the tableserver daemon and of what it runs on.", registry=r).info(
+            {"version": __version__, "python": platform.python_version(), "grpc": grpc.__version__})
+        self.grpc_requests = Counter("tableserver_grpc_requests_total", "gRPC control-plane calls by method and "
+                                     "status code.", ["method", "code"], registry=r)
+        self.grpc_latency = Histogram("tableserver_grpc_request_duration_seconds", "Time to answer unary gRPC "
+                                      "control-plane calls.", ["method"], buckets=GRPC_BUCKETS, registry=r)
+        self.gather_latency = Histogram("tableserver_gather_duration_seconds", "Server-side time to gather and "
+                                        "send one request's rows (tcp gathers, rdma owner-side packing).",
+                                        ["transport", "op"], buckets=LATENCY_BUCKETS, registry=r)
+        self.gather_rows = Counter("tableserver_gather_rows_total", "Rows gathered by the server for clients "
+                                   "(tcp gathers and rdma packing; one-sided READs bypass the server CPU).",
+                                   ["table", "transport", "op"], registry=r)
+        self.gather_bytes = Counter("tableserver_gather_bytes_total", "Row bytes gathered by the server for "
+                                    "clients.", ["table", "transport", "op"], registry=r)
+        self.errors = Counter("tableserver_errors_total", "Errors by reason: refused requests (bad row ids, "
+                              "auth, ...), RDMA completion errors, clients gone mid-request.", ["reason"],
+                              registry=r)
+        self.sessions_opened = Counter("tableserver_sessions_opened_total", "Sessions opened over gRPC.",
+                                       registry=r)
+        self.sessions_ended = Counter("tableserver_sessions_ended_total", "Sessions ended, by reason.",
+                                      ["reason"], registry=r)
+        for reason in ERROR_REASONS:
+            self.errors.labels(reason)
+        for reason in END_REASONS:
+            self.sessions_ended.labels(reason)
+        for method in ("GetCatalog", "OpenSession", "KeepAlive", "CloseSession"):
+            self.grpc_requests.labels(method, "OK")
+            if method != "KeepAlive":  # series from 0, so rate() sees the first calls after a scrape
+                self.grpc_latency.labels(method)
+        self._state = _StateCollector()
+        r.register(self._state)
+        self._http = None
+
+    # ------------------------------------------------------------- updates
+    def bind(self, server) -> None:
+        """Reads live state (tables, sessions, transports) from ``server`` at each scrape."""
+        self._state.server = server
+
+    def gather_op(self, transport: str, op: str, table: str):
+        """(histogram child, rows counter child, bytes counter child), to be cached by the caller."""
+        return (self.gather_latency.labels(transport, op), self.gather_rows.labels(table, transport, op),
+                self.gather_bytes.labels(table, transport, op))
+
+    def error(self, reason: str) -> None:
+        self.errors.labels(reason).inc()
+
+    def refused(self, status: Status) -> None:
+        self.errors.labels(STATUS_REASON.get(status, "internal")).inc()
+
+    def session_ended(self, session) -> None:
+        self.sessions_ended.labels(end_reason(session.close_reason)).inc()
+
+    # ------------------------------------------------------------ endpoint
+    def serve(self, host: str, port: int) -> int:
+        """Starts the /metrics HTTP endpoint (the daemon's own process only); returns the bound port."""
+        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http = (server, thread)
+        return server.server_port
+
+    def close(self) -> None:
+        if self._http is not None:
+            server, thread = self._http
+            self._http = None
+            server.shutdown()
+            server.server_close()
+            thread.join(timeout=5)
+
+
+class _StateCollector:
+    """Gauges computed from the daemon's live objects at scrape time."""
+
+    def __init__(self):
+        self.server = None
+
+    def describe(self):
+        return []  # collected lazily: the server is bound after registration
+
+    def collect(self):
+        s = self.server
+        if s is None:
+            return
+        tables = s.tables
+        serving = GaugeMetricFamily("tableserver_serving", "1 while health reports SERVING (every table pinned "
+                                    "and every transport up), else 0.")
+        serving.add_metric([], 1.0 if s.state is not None and s.state.ready else 0.0)
+        yield serving
+        uptime = GaugeMetricFamily("tableserver_uptime_seconds", "Seconds since the daemon started.")
+        uptime.add_metric([], time.monotonic() - s.started)
+        yield uptime
+        tts = GaugeMetricFamily("tableserver_time_to_serving_seconds", "Seconds from daemon start to SERVING.")
+        if s.time_to_serving is not None:
+            tts.add_metric([], s.time_to_serving)
+        yield tts
+        count = GaugeMetricFamily("tableserver_tables_loaded", "Tables loaded, pinned and served.")
+        nbytes = GaugeMetricFamily("tableserver_table_bytes", "Bytes of each served table.",
+                                   labels=["table", "layer"])
+        rows = GaugeMetricFamily("tableserver_table_rows", "Rows of each served table.", labels=["table", "layer"])
+        pinned = GaugeMetricFamily("tableserver_pinned_bytes", "Table memory mapped by the daemon, by page size; "
+                                   "locked (mlock or hugetlb) unless --no-mlock.", labels=["page_size"])
+        load = GaugeMetricFamily("tableserver_load_duration_seconds", "Seconds spent loading, verifying and "
+                                 "pinning every table.")
+        count.add_metric([], len(tables) if tables is not None else 0)
+        if tables is not None:
+            by_page: dict[str, int] = {}
+            for t in tables:
+                nbytes.add_metric([t.name, str(t.spec.layer)], t.nbytes)
+                rows.add_metric([t.name, str(t.spec.layer)], t.rows)
+                key = _page_label(t.region.page_size)
+                by_page[key] = by_page.get(key, 0) + t.region.size
+            for key, value in by_page.items():
+                pinned.add_metric([key], value)
+            load.add_metric([], tables.load_seconds)
+        yield from (count, nbytes, rows, pinned, load)
+        control = GaugeMetricFamily("tableserver_control_sessions", "Sessions open on the control plane.")
+        control.add_metric([], len(s.sessions) if s.sessions is not None else 0)
+        yield control
+        active = GaugeMetricFamily("tableserver_sessions", "Sessions attached to each data transport.",
+                                   labels=["transport"])
+        for name, t in list(s.transports.items()):
+            active.add_metric([name], t.active_sessions())
+        yield active
+        rdma = s.transports.get("rdma")
+        qps = GaugeMetricFamily("tableserver_rdma_qps", "RC queue pairs connected to clients.")
+        regions = GaugeMetricFamily("tableserver_rdma_memory_regions", "Read-only memory regions registered.")
+        registered = GaugeMetricFamily("tableserver_rdma_registered_bytes", "Table bytes registered for RDMA.")
+        reg_time = GaugeMetricFamily("tableserver_rdma_registration_duration_seconds", "Seconds spent "
+                                     "registering every table with the RDMA device.")
+        # 0 without an rdma transport, so dashboards show "none" rather than "no data"
+        qps.add_metric([], rdma.session_qps() if rdma is not None else 0)
+        regions.add_metric([], len(rdma.regions) if rdma is not None else 0)
+        registered.add_metric([], sum(r.length for r in rdma.regions) if rdma is not None else 0)
+        reg_time.add_metric([], rdma.register_seconds if rdma is not None else 0)
+        yield from (qps, regions, registered, reg_time)
+
+
+def _page_label(page_size: int) -> str:
+    return {4096: "4k", 2 << 20: "2m", 1 << 30: "1g"}.get(page_size, str(page_size))
+
+
+class MetricsInterceptor(grpc.aio.ServerInterceptor):
+    """Counts every gRPC call by method and status code and times unary calls.
+
+    Installed first, so it also sees calls the token interceptor refuses.
+    """
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        requests, latency = self.metrics.grpc_requests, self.metrics.grpc_latency.labels(method)
+
+        def done(context, error) -> None:
+            code = _code_of(context, error)
+            requests.labels(method, code).inc()
+            if code == "UNAUTHENTICATED":
+                self.metrics.error("auth")
+
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary(request, context):
+                start = time.perf_counter()
+                error = None
+                try:
+                    return await inner(request, context)
+                except BaseException as e:
+                    error = e
+                    raise
+                finally:
+                    latency.observe(time.perf_counter() - start)
+                    done(context, error)
+
+            return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer,
+                                                       handler.response_serializer)
+        streaming = handler.stream_stream or handler.unary_stream
+        if streaming is None:
+            return handler
+        wrap = grpc.stream_stream_rpc_method_handler if handler.stream_stream else grpc.unary_stream_rpc_method_handler
+
+        if inspect.isasyncgenfunction(streaming):
+            async def stream(request, context):
+                error = None
+                try:
+                    async for item in streaming(request, context):
+                        yield item
+                except BaseException as e:
+                    error = e
+                    raise
+                finally:
+                    done(context, error)
+        else:  # a coroutine that writes its responses with context.write (grpc health's Watch)
+            async def stream(request, context):
+                error = None
+                try:
+                    return await streaming(request, context)
+                except BaseException as e:
+                    error = e
+                    raise
+                finally:
+                    done(context, error)
+
+        return wrap(stream, handler.request_deserializer, handler.response_serializer)
+
+
+def _code_of(context, error) -> str:
+    try:
+        code = context.code()
+    except Exception:  # older grpc.aio contexts cannot report it
+        code = None
+    if code is not None and code != grpc.StatusCode.OK:
+        return code.name if isinstance(code, grpc.StatusCode) else str(code)
+    if error is None:
+        return "OK"
+    import asyncio
+
+    if isinstance(error, asyncio.CancelledError):
+        return "CANCELLED"
+    return "UNKNOWN"
