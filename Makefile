@@ -7,7 +7,7 @@ DEV := $(VENV)/.dev-installed
 # torch 2.13.0 is the CPU build this machine kind keeps on disk; newer picks a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test test-fast bench replay proto clean
+.PHONY: demo test test-fast bench replay observe proto clean
 
 $(BASE): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -35,6 +35,11 @@ bench: $(DEV)
 # Engram traffic replay + deadline model on the demo table: bench/out/replay.txt and replay_cdf.png
 replay: $(DEV)
 	$(BIN)/python bench/replay.py
+
+# Real Prometheus scraping the demo server + multiprocess clients; checks and draws the Grafana dashboard
+# (needs Debian's `prometheus`): bench/out/dashboard.png
+observe: $(DEV)
+	$(BIN)/python bench/observe.py
 
 # Regenerate the committed gRPC stubs (tests/test_proto.py fails when they drift).
 proto: $(DEV)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import socket
+import urllib.request
 
 import grpc
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.v1 import tableserver_pb2_grpc as pb_grpc
@@ -71,3 +73,19 @@ def run_workers(configs: list[dict], address: str, path: str, steps: int, batch:
     for p in procs:
         p.join(60)
     return outcomes
+
+
+def scrape(address: str) -> dict:
+    """name -> metric family, from a live /metrics endpoint."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def value(families: dict, name: str, sample: str | None = None, **labels) -> float:
+    """Sum of the samples of ``name`` (sample name ``sample``) whose labels include ``labels``."""
+    family = name[: -len("_total")] if name.endswith("_total") and name not in families else name
+    fam = families[family]
+    sample = sample or (family + "_total" if fam.type == "counter" else name)
+    return sum(s.value for s in fam.samples if s.name == sample and all(s.labels.get(k) == v
+                                                                        for k, v in labels.items()))

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, local_tables, start_daemon
-from tests_helpers import run_workers
+from tests_helpers import run_workers, scrape, value
 from tableclient import GatherTimeout, RemoteError, TableClient, TransportError
 from tableserver.demo import DemoRows, DemoTable
 from tableserver.rdma import list_devices, verbs
@@ -104,6 +104,35 @@ def test_both_modes_in_one_session(rdma_daemon, demo_local):
         np.testing.assert_array_equal(b.wait(120), demo_local[t.name][ids])
         with pytest.raises(ValueError, match="unknown gather mode"):
             t.gather([1], mode="write")
+
+
+def test_rdma_metrics(rdma_daemon, demo_local):
+    """QPs, sessions, registered bytes and pack rows on the daemon's /metrics; per-mode latency in the client."""
+    from prometheus_client import REGISTRY
+
+    def client_count(mode):
+        return REGISTRY.get_sample_value("tableserver_client_gather_duration_seconds_count",
+                                         dict(table="engram.layer1", layer="1", transport="rdma", mode=mode)) or 0
+
+    metrics = rdma_daemon.ready["metrics"]
+    before = scrape(metrics)
+    assert value(before, "tableserver_rdma_registered_bytes") == sum(t.nbytes for t in demo_local.values())
+    assert value(before, "tableserver_rdma_memory_regions") > len(demo_local)  # 3 MiB chunks
+    assert value(before, "tableserver_rdma_registration_duration_seconds") > 0
+    reads, packs = client_count("read"), client_count("pack")
+    ids = np.random.default_rng(9).permutation(50_000)[:900]
+    with TableClient(rdma_daemon.address, transport="rdma", rdma_qps=2, rdma_ring_rows=512) as c:
+        during = scrape(metrics)
+        assert value(during, "tableserver_rdma_qps") >= 2
+        assert value(during, "tableserver_sessions", transport="rdma") >= 1
+        t = c.table("engram.layer1")
+        np.testing.assert_array_equal(t.gather(ids, mode="pack"), demo_local[t.name][ids])
+        np.testing.assert_array_equal(t.gather(ids, mode="read"), demo_local[t.name][ids])
+    after = scrape(metrics)
+    lab = dict(table="engram.layer1", transport="rdma", op="pack")
+    assert value(after, "tableserver_gather_rows_total", **lab) - value(before, "tableserver_gather_rows_total",
+                                                                        **lab) == ids.size
+    assert client_count("read") - reads == 1 and client_count("pack") - packs == 1
 
 
 def test_auto_prefers_rdma(rdma_daemon):
