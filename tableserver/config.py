@@ -75,6 +75,9 @@ SERVE_OPTIONS = (
            metavar="N"),
     Option("ready_file", "str", "", "write a JSON file with the bound addresses once SERVING", metavar="PATH"),
     Option("progress", "choice", "auto", "load progress on stderr", choices=("auto", "always", "never")),
+    Option("load_io", "choice", "auto", "how table files are read: direct (O_DIRECT, disk straight into pinned "
+           "memory), buffered (through the page cache), or auto (direct unless the file is mostly cached)",
+           choices=("auto", "direct", "buffered")),
     Option("load_workers", "int", 0, "threads that load tables (0 = min(8, cores))", metavar="N"),
     Option("metrics_port", "str", "", "Prometheus /metrics port (default: control port + 2; 0 = any free "
            "port; off = no endpoint)", metavar="PORT|off"),

@@ -91,9 +91,27 @@ class TableSet:
         self.close()
 
 
+def _use_direct(path: str, io: str) -> bool:
+    from tableserver.sources import page_cache_fraction
+
+    if io == "buffered" or path.endswith(".safetensors") or not os.path.isfile(path):
+        return False
+    if io == "direct":
+        return True
+    cached = page_cache_fraction(path)
+    log.info("%s: %.0f%% in the page cache: loading with %s reads", path, cached * 100,
+             "buffered" if cached >= 0.5 else "O_DIRECT",
+             extra=kv(event="load_io", path=path, page_cache=round(cached, 2), direct=cached < 0.5))
+    return cached < 0.5
+
+
 def load_tables(paths: list[str], *, hugepages: str = "auto", lock: bool = True, verify: bool = True,
-                progress: str = "auto", workers: int | None = None, cancel=None) -> TableSet:
+                progress: str = "auto", workers: int | None = None, cancel=None, io: str = "auto") -> TableSet:
     """Loads every table of every file in ``paths`` into pinned memory.
+
+    ``io``: "direct" reads table files with O_DIRECT (disk straight into the
+    pinned memory), "buffered" through the page cache, "auto" picks direct for
+    a file that is mostly not in the page cache and buffered for one that is.
 
     ``cancel``, when given, is called as bytes arrive and may raise to abort
     the load (the daemon does so on SIGTERM); every region is freed then.
@@ -124,7 +142,10 @@ def load_tables(paths: list[str], *, hugepages: str = "auto", lock: bool = True,
             cancel()
         bar.update(n)
 
+    direct = {path: _use_direct(path, io) for path in paths}
     workers = workers or min(8, max(2, os.cpu_count() or 2))
+    if any(direct.values()):
+        workers = max(workers, 8)  # O_DIRECT reads wait on the disk, not the CPU: keep more in flight
     tables: list[Table] = []
     t0 = time.monotonic()
     try:
@@ -133,7 +154,7 @@ def load_tables(paths: list[str], *, hugepages: str = "auto", lock: bool = True,
                 region = PinnedRegion(spec.name, spec.nbytes, page)
                 tables.append(Table(index, spec, "", source.path, region))
                 region.advise_hugepage()
-                checksum = source.load(spec, region.array, pool, advance, verify)
+                checksum = source.load(spec, region.array, pool, advance, verify, direct=direct[source.path])
                 tables[-1].checksum = checksum or spec.checksum
                 if lock:
                     region.lock()

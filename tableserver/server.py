@@ -187,7 +187,8 @@ class TableServer:
                 raise LoadCancelled("stopped while loading")
 
         return load_tables(cfg["tables"], hugepages=cfg["hugepages"], lock=cfg["mlock"], verify=cfg["verify"],
-                           progress=cfg["progress"], workers=cfg["load_workers"] or None, cancel=check_cancel)
+                           progress=cfg["progress"], workers=cfg["load_workers"] or None, cancel=check_cancel,
+                           io=cfg["load_io"])
 
     def _announce(self) -> None:
         cfg = self.cfg
