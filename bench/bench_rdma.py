@@ -10,10 +10,12 @@ Native: the CPU the client spends per row to prepare and chain one batch of
 relinking the chain), against building a fresh SendWR + SGE per row, side by
 side. Targets: <= 0.2 us/row (stretch 0.05).
 
-Guest (TCG + rxe, ~7.5k READs/s: ratios only, never absolute speed): in the
-same boot, ``ib_read_bw`` message rate at 264 B on rxe_lo, our read-mode gather
-rate on the same device (target >= 0.8x), and read vs pack latency p50/p99
-for 1,536 and 12,288 rows.
+Guest (TCG + rxe, ~7.5-14k READs/s: ratios only, never absolute speed): in the
+same boot, ``ib_read_bw`` message rate at 264 B on rxe_lo and our read-mode
+gather rate on the same device, in interleaved rounds (median ratio; target
+>= 0.8x): gathers of 1,536 distinct random rows one at a time and two in flight
+(a decode step issues both Engram layers at once), and over 1,536 consecutive
+rows; then read vs pack latency p50/p99 for 1,536 and 12,288 rows.
 """
 
 from __future__ import annotations
@@ -125,61 +127,72 @@ def _ib_read_bw(n: int) -> float:
     return float(m.group(2)) * 1e6  # MsgRate[Mpps]
 
 
-def in_guest() -> None:
+def _our_rate(t, id_sets: list, outs: list, n: int, depth: int) -> float:
+    """Rows/s of read-mode gathers of ``id_sets`` (cycled), ``depth`` gathers in flight."""
+    total, i, pending = 0, 0, []
+    start = time.perf_counter()
+    while total < n:
+        pending.append(t.gather_async(id_sets[i % len(id_sets)], out=outs[i % len(outs)]))
+        total += id_sets[i % len(id_sets)].size
+        i += 1
+        if len(pending) >= depth:
+            pending.pop(0).wait(300)
+    for p in pending:
+        p.wait(300)
+    return total / (time.perf_counter() - start)
+
+
+def in_guest(rounds: int = 3) -> None:
     from conftest import start_daemon
     from tableclient import TableClient
     from tableserver.demo import DemoTable, write_demo_file
 
     n_ib = 20000
-    ib_rate = _ib_read_bw(n_ib)
+    rng = np.random.default_rng(0)
+    # Row ids are drawn before timing: under TCG a 200k-element permutation alone costs ~30 ms.
+    random_sets = [rng.permutation(200_000)[:1536] for _ in range(16)]
+    local_sets = [rng.permutation(1536) for _ in range(16)]
+    ratios: dict[str, list] = {"random, 1 in flight": [], "random, 2 in flight": [], "consecutive, 2 in flight": []}
+    ib_rates = []
     with tempfile.TemporaryDirectory() as tmp:
         path = write_demo_file(os.path.join(tmp, "t.bin"), [DemoTable("engram.layer1", 200_000, 264, 1)])
         d = start_daemon(os.path.join(tmp, "d"), "--tables", path, "--transports", "rdma")
         try:
-            rates = {}
-            for qps in (1, 4):
-                with TableClient(d.address, transport="rdma", rdma_ring_rows=4096, rdma_qps=qps) as c:
-                    t = c.table("engram.layer1")
-                    rng = np.random.default_rng(qps)
-                    out = np.empty((1536, 264), np.uint8)
-                    t.gather(rng.integers(0, t.rows, 1536), out=out, timeout=300)  # builds the chains
-                    total, start = 0, time.perf_counter()
-                    while total < n_ib:
-                        ids = rng.permutation(t.rows)[:1536]  # distinct rows: 1,536 READs per gather
-                        t.gather(ids, out=out, timeout=300)
-                        total += ids.size
-                    rates[qps] = total / (time.perf_counter() - start)
-                    if qps != 4:
-                        continue
-                    # ib_read_bw re-reads one buffer; the same reads over 1,536 consecutive rows (400 KB)
-                    # separate the transport from the cost of touching random guest pages under TCG.
-                    total, start = 0, time.perf_counter()
-                    while total < n_ib:
-                        t.gather(rng.permutation(1536), out=out, timeout=300)
-                        total += 1536
-                    local_rate = total / (time.perf_counter() - start)
-                    lat = {}
-                    for n in (1536, 12288):
-                        buf = np.empty((n, 264), np.uint8)
-                        for mode in ("read", "pack"):
-                            samples = []
-                            for _ in range(8 if n == 1536 else 4):
-                                ids = rng.permutation(t.rows)[:n]
-                                s = time.perf_counter()
-                                t.gather(ids, out=buf, timeout=300, mode=mode)
-                                samples.append(time.perf_counter() - s)
-                            lat[(n, mode)] = (np.percentile(samples, 50), np.percentile(samples, 99))
+            with TableClient(d.address, transport="rdma", rdma_ring_rows=4096, rdma_qps=4) as c:
+                t = c.table("engram.layer1")
+                outs = [np.empty((1536, 264), np.uint8) for _ in range(2)]
+                _our_rate(t, random_sets[:4], outs, 4 * 1536, 2)  # warm-up: chains built, code paths translated
+                # Interleaved rounds: ib_read_bw and ours alternate, so each ratio compares one stretch of
+                # this noisy emulated machine; the median ratio is reported.
+                for _ in range(rounds):
+                    ib = _ib_read_bw(n_ib)
+                    ib_rates.append(ib)
+                    ratios["random, 1 in flight"].append(_our_rate(t, random_sets, outs, n_ib, 1) / ib)
+                    ratios["random, 2 in flight"].append(_our_rate(t, random_sets, outs, n_ib, 2) / ib)
+                    ratios["consecutive, 2 in flight"].append(_our_rate(t, local_sets, outs, n_ib, 2) / ib)
+                lat = {}
+                for n in (1536, 12288):
+                    buf = np.empty((n, 264), np.uint8)
+                    for mode in ("read", "pack"):
+                        samples = []
+                        for _ in range(8 if n == 1536 else 4):
+                            ids = rng.permutation(t.rows)[:n]
+                            s = time.perf_counter()
+                            t.gather(ids, out=buf, timeout=300, mode=mode)
+                            samples.append(time.perf_counter() - s)
+                        lat[(n, mode)] = (np.percentile(samples, 50), np.percentile(samples, 99))
         finally:
             d.stop()
+    med = lambda xs: float(np.median(xs))  # noqa: E731
     print("\nSoft-RoCE (rxe_lo, QEMU TCG) — same boot, 264-byte rows:")
-    print(f"  ib_read_bw        {ib_rate:>12,.0f} READs/s  ({n_ib} messages, 1 QP)")
-    for qps, rate in rates.items():
-        print(f"  tableserver read  {rate:>12,.0f} rows/s   (gathers of 1,536 distinct rows, {qps} QP{'s' if qps > 1 else ''}): "
-              f"{rate / ib_rate:.2f}x")
-    print(f"  tableserver read  {local_rate:>12,.0f} rows/s   (the same gathers over 1,536 consecutive rows, 4 QPs): "
-          f"{local_rate / ib_rate:.2f}x")
-    ours = max(max(rates.values()), local_rate)
-    print(f"  best ratio        {ours / ib_rate:>12.2f}x   target >= 0.8x [{'met' if ours / ib_rate >= 0.8 else 'MISSED'}]")
+    print(f"  ib_read_bw        {med(ib_rates):>12,.0f} READs/s  (median of {rounds}; {n_ib} messages, 1 QP: "
+          f"{' '.join(f'{x:,.0f}' for x in ib_rates)})")
+    print("  tableserver read-mode gathers of 1,536 distinct rows, 4 QPs, vs ib_read_bw of the same round:")
+    for label, rs in ratios.items():
+        print(f"    {label:<26}{med(rs) * med(ib_rates):>10,.0f} rows/s  {med(rs):.2f}x  "
+              f"(rounds: {' '.join(f'{r:.2f}' for r in rs)})")
+    best = max(med(rs) for rs in ratios.values())
+    print(f"  best median ratio {best:>12.2f}x   target >= 0.8x [{'met' if best >= 0.8 else 'MISSED'}]")
     print(f"\n  {'rows':>6}  {'mode':<6}{'p50 ms':>10}{'p99 ms':>10}")
     for (n, mode), (p50, p99) in lat.items():
         print(f"  {n:>6}  {mode:<6}{p50 * 1e3:>10.1f}{p99 * 1e3:>10.1f}")

@@ -170,7 +170,7 @@ class _Batch(Pending):
             if idle > spin:
                 # A hardware NIC answers within the spin; a software one (rxe, siw) runs on our
                 # CPUs, so keep polling without starving it.
-                time.sleep(0 if spin >= 2000 else 20e-6)
+                time.sleep(self.transport.idle_sleep_s)
         super().wait(0)
 
 
@@ -227,6 +227,7 @@ class RdmaTransport(ClientTransport):
         # Software RDMA (rxe, siw) executes on the host CPUs: spin briefly, then sleep between polls.
         software = self.dev.name.startswith(("rxe", "siw")) or int(getattr(self.dev.attr, "vendor_id", 1)) == 0
         self.spin_polls = 100 if software else 2000
+        self.idle_sleep_s = 20e-6 if software else 0.0  # between polls once the spin is over
         self.pack_max_rows = ep.pack_max_rows
         self._post_lock = threading.Lock()
         self._poll_lock = threading.Lock()
