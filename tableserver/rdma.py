@@ -183,7 +183,9 @@ def create_rc_qp(dev: Device, cq, send_wr: int, recv_wr: int, access: int):
     v = verbs()
     cap = v.qp.QPCap(max_send_wr=send_wr, max_recv_wr=max(recv_wr, 1), max_send_sge=1, max_recv_sge=1)
     try:
-        qp = v.qp.QP(dev.pd, v.qp.QPInitAttr(qp_type=v.e.IBV_QPT_RC, scq=cq, rcq=cq, cap=cap))
+        # sq_sig_all=0 (pyverbs defaults to 1): only WRs flagged IBV_SEND_SIGNALED complete, so a chain
+        # of 384 READs costs one CQE, not 384 for the poller to drain.
+        qp = v.qp.QP(dev.pd, v.qp.QPInitAttr(qp_type=v.e.IBV_QPT_RC, scq=cq, rcq=cq, cap=cap, sq_sig_all=0))
         attr = v.qp.QPAttr()
         attr.qp_access_flags = access
         attr.port_num = dev.port
