@@ -29,7 +29,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 DEFAULT_BUCKETS = tuple(2e-6 * 2 ** k for k in range(19))
 BUCKETS_ENV = "TABLESERVER_CLIENT_LATENCY_BUCKETS"
 #: error reasons (label values of tableserver_client_errors_total), all exported from the start
-ERROR_REASONS = ("timeout", "remote", "transport", "connect", "auth", "other")
+ERROR_REASONS = ("bad_row_ids", "timeout", "remote", "transport", "connect", "auth", "other")
 
 
 def latency_buckets(environ=None) -> tuple[float, ...]:
@@ -101,6 +101,8 @@ def error_reason(exc: BaseException) -> str:
         TransportError,
     )
 
+    if isinstance(exc, ValueError):
+        return "bad_row_ids"  # refused before anything was sent (ids or out buffer)
     for cls, reason in ((GatherTimeout, "timeout"), (RemoteError, "remote"), (AuthError, "auth"),
                         (TransportError, "transport"), (ConnectError, "connect")):
         if isinstance(exc, cls):

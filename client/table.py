@@ -144,8 +144,12 @@ class RemoteTable:
         t0 = time.perf_counter()
         mode = check_mode(mode) if mode is not None else self.mode
         info = self.info
-        ids, torch_in = to_row_ids(row_ids, info.rows, info.name)
-        out_arr, result = prepare_out(out, ids.shape, info.row_bytes, torch_in)
+        try:
+            ids, torch_in = to_row_ids(row_ids, info.rows, info.name)
+            out_arr, result = prepare_out(out, ids.shape, info.row_bytes, torch_in)
+        except ValueError as e:
+            metrics().error(e)
+            raise
         flat_ids = ids.reshape(-1)
         flat_out = out_arr.reshape(-1, info.row_bytes)
         if flat_ids.size == 0:

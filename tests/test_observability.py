@@ -311,6 +311,16 @@ def test_step_api_counts_waits_misses_and_windows(daemon):
     assert get("tableserver_client_layer_window_seconds", layer="1") == 60.0
 
 
+def test_client_counts_refused_row_ids(daemon):
+    from prometheus_client import REGISTRY
+
+    before = REGISTRY.get_sample_value("tableserver_client_errors_total", {"reason": "bad_row_ids"}) or 0.0
+    with TableClient(daemon.address, transport="tcp") as c:
+        with pytest.raises(ValueError):
+            c.table("engram.layer1").gather([50_000])
+    assert REGISTRY.get_sample_value("tableserver_client_errors_total", {"reason": "bad_row_ids"}) - before == 1
+
+
 # ------------------------------------------------------------------- logs
 def test_json_logs_carry_the_catalog_memory_layout_and_time_to_serving(tmp_path, demo_file):
     d = start_daemon(str(tmp_path / "d"), "--tables", demo_file, "--log-format", "json")
