@@ -29,7 +29,8 @@ def test_health_not_serving_until_loaded_then_serving_then_not_serving(tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    d = start_daemon(str(tmp_path / "d"), "--tables", path, "--listen", f"127.0.0.1:{port}", wait=False)
+    d = start_daemon(str(tmp_path / "d"), "--tables", path, "--listen", f"127.0.0.1:{port}", "--metrics-port", "0",
+                     wait=False)
     seen = []
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
