@@ -33,6 +33,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+ALERTS = os.path.join(ROOT, "deploy", "prometheus", "alerts.yml")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -46,13 +49,14 @@ def prometheus_binary() -> str | None:
 class PrometheusServer:
     """A real Prometheus (the Debian package's binary) scraping ``jobs`` = {job: [host:port, ...]}."""
 
-    def __init__(self, jobs: dict, workdir: str, scrape_interval: str = "1s"):
+    def __init__(self, jobs: dict, workdir: str, scrape_interval: str = "1s", rule_files: tuple = ()):
         binary = prometheus_binary()
         if binary is None:
             raise RuntimeError("prometheus is not installed: apt-get install prometheus")
         self.workdir = workdir
         os.makedirs(workdir, exist_ok=True)
         config = {"global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
+                  "rule_files": [os.path.abspath(f) for f in rule_files],
                   "scrape_configs": [{"job_name": job, "static_configs": [{"targets": targets}]}
                                      for job, targets in jobs.items()]}
         self.config = os.path.join(workdir, "prometheus.yml")
@@ -228,7 +232,8 @@ def main() -> int:
             work = ClientWorkload(ready["control"], tmp)
             try:
                 with PrometheusServer({"tableserver": [ready["metrics"]],
-                                       "tableserver-client": [work.exporter_address]}, os.path.join(tmp, "prom")) as prom:
+                                       "tableserver-client": [work.exporter_address]}, os.path.join(tmp, "prom"),
+                                      rule_files=(ALERTS,)) as prom:
                     prom.wait_for("up == 1", min_series=2)  # both targets scraped before any client connects
                     work.start_workers()
                     prom.wait_for("sum(rate(tableserver_client_layer_waits_total[10s]))")

@@ -34,7 +34,7 @@ from tests_helpers import open_raw_session, scrape, value
 from tableserver.wire import HEADER, HEADER_BYTES, FrameType, Status, request_header
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-from observe import ClientWorkload, PrometheusServer, prometheus_binary  # noqa: E402
+from observe import ALERTS, ClientWorkload, PrometheusServer, prometheus_binary  # noqa: E402
 
 DEPLOY = os.path.join(ROOT, "deploy")
 #: every label our metrics may carry (low cardinality by construction)
@@ -376,6 +376,8 @@ def test_deploy_configs_are_valid():
         pytest.skip("promtool missing: apt-get install prometheus (.ci/run installs it)")
     out = subprocess.run([promtool, "check", "config", os.path.join(DEPLOY, "prometheus", "prometheus.yml")],
                          capture_output=True, text=True)
+    assert out.returncode == 0 and "1 rule files found" in out.stdout, out.stdout + out.stderr
+    out = subprocess.run([promtool, "check", "rules", ALERTS], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     with open(DEFAULT_DASHBOARD) as f:
         dash = json.load(f)
@@ -385,6 +387,17 @@ def test_deploy_configs_are_valid():
     assert uids == {"prometheus"} and "uid: prometheus" in datasource
     with open(os.path.join(DEPLOY, "grafana", "provisioning", "dashboards", "tableserver.yml")) as f:
         assert "/var/lib/grafana/dashboards" in f.read()
+
+
+def _wait_rules_evaluated(prom, timeout: float = 30.0) -> list:
+    deadline = time.monotonic() + timeout
+    while True:
+        groups = prom.api._get("/api/v1/rules")["groups"]
+        rules = [r for g in groups for r in g["rules"]]
+        if (rules and all(r.get("lastEvaluation", "").startswith("20") for r in rules)) or \
+                time.monotonic() > deadline:
+            return rules
+        time.sleep(0.5)
 
 
 def test_real_prometheus_evaluates_every_dashboard_query(tmp_path, demo_file):
@@ -397,7 +410,7 @@ def test_real_prometheus_evaluates_every_dashboard_query(tmp_path, demo_file):
     try:
         work = ClientWorkload(d.address, str(tmp_path / "w"))
         with PrometheusServer({"tableserver": [d.ready["metrics"]], "tableserver-client": [work.exporter_address]},
-                              str(tmp_path / "prom")) as prom:
+                              str(tmp_path / "prom"), rule_files=(ALERTS,)) as prom:
             prom.wait_for("up == 1", min_series=2)
             work.start_workers()
             prom.wait_for("sum by (transport) (rate(tableserver_client_rows_total[10s]))", min_series=2, timeout=120)
@@ -412,6 +425,9 @@ def test_real_prometheus_evaluates_every_dashboard_query(tmp_path, demo_file):
             assert {s["metric"]["transport"] for s in rows} == {"shm", "tcp"}
             sessions = prom.api.query("sum by (transport) (tableserver_sessions)")["result"]
             assert {s["metric"]["transport"]: float(s["value"][1]) for s in sessions} == {"shm": 1.0, "tcp": 1.0}
+            # every alerting rule of deploy/prometheus/alerts.yml loaded and evaluated against real data
+            rules = _wait_rules_evaluated(prom)
+            assert len(rules) == 5 and all(r["health"] == "ok" for r in rules), rules
         assert work.stop_workers() == [0, 0]
     finally:
         if work is not None:
