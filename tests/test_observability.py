@@ -23,7 +23,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import ROOT, start_daemon
+from conftest import ROOT, run_cli, start_daemon
 from tableclient import TableClient
 from tableclient.metrics import ClientMetrics, latency_buckets
 from tableserver.dashboard import DEFAULT_DASHBOARD, check, load_targets, substitute
@@ -201,6 +201,12 @@ def test_metrics_port_in_use_is_one_clear_line(tmp_path, demo_file):
         assert d.proc.wait(60) != 0
     lines = [line for line in d.log().splitlines() if "error" in line]
     assert any(f"metrics on 127.0.0.1:{port}" in line and "--metrics-port" in line for line in lines), d.log()
+
+
+def test_dashboard_cli_without_prometheus_is_one_clear_line():
+    res = run_cli("dashboard", "check", "--prometheus", "http://127.0.0.1:9")
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines()[-1].startswith("tableserver: error: no Prometheus ready at"), res.stderr
 
 
 def test_metrics_port_off_serves_no_endpoint(tmp_path, demo_file):
@@ -425,6 +431,13 @@ def test_real_prometheus_evaluates_every_dashboard_query(tmp_path, demo_file):
             assert {s["metric"]["transport"] for s in rows} == {"shm", "tcp"}
             sessions = prom.api.query("sum by (transport) (tableserver_sessions)")["result"]
             assert {s["metric"]["transport"]: float(s["value"][1]) for s in sessions} == {"shm": 1.0, "tcp": 1.0}
+            # the operator's commands against the same Prometheus
+            cli = run_cli("dashboard", "check", "--prometheus", prom.url, "--rate-interval", "20s")
+            assert cli.returncode == 0 and f"{len(targets)} of {len(targets)} dashboard queries return data" in \
+                cli.stdout, cli.stdout + cli.stderr
+            png = tmp_path / "dash.png"
+            cli = run_cli("dashboard", "render", "--prometheus", prom.url, "--out", str(png), "--minutes", "2")
+            assert cli.returncode == 0 and png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG", cli.stderr
             # every alerting rule of deploy/prometheus/alerts.yml loaded and evaluated against real data
             rules = _wait_rules_evaluated(prom)
             assert len(rules) == 5 and all(r["health"] == "ok" for r in rules), rules
