@@ -164,6 +164,10 @@ class RemoteTable:
                 if inverse is not None:
                     unique_rows.inc(unique.size)
                     nbytes.inc(unique.size * info.row_bytes)
+                    if transport.expands and unique.size <= self._request_rows(transport, mode):
+                        # one request: the transport copies from its staging straight into out, expanded
+                        pending = transport.gather(info.index, unique, flat_out, sync, mode, expand=inverse)
+                        return GatherHandle([pending], result, None, flat_ids.size, t0, latency)
                     scratch = np.empty((unique.size, info.row_bytes), dtype=np.uint8)
                     pendings = self._post(transport, unique, scratch, sync, mode)
                     return GatherHandle(pendings, result, lambda: np.take(scratch, inverse, axis=0, out=flat_out),
@@ -186,8 +190,12 @@ class RemoteTable:
                 m.unique_rows.labels(name, layer, transport), m.bytes.labels(name, layer, transport))
         return inst
 
+    def _request_rows(self, transport, mode: str) -> int:
+        """Most ids one request may carry: the session's limit and the transport's."""
+        return min(self._client.max_rows_per_request, transport.request_rows(mode) or 1 << 62)
+
     def _post(self, transport, ids: np.ndarray, out: np.ndarray, sync: bool, mode: str) -> list:
-        step = min(self._client.max_rows_per_request, transport.request_rows(mode) or 1 << 62)
+        step = self._request_rows(transport, mode)
         if ids.size <= step:
             return [transport.gather(self.info.index, ids, out, sync, mode)]
         return [transport.gather(self.info.index, ids[a:a + step], out[a:a + step], sync, mode)

@@ -72,14 +72,19 @@ class ClientTransport(abc.ABC):
     #: gather modes this transport implements (rdma: one-sided "read" or owner-side "pack")
     modes: tuple = ("read",)
 
+    #: ``gather(..., expand=inverse)`` supported: rows of distinct ids land in a staging area the
+    #: transport owns and are copied once, expanded, into ``out`` (no scratch buffer, no second copy)
+    expands: bool = False
+
     @abc.abstractmethod
     def gather(self, table_index: int, ids: np.ndarray, out: np.ndarray, sync: bool = False,
-               mode: str = "read") -> Pending:
+               mode: str = "read", expand: np.ndarray | None = None) -> Pending:
         """Starts moving rows ``ids`` of table ``table_index`` into ``out``.
 
         ``sync`` says the caller will wait at once: a local transport then
         copies inline instead of handing the copy to a thread. ``mode`` is one
-        of ``modes`` (others ignore it).
+        of ``modes`` (others ignore it). ``expand`` (only where ``expands``):
+        ``out`` row i receives the row of ``ids[expand[i]]``.
         """
 
     def request_rows(self, mode: str = "read") -> int | None:

@@ -178,6 +178,7 @@ class RdmaTransport(ClientTransport):
     name = "rdma"
     dedups = True
     modes = ("read", "pack")
+    expands = True
 
     @staticmethod
     def prepare(device: str | None = None, gid_index: int | None = None, port: int = 1, qps: int = 4,
@@ -310,11 +311,11 @@ class RdmaTransport(ClientTransport):
         return self.pack_max_rows if mode == "pack" else self.ring_rows * len(self._qps)
 
     def gather(self, table_index: int, ids: np.ndarray, out: np.ndarray, sync: bool = False,
-               mode: str = "read") -> Pending:
+               mode: str = "read", expand: np.ndarray | None = None) -> Pending:
         if self._error is not None:
             raise self._error
         if mode == "pack":
-            return self._gather_pack(table_index, ids, out)
+            return self._gather_pack(table_index, ids, out, expand)
         t = self._table(table_index)
         rb = t.info.row_bytes
         offsets = ids * rb
@@ -347,7 +348,7 @@ class RdmaTransport(ClientTransport):
                 self._fail_all(TransportError(f"posting RDMA reads failed: {e}"))
                 raise self._error from None
         batch.source = t.staging_rows
-        batch.positions = positions
+        batch.positions = positions if expand is None else positions[expand]
         return batch
 
     def _alloc(self, ring: RingAllocator, n: int, timeout: float = 10.0) -> int:
@@ -363,7 +364,8 @@ class RdmaTransport(ClientTransport):
             start = ring.alloc(n)
         return start
 
-    def _gather_pack(self, table_index: int, ids: np.ndarray, out: np.ndarray) -> Pending:
+    def _gather_pack(self, table_index: int, ids: np.ndarray, out: np.ndarray,
+                     expand: np.ndarray | None = None) -> Pending:
         t = self._tables[table_index]
         rb, n = t.info.row_bytes, ids.size
         if n > self.pack_max_rows:
@@ -378,7 +380,7 @@ class RdmaTransport(ClientTransport):
             start = self._alloc(t.pack_ring, n)
             batch.blocks.append((t.pack_ring, start))
             batch.source = t.pack_rows
-            batch.positions = slice(start, start + n)
+            batch.positions = slice(start, start + n) if expand is None else start + expand
             while not self._send_free:
                 self._progress()
                 if self._error is not None:

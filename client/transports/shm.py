@@ -130,7 +130,7 @@ class ShmTransport(ClientTransport):
                 os.close(fd)
 
     def gather(self, table_index: int, ids: np.ndarray, out: np.ndarray, sync: bool = False,
-               mode: str = "read") -> Pending:
+               mode: str = "read", expand=None) -> Pending:
         if sync:  # the caller waits at once: a thread handoff would only add latency
             np.take(self._tables[table_index], ids, axis=0, out=out, mode="clip")
             return DONE

@@ -83,7 +83,7 @@ class TcpTransport(ClientTransport):
             raise ConnectError(f"tcp handshake with {self.endpoint} failed: {text or magic!r}")
 
     def gather(self, table_index: int, ids: np.ndarray, out: np.ndarray, sync: bool = False,
-               mode: str = "read") -> Pending:
+               mode: str = "read", expand=None) -> Pending:
         with self._send_lock:
             if self._error is not None:
                 raise self._error
