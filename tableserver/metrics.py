@@ -16,6 +16,7 @@ code, reason, page_size).
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import platform
 import time
@@ -281,8 +282,6 @@ def _code_of(context, error) -> str:
         return code.name if isinstance(code, grpc.StatusCode) else str(code)
     if error is None:
         return "OK"
-    import asyncio
-
     if isinstance(error, asyncio.CancelledError):
         return "CANCELLED"
     return "UNKNOWN"

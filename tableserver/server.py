@@ -166,7 +166,8 @@ class TableServer:
             self.metrics_port = self.metrics.serve(self.metrics_host, self.metrics_port)
         except OSError as e:
             raise ListenError(f"cannot serve metrics on {self.metrics_host}:{self.metrics_port} ({e.strerror}): "
-                              "pass --metrics-port PORT (0 picks a free port, off disables it)",
+                              "fix --metrics-host, or pass --metrics-port PORT (0 picks a free port, off "
+                              "disables it)",
                               errno=e.errno) from None
         log.info("metrics on http://%s:%d/metrics", self.metrics_host, self.metrics_port,
                  extra=kv(event="metrics", address=f"{self.metrics_host}:{self.metrics_port}"))

@@ -93,9 +93,17 @@ class TableFileSource:
                         raise checksum_error(self.path, spec, i)
                     progress(b - a)
                     return
-                aligned = (b - a) // DIRECT_ALIGN * DIRECT_ALIGN if dfd >= 0 else 0
+                # O_DIRECT needs the file offset and the destination aligned (files written with odd
+                # chunk sizes or alignments read those chunks buffered)
+                direct_ok = dfd >= 0 and (spec.offset + a) % DIRECT_ALIGN == 0 and a % DIRECT_ALIGN == 0
+                aligned = (b - a) // DIRECT_ALIGN * DIRECT_ALIGN if direct_ok else 0
                 if aligned:
-                    read(dfd, part[:aligned], spec.offset + a)
+                    try:
+                        read(dfd, part[:aligned], spec.offset + a)
+                    except OSError as e:
+                        if e.errno != errno.EINVAL:  # the device wants a larger alignment: read buffered
+                            raise
+                        aligned = 0
                 if aligned < b - a:
                     read(fd, part[aligned:], spec.offset + a + aligned)
                 if verify and zlib.crc32(part) != spec.chunk_crcs[i]:
