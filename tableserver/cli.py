@@ -168,6 +168,10 @@ def _dashboard(args) -> int:
     path = args.dashboard or dashboard.DEFAULT_DASHBOARD
     if not os.path.exists(path):
         raise ConfigError(f"dashboard {path} not found: pass --dashboard deploy/grafana/dashboards/tableserver.json")
+    try:
+        targets = dashboard.load_targets(path)
+    except (ValueError, AttributeError, TypeError) as e:
+        raise ConfigError(f"dashboard {path} is not a Grafana dashboard JSON ({e}): fix it or pass --dashboard")
     prom = dashboard.Prometheus(args.prometheus)
     if not prom.ready():
         raise ConfigError(f"no Prometheus ready at {args.prometheus}: start one (deploy/monitoring) or fix --prometheus")
@@ -175,7 +179,6 @@ def _dashboard(args) -> int:
         _writable_target(args.out)
         print(dashboard.render(prom, args.out, path=path, minutes=args.minutes, rate_interval=args.rate_interval))
         return 0
-    targets = dashboard.load_targets(path)
     problems = dashboard.check(prom, path, args.rate_interval)
     for t, why in problems:
         print(f"NO DATA  {t.panel}: {t.expr}\n         {why}")

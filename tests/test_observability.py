@@ -203,10 +203,15 @@ def test_metrics_port_in_use_is_one_clear_line(tmp_path, demo_file):
     assert any(f"metrics on 127.0.0.1:{port}" in line and "--metrics-port" in line for line in lines), d.log()
 
 
-def test_dashboard_cli_without_prometheus_is_one_clear_line():
+def test_dashboard_cli_without_prometheus_is_one_clear_line(tmp_path):
     res = run_cli("dashboard", "check", "--prometheus", "http://127.0.0.1:9")
     assert res.returncode != 0 and "Traceback" not in res.stderr
     assert res.stderr.strip().splitlines()[-1].startswith("tableserver: error: no Prometheus ready at"), res.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    res = run_cli("dashboard", "check", "--dashboard", str(bad))
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert "is not a Grafana dashboard JSON" in res.stderr.strip().splitlines()[-1], res.stderr
 
 
 def test_metrics_port_off_serves_no_endpoint(tmp_path, demo_file):
