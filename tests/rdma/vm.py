@@ -28,6 +28,7 @@ import glob
 import gzip
 import io
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -35,16 +36,23 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from tableserver.doctor import fix_pyverbs
+
 DEBIAN_PACKAGES = ("qemu-system-x86", "linux-image-amd64", "busybox-static", "rdma-core", "ibverbs-providers",
                    "ibverbs-utils", "perftest", "python3-pyverbs", "iproute2", "kmod", "cpio")
-INITRAMFS_MODULES = ("virtio", "virtio_ring", "virtio_pci_legacy_dev", "virtio_pci_modern_dev", "virtio_pci",
-                     "netfs", "fscache", "9pnet", "9pnet_virtio", "9p")
+# What the initramfs must provide: the virtio PCI transport, 9p over virtio, the 9p file system. Their
+# dependencies, and the order to load them in, come from the installed kernel's own modules.dep.
+INITRAMFS_ROOTS = ("virtio_pci", "9pnet_virtio", "9p")
 DEBIAN_PYVERBS = "/usr/lib/python3/dist-packages/pyverbs"
 QEMU = "qemu-system-x86_64"
 
 
 class GuestUnavailable(RuntimeError):
     """Something needed to boot the guest is missing (the message says what)."""
+
+
+class GuestBootFailed(RuntimeError):
+    """The guest started but could not reach the command (a module or a 9p mount failed)."""
 
 
 @dataclass
@@ -55,13 +63,72 @@ class GuestResult:
     seconds: float
 
 
+def _version_key(version: str) -> list:
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"[.\-+~]", version)]
+
+
 def kernel_version() -> str | None:
-    kernels = sorted(glob.glob("/boot/vmlinuz-*"))
-    for k in reversed(kernels):
-        version = k.split("vmlinuz-", 1)[1]
+    """The newest installed kernel whose module tree has rdma_rxe (None when there is none)."""
+    versions = [k.split("vmlinuz-", 1)[1] for k in glob.glob("/boot/vmlinuz-*")]
+    for version in sorted(versions, key=_version_key, reverse=True):
         if os.path.isdir(f"/lib/modules/{version}/kernel/drivers/infiniband/sw/rxe"):
             return version
     return None
+
+
+def _module_name(path: str) -> str:
+    """``kernel/fs/9p/9p.ko.xz`` -> ``9p`` (module names treat - and _ alike)."""
+    return os.path.basename(path).split(".ko", 1)[0].replace("-", "_")
+
+
+def read_modules_dep(version: str, modules_dir: str = "/lib/modules") -> tuple[dict, dict, set]:
+    """The kernel's own module graph: (name -> deps, name -> .ko path, built-in names)."""
+    base = os.path.join(modules_dir, version)
+    deps, paths = {}, {}
+    with open(os.path.join(base, "modules.dep")) as f:
+        for line in f:
+            if ":" not in line:
+                continue
+            mod, rest = line.split(":", 1)
+            name = _module_name(mod)
+            paths[name] = os.path.join(base, mod)
+            deps[name] = [_module_name(d) for d in rest.split()]
+    builtin = set()
+    try:
+        with open(os.path.join(base, "modules.builtin")) as f:
+            builtin = {_module_name(line.strip()) for line in f if line.strip()}
+    except FileNotFoundError:
+        pass
+    return deps, paths, builtin
+
+
+def module_load_order(version: str, roots=INITRAMFS_ROOTS, modules_dir: str = "/lib/modules") -> list[tuple[str, str]]:
+    """``[(name, ko_path)]`` for ``roots`` and everything they depend on, each after its dependencies.
+
+    Built-in modules are left out (nothing to load). Raises GuestUnavailable
+    naming the module when the kernel has neither the module nor a built-in.
+    """
+    deps, paths, builtin = read_modules_dep(version, modules_dir)
+    order: list[str] = []
+    state: dict[str, str] = {}
+
+    def visit(name: str, wanted_by: str) -> None:
+        if state.get(name) == "done" or name in builtin and name not in paths:
+            return
+        if name not in paths:
+            raise GuestUnavailable(f"kernel {version} has no module {name} (needed by {wanted_by}): install a "
+                                   f"kernel with 9p over virtio, e.g. linux-image-amd64")
+        if state.get(name) == "visiting":
+            raise GuestUnavailable(f"kernel {version}: modules.dep has a dependency cycle through {name}")
+        state[name] = "visiting"
+        for dep in deps[name]:
+            visit(dep, name)
+        state[name] = "done"
+        order.append(name)
+
+    for root in roots:
+        visit(root.replace("-", "_"), "the guest's 9p root")
+    return [(name, paths[name]) for name in order]
 
 
 def missing() -> list[str]:
@@ -110,34 +177,15 @@ def ensure_host_packages(install: bool = True) -> None:
         raise GuestUnavailable(f"installed the packages but still missing: {', '.join(still)}")
 
 
-def link_pyverbs(python: str = sys.executable) -> str:
-    """Makes Debian's pyverbs (rdma-core 44, CPython 3.11) importable from ``python``'s environment.
-
-    pyverbs must match the rdma-core userspace it runs on; Debian ships it for
-    its own python3.11, whose ABI our venv shares. A .pth file adds a
-    directory holding only a ``pyverbs`` symlink, so nothing else of Debian's
-    dist-packages leaks into the venv. Returns the .pth path.
-    """
-    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             check=True, capture_output=True, text=True).stdout.strip()
-    link_dir = os.path.join(os.path.dirname(os.path.dirname(purelib)), "tableserver-pyverbs")
-    os.makedirs(link_dir, exist_ok=True)
-    link = os.path.join(link_dir, "pyverbs")
-    if not os.path.islink(link):
-        os.symlink(DEBIAN_PYVERBS, link)
-    pth = os.path.join(purelib, "tableserver-pyverbs.pth")
-    with open(pth, "w") as f:
-        f.write(link_dir + "\n")
-    return pth
-
-
 _INIT = r"""#!/bin/busybox sh
 /bin/busybox --install -s /bin
 export PATH=/bin:/sbin
 mount -t proc proc /proc
 mount -t sysfs sys /sys
 mount -t devtmpfs dev /dev
-for m in __MODULES__; do insmod /lib/modules/$m.ko 2>/dev/null; done
+for m in __MODULES__; do
+  err=$(insmod /lib/modules/$m.ko 2>&1) || { echo "GUEST: insmod $m failed: $err"; poweroff -f; }
+done
 mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=1048576,cache=loose hostroot /mnt || { echo "GUEST: 9p root failed"; poweroff -f; }
 mount -t tmpfs -o size=75% run /mnt/run
 mkdir -p /mnt/run/tmp
@@ -171,12 +219,8 @@ def build_initramfs(path: str, version: str) -> str:
         for d in ("bin", "sbin", "proc", "sys", "dev", "mnt", "lib/modules"):
             os.makedirs(os.path.join(root, d))
         shutil.copy2("/bin/busybox", os.path.join(root, "bin", "busybox"))
-        found = []
-        for m in INITRAMFS_MODULES:
-            hits = glob.glob(f"/lib/modules/{version}/kernel/**/{m}.ko*", recursive=True)
-            if not hits:
-                continue  # built into this kernel
-            src = hits[0]
+        order = module_load_order(version)
+        for m, src in order:
             dst = os.path.join(root, "lib", "modules", f"{m}.ko")
             if src.endswith(".xz"):
                 import lzma
@@ -187,8 +231,8 @@ def build_initramfs(path: str, version: str) -> str:
                 subprocess.run(["zstd", "-dq", src, "-o", dst], check=True)
             else:
                 shutil.copy2(src, dst)
-            found.append(m)
-        for name, text in (("init", _INIT.replace("__MODULES__", " ".join(found))), ("sbin/modprobe", _MODPROBE)):
+        modules = " ".join(m for m, _ in order)
+        for name, text in (("init", _INIT.replace("__MODULES__", modules)), ("sbin/modprobe", _MODPROBE)):
             p = os.path.join(root, name)
             with open(p, "w") as f:
                 f.write(text)
@@ -261,6 +305,9 @@ def run_guest(script: str, *, workdir: str | None = None, timeout: float = 1800,
         with open(rc_file) as f:
             rc = int(f.read().strip() or 1)
     except (OSError, ValueError):
+        failed = [ln.strip() for ln in console.getvalue().splitlines() if ln.startswith("GUEST:") and "failed" in ln]
+        if failed:  # the boot itself failed: say where, in one line
+            raise GuestBootFailed(f"Soft-RoCE guest (kernel {version}) did not boot: {failed[0][7:]}") from None
         rc = 255  # the guest never reached the end of the script
     return GuestResult(rc, console.getvalue(), results, time.monotonic() - start)
 
@@ -281,7 +328,7 @@ def main() -> int:
     ap.add_argument("command", nargs=argparse.REMAINDER)
     args = ap.parse_args()
     ensure_host_packages(install=args.install)
-    link_pyverbs()
+    print(fix_pyverbs().line())  # `tableserver doctor --fix-pyverbs`: the host's pyverbs in this venv
     command = " ".join(args.command[1:] if args.command[:1] == ["--"] else args.command) or "ibv_devinfo"
     res = run_guest(("" if args.no_rxe else RXE_SETUP) + f"cd {os.getcwd()}\n" + command, echo=True,
                     memory_mb=args.memory, timeout=args.timeout)
