@@ -214,7 +214,7 @@ def main() -> int:
     import vm
 
     vm.ensure_host_packages(install=os.geteuid() == 0)
-    vm.link_pyverbs(sys.executable)
+    print(vm.fix_pyverbs().line())  # `tableserver doctor --fix-pyverbs`
     res = vm.run_guest(vm.RXE_SETUP + f"cd {ROOT}\n{sys.executable} bench/bench_rdma.py --in-guest\n",
                        memory_mb=6144, timeout=3000, echo=False)
     print(res.console[res.console.find("Soft-RoCE (rxe_lo"):].split("GUEST: done")[0] if res.rc == 0

@@ -6,6 +6,7 @@
     tableserver inspect FILE                        print a file's catalog, verify checksums
     tableserver demo                                demo table + server + client replay
     tableserver dashboard check|render --prometheus URL   check / draw the Grafana dashboard's queries
+    tableserver doctor [--fix-pyverbs]              what this host lacks; link the host's pyverbs
 
 User errors print one line (``tableserver: error: ...``) and exit non-zero,
 without a traceback.
@@ -22,7 +23,7 @@ import time
 from tableserver import __version__, logs
 from tableserver.errors import ConfigError, TableServerError
 
-COMMANDS = ("serve", "gen-demo", "pack", "inspect", "demo", "dashboard")
+COMMANDS = ("serve", "gen-demo", "pack", "inspect", "demo", "dashboard", "doctor")
 log = logging.getLogger("tableserver")
 
 
@@ -74,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rate-interval", default="1m", help="what $__rate_interval stands for (default %(default)s)")
     b.add_argument("--out", default="dashboard.png", help="render: PNG to write (default %(default)s)")
     b.add_argument("--minutes", type=float, default=15.0, help="render: time span to draw (default %(default)s)")
+
+    o = sub.add_parser("doctor", help="check this host for tableserver (pyverbs, RDMA devices); fix pyverbs")
+    o.add_argument("--fix-pyverbs", action="store_true", help="make this host's distribution pyverbs (rdma-core's "
+                   "Python bindings, e.g. Debian's python3-pyverbs) importable from this Python environment, "
+                   "and check that it matches the host's rdma-core")
+    o.add_argument("--pyverbs-from", default="", metavar="DIR", help="with --fix-pyverbs: link this pyverbs "
+                   "package directory instead (e.g. a vendor OFED/DOCA build)")
     return p
 
 
@@ -97,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(args)
         logs.setup("info")
         return {"gen-demo": _gen_demo, "pack": _pack, "inspect": _inspect, "demo": _demo,
-                "dashboard": _dashboard}[args.command](args)
+                "dashboard": _dashboard, "doctor": _doctor}[args.command](args)
     except TableServerError as e:
         print(f"tableserver: error: {e}", file=sys.stderr)
         return e.exit_code
@@ -160,6 +168,12 @@ def _demo(args) -> int:
 
     return run_demo(rows=args.rows, steps=args.steps, batch=args.batch,
                     transports=[t for t in args.transports.split(",") if t], table=args.table or None)
+
+
+def _doctor(args) -> int:
+    from tableserver import doctor
+
+    return doctor.run(fix_pyverbs_=args.fix_pyverbs or bool(args.pyverbs_from), pyverbs_from=args.pyverbs_from or None)
 
 
 def _dashboard(args) -> int:

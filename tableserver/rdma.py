@@ -56,8 +56,9 @@ def verbs():
             import pyverbs.wr as wr
             from pyverbs.pyverbs_error import PyverbsError
         except ImportError as e:
-            raise RdmaUnavailable(f"pyverbs is not importable ({e}): install the pyverbs of this host's rdma-core "
-                                  "(Debian/Ubuntu: apt-get install python3-pyverbs)") from None
+            raise RdmaUnavailable(f"pyverbs is not importable ({e}): install this host's pyverbs (Debian/Ubuntu: "
+                                  "apt-get install python3-pyverbs), then run `tableserver doctor --fix-pyverbs`") \
+                from None
         try:
             import pyverbs.libibverbs_enums as enums  # rdma-core >= 59
         except ImportError:
