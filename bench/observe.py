@@ -49,8 +49,10 @@ def prometheus_binary() -> str | None:
 class PrometheusServer:
     """A real Prometheus (the Debian package's binary) scraping ``jobs`` = {job: [host:port, ...]}."""
 
-    def __init__(self, jobs: dict, workdir: str, scrape_interval: str = "1s", rule_files: tuple = ()):
+    def __init__(self, jobs: dict, workdir: str, scrape_interval: str = "1s", rule_files: tuple = (),
+                 timeout: float = 60.0):
         binary = prometheus_binary()
+        self.timeout = timeout  # bound of every wait for Prometheus (start-up, a query's data)
         if binary is None:
             raise RuntimeError("prometheus is not installed: apt-get install prometheus")
         self.workdir = workdir
@@ -72,7 +74,7 @@ class PrometheusServer:
         from tableserver.dashboard import Prometheus
 
         self.api = Prometheus(self.url)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + timeout
         while not self.api.ready():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.close()
@@ -83,8 +85,9 @@ class PrometheusServer:
         with open(os.path.join(self.workdir, "prometheus.log")) as f:
             return f.read()[-4000:]
 
-    def wait_for(self, expr: str, timeout: float = 60.0, min_series: int = 1) -> list:
+    def wait_for(self, expr: str, timeout: float | None = None, min_series: int = 1) -> list:
         """Polls an instant query until it returns at least ``min_series`` series with a value > 0."""
+        timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while True:
             result = self.api.query(expr)["result"]
@@ -115,7 +118,8 @@ class ClientWorkload:
     """One exporter aggregating a multiprocess directory, and worker processes gathering into it."""
 
     def __init__(self, address: str, workdir: str, transports=("shm", "tcp"), batch: int = 64,
-                 pace_s: float = 0.005):
+                 pace_s: float = 0.005, timeout: float = 60.0):
+        self.timeout = timeout  # bound of every wait for the exporter and the workers
         self.dir = os.path.join(workdir, "prom-multiproc")
         shutil.rmtree(self.dir, ignore_errors=True)
         os.makedirs(self.dir)
@@ -132,7 +136,7 @@ class ClientWorkload:
         self.workers, self.logs = [], []
         self.exporter = subprocess.Popen([sys.executable, os.path.abspath(__file__), "exporter", port_file],
                                          env=self.env)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + timeout
         while not os.path.exists(port_file):
             if self.exporter.poll() is not None or time.monotonic() > deadline:
                 self.close()
@@ -151,13 +155,13 @@ class ClientWorkload:
                 [sys.executable, me, "worker", self.address, t, self.stop_file, str(self.batch), str(self.pace_s)],
                 env=self.env, stdout=log, stderr=subprocess.STDOUT))
 
-    def stop_workers(self, timeout: float = 60) -> list[int]:
+    def stop_workers(self) -> list[int]:
         with open(self.stop_file, "w"):
             pass
         codes = []
         for w in self.workers:
             try:
-                codes.append(w.wait(timeout))
+                codes.append(w.wait(self.timeout))
             except subprocess.TimeoutExpired:
                 w.kill()
                 codes.append(w.wait())

@@ -178,8 +178,15 @@ class TableClient:
         log.debug("session %s uses %s", self.session.id.hex()[:12], self._transport.name)
 
     def _start_keepalive(self) -> None:
+        """Starts the KeepAlive stream and returns once the server has bound it to the session.
+
+        The stream is the session's liveness: once bound, the server ends the
+        session the moment this process dies. Before the server's first answer
+        only the lease would reclaim it, so nothing else happens until then.
+        """
         interval = max(self.session.lease_seconds / 3.0, 0.05)
         session_id = self.session.id
+        bound, answered = threading.Event(), threading.Event()
 
         def pings():
             yield pb.KeepAliveRequest(session_id=session_id)
@@ -190,17 +197,27 @@ class TableClient:
             try:
                 self._keepalive_call = self._stub.KeepAlive(pings(), metadata=self._metadata)
                 for _ in self._keepalive_call:
-                    pass
+                    answered.set()
+                    bound.set()
             except grpc.RpcError as e:
                 if not self._stop.is_set():
                     self.session_error = self._rpc_error(e)
-                    self._metrics.session_losses.inc()
-                    with _lost_lock:
-                        _lost.add(self.address)
-                    log.warning("tableserver session lost: %s", self.session_error)
+                    if answered.is_set():
+                        self._metrics.session_losses.inc()
+                        with _lost_lock:
+                            _lost.add(self.address)
+                        log.warning("tableserver session lost: %s", self.session_error)
+            finally:
+                bound.set()  # wakes the constructor when the stream ends before its first answer
 
         self._keepalive_thread = threading.Thread(target=run, name="tableclient-keepalive", daemon=True)
         self._keepalive_thread.start()
+        if not bound.wait(self.connect_timeout):
+            raise ConnectError(f"tableserver at {self.address} did not answer the session keepalive within "
+                               f"{self.connect_timeout:g} s: raise connect_timeout or check the server")
+        if not answered.is_set():
+            raise self.session_error or ConnectError(f"tableserver at {self.address} ended the session keepalive "
+                                                     "before answering it")
 
     # --------------------------------------------------------------- public
     @property

@@ -23,10 +23,30 @@ from tableserver.tablefile import read_header
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IN_GUEST = os.environ.get("TABLESERVER_IN_GUEST") == "1"
+#: The bound on any wait for an event (a log line, a metric, a socket state, a process exit). Generous on
+#: purpose: each wait ends as soon as its event happens, so a busy machine makes a test slower, never red.
+EVENT_TIMEOUT = float(os.environ.get("TABLESERVER_TEST_EVENT_TIMEOUT", "600"))
+#: Session lease of the test daemons: far longer than a starved client's keepalive can be late.
+TEST_LEASE = "120"
 
 # tests/rdma needs a verbs device: it runs inside the Soft-RoCE guest (tests/test_rdma_guest.py
 # boots it), never directly on the host, where it would only skip.
 collect_ignore = [] if IN_GUEST else ["rdma"]
+
+
+def wait_for(condition, what, timeout: float = EVENT_TIMEOUT, interval: float = 0.05):
+    """Polls ``condition()`` until it returns something true (and returns that), at most ``timeout`` s.
+
+    ``what`` names the event (a string, or a callable giving details such as a log) for the failure.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        result = condition()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout:g} s for {what() if callable(what) else what}")
+        time.sleep(interval)
 
 
 def local_tables(path: str) -> dict[str, np.ndarray]:
@@ -50,7 +70,7 @@ class Daemon:
         with open(os.path.join(self.workdir, "server.log"), errors="replace") as f:
             return f.read()
 
-    def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> int:
+    def stop(self, sig=signal.SIGTERM, timeout: float = EVENT_TIMEOUT) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:
@@ -61,13 +81,13 @@ class Daemon:
         return self.proc.returncode
 
 
-def run_cli(*args, env=None, timeout: float = 120, preexec=None) -> subprocess.CompletedProcess:
+def run_cli(*args, env=None, timeout: float = EVENT_TIMEOUT, preexec=None) -> subprocess.CompletedProcess:
     """Runs ``python -m tableserver ARGS`` to completion."""
     return subprocess.run([sys.executable, "-m", "tableserver", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, preexec_fn=preexec, cwd=ROOT)
 
 
-def start_daemon(workdir: str, *args, env=None, wait: bool = True, timeout: float = 180,
+def start_daemon(workdir: str, *args, env=None, wait: bool = True, timeout: float = EVENT_TIMEOUT,
                  prefix: tuple = ()) -> Daemon:
     os.makedirs(workdir, exist_ok=True)
     ready = os.path.join(workdir, "ready.json")
@@ -75,19 +95,20 @@ def start_daemon(workdir: str, *args, env=None, wait: bool = True, timeout: floa
         os.unlink(ready)
     log = open(os.path.join(workdir, "server.log"), "w")
     cmd = [*prefix, sys.executable, "-m", "tableserver", "serve", "--listen", "127.0.0.1:0", "--ready-file", ready,
-           "--progress", "never", "--shm-socket", os.path.join(workdir, "shm.sock"), *args]
+           "--progress", "never", "--shm-socket", os.path.join(workdir, "shm.sock"), "--lease-seconds", TEST_LEASE,
+           *args]  # a later flag wins: a test may pass its own --lease-seconds
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     d = Daemon(proc, workdir)
     if not wait:
         return d
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(ready):
-        if proc.poll() is not None:
-            raise RuntimeError(f"tableserver exited {proc.returncode}:\n{d.log()}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"tableserver not ready after {timeout} s:\n{d.log()}")
-        time.sleep(0.02)
+    try:
+        wait_for(lambda: os.path.exists(ready) or proc.poll() is not None, lambda: f"tableserver to be ready:\n{d.log()}",
+                 timeout, interval=0.02)
+    except AssertionError:
+        proc.kill()
+        raise
+    if not os.path.exists(ready):
+        raise RuntimeError(f"tableserver exited {proc.returncode}:\n{d.log()}")
     with open(ready) as f:
         d.ready = json.load(f)
     return d
@@ -116,7 +137,7 @@ def demo_local(demo_file) -> dict[str, np.ndarray]:
 @pytest.fixture(scope="session")
 def daemon(demo_file, tmp_path_factory):
     """One shared server over the small demo file (shm + tcp)."""
-    d = start_daemon(str(tmp_path_factory.mktemp("daemon")), "--tables", demo_file, "--lease-seconds", "5")
+    d = start_daemon(str(tmp_path_factory.mktemp("daemon")), "--tables", demo_file)
     yield d
     d.stop()
 

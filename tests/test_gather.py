@@ -8,6 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import EVENT_TIMEOUT
 from tableclient import GatherTimeout, TableClient
 
 TRANSPORTS = ["shm", "tcp"]
@@ -99,12 +100,12 @@ def test_gather_many_in_order_and_async(client, demo_local):
     rng = np.random.default_rng(5)
     ids1, ids14 = rng.integers(0, l1.rows, (64, 24)), rng.integers(0, l14.rows, (64, 24))
     h1, h14 = client.gather_many([(l1, ids1), ("engram.layer14", ids14)])
-    np.testing.assert_array_equal(h1.wait(timeout=10), demo_local[l1.name][ids1])
-    np.testing.assert_array_equal(h14.wait(timeout=10), demo_local[l14.name][ids14])
+    np.testing.assert_array_equal(h1.wait(timeout=EVENT_TIMEOUT), demo_local[l1.name][ids1])
+    np.testing.assert_array_equal(h14.wait(timeout=EVENT_TIMEOUT), demo_local[l14.name][ids14])
     assert h1.done() and h14.done()
     handles = [l1.gather_async(rng.integers(0, l1.rows, 100)) for _ in range(16)]  # pipelined
     for h in handles:
-        assert h.wait(timeout=10).shape == (100, 264)
+        assert h.wait(timeout=EVENT_TIMEOUT).shape == (100, 264)
 
 
 def test_more_rows_than_one_request(client, demo_local):
@@ -121,7 +122,7 @@ def test_zero_timeout_raises_or_returns(client):
         h.wait(timeout=0.0)
     except GatherTimeout:
         pass
-    assert h.wait(timeout=30).shape == (60_000, 264)
+    assert h.wait(timeout=EVENT_TIMEOUT).shape == (60_000, 264)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

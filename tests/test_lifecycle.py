@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import start_daemon
+from conftest import EVENT_TIMEOUT, start_daemon
 from tests_helpers import run_workers
 from tableclient import TableClient
 from tableserver.tablefile import TableFileWriter, TableSpec
@@ -35,12 +35,12 @@ def test_health_not_serving_until_loaded_then_serving_then_not_serving(tmp_path)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             stream = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""),
-                                                          wait_for_ready=True, timeout=120)
+                                                          wait_for_ready=True, timeout=EVENT_TIMEOUT)
             for resp in stream:
                 seen.append(resp.status)
                 if resp.status == NOT_SERVING and len(seen) == 1:
                     with pytest.raises(grpc.RpcError) as e:
-                        pb_grpc.TableServiceStub(ch).GetCatalog(pb.GetCatalogRequest(), timeout=10)
+                        pb_grpc.TableServiceStub(ch).GetCatalog(pb.GetCatalogRequest(), timeout=EVENT_TIMEOUT)
                     assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "still loading" in e.value.details()
                 if resp.status == SERVING and SERVING not in seen[:-1]:
                     d.proc.send_signal(signal.SIGTERM)

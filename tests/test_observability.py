@@ -23,7 +23,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import ROOT, run_cli, start_daemon
+from conftest import EVENT_TIMEOUT, ROOT, run_cli, start_daemon
 from tableclient import TableClient
 from tableclient.metrics import ClientMetrics, latency_buckets
 from tableserver.dashboard import DEFAULT_DASHBOARD, check, load_targets, substitute
@@ -43,7 +43,7 @@ ALLOWED_LABELS = {"table", "layer", "transport", "mode", "op", "method", "code",
 UNIT_SUFFIXES = ("_seconds", "_bytes", "_total", "_info", "_rows", "_ratio")
 
 
-def eventually(address: str, ok, timeout: float = 10.0) -> dict:
+def eventually(address: str, ok, timeout: float = EVENT_TIMEOUT) -> dict:
     """Scrapes until ``ok(families)`` holds; the last scrape either way (the caller's asserts then say why)."""
     deadline = time.monotonic() + timeout
     while True:
@@ -164,7 +164,7 @@ def test_daemon_counts_gathers_sessions_grpc_codes_and_errors(fresh_daemon):
     host, port = d.ready["tcp"].rsplit(":", 1)
     import socket
 
-    with socket.create_connection((host, int(port)), timeout=10) as s:
+    with socket.create_connection((host, int(port)), timeout=EVENT_TIMEOUT) as s:
         s.sendall(request_header(FrameType.HELLO, 1, 0, 48) + resp.session_id + resp.secret)
         assert HEADER.unpack(s.recv(HEADER_BYTES))[1] == FrameType.HELLO
         s.sendall(request_header(FrameType.GATHER, 2, 0, 1) + np.array([50_000], "<i8").tobytes())
@@ -172,7 +172,7 @@ def test_daemon_counts_gathers_sessions_grpc_codes_and_errors(fresh_daemon):
     assert head[2] == Status.ROW_OUT_OF_RANGE
     with grpc.insecure_channel(address) as ch:
         with pytest.raises(grpc.RpcError):
-            pb_grpc.TableServiceStub(ch).OpenSession(pb.OpenSessionRequest(transports=["carrier-pigeon"]), timeout=10)
+            pb_grpc.TableServiceStub(ch).OpenSession(pb.OpenSessionRequest(transports=["carrier-pigeon"]), timeout=EVENT_TIMEOUT)
     # an aborted call is counted as its coroutine unwinds, which may be just after the client hears it
     late = eventually(metrics, lambda f: value(f, "tableserver_grpc_requests_total", method="OpenSession",
                                                code="INVALID_ARGUMENT") == 1)
@@ -244,7 +244,7 @@ def test_two_client_processes_in_multiprocess_mode_aggregate(daemon, tmp_path):
     mp_dir.mkdir()
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(mp_dir))
     procs = [subprocess.run([sys.executable, "-c", CLIENT_SCRIPT, daemon.address, "tcp", str(seed)], env=env,
-                            capture_output=True, text=True, timeout=120) for seed in (1, 2)]
+                            capture_output=True, text=True, timeout=EVENT_TIMEOUT) for seed in (1, 2)]
     for p in procs:
         assert p.returncode == 0, p.stderr
     uniques = [int(x) for p in procs for x in p.stdout.split()]
@@ -310,8 +310,8 @@ def test_step_api_counts_waits_misses_and_windows(daemon):
     waits0, misses0 = get("tableserver_client_layer_waits_total", layer="14"), \
         get("tableserver_client_deadline_misses_total", layer="14")
     with TableClient(daemon.address, transport="tcp") as c:
-        # a window nobody can meet (0 s) and one everybody meets (60 s)
-        step = EngramStep(c, [LayerPlan(14, "engram.layer14", 0.0), LayerPlan(1, "engram.layer1", 60.0)],
+        # a window nobody can meet (0 s) and one everybody meets (an hour)
+        step = EngramStep(c, [LayerPlan(14, "engram.layer14", 0.0), LayerPlan(1, "engram.layer1", 3600.0)],
                           max_tokens=8)
         for _ in range(3):
             step.begin_step({1: np.ones((8, 24), np.int64), 14: np.ones((8, 24), np.int64)})
@@ -319,7 +319,7 @@ def test_step_api_counts_waits_misses_and_windows(daemon):
             step.wait(1)
     assert get("tableserver_client_layer_waits_total", layer="14") - waits0 == 3
     assert get("tableserver_client_deadline_misses_total", layer="14") - misses0 == 3
-    assert get("tableserver_client_layer_window_seconds", layer="1") == 60.0
+    assert get("tableserver_client_layer_window_seconds", layer="1") == 3600.0
 
 
 def test_client_counts_refused_row_ids(daemon):
@@ -400,7 +400,7 @@ def test_deploy_configs_are_valid():
         assert "/var/lib/grafana/dashboards" in f.read()
 
 
-def _wait_rules_evaluated(prom, timeout: float = 30.0) -> list:
+def _wait_rules_evaluated(prom, timeout: float = EVENT_TIMEOUT) -> list:
     deadline = time.monotonic() + timeout
     while True:
         groups = prom.api._get("/api/v1/rules")["groups"]
@@ -419,12 +419,12 @@ def test_real_prometheus_evaluates_every_dashboard_query(tmp_path, demo_file):
     d = start_daemon(str(tmp_path / "d"), "--tables", demo_file)
     work = None
     try:
-        work = ClientWorkload(d.address, str(tmp_path / "w"))
+        work = ClientWorkload(d.address, str(tmp_path / "w"), timeout=EVENT_TIMEOUT)
         with PrometheusServer({"tableserver": [d.ready["metrics"]], "tableserver-client": [work.exporter_address]},
-                              str(tmp_path / "prom"), rule_files=(ALERTS,)) as prom:
+                              str(tmp_path / "prom"), rule_files=(ALERTS,), timeout=EVENT_TIMEOUT) as prom:
             prom.wait_for("up == 1", min_series=2)
             work.start_workers()
-            prom.wait_for("sum by (transport) (rate(tableserver_client_rows_total[10s]))", min_series=2, timeout=120)
+            prom.wait_for("sum by (transport) (rate(tableserver_client_rows_total[10s]))", min_series=2)
             prom.wait_for("sum by (layer) (rate(tableserver_client_layer_waits_total[10s]))", min_series=2)
             prom.wait_for("sum(rate(tableserver_gather_rows_total[10s]))")
             targets = load_targets()

@@ -14,6 +14,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from conftest import EVENT_TIMEOUT
 from tableclient import AuthError, ConnectError, TableClient
 
 TOKEN = "s3cret-token-for-tests"
@@ -65,7 +66,7 @@ def test_token_required(fresh_daemon, demo_local):
         with TableClient(d.address, transport=transport, token=TOKEN) as c:
             np.testing.assert_array_equal(c.table("tiny").gather([0]), demo_local["tiny"][[0]])
     with grpc.insecure_channel(d.address) as ch:  # health stays open to probes without a token
-        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=EVENT_TIMEOUT).status
         assert status == health_pb2.HealthCheckResponse.SERVING
 
 
@@ -109,7 +110,7 @@ def test_data_port_rejects_forged_sessions(daemon):
     from tableserver.wire import HEADER, FrameType, Status, recv_exact, request_header, send_all
 
     host, port = daemon.ready["tcp"].rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=10) as s:
+    with socket.create_connection((host, int(port)), timeout=EVENT_TIMEOUT) as s:
         send_all(s, [request_header(FrameType.HELLO, 1, 0, 48), bytes(48)])
         head = bytearray(HEADER.size)
         recv_exact(s, memoryview(head))

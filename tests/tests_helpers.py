@@ -9,6 +9,8 @@ import grpc
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import EVENT_TIMEOUT
+
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.v1 import tableserver_pb2_grpc as pb_grpc
 from tableserver.wire import HEADER, FrameType, Status, request_header
@@ -18,7 +20,7 @@ def open_raw_session(address: str, transports=("tcp",)):
     """A session opened with the generated stubs (no keepalive: the lease reclaims it)."""
     with grpc.insecure_channel(address) as ch:
         stub = pb_grpc.TableServiceStub(ch)
-        return stub.OpenSession(pb.OpenSessionRequest(client_name="raw", transports=list(transports)), timeout=10)
+        return stub.OpenSession(pb.OpenSessionRequest(client_name="raw", transports=list(transports)), timeout=EVENT_TIMEOUT)
 
 
 def shm_fds(daemon) -> list[int]:
@@ -69,15 +71,15 @@ def run_workers(configs: list[dict], address: str, path: str, steps: int, batch:
              for seed, kw in enumerate(configs)]
     for p in procs:
         p.start()
-    outcomes = dict(results.get(timeout=600) for _ in procs)
+    outcomes = dict(results.get(timeout=EVENT_TIMEOUT) for _ in procs)
     for p in procs:
-        p.join(60)
+        p.join(EVENT_TIMEOUT)
     return outcomes
 
 
 def scrape(address: str) -> dict:
     """name -> metric family, from a live /metrics endpoint."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=EVENT_TIMEOUT) as r:
         text = r.read().decode()
     return {f.name: f for f in text_string_to_metric_families(text)}
 
