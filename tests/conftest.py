@@ -34,6 +34,19 @@ TEST_LEASE = "120"
 collect_ignore = [] if IN_GUEST else ["rdma"]
 
 
+_SUMMARY: list[str] = []
+
+
+def summary_line(text: str) -> None:
+    """A line for the end of the test run's output (e.g. what the Soft-RoCE guest ran), shown even with -q."""
+    _SUMMARY.append(text)
+
+
+def pytest_terminal_summary(terminalreporter):
+    for line in _SUMMARY:
+        terminalreporter.write_line(line)
+
+
 def wait_for(condition, what, timeout: float = EVENT_TIMEOUT, interval: float = 0.05):
     """Polls ``condition()`` until it returns something true (and returns that), at most ``timeout`` s.
 

@@ -16,7 +16,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, summary_line
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "rdma"))
 import vm  # noqa: E402
@@ -44,7 +44,8 @@ def test_rdma_suite_in_softroce_guest(tmp_path):
     suite = ET.parse(junit).getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
     counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-    print(f"\nSoft-RoCE guest: {counts} in {res.seconds:.0f} s")
+    summary_line(f"Soft-RoCE guest (kernel {vm.kernel_version()}): {counts['tests']} RDMA tests, {counts['failures']} "
+                 f"failed, {counts['errors']} errors, {counts['skipped']} skipped in {res.seconds:.0f} s")
     assert res.rc == 0 and counts["failures"] == counts["errors"] == 0, f"guest exit {res.rc} {counts}:\n{tail}"
     assert counts["skipped"] == 0, f"RDMA tests skipped in the guest: {counts}\n{tail}"
     assert counts["tests"] >= MIN_TESTS, f"only {counts['tests']} RDMA tests ran:\n{tail}"
