@@ -14,8 +14,10 @@ $(BASE): setup.cfg pyproject.toml
 	$(BIN)/python -m pip install -q -e .
 	touch $@
 
-$(DEV): $(BASE)
+# SGLang (pinned) for the plugin's tests: --no-deps keeps its CUDA torch pin out (tests/requirements-sglang.txt)
+$(DEV): $(BASE) tests/requirements-sglang.txt
 	$(BIN)/python -m pip install -q "$(TORCH)" -e '.[dev]'
+	$(BIN)/python -m pip install -q --no-deps -r tests/requirements-sglang.txt
 	touch $@
 
 demo: $(BASE)

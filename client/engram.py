@@ -18,6 +18,12 @@ with SGLang's ``compute_engram_hash_ids`` (python/sglang/srt/layers/engram.py):
 
 Row ids come out as ``int64 [T, layers, (max_ngram - 1) * heads]`` (24 per
 token per layer for V4.1): head-major within each order, orders ascending.
+
+Vision checkpoints (``model_type`` deepseek_v41 with vision layers): token ids
+at or above ``MM_PAD_SHIFT_VALUE`` (SGLang's multimodal pad ids) read as the
+image token, and an image token blocks its own position and every older
+look-back (hashed as the pad). Token ids outside the vocabulary are refused
+(ValueError), never clipped.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 INT64_MAX = np.iinfo(np.int64).max
+MM_PAD_SHIFT_VALUE = 1_000_000  # SGLang: multimodal pad ids start here (sglang.srt.managers.schedule_batch)
 
 
 # ------------------------------------------------------------------ primes
@@ -80,23 +87,50 @@ class EngramConfig:
     compressed_vocab_size: int = 99_092  # bounds the hash multipliers
     pad_id: int = 2  # original token id whose compressed id pads look-back before the start
     num_embeddings: tuple = ()  # the released table sizes, checked against the layout when given
+    image_token_id: int | None = None  # vision checkpoints: the image token, hashed as blocked
 
     @classmethod
     def from_model_config(cls, config) -> "EngramConfig":
-        """From an HF-style config (dict or object) with ``engram_*`` keys."""
-        get = (lambda k, d: config.get(k, d)) if isinstance(config, dict) else (lambda k, d: getattr(config, k, d))
+        """From an HF-style config (dict or object) with ``engram_*`` keys.
+
+        As SGLang reads DeepSeek-V4.1 configs: keys of a nested ``text_config`` count as top-level
+        ones (top-level wins), the pad token is ``engram_pad_token_id``, and a vision checkpoint
+        (``vision_config`` with layers) blocks its ``image_token_id``.
+        """
+        values = _config_values(config)
+        text = values.get("text_config")
+        if text is not None:
+            values = {**_config_values(text), **values}
+        vision = _config_values(values.get("vision_config") or {})
+        vision_layers = int(values.get("vision_n_layers", vision.get("num_hidden_layers", 0)) or 0)
+        model_type = values.get("model_type", "")
+        image = values.get("image_token_id") if model_type in ("deepseek_v41", "deepseek_v41_text") and \
+            vision_layers > 0 else None
+        get = values.get
         return cls(layer_ids=tuple(get("engram_layer_ids", cls.layer_ids)),
                    max_ngram_size=int(get("engram_max_ngram_size", cls.max_ngram_size)),
                    n_heads=int(get("engram_n_heads", cls.n_heads)),
                    head_dim=int(get("engram_head_dim", cls.head_dim)),
                    vocab_size=int(get("engram_vocab_size", cls.vocab_size)),
                    compressed_vocab_size=int(get("engram_compressed_vocab_size", cls.compressed_vocab_size)),
-                   pad_id=int(get("engram_pad_id", cls.pad_id)),
-                   num_embeddings=tuple(get("engram_num_embeddings", ()) or ()))
+                   pad_id=int(get("engram_pad_token_id", cls.pad_id)),
+                   num_embeddings=tuple(get("engram_num_embeddings", ()) or ()),
+                   image_token_id=None if image is None else int(image))
 
     @property
     def rows_per_token(self) -> int:
         return (self.max_ngram_size - 1) * self.n_heads
+
+
+def _config_values(config) -> dict:
+    """A config's keys as a dict: a dict, an HF PretrainedConfig (``to_dict``) or any object."""
+    if isinstance(config, dict):
+        return dict(config)
+    if hasattr(config, "to_dict"):
+        values = config.to_dict()
+        values.update({k: v for k, v in vars(config).items() if not k.startswith("_")})
+        return values
+    return {k: v for k, v in vars(config).items() if not k.startswith("_")}
 
 
 @dataclass(frozen=True)
@@ -157,8 +191,20 @@ def engram_row_ids(tokens: np.ndarray, blocked: np.ndarray, token_map: np.ndarra
 
     ``tokens [T, n]``: column 0 is the token itself, column s its s-th
     predecessor; ``blocked [T, n]`` marks look-back before the sequence
-    start (hashed as the pad's compressed id).
+    start (hashed as the pad's compressed id). With an image token in the
+    config, multimodal pad ids read as it, and it blocks itself and every
+    older look-back.
     """
+    image = layout.config.image_token_id
+    if image is not None:
+        tokens = np.where(tokens >= MM_PAD_SHIFT_VALUE, image, tokens)
+        blocked = np.logical_or.accumulate(blocked | (tokens == image), axis=1)
+        tokens = np.where(blocked, 0, tokens)  # blocked positions hash as the pad whatever they hold
+    bad = (tokens < 0) | (tokens >= token_map.size)
+    if bad.any():
+        t = int(tokens[bad][0])
+        raise ValueError(f"token id {t} is outside the vocabulary of {token_map.size} (token_map): check the "
+                         "tokenizer and the model config")
     compressed = np.where(blocked, pad_compressed, token_map[tokens]).astype(np.int64)  # [T, n]
     products = compressed[:, None, :] * layout.multipliers[None, :, :]  # [T, L, n]
     rolling = products[..., 0]
@@ -211,13 +257,11 @@ class EngramHasher:
     def step(self, histories: list) -> np.ndarray:
         """Row ids ``[B, layers, 24]`` for one decode step (each history ends with the new token)."""
         tokens, blocked = lookback(histories, self.config.max_ngram_size)
-        tokens = np.clip(tokens, 0, self.token_map.size - 1)
         return engram_row_ids(tokens, blocked, self.token_map, self.pad_compressed, self.layout)
 
     def prefill(self, sequence) -> np.ndarray:
         """Row ids ``[T, layers, 24]`` for every position of a prompt."""
         tokens, blocked = prefill_lookback(sequence, self.config.max_ngram_size)
-        tokens = np.clip(tokens, 0, self.token_map.size - 1)
         return engram_row_ids(tokens, blocked, self.token_map, self.pad_compressed, self.layout)
 
     def by_layer(self, row_ids: np.ndarray) -> dict:

@@ -124,7 +124,12 @@ class EngramStep:
 
     # ---------------------------------------------------------------- a step
     def begin_step(self, row_ids: dict) -> None:
-        """Issues every layer's gather now, shortest window first. ``row_ids[layer]`` is ``[T, 24]``."""
+        """Issues every layer's gather now, shortest window first. ``row_ids[layer]`` is ``[T, 24]``.
+
+        A gather of the previous step nobody waited for is cancelled first: its late rows never land
+        in the staging buffers this step fills.
+        """
+        self.abandon()
         self._t0 = time.perf_counter()
         self._handles, self.issue_order, self._ids = {}, [], {}
         sizes = set()
@@ -147,6 +152,16 @@ class EngramStep:
             raise ValueError(f"every layer needs row ids for the same tokens, got sizes {sorted(sizes)}")
         self._tokens = sizes.pop() if sizes else 0
 
+    def pending(self) -> list:
+        """Layers issued by ``begin_step`` and not yet waited for."""
+        return list(self._handles)
+
+    def abandon(self) -> None:
+        """Cancels every gather not waited for (their rows never land in the staging buffers)."""
+        for handle in self._handles.values():
+            getattr(handle, "cancel", lambda: None)()
+        self._handles = {}
+
     def wait(self, layer: int):
         """That layer's rows: a ``[T, 24, row_bytes]`` view of its persistent staging buffer."""
         handle = self._handles.pop(layer)
@@ -155,7 +170,8 @@ class EngramStep:
         try:
             handle.wait(self.timeout)
         except (TableClientError, TimeoutError, OSError) as e:
-            self._on_failure(layer, view, e)
+            getattr(handle, "cancel", lambda: None)()  # late rows must not overwrite what the policy serves
+            self._on_failure(layer, view, self._ids[layer], e)
         now = time.perf_counter()
         elapsed = now - self._t0
         done_at = getattr(handle, "completed_at", 0.0)
@@ -186,7 +202,22 @@ class EngramStep:
     def _plan(self, layer: int) -> LayerPlan:
         return next(p for p in self.plans if p.layer == layer)
 
-    def _on_failure(self, layer: int, view: np.ndarray, error: BaseException) -> None:
+    def gather_now(self, layer: int, row_ids, out=None):
+        """One layer's rows fetched now, for ids that were not known at step start (not a step of its own).
+
+        The failure policy applies as in :meth:`wait`. Returns ``[*row_ids.shape, row_bytes]`` uint8
+        (numpy), in ``out`` when given.
+        """
+        table = self.tables[layer]
+        ids = np.asarray(row_ids)
+        out = np.empty((*ids.shape, table.row_bytes), np.uint8) if out is None else out
+        try:
+            table.gather(ids, out=out, timeout=self.timeout)  # cancelled on failure
+        except (TableClientError, TimeoutError, OSError) as e:
+            self._on_failure(layer, out, ids, e)
+        return out
+
+    def _on_failure(self, layer: int, view: np.ndarray, row_ids, error: BaseException) -> None:
         stats = self.stats[layer]
         if self.policy == "fail":
             raise error
@@ -198,7 +229,7 @@ class EngramStep:
                 log.warning("layer %d: serving zero rows (%d times so far): %s", layer, stats.zeros_served, error)
             return
         plan = self._plan(layer)
-        self.fallback.table(plan.table, mode=plan.mode).gather(self._ids[layer], out=view, timeout=self.timeout)
+        self.fallback.table(plan.table, mode=plan.mode).gather(row_ids, out=view, timeout=self.timeout)
         stats.fallbacks += 1
         self._inst[layer][3].inc()
 

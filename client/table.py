@@ -133,8 +133,16 @@ class RemoteTable:
                 f"mode={self.mode!r})")
 
     def gather(self, row_ids, out=None, timeout: float | None = None, mode: str | None = None):
-        """Rows ``row_ids`` (int array/tensor of any shape) as uint8 ``[..., row_bytes]``."""
-        return self._submit(row_ids, out, True, mode).wait(timeout)
+        """Rows ``row_ids`` (int array/tensor of any shape) as uint8 ``[..., row_bytes]``.
+
+        On an error or timeout the gather is cancelled: rows arriving later never touch ``out``.
+        """
+        handle = self._submit(row_ids, out, True, mode)
+        try:
+            return handle.wait(timeout)
+        except BaseException:
+            handle.cancel()
+            raise
 
     def gather_async(self, row_ids, out=None, mode: str | None = None) -> GatherHandle:
         """Starts a gather and returns at once; ``handle.wait()`` returns the rows."""

@@ -1,4 +1,4 @@
-"""Engram hashing: the V4.1 layout, hand-computed cases, a torch oracle, properties."""
+"""Engram hashing: the V4.1 layout, hand-computed cases, SGLang's own functions as the oracle, properties."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import sglang_cpu  # noqa: F401  (before sglang: torchvision on a CPU torch)
 from tableclient.engram import (
-    EngramConfig, EngramHasher, build_layout, engram_row_ids, hash_multipliers, identity_token_map, is_prime,
-    lookback, next_prime, prefill_lookback,
+    MM_PAD_SHIFT_VALUE, EngramConfig, EngramHasher, build_layout, engram_row_ids, hash_multipliers,
+    identity_token_map, is_prime, lookback, next_prime, prefill_lookback,
 )
 
 V41 = EngramConfig(num_embeddings=(384_006_168, 384_016_682))
@@ -66,20 +67,11 @@ def test_tiny_case_by_hand():
                                                                         41 + h3 % 19]
 
 
-def _sglang_oracle(tokens, blocked, pad_id, token_map, multipliers, primes, offsets):
-    """compute_engram_hash_ids as SGLang writes it, in torch (the reference the numpy version must match)."""
-    compressed = torch.where(blocked, pad_id, token_map[tokens])
-    products = compressed.unsqueeze(1) * multipliers
-    rolling, hashes = products[..., 0], []
-    for i in range(1, tokens.shape[-1]):
-        rolling = torch.bitwise_xor(rolling, products[..., i])
-        hashes.append(rolling.unsqueeze(-1) % primes[:, i - 1])
-    return torch.cat(hashes, dim=-1) + offsets
-
-
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), length=st.integers(1, 40))
-def test_matches_the_sglang_torch_formulation(seed, length):
+def test_matches_sglang_compute_engram_hash_ids(seed, length):
+    from sglang.srt.layers.engram import compute_engram_hash_ids
+
     layout = build_layout(V41)
     rng = np.random.default_rng(seed)
     token_map = rng.integers(0, V41.compressed_vocab_size, 130_000)
@@ -87,9 +79,9 @@ def test_matches_the_sglang_torch_formulation(seed, length):
     tokens, blocked = prefill_lookback(seq, V41.max_ngram_size)
     pad = int(token_map[V41.pad_id])
     ours = engram_row_ids(tokens, blocked, token_map, pad, layout)
-    ref = _sglang_oracle(torch.from_numpy(tokens), torch.from_numpy(blocked), pad, torch.from_numpy(token_map),
-                         torch.from_numpy(layout.multipliers), torch.from_numpy(layout.primes),
-                         torch.from_numpy(layout.offsets))
+    ref = compute_engram_hash_ids(torch.from_numpy(tokens), torch.from_numpy(blocked), pad, torch.from_numpy(token_map),
+                                  torch.from_numpy(layout.multipliers), torch.from_numpy(layout.primes),
+                                  torch.from_numpy(layout.offsets))
     np.testing.assert_array_equal(ours, ref.numpy())
 
 
@@ -121,3 +113,62 @@ def test_bad_token_map():
         EngramHasher(TINY, np.array([0, 1, 99]))
     with pytest.raises(ValueError, match="pad"):
         EngramHasher(TINY, np.array([], np.int64))
+
+
+def _sglang_config(**extra):
+    from sglang.srt.configs.deepseek_v41 import DeepseekV41Config
+
+    text = dict(engram_layer_ids=[1, 14], engram_max_ngram_size=4, engram_n_heads=8, engram_vocab_size=2000,
+                engram_head_dim=256, engram_pad_token_id=5, engram_compressed_vocab_size=300)
+    return DeepseekV41Config(text_config=text, **extra)
+
+
+def test_config_as_sglang_reads_it_nested_text_config_pad_token_and_image():
+    cfg = EngramConfig.from_model_config(_sglang_config())
+    assert (cfg.layer_ids, cfg.max_ngram_size, cfg.n_heads, cfg.vocab_size, cfg.pad_id, cfg.compressed_vocab_size) \
+        == ((1, 14), 4, 8, 2000, 5, 300)
+    assert cfg.image_token_id is None  # no vision tower: nothing blocked
+    raw = {"model_type": "deepseek_v41", "image_token_id": 42, "vision_config": {"num_hidden_layers": 2},
+           "text_config": {"engram_layer_ids": [1, 14], "engram_pad_token_id": 7, "engram_n_heads": 8}}
+    cfg = EngramConfig.from_model_config(raw)
+    assert (cfg.layer_ids, cfg.pad_id, cfg.image_token_id) == ((1, 14), 7, 42)
+    from sglang.srt.models.deepseek_v4 import _engram_image_token_id
+
+    vision = _sglang_config(image_token_id=42, vision_config={"num_hidden_layers": 2})
+    assert EngramConfig.from_model_config(vision).image_token_id == _engram_image_token_id(vision) == 42
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), length=st.integers(1, 30))
+def test_image_tokens_and_multimodal_pads_block_as_sglang_hashes_them(seed, length):
+    """SGLang's EngramHasher.hash_windows (its real class and normalizing tokenizer map) is the oracle."""
+    from sglang.srt.layers.engram import EngramHasher as SGLangHasher, EngramLayout, build_compressed_token_map
+
+    from test_sglang_plugin import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    token_map, compressed = build_compressed_token_map(tokenizer)
+    image = 17
+    sg_cfg = _sglang_config()
+    sg_cfg.engram_compressed_vocab_size = compressed
+    layout = EngramLayout.from_config(sg_cfg)
+    theirs = SGLangHasher(layout, tokenizer, sg_cfg.engram_pad_token_id, compressed)
+    theirs.image_token_id = image
+    ours = EngramHasher(EngramConfig(layer_ids=(1, 14), vocab_size=2000, compressed_vocab_size=compressed, pad_id=5,
+                                     image_token_id=image), np.asarray(token_map))
+    rng = np.random.default_rng(seed)
+    seq = rng.integers(0, len(token_map), length)
+    seq[rng.random(length) < 0.15] = image
+    seq[rng.random(length) < 0.1] = MM_PAD_SHIFT_VALUE + 3  # a multimodal pad id, as SGLang's prompts carry
+    tokens, blocked = prefill_lookback(seq, 4)
+    want, _ = theirs.hash_windows(torch.from_numpy(tokens), torch.from_numpy(blocked))
+    np.testing.assert_array_equal(ours.prefill(seq), want.numpy())
+
+
+def test_out_of_range_token_ids_are_refused_not_clipped():
+    hasher = EngramHasher(TINY, np.arange(10, dtype=np.int64) + 5)
+    for bad in ([[4, 7, 10]], [[-1]]):
+        with pytest.raises(ValueError, match="outside the vocabulary of 10"):
+            hasher.step(bad)
+    with pytest.raises(ValueError, match="token id 12 is outside"):
+        hasher.prefill([1, 12, 3])

@@ -1,0 +1,177 @@
+"""The SGLang plugin's configuration: where each Engram layer's rows come from.
+
+One TOML file named by ``TABLESERVER_SGLANG_CONFIG`` and/or ``TABLESERVER_*``
+environment variables (the environment wins, so one file can serve a fleet
+while a pod overrides its address)::
+
+    address = "memnode:7070"          # TABLESERVER_ADDRESS: the memory node of "remote" layers
+    node_address = "127.0.0.1:7070"   # TABLESERVER_NODE_ADDRESS: this host's tableserver ("node" layers, shm)
+    transport = "auto"                # TABLESERVER_TRANSPORT: remote layers' transport (auto, rdma, tcp)
+    mode = "read"                     # TABLESERVER_MODE: rdma gather mode (read | pack)
+    token = "..."                     # TABLESERVER_AUTH_TOKEN
+    tls_ca = "/etc/tableserver/ca.pem"  # TABLESERVER_TLS_CA
+    policy = "fail"                   # TABLESERVER_POLICY: fail | zeros | fallback (on a memory-node failure)
+    fallback_address = ""             # TABLESERVER_FALLBACK_ADDRESS: the second tableserver of "fallback"
+    timeout = 5.0                     # TABLESERVER_TIMEOUT: seconds one layer's rows may take
+    max_tokens = 8192                 # TABLESERVER_MAX_TOKENS: staging rows per layer (tokens per forward)
+    table_prefix = "engram.layer"     # table of layer L, unless [tables] names it
+
+    [layers]                          # TABLESERVER_PLACEMENT="1=local,14=remote"
+    1 = "local"                       # SGLang's own table, untouched
+    14 = "remote"                     # every layer not named here: remote
+
+    [tables]                          # optional: table name per layer
+    14 = "engram.layer14"
+
+    [windows]                         # optional: seconds after step start each layer needs its rows
+    1 = 0.0003                        # (orders the gathers, shortest first; counts deadline misses)
+
+Placements: ``remote`` (a memory node: rdma or tcp), ``node`` (a tableserver
+on this host, over shm: one copy of the table per node) and ``local``
+(SGLang's own table for that layer, as without the plugin). ``make replay``
+writes the ``[layers]`` table it recommends from measured read times.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+
+PLACEMENTS = ("remote", "node", "local")
+POLICIES = ("fail", "zeros", "fallback")
+ENV = {"address": "TABLESERVER_ADDRESS", "node_address": "TABLESERVER_NODE_ADDRESS",
+       "transport": "TABLESERVER_TRANSPORT", "mode": "TABLESERVER_MODE", "token": "TABLESERVER_AUTH_TOKEN",
+       "tls_ca": "TABLESERVER_TLS_CA", "policy": "TABLESERVER_POLICY",
+       "fallback_address": "TABLESERVER_FALLBACK_ADDRESS", "timeout": "TABLESERVER_TIMEOUT",
+       "max_tokens": "TABLESERVER_MAX_TOKENS", "table_prefix": "TABLESERVER_TABLE_PREFIX",
+       "layers": "TABLESERVER_PLACEMENT"}
+#: DeepSeek-V4.1's measured windows (seed paper): layer 1's rows are due 0.3 ms after step start, layer 14's
+#: 9.3 ms. Other layers: the line through those two points (a window grows with the layers before it).
+KNOWN_WINDOWS = {1: 0.3e-3, 14: 9.3e-3}
+
+
+class ConfigError(ValueError):
+    """The plugin's configuration is invalid; the message names the key and the fix."""
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    address: str = ""
+    node_address: str = "127.0.0.1:7070"
+    transport: str = "auto"
+    mode: str = "read"
+    token: str = ""
+    tls_ca: str = ""
+    policy: str = "fail"
+    fallback_address: str = ""
+    timeout: float = 5.0
+    max_tokens: int = 8192
+    table_prefix: str = "engram.layer"
+    layers: dict = field(default_factory=dict)  # layer -> placement (default remote)
+    tables: dict = field(default_factory=dict)  # layer -> table name
+    windows: dict = field(default_factory=dict)  # layer -> seconds
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy = {self.policy!r}: use one of {', '.join(POLICIES)}")
+        if self.policy == "fallback" and not self.fallback_address:
+            raise ConfigError("policy = 'fallback' needs fallback_address (TABLESERVER_FALLBACK_ADDRESS): the "
+                              "second tableserver to read from when the first fails")
+        if self.mode not in ("read", "pack"):
+            raise ConfigError(f"mode = {self.mode!r}: use read or pack")
+        if self.transport not in ("auto", "rdma", "tcp", "shm"):
+            raise ConfigError(f"transport = {self.transport!r}: use auto, rdma, tcp or shm")
+        if not self.timeout > 0 or self.max_tokens < 1:
+            raise ConfigError("timeout must be > 0 seconds and max_tokens at least 1")
+        for name in ("layers", "tables", "windows"):
+            object.__setattr__(self, name, _by_layer(name, getattr(self, name)))
+        for layer, placement in self.layers.items():
+            if placement not in PLACEMENTS:
+                raise ConfigError(f"layers.{layer} = {placement!r}: use one of {', '.join(PLACEMENTS)}")
+        if any(p == "remote" for p in self.layers.values()) and not self.address:
+            raise ConfigError("a layer is placed 'remote' but no address is set: set address "
+                              "(TABLESERVER_ADDRESS) to the memory node, or place the layer 'node' or 'local'")
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def load(cls, environ=None) -> "PluginConfig":
+        environ = os.environ if environ is None else environ
+        values: dict = {}
+        path = environ.get("TABLESERVER_SGLANG_CONFIG")
+        if path:
+            try:
+                with open(path, "rb") as f:
+                    doc = tomllib.load(f)
+            except OSError as e:
+                raise ConfigError(f"TABLESERVER_SGLANG_CONFIG={path}: {e.strerror}") from None
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"TABLESERVER_SGLANG_CONFIG={path}: not valid TOML ({e})") from None
+            known = {f.name for f in fields(cls)}
+            unknown = sorted(set(doc) - known)
+            if unknown:
+                raise ConfigError(f"{path}: unknown key {unknown[0]!r}: known keys are {', '.join(sorted(known))}")
+            values.update(doc)
+        for name, var in ENV.items():
+            if environ.get(var):
+                values[name] = _parse_placement(var, environ[var]) if name == "layers" else environ[var]
+        try:
+            for name, kind in (("timeout", float), ("max_tokens", int)):
+                if name in values:
+                    values[name] = kind(values[name])
+        except ValueError as e:
+            raise ConfigError(f"{e}: timeout is seconds, max_tokens a whole number") from None
+        return cls(**values)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any layer is to be served by a tableserver (remote needs an address, node has a default)."""
+        return bool(self.address) or any(p == "node" for p in self.layers.values())
+
+    # ------------------------------------------------------------------ per layer
+    def placement(self, layer: int) -> str:
+        return self.layers.get(layer, "remote" if self.address else "local")
+
+    def table(self, layer: int) -> str:
+        return self.tables.get(layer, f"{self.table_prefix}{layer}")
+
+    def window(self, layer: int) -> float:
+        if layer in self.windows:
+            return self.windows[layer]
+        if layer in KNOWN_WINDOWS:
+            return KNOWN_WINDOWS[layer]
+        (l1, w1), (l2, w2) = sorted(KNOWN_WINDOWS.items())
+        return max(0.0, w1 + (layer - l1) * (w2 - w1) / (l2 - l1))
+
+    def describe(self, layers) -> str:
+        """``1 local, 14 remote (memnode:7070)``: one phrase for a log line."""
+        where = {"remote": self.address, "node": self.node_address, "local": "SGLang's own table"}
+        return ", ".join(f"layer {layer} {self.placement(layer)} ({where[self.placement(layer)]})"
+                         for layer in layers)
+
+
+def _by_layer(name: str, table: dict) -> dict:
+    out = {}
+    for key, value in (table or {}).items():
+        try:
+            layer = int(key)
+        except (TypeError, ValueError):
+            raise ConfigError(f"[{name}] key {key!r}: keys are Engram layer numbers, e.g. 14 = ...") from None
+        if name == "windows":
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                raise ConfigError(f"windows.{layer} = {value!r}: expected seconds") from None
+        out[layer] = value
+    return out
+
+
+def _parse_placement(var: str, text: str) -> dict:
+    """``1=local,14=remote`` -> {"1": "local", "14": "remote"}."""
+    out = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        layer, sep, placement = item.partition("=")
+        if not sep:
+            raise ConfigError(f"{var}={text!r}: expected LAYER=PLACEMENT pairs, e.g. 1=local,14=remote")
+        out[layer.strip()] = placement.strip()
+    return out

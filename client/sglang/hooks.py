@@ -1,0 +1,366 @@
+"""The plugin's hooks into SGLang 0.5.23, registered through SGLang's own HookRegistry.
+
+Where SGLang reads an Engram layer's table, and what the hooks do for a layer
+placed ``remote`` or ``node`` (a ``local`` layer passes through untouched):
+
+* ``EngramEmbedding.__init__``: allocates **no** table (no fp8 weight, no
+  e8m0 scale, no host memfd, no peer shard); checks the tableserver's table
+  has this layer's rows and row size; marks the layer ``staged_by_scheduler``
+  so a breakable prefill CUDA graph runs its lookup between captured segments.
+* ``Engram.__init__``: learns the layer's column in the hasher's output.
+* ``EngramHasher.forward`` (step start): issues every served layer's gather
+  at once, shortest window first (:meth:`EngramRows.prefetch`).
+* ``EngramEmbedding.forward``: the layer's bf16 rows from the tableserver for
+  this rank's own tokens, with no TP/DP/CP collective (every rank gets whole
+  rows, as SGLang's peer-shard path does), dequantized with SGLang's
+  arithmetic (on the GPU with its own ``dequant_staged`` kernel path).
+* ``EngramRowStager.from_model`` / ``.stage``: the scheduler-side staging of
+  extend batches gathers served layers from the tableserver (issued before
+  SGLang's own gathers of local layers), and checks at start-up that every
+  served layer really is served.
+* ``safetensors_weights_iterator`` and ``DeepseekV4ForCausalLM.load_weights``:
+  a served layer's table tensors are never read from the checkpoint.
+
+A decode CUDA graph would replay capture-time rows: a served layer refuses to
+be captured, naming the launch flag that avoids it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import logging
+import re
+
+from tableclient.sglang.config import PluginConfig
+from tableclient.sglang.rows import EngramRows, dequantize
+
+log = logging.getLogger("tableclient.sglang")
+
+SUPPORTED_SGLANG = "0.5.23"
+ENGRAM = "sglang.srt.layers.engram"
+STAGING = "sglang.srt.layers.engram_staging"
+#: checkpoint tensors of a layer's table (names as in the checkpoint and after SGLang's remap)
+TABLE_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.engram\.embed\.(?:weight|scale)$")
+GRAPH_ADVICE = ("rows from a tableserver cannot be replayed from a captured CUDA graph: launch SGLang with "
+                "--cuda-graph-backend-decode disabled (prefill: breakable or disabled), or place the layer 'local'")
+
+_state: dict = {"config": None, "rows": None, "registered": False, "skipped_bytes": 0}
+
+
+class PluginError(RuntimeError):
+    """The plugin is enabled but cannot engage as configured; the message says why and what to do."""
+
+
+def config() -> PluginConfig | None:
+    return _state["config"]
+
+
+def rows() -> EngramRows:
+    if _state["rows"] is None:
+        raise PluginError("tableserver plugin: not configured (set TABLESERVER_ADDRESS)")
+    return _state["rows"]
+
+
+def configure(cfg: PluginConfig, client_factory=None) -> EngramRows:
+    """Makes ``cfg`` this process's configuration (layers built from now on follow it)."""
+    old = _state["rows"]
+    if old is not None:
+        old.close()
+    _state["config"], _state["rows"] = cfg, EngramRows(cfg, client_factory)
+    return _state["rows"]
+
+
+def served(layer: int) -> bool:
+    cfg = config()
+    return cfg is not None and cfg.enabled and cfg.placement(layer) != "local"
+
+
+# ---------------------------------------------------------------------- registration
+def check_sglang() -> str:
+    """The installed SGLang's version, if this plugin supports it; PluginError naming the fix otherwise."""
+    try:
+        version = importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        raise PluginError("tableserver plugin: sglang is not installed in this environment") from None
+    if version != SUPPORTED_SGLANG:
+        raise PluginError(f"tableserver plugin: SGLang {version} is not supported (tested with {SUPPORTED_SGLANG}, "
+                          f"whose Engram internals it hooks): install sglang=={SUPPORTED_SGLANG}, or unset "
+                          "TABLESERVER_ADDRESS to run SGLang without the plugin")
+    from sglang.srt.layers import engram, engram_staging
+
+    expected = {engram.EngramEmbedding.__init__: ["self", "num_embeddings", "dim", "layer_id", "column_bounds"],
+                engram.EngramEmbedding.forward: ["self", "indices", "forward_batch", "cp_all_tokens"],
+                engram.EngramEmbedding.dequant_staged: ["self", "rows", "scales", "copied", "hash_shape"],
+                engram.EngramHasher.forward: ["self", "input_ids", "forward_batch"],
+                engram_staging.EngramRowStager.stage: ["self", "batch"]}
+    for fn, params in expected.items():
+        got = list(inspect.signature(inspect.unwrap(fn)).parameters)
+        if got != params:
+            raise PluginError(f"tableserver plugin: SGLang's {fn.__qualname__}{tuple(got)} is not the layout this "
+                              f"plugin hooks ({tuple(params)}): install sglang=={SUPPORTED_SGLANG}")
+    return version
+
+
+def register_hooks() -> None:
+    """Registers every hook with SGLang's HookRegistry and applies them now (once per process)."""
+    if _state["registered"]:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    around, after = HookType.AROUND, HookType.AFTER
+    hooks = [(f"{ENGRAM}.EngramEmbedding.__init__", _embedding_init, around),
+             (f"{ENGRAM}.EngramEmbedding.forward", _embedding_forward, around),
+             (f"{ENGRAM}.Engram.__init__", _engram_init, after),
+             (f"{ENGRAM}.EngramHasher.forward", _hasher_forward, after),
+             (f"{STAGING}.EngramRowStager.from_model", _stager_from_model, around),
+             (f"{STAGING}.EngramRowStager.stage", _stager_stage, around),
+             ("sglang.srt.model_loader.weight_utils.safetensors_weights_iterator", _safetensors_iterator, around),
+             ("sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM.load_weights", _load_weights, around)]
+    for target, fn, kind in hooks:
+        HookRegistry.register(target, fn, kind)
+    HookRegistry.apply_hooks()  # SGLang's load_plugins applies them too; doing it here lets us check
+    from sglang.srt.layers import engram, engram_staging
+
+    for target, fn, _ in hooks[:6]:
+        module_name, cls_name, attr = target.rsplit(".", 2)
+        module = {ENGRAM: engram, STAGING: engram_staging}[module_name]
+        if not _wraps(getattr(getattr(module, cls_name), attr), fn):
+            raise PluginError(f"tableserver plugin: SGLang did not apply the hook on {target} (see its log): "
+                              "the plugin cannot engage")
+    _state["registered"] = True
+
+
+def _wraps(fn, hook) -> bool:
+    """Whether SGLang's wrapper chain around ``fn`` calls ``hook``."""
+    fn = getattr(fn, "__func__", fn)
+    while fn is not None:
+        if any(cell.cell_contents is hook for cell in (getattr(fn, "__closure__", None) or ())
+               if _cell_set(cell)):
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+    return False
+
+
+def _cell_set(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------- the layer
+def _embedding_init(original, self, num_embeddings, dim, layer_id, column_bounds, *args, **kwargs):
+    if not served(layer_id):
+        return original(self, num_embeddings, dim, layer_id, column_bounds, *args, **kwargs)
+    import torch
+
+    from sglang.srt.runtime_context import get_parallel
+
+    torch.nn.Module.__init__(self)
+    placement = config().placement(layer_id)
+    rows().add_layer(layer_id, placement, num_embeddings, dim)  # PluginError-like if the table does not fit
+    # What SGLang's other code reads of an embedding; no weight, no scale, no host table, no peer shard.
+    self.dim = dim
+    self.tp_size = get_parallel().tp_size
+    self.row_start, self.rows = 0, 0
+    self.host_table = None
+    self._sort_host_reads = False
+    self.peer = None
+    self.staged_by_scheduler = True  # a breakable prefill graph runs the lookup between its segments
+    self._tableserver_layer = layer_id
+    where = config().address if placement == "remote" else config().node_address
+    log.info("tableserver plugin: Engram layer %d reads table %r from %s (%s); no local table allocated",
+             layer_id, config().table(layer_id), where, placement)
+
+
+def _engram_init(result, self, cfg, layer_id, layout, *args, **kwargs):
+    self._tableserver_layer_id = layer_id  # for the start-up check, local layers included
+    if getattr(self.embed, "_tableserver_layer", None) is not None:
+        rows().set_hash_index(layer_id, self.layer_hash_index)
+
+
+def _hasher_forward(result, self, input_ids, forward_batch, *args, **kwargs):
+    """Step start: the step's row ids exist; fetch every served layer's rows now."""
+    state = _state["rows"]
+    if state is None or not state.layers or _capturing(result):
+        return None
+    if getattr(forward_batch, "engram_staged_rows", None) is not None:
+        return None  # the scheduler staged this batch's rows already
+    state.prefetch(result)
+    return None
+
+
+def _embedding_forward(original, self, indices, *args, **kwargs):
+    layer = getattr(self, "_tableserver_layer", None)
+    if layer is None:
+        return original(self, indices, *args, **kwargs)
+    return served_rows(self, layer, indices)
+
+
+def served_rows(embed, layer: int, indices):
+    """bf16 ``[*indices.shape, dim]`` for a served layer, on ``indices``' device, no collective."""
+    import torch
+
+    if indices.numel() == 0:
+        return embed.new_rows(indices)
+    if _capturing(indices):
+        raise PluginError(f"tableserver plugin: Engram layer {layer}: {GRAPH_ADVICE}")
+    packed = rows().rows(layer, indices)  # host uint8 [*indices.shape, dim + dim/32]
+    if not indices.is_cuda:
+        return dequantize(packed, embed.dim)
+    # SGLang's own dequantization of staged rows: device fp8 rows and e8m0 scales, token-major.
+    flat = packed.reshape(-1, packed.shape[-1]).to(indices.device, non_blocking=True)
+    weight, scale = flat[:, :embed.dim].contiguous(), flat[:, embed.dim:].contiguous()
+    copied = torch.cuda.Event()
+    copied.record()
+    rows().fence("forward", copied)
+    return embed.dequant_staged(weight, scale, copied, indices.shape)
+
+
+def _capturing(t) -> bool:
+    import torch
+
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+# ---------------------------------------------------------------------- scheduler-side staging
+def _stager_from_model(original, cls, model, hasher, device):
+    import torch
+
+    from sglang.srt.environ import envs
+    from sglang.srt.layers.engram import Engram
+    from sglang.srt.layers.engram_staging import _GATHER_THREADS
+    from sglang.srt.runtime_context import get_parallel
+
+    engrams = sorted((m for m in model.modules() if isinstance(m, Engram)), key=lambda m: m.layer_hash_index)
+    if config() is None or not config().enabled:
+        return original(cls, model, hasher, device)
+    _verify(engrams)
+    served_layers = [e for e in engrams if getattr(e.embed, "_tableserver_layer", None) is not None]
+    if not served_layers:
+        return original(cls, model, hasher, device)
+    local = [e for e in engrams if e not in served_layers]
+    if (not torch.cuda.is_available() or torch.device(device).type != "cuda" or get_parallel().attn_cp_size > 1
+            or (local and not (envs.SGLANG_OPT_DSV41_ENGRAM_HOST_STAGING.get()
+                               and all(e.embed.shared_host_table_without_ats for e in local)))):
+        return None  # no scheduler staging: the forward prefetches at step start
+    from concurrent.futures import ThreadPoolExecutor
+
+    stager = cls.__new__(cls)
+    stager.hasher, stager.device = hasher, torch.device(device)
+    # per hash column: SGLang's (weight, scale) byte views of a local table, or None for a served layer
+    stager.tables = [None if e in served_layers else (e.embed.weight.data.view(torch.uint8),
+                                                      e.embed.scale.data.view(torch.uint8)) for e in engrams]
+    stager.pool = ThreadPoolExecutor(_GATHER_THREADS)
+    stager.copy_stream = torch.cuda.Stream(stager.device)
+    stager._tableserver = [getattr(e.embed, "_tableserver_layer", None) for e in engrams]
+    for e in local:
+        e.embed.enable_scheduler_staging()
+    log.info("tableserver plugin: the scheduler stages extend batches' rows (served layers from the tableserver)")
+    return stager
+
+
+def _verify(engrams) -> None:
+    """Start-up check that each layer is where the configuration puts it; logs what is engaged."""
+    cfg = config()
+    layers = []
+    for e in engrams:
+        layer_id = getattr(e, "_tableserver_layer_id", None)  # set by the Engram.__init__ hook
+        if layer_id is None:
+            raise PluginError("tableserver plugin: an Engram layer was built without the plugin's hooks: "
+                              "the plugin cannot engage")
+        layers.append(layer_id)
+        if served(layer_id) and getattr(e.embed, "_tableserver_layer", None) is None:
+            raise PluginError(f"tableserver plugin: Engram layer {layer_id} is placed {cfg.placement(layer_id)} but "
+                              "SGLang built its own table: the plugin's hooks did not engage")
+    unknown = sorted(set(cfg.layers) - set(layers))
+    if unknown:
+        raise PluginError(f"tableserver plugin: [layers] names layer {unknown[0]}, which is not an Engram layer of "
+                          f"this model (it has {', '.join(map(str, layers))}): fix the placement")
+    log.info("tableserver plugin engaged: %s", cfg.describe(layers))
+
+
+def _stager_stage(original, self, batch):
+    order = getattr(self, "_tableserver", None)
+    if order is None:
+        return original(self, batch)
+    if not batch.forward_mode.is_extend_without_speculative():
+        return None
+    windows = self._windows(batch)
+    if windows is None:
+        return None
+    ids, _ = self.hasher.hash_windows(*windows)
+    state = rows()
+    if not state.prefetch(ids, channel="stage"):  # served layers first: their rows travel meanwhile
+        return None
+    import torch
+
+    staged = []
+    for column, (layer, table) in enumerate(zip(order, self.tables)):
+        if layer is None:  # a local layer: SGLang's own gather from its host table, as in its stage()
+            layer_ids = ids[:, column].reshape(-1)
+            weight, scale = (self._gather(t, layer_ids) for t in table)
+            with torch.cuda.stream(self.copy_stream):
+                weight = weight.to(self.device, non_blocking=True)
+                scale = scale.to(self.device, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record()
+        else:
+            packed = state.staged(layer)  # [T, C, row_bytes] of the channel's pinned staging
+            dim = state.layers[layer].dim
+            with torch.cuda.stream(self.copy_stream):
+                flat = packed.reshape(-1, packed.shape[-1]).to(self.device, non_blocking=True)
+                weight, scale = flat[:, :dim].contiguous(), flat[:, dim:].contiguous()
+                copied = torch.cuda.Event()
+                copied.record()
+            state.fence("stage", copied)  # the next stage() refills the staging only after this copy
+        staged.append((weight, scale, copied))
+    return staged
+
+
+# ---------------------------------------------------------------------- checkpoint loading
+def _served_key(name: str) -> bool:
+    m = TABLE_KEY.search(name)
+    return m is not None and served(int(m.group(1)))
+
+
+def _safetensors_iterator(original, hf_weights_files, *args, **kwargs):
+    """SGLang's iterator for files without a served layer's table; those files without reading its tensors."""
+    if config() is None or not config().enabled:
+        yield from original(hf_weights_files, *args, **kwargs)
+        return
+    import safetensors
+
+    run = []
+    for path in hf_weights_files:
+        with safetensors.safe_open(path, framework="pt", device="cpu") as f:
+            skip = [k for k in f.keys() if _served_key(k)]
+        if not skip:
+            run.append(path)
+            continue
+        if run:
+            yield from original(run, *args, **kwargs)
+            run = []
+        with safetensors.safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name in skip:
+                    _state["skipped_bytes"] += _nbytes(f.get_slice(name))
+                    continue
+                yield name, f.get_tensor(name)
+        log.info("tableserver plugin: %s: not reading %s (served by the tableserver)", path, ", ".join(skip))
+    if run:
+        yield from original(run, *args, **kwargs)
+
+
+def _nbytes(tensor_slice) -> int:
+    n = 1
+    for d in tensor_slice.get_shape():
+        n *= d
+    return n * {"F8_E4M3": 1, "F8_E8M0": 1, "U8": 1, "I8": 1}.get(tensor_slice.get_dtype(), 2)
+
+
+def _load_weights(original, self, weights, *args, **kwargs):
+    """Whatever iterator SGLang uses: a served layer's table tensors never reach a parameter."""
+    return original(self, ((name, w) for name, w in weights if not _served_key(name)), *args, **kwargs)

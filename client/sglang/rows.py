@@ -1,0 +1,243 @@
+"""Engram rows from tableservers, for the layers of one SGLang worker process.
+
+:class:`EngramRows` is the plugin's data side, free of SGLang: it holds one
+:class:`~tableclient.TableClient` per tableserver (the memory node of
+``remote`` layers, this host's server of ``node`` layers, the fallback), and
+per server an :class:`~tableclient.step.EngramStep` whose persistent staging
+buffers receive the rows.
+
+* :meth:`prefetch` runs at step start, when the hasher has produced the
+  step's row ids ``[T, layers, 24]``: every served layer's gather is issued at
+  once, shortest window first (layer 1 is due 0.3 ms later, layer 14 9.3 ms).
+* :meth:`rows` hands a layer its packed rows ``[..., 264]`` when it runs: the
+  prefetched ones if the layer asks for exactly the ids that were prefetched
+  (the same tensor the hasher returned, checked by identity, never by value),
+  otherwise fetched now. The failure policy (fail / zeros / fallback) and the
+  deadline accounting are the step's.
+* :func:`dequantize` turns packed rows into bf16 with SGLang's arithmetic.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+from tableclient.sglang.config import PluginConfig
+
+log = logging.getLogger("tableclient.sglang")
+
+FP8_BLOCK = 32
+
+
+class EngramRowsError(RuntimeError):
+    """A served layer cannot work as configured (wrong table, unreachable server); says what to fix."""
+
+
+def dequantize(packed, dim: int):
+    """uint8 ``[..., dim + dim/32]`` rows (fp8 e4m3 values, e8m0 block scales) -> bf16 ``[..., dim]``.
+
+    SGLang's arithmetic (``EngramEmbedding._owned_rows``): ``bf16(float32(fp8) * float32(e8m0))``
+    per block of 32 values, one rounding.
+    """
+    import torch
+
+    weight = packed[..., :dim].contiguous().view(torch.float8_e4m3fn)
+    scale = packed[..., dim:].contiguous().view(torch.float8_e8m0fnu)
+    values = weight.float().unflatten(-1, (-1, FP8_BLOCK)) * scale.float().unsqueeze(-1)
+    return values.flatten(-2).to(torch.bfloat16)
+
+
+@dataclass
+class ServedLayer:
+    layer: int
+    placement: str  # remote | node
+    table: str
+    window_s: float
+    dim: int
+    hash_index: int | None = None  # column of the hasher's output, when known
+
+
+class EngramRows:
+    """Rows of every ``remote``/``node`` Engram layer of this process."""
+
+    def __init__(self, config: PluginConfig, client_factory=None):
+        self.config = config
+        self._client_factory = client_factory
+        self.layers: dict[int, ServedLayer] = {}
+        self._clients: dict[str, object] = {}  # remote / node / fallback -> TableClient
+        # (channel, placement) -> EngramStep over that placement's layers. Channels keep apart the
+        # forward's prefetch and the scheduler's staging (SGLang's EngramRowStager): separate buffers.
+        self._steps: dict[tuple, object] = {}
+        self._fences: dict[str, list] = {}  # channel -> copies out of its staging still in flight
+        self._lock = threading.RLock()
+        self._pending = None  # (weakref to the hasher's output, {layer: view geometry}) of the last prefetch
+        self.served = {}  # layer -> rows served (prefetched, staged, fetched now): for logs and tests
+
+    # ------------------------------------------------------------------ setup
+    def client(self, role: str):
+        """The TableClient of ``role`` (remote, node, fallback), connected on first use."""
+        with self._lock:
+            if role not in self._clients:
+                self._clients[role] = self._connect(role)
+            return self._clients[role]
+
+    def _connect(self, role: str):
+        from tableclient import TableClient, TableClientError
+
+        c = self.config
+        address = {"remote": c.address, "node": c.node_address, "fallback": c.fallback_address}[role]
+        transport = {"remote": c.transport, "node": "shm", "fallback": "auto"}[role]
+        factory = self._client_factory or TableClient
+        try:
+            client = factory(address, transport=transport, token=c.token or None, tls_ca=c.tls_ca or None,
+                             mode=c.mode, client_name=f"sglang-{role}-{os.getpid()}")
+        except TableClientError as e:
+            raise EngramRowsError(f"tableserver plugin: cannot reach the {role} tableserver at {address} ({e}); "
+                                  f"start it or fix {'node_address' if role == 'node' else 'address'}") from None
+        log.info("tableserver plugin: %s tableserver %s connected over %s", role, address, client.transport)
+        return client
+
+    def add_layer(self, layer: int, placement: str, num_embeddings: int, dim: int) -> ServedLayer:
+        """Registers a served layer and checks its table against what SGLang would have allocated."""
+        c = self.config
+        served = ServedLayer(layer, placement, c.table(layer), c.window(layer), dim)
+        client = self.client(placement)
+        info = client.tables.get(served.table)
+        row_bytes = dim + dim // FP8_BLOCK
+        where = c.address if placement == "remote" else c.node_address
+        if info is None:
+            raise EngramRowsError(f"tableserver plugin: layer {layer} is placed {placement} but {where} serves no "
+                                  f"table {served.table!r} (it has {', '.join(client.tables) or 'none'}): name it "
+                                  f"under [tables] or place the layer 'local'")
+        if (info.rows, info.row_bytes) != (num_embeddings, row_bytes):
+            raise EngramRowsError(f"tableserver plugin: table {served.table!r} on {where} has {info.rows} rows of "
+                                  f"{info.row_bytes} B but layer {layer} of this model needs {num_embeddings} rows "
+                                  f"of {row_bytes} B: serve this model's tables (tableserver pack)")
+        if c.policy == "fallback":
+            fb = self.client("fallback").tables.get(served.table)
+            if fb is None or (fb.rows, fb.row_bytes) != (info.rows, info.row_bytes):
+                raise EngramRowsError(f"tableserver plugin: the fallback tableserver {c.fallback_address} does not "
+                                      f"serve {served.table!r} with {info.rows} rows of {info.row_bytes} B")
+        with self._lock:
+            self.layers[layer] = served
+            self.served.setdefault(layer, {"prefetched": 0, "staged": 0, "fetched": 0})
+            for key in [k for k in self._steps if k[1] == placement]:
+                self._steps.pop(key).abandon()  # rebuilt with this layer on next use
+        return served
+
+    def set_hash_index(self, layer: int, index: int) -> None:
+        with self._lock:
+            self.layers[layer].hash_index = index
+
+    def _step(self, placement: str, channel: str = "forward"):
+        """The EngramStep over every served layer of ``placement`` (built once the layers are known)."""
+        from tableclient.step import EngramStep, LayerPlan
+
+        step = self._steps.get((channel, placement))
+        if step is None:
+            layers = [s for s in self.layers.values() if s.placement == placement]
+            c = self.config
+            step = EngramStep(self.client(placement), [LayerPlan(s.layer, s.table, s.window_s, c.mode) for s in layers],
+                              c.max_tokens, policy=c.policy,
+                              fallback=self.client("fallback") if c.policy == "fallback" else None,
+                              timeout=c.timeout)
+            self._steps[(channel, placement)] = step
+        return step
+
+    # ------------------------------------------------------------------ a step
+    def prefetch(self, hash_ids, channel: str = "forward") -> bool:
+        """Issues every served layer's gather for the step's ids ``[T, layers, C]`` (the hasher's output).
+
+        Shortest window first across servers. Returns False when nothing was issued (no layer knows its
+        column, an empty step, or more tokens than the staging holds: those layers fetch when they run).
+        """
+        with self._lock:
+            served = [s for s in self.layers.values() if s.hash_index is not None]
+            tokens = hash_ids.shape[0]
+            if channel == "forward":
+                self._pending = None
+            if not served or tokens == 0 or tokens > self.config.max_tokens:
+                return False
+            for copy in self._fences.pop(channel, []):  # the staging is about to be overwritten
+                copy.synchronize()
+            host = hash_ids.detach().to("cpu") if hash_ids.device.type != "cpu" else hash_ids.detach()
+            by_placement: dict[str, dict] = {}
+            for s in sorted(served, key=lambda s: s.window_s):
+                by_placement.setdefault(s.placement, {})[s.layer] = host[:, s.hash_index].numpy()
+            order = sorted(by_placement, key=lambda p: min(self.layers[layer].window_s for layer in by_placement[p]))
+            for placement in order:
+                self._step(placement, channel).begin_step(by_placement[placement])
+            if channel != "forward":
+                return True
+            root = hash_ids if hash_ids._base is None else hash_ids._base
+            geometry = {s.layer: _geometry(hash_ids[:, s.hash_index]) for s in served}
+            self._pending = (weakref.ref(root), geometry)
+            return True
+
+    def rows(self, layer: int, indices):
+        """Packed rows ``[*indices.shape, row_bytes]`` (uint8, host) of a served layer for ``indices``."""
+        import torch
+
+        with self._lock:
+            s = self.layers[layer]
+            step = self._step(s.placement)
+            if self._is_prefetched(layer, indices) and layer in step.pending():
+                self.served[layer]["prefetched"] += 1
+                return step.wait(layer)
+            ids = indices.detach().to("cpu").numpy()
+            self.served[layer]["fetched"] += 1
+            return torch.from_numpy(step.gather_now(layer, ids))
+
+    def staged(self, layer: int, channel: str = "stage"):
+        """The rows of ``layer`` issued by ``prefetch(..., channel)``: ``[T, C, row_bytes]`` of its staging."""
+        with self._lock:
+            self.served[layer]["staged"] += 1
+            return self._step(self.layers[layer].placement, channel).wait(layer)
+
+    def abandon(self, channel: str) -> None:
+        """Cancels the gathers ``channel`` issued and nobody waited for."""
+        with self._lock:
+            for (ch, _), step in self._steps.items():
+                if ch == channel:
+                    step.abandon()
+
+    def fence(self, channel: str, copy) -> None:
+        """``copy`` (anything with ``synchronize()``, e.g. a CUDA event) still reads ``channel``'s staging:
+        the next prefetch on that channel waits for it before overwriting the buffers."""
+        with self._lock:
+            self._fences.setdefault(channel, []).append(copy)
+
+    def _is_prefetched(self, layer: int, indices) -> bool:
+        """``indices`` is the very view of the prefetched ids: same tensor object underneath, same geometry."""
+        if self._pending is None:
+            return False
+        ref, geometry = self._pending
+        root = indices if indices._base is None else indices._base
+        return ref() is root and geometry.get(layer) == _geometry(indices)
+
+    def summary(self) -> dict:
+        """Per layer: placement, table, rows prefetched / fetched, and the step's deadline figures."""
+        out = {}
+        for layer, s in self.layers.items():
+            step = self._steps.get(("forward", s.placement))
+            stats = step.summary().get(layer, {}) if step is not None else {}
+            out[layer] = {"placement": s.placement, "table": s.table, **self.served.get(layer, {}), **stats}
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            for step in self._steps.values():
+                step.abandon()
+            self._steps.clear()
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()
+
+
+def _geometry(t) -> tuple:
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)

@@ -1,0 +1,20 @@
+"""Running SGLang's own Engram classes on this machine's CPU (torch 2.13 CPU build, no GPU).
+
+Import this module before anything imports sglang. PyPI's torchvision wheels are CUDA builds: their
+compiled ops cannot load beside a CPU torch, and ``torchvision/_meta_registrations.py`` then registers
+fake kernels for two ops whose schemas were never defined, so ``import torchvision`` (which SGLang's
+layers import, for their multimodal preprocessing) fails. Defining the two schemas lets the pure-Python
+parts of torchvision import; nothing here calls them. Inside a real SGLang deployment (CUDA torch and
+its matching torchvision) none of this is needed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_lib = torch.library.Library("torchvision", "FRAGMENT")
+for _op in ("nms", "qnms"):
+    try:
+        _lib.define(f"{_op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    except RuntimeError:
+        pass  # already defined (a torchvision whose ops loaded)
