@@ -33,6 +33,7 @@ bench: $(DEV)
 	$(BIN)/python bench/bench_transports.py
 	$(BIN)/python bench/bench_load.py
 	$(BIN)/python bench/bench_rdma.py
+	$(BIN)/python bench/bench_sglang.py
 
 # Engram traffic replay + deadline model on the demo table: bench/out/replay.txt and replay_cdf.png
 replay: $(DEV)

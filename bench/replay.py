@@ -24,8 +24,12 @@
    The row cache's hit rate is measured on the replay's id stream (LRU of 1%
    of the table).
 
-Writes ``replay.txt`` and ``replay_cdf.png`` (read-time CDFs against the windows)
-into --out.
+Writes ``replay.txt``, ``replay_cdf.png`` (read-time CDFs against the windows)
+and ``placement.toml`` into --out: the SGLang plugin's ``[layers]`` placement
+for the batch size of --placement-batch (rdma/tcp -> remote, shm -> node,
+local -> local; a row cache is not a placement, so the best other option
+stands in for it). Point ``TABLESERVER_SGLANG_CONFIG`` at it, or copy its
+tables into the deployment's plugin configuration.
 """
 
 from __future__ import annotations
@@ -52,6 +56,23 @@ VOCAB = 50_000
 # A prime search start so each layer's 24 head tables fit a demo table of DEFAULT_ROWS rows.
 ENGRAM = EngramConfig(vocab_size=24_000, compressed_vocab_size=VOCAB)
 PREFERENCE = ["rdma", "tcp", "shm", "cache", "local"]  # fewest table copies on the serving host first
+PLACEMENT = {"rdma": "remote", "tcp": "remote", "shm": "node", "local": "local"}  # replay option -> plugin placement
+
+
+def placement_toml(picks: dict, batch: int, stalls: dict) -> str:
+    """The SGLang plugin's configuration for ``picks`` {layer: option} (tableclient.sglang.config)."""
+    remote = sorted({picks[layer] for layer in picks if PLACEMENT[picks[layer]] == "remote"})
+    lines = [f"# written by bench/replay.py: placement of each Engram layer at batch {batch}, by expected stall",
+             "# per step (us): " + "; ".join(f"layer {layer}: " + ", ".join(f"{n} {v * 1e6:.0f}" for n, v in
+                                                                         stalls[layer].items()) for layer in picks),
+             "# set address (memory node) and node_address (this host's tableserver) for your deployment"]
+    if remote:
+        lines.append(f'transport = "{remote[0] if len(remote) == 1 else "auto"}"')
+    lines.append("\n[layers]")
+    lines += [f'{layer} = "{PLACEMENT[picks[layer]]}"' for layer in sorted(picks)]
+    lines.append("\n[windows]")
+    lines += [f"{layer} = {WINDOWS_S[layer]!r}" for layer in sorted(picks)]
+    return "\n".join(lines) + "\n"
 
 
 class Traffic:
@@ -179,8 +200,14 @@ def main() -> int:
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--transports", default="", help="default: every transport the server offers here")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "out"))
+    ap.add_argument("--placement-batch", type=int, default=0,
+                    help="batch size placement.toml is written for (default: the largest of --batches)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    placement_batch = args.placement_batch or max(batches)
+    if placement_batch not in batches:
+        ap.error(f"--placement-batch {placement_batch} is not one of --batches {args.batches}")
+    picks, stalls = {}, {}
     os.makedirs(args.out, exist_ok=True)
     path = ensure_demo_file(DEFAULT_ROWS)
     hasher = EngramHasher(ENGRAM, np.arange(VOCAB))
@@ -263,6 +290,9 @@ def main() -> int:
                     best = min(options.values())
                     ok = [n for n in PREFERENCE if n in options and options[n] <= best + 0.01 * window]
                     pick = ok[0]
+                    if batch == placement_batch:  # a row cache is no placement: the best other option stands in
+                        picks[layer] = next(n for n in ok + sorted(options, key=options.get) if n in PLACEMENT)
+                        stalls[layer] = options
                     shown = "  ".join(f"{n} {options[n] * 1e6:.0f}" for n in PREFERENCE if n in options)
                     lines.append(f"  batch {batch:>3} layer {layer:>2}: {pick:<6} ({shown}; cache hit rate {hit:.0%})")
         finally:
@@ -273,7 +303,10 @@ def main() -> int:
     with open(os.path.join(args.out, "replay.txt"), "w") as f:
         f.write(report + "\n")
     _plot(cdf, os.path.join(args.out, "replay_cdf.png"))
-    print(f"\nwrote {os.path.join(args.out, 'replay.txt')} and replay_cdf.png")
+    with open(os.path.join(args.out, "placement.toml"), "w") as f:
+        f.write(placement_toml(picks, placement_batch, stalls))
+    print(f"\nwrote {os.path.join(args.out, 'replay.txt')}, replay_cdf.png and placement.toml (batch {placement_batch}): "
+          + ", ".join(f"layer {layer} {PLACEMENT[p]}" for layer, p in sorted(picks.items())))
     return 0
 
 

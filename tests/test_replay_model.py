@@ -10,7 +10,7 @@ import numpy as np
 from conftest import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-from replay import ENGRAM, Traffic, lru_hit_rate, predict_stall, wait_overheads  # noqa: E402
+from replay import ENGRAM, Traffic, lru_hit_rate, placement_toml, predict_stall, wait_overheads  # noqa: E402
 
 W1, W14 = 0.3e-3, 9.3e-3
 
@@ -51,3 +51,19 @@ def test_traffic_reuses_tokens_and_hashes_to_table_ranges():
     assert (ids[:, 0] < hasher.layout.table_rows[0]).all() and max(hasher.layout.table_rows) <= 600_000
     tokens = [t for h in traffic.step() for t in h]
     assert len(set(tokens)) < len(tokens) / 2  # sessions share a system prompt and reuse tokens
+
+
+def test_placement_written_by_the_replay_is_the_plugins_configuration(tmp_path):
+    """What `make replay` recommends, as the file the SGLang plugin reads (TABLESERVER_SGLANG_CONFIG)."""
+    from tableclient.sglang import PluginConfig
+
+    stalls = {1: {"tcp": 310e-6, "shm": 120e-6, "local": 2e-6}, 14: {"tcp": 0.0, "local": 0.0}}
+    path = tmp_path / "placement.toml"
+    path.write_text(placement_toml({1: "local", 14: "tcp"}, 64, stalls))
+    cfg = PluginConfig.load({"TABLESERVER_SGLANG_CONFIG": str(path), "TABLESERVER_ADDRESS": "memnode:7070"})
+    assert cfg.layers == {1: "local", 14: "remote"} and cfg.transport == "tcp"
+    assert cfg.window(1) == W1 and cfg.window(14) == W14
+    assert "batch 64" in path.read_text() and "tcp 310" in path.read_text()
+    path.write_text(placement_toml({1: "shm", 14: "rdma"}, 1, {1: {"shm": 0.0}, 14: {"rdma": 0.0}}))
+    cfg = PluginConfig.load({"TABLESERVER_SGLANG_CONFIG": str(path), "TABLESERVER_ADDRESS": "memnode:7070"})
+    assert cfg.layers == {1: "node", 14: "remote"} and cfg.transport == "rdma"

@@ -313,6 +313,26 @@ def test_failure_policy_when_the_memory_node_dies(plugin, model_config, engram_t
             backup.stop()
 
 
+def test_scheduler_staging_channel_is_apart_from_the_forward(plugin, model_config, engram_tables, memnode):
+    """The host side of the plugin's EngramRowStager.stage(): rows issued for the next batch (channel
+    "stage") are not disturbed by the forward's prefetch of the running one, and are the table's rows."""
+    hasher, engrams = build(model_config, engram_tables, address=memnode.address)
+    tables = local_tables(engram_tables)
+    rng = np.random.default_rng(4)
+    ids_a, batch_a = extend_batch([(0, rng.integers(0, 300, 25).tolist())], [0])
+    ids_b, batch_b = extend_batch([(0, rng.integers(0, 300, 9).tolist())], [1])
+    staged_ids = hasher(ids_a, batch_a)
+    assert rows().prefetch(staged_ids, channel="stage")  # the scheduler, ahead of the forward
+    running = hasher(ids_b, batch_b)  # the running forward's step start: its own prefetch
+    out = engrams[1](torch.zeros((len(ids_b), HC, HIDDEN), dtype=torch.bfloat16), running[:, 1], batch_b,
+                     input_ids=ids_b)
+    assert out.shape == (len(ids_b), HC, HIDDEN)
+    for column, layer in enumerate(LAYERS):
+        got = rows().staged(layer).numpy()
+        np.testing.assert_array_equal(got, tables[f"engram.layer{layer}"][staged_ids[:, column].numpy()])
+    assert rows().summary()[14]["staged"] == 1
+
+
 # ---------------------------------------------------------------------- checkpoint loading
 def _resident(path: str, start: int, end: int) -> float:
     """Share of the file's bytes [start, end) in the page cache (mincore)."""
@@ -384,3 +404,49 @@ def test_checkpoint_tensors_of_served_tables_are_never_read(plugin, memnode, tmp
             [True, True, False, False]
     finally:
         configure(PluginConfig())
+
+
+# ---------------------------------------------------------------------- refusing to start
+def _launch(env_extra: dict, code: str = "from sglang.srt.plugins import load_plugins; load_plugins()"):
+    """SGLang's plugin loading in a fresh process, as a scheduler process starts."""
+    import subprocess
+    import sys
+
+    from conftest import EVENT_TIMEOUT, ROOT
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TABLESERVER_")}
+    env.update(SGLANG_PLUGINS="tableserver", **env_extra)
+    prelude = "import sys; sys.path.insert(0, 'tests'); import sglang_cpu\n"
+    return subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=EVENT_TIMEOUT)
+
+
+def test_enabled_but_misconfigured_stops_start_up_with_one_line(tmp_path):
+    bad = tmp_path / "placement.toml"
+    bad.write_text('address = "mem:7070"\n[layers]\n14 = "elsewhere"\n')
+    res = _launch({"TABLESERVER_SGLANG_CONFIG": str(bad)})
+    assert res.returncode != 0
+    assert res.stderr.strip().splitlines()[-1] == \
+        "tableserver plugin: layers.14 = 'elsewhere': use one of remote, node, local"
+    res = _launch({"TABLESERVER_ADDRESS": "mem:7070", "TABLESERVER_POLICY": "fallback"})
+    assert res.returncode != 0 and "needs fallback_address" in res.stderr.strip().splitlines()[-1]
+
+
+def test_other_sglang_versions_are_refused(tmp_path):
+    """Until a version is tested, the plugin refuses it at start-up (SGLang itself only logs plugin errors)."""
+    code = ("import importlib.metadata as m; real = m.version\n"
+            "m.version = lambda name: '0.5.24' if name == 'sglang' else real(name)\n"
+            "from sglang.srt.plugins import load_plugins; load_plugins()\n")
+    res = _launch({"TABLESERVER_ADDRESS": "mem:7070"}, code)
+    assert res.returncode != 0
+    assert res.stderr.strip().splitlines()[-1] == (
+        "tableserver plugin: SGLang 0.5.24 is not supported (tested with 0.5.23, whose Engram internals it hooks): "
+        "install sglang==0.5.23, or unset TABLESERVER_ADDRESS to run SGLang without the plugin")
+
+
+def test_not_configured_leaves_sglang_alone():
+    code = ("from sglang.srt.plugins import load_plugins; load_plugins()\n"
+            "from sglang.srt.layers.engram import EngramEmbedding\n"
+            "print(hasattr(EngramEmbedding.forward, '__wrapped__'))\n")
+    res = _launch({}, code)
+    assert res.returncode == 0 and res.stdout.strip() == "False", res.stderr[-2000:]
