@@ -76,7 +76,7 @@ class EngramStep:
 
     def __init__(self, client, plans: list, max_tokens: int, *, rows_per_token: int = 24, policy: str = "fail",
                  fallback=None, device=None, pin: bool | None = None, timeout: float = 5.0,
-                 keep_latencies: int = 100_000):
+                 keep_latencies: int = 100_000, deadlines: bool = True):
         if policy not in POLICIES:
             raise ValueError(f"unknown failure policy {policy!r}: use {', '.join(POLICIES)}")
         if policy == "fallback" and fallback is None:
@@ -87,6 +87,9 @@ class EngramStep:
         self.plans = sorted(plans, key=lambda p: p.window_s)  # shortest window first
         self.max_tokens, self.rows_per_token, self.timeout = max_tokens, rows_per_token, timeout
         self.keep = keep_latencies
+        # False where begin_step is not the model's step start (e.g. a scheduler staging the next batch):
+        # waits are then not compared with the layers' windows, in stats or metrics.
+        self.deadlines = deadlines
         self.tables = {p.layer: client.table(p.table, mode=p.mode) for p in self.plans}
         self.stats = {p.layer: LayerStats() for p in self.plans}
         m = metrics()
@@ -94,7 +97,7 @@ class EngramStep:
         self._inst = {p.layer: (m.layer_waits.labels(str(p.layer)), m.deadline_misses.labels(str(p.layer)),
                                 m.zero_rows.labels(str(p.layer)), m.fallbacks.labels(str(p.layer)))
                       for p in self.plans}
-        for p in self.plans:
+        for p in self.plans if deadlines else ():
             m.window.labels(str(p.layer)).set(p.window_s)
         self._torch = _torch()
         cuda = self._torch is not None and self._torch.cuda.is_available()
@@ -176,6 +179,8 @@ class EngramStep:
         elapsed = now - self._t0
         done_at = getattr(handle, "completed_at", 0.0)
         stats.steps += 1
+        if not self.deadlines:
+            return self.staging[layer][: self._tokens]
         inst = self._inst[layer]
         inst[0].inc()
         if len(stats.latencies) < self.keep:
@@ -202,15 +207,15 @@ class EngramStep:
     def _plan(self, layer: int) -> LayerPlan:
         return next(p for p in self.plans if p.layer == layer)
 
-    def gather_now(self, layer: int, row_ids, out=None):
+    def gather_now(self, layer: int, row_ids):
         """One layer's rows fetched now, for ids that were not known at step start (not a step of its own).
 
-        The failure policy applies as in :meth:`wait`. Returns ``[*row_ids.shape, row_bytes]`` uint8
-        (numpy), in ``out`` when given.
+        The failure policy applies as in :meth:`wait`. Returns a new ``[*row_ids.shape, row_bytes]``
+        uint8 numpy array.
         """
         table = self.tables[layer]
         ids = np.asarray(row_ids)
-        out = np.empty((*ids.shape, table.row_bytes), np.uint8) if out is None else out
+        out = np.empty((*ids.shape, table.row_bytes), np.uint8)
         try:
             table.gather(ids, out=out, timeout=self.timeout)  # cancelled on failure
         except (TableClientError, TimeoutError, OSError) as e:

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import EVENT_TIMEOUT, ROOT, run_cli, start_daemon, wait_for
 from tests_helpers import open_raw_session
-from tableclient import RemoteError, TableClient
+from tableclient import RemoteError, TableClient, TransportError
 from tableserver.demo import DemoTable, write_demo_file
 from tableserver.tablefile import TableFileWriter, TableSpec
 from tableserver.wire import HEADER, HEADER_BYTES, FrameType, Status, recv_exact, request_header, send_all
@@ -305,3 +305,50 @@ def test_client_asks_for_rdma_without_a_device(daemon):
 
     with pytest.raises(ConnectError, match="rdma"):
         TableClient(daemon.address, transport="rdma")
+
+
+def test_cancel_is_a_barrier_even_when_the_server_stalls_mid_response():
+    """A tcp response stuck half-way (the peer stops sending) is cancelled within the grace time, and no
+    byte lands in the caller's buffer after cancel() returns (the connection is broken instead)."""
+    import threading
+    from types import SimpleNamespace
+
+    from tableclient.transports import tcp
+    from tableserver.wire import HEADER_BYTES, response_header
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    host, port = listener.getsockname()
+    sent_half, release = threading.Event(), threading.Event()
+
+    def peer():
+        conn, _ = listener.accept()
+        with conn:
+            recv_exact(conn, memoryview(bytearray(HEADER_BYTES + 48)))  # HELLO
+            conn.sendall(response_header(FrameType.HELLO, Status.OK, 0, 0, 0))
+            recv_exact(conn, memoryview(bytearray(HEADER_BYTES + 8 * 100)))  # GATHER of 100 ids
+            conn.sendall(response_header(FrameType.GATHER, Status.OK, 1, 264, 100) + b"\x07" * (264 * 50))
+            sent_half.set()
+            release.wait(30)
+            try:
+                conn.sendall(b"\x07" * (264 * 50))  # the rest, after the caller gave up
+            except OSError:
+                pass
+
+    t = threading.Thread(target=peer, daemon=True)
+    t.start()
+    offer = SimpleNamespace(tcp=SimpleNamespace(host=host, port=port))
+    transport = tcp.TcpTransport(offer, SimpleNamespace(id=b"i" * 16, secret=b"s" * 32), [], 10)
+    out = np.zeros((100, 264), np.uint8)
+    pending = transport.gather(0, np.arange(100, dtype=np.int64), out)
+    assert sent_half.wait(EVENT_TIMEOUT)
+    wait_for(lambda: out[49].any(), "the first half of the rows")  # the receiver is mid-response
+    pending.cancel()  # returns after the grace time: the connection was broken
+    assert pending.done()
+    snapshot = out.copy()
+    release.set()
+    t.join(EVENT_TIMEOUT)
+    assert np.array_equal(out, snapshot) and not out[50:].any()
+    with pytest.raises(TransportError):
+        pending.wait(0)
+    transport.close()
+    listener.close()

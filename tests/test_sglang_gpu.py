@@ -46,6 +46,10 @@ def test_device_rows_match_sglang_gpu_lookup(plugin, model_config, engram_tables
         torch.cuda.synchronize()
         for a, b in zip(got, want):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    from tableclient.sglang import rows
+
+    assert all(rows().summary()[layer]["prefetched"] == 2 and rows().summary()[layer]["fetched"] == 0
+               for layer in LAYERS), rows().summary()
 
 
 def test_scheduler_staging_of_served_layers(plugin, model_config, engram_tables, memnode):

@@ -299,10 +299,16 @@ def test_failure_policy_when_the_memory_node_dies(plugin, model_config, engram_t
         hash_ids, got = forward(remote, ids, batch, x)
         _, want = forward(local, ids, batch, x)
         assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))  # layer 1 is local
-        emb = remote[1][1].embed(hash_ids[:, 1])
-        if policy == "zeros":
-            assert not emb.any()
-            assert REGISTRY.get_sample_value("tableserver_client_zero_rows_served_total", {"layer": "14"}) > zeros_before
+        if policy == "zeros":  # layer 14's forward ran on zero rows: SGLang's gate on a zero key and value
+            from sglang.srt.layers.engram import engram_gate
+
+            e14 = remote[1][1]
+            kv = torch.zeros((len(ids), (HC + 1) * HIDDEN), dtype=torch.bfloat16)
+            zero_out = engram_gate(x, kv, e14.q_weight, e14.k_weight, e14.eps, e14.clamp_value)
+            assert torch.equal(got[1].view(torch.int16), zero_out.view(torch.int16))
+            assert not torch.equal(got[1], want[1])
+            assert REGISTRY.get_sample_value("tableserver_client_zero_rows_served_total",
+                                             {"layer": "14"}) == zeros_before + 1
         else:
             assert torch.equal(got[1].view(torch.int16), want[1].view(torch.int16))
             assert rows().summary()[14]["fallbacks"] >= 1
@@ -311,6 +317,29 @@ def test_failure_policy_when_the_memory_node_dies(plugin, model_config, engram_t
         primary.stop()
         if backup:
             backup.stop()
+
+
+def test_prefetched_rows_are_used_only_for_the_ids_they_were_fetched_for(plugin, model_config, engram_tables,
+                                                                        memnode):
+    """A layer gets the prefetched rows for the very ids the hasher produced (or equal ones, as after a copy
+    into a CUDA graph's static buffer), and rows fetched now for any other ids, even of the same shape."""
+    hasher, engrams = build(model_config, engram_tables, address=memnode.address)
+    tables = local_tables(engram_tables)["engram.layer14"]
+    rng = np.random.default_rng(6)
+    ids, batch = extend_batch([(0, rng.integers(0, 300, 12).tolist())], [0])
+    embed = engrams[1].embed
+    for other in ("copy", "different"):
+        hash_ids = hasher(ids, batch)  # step start: prefetch
+        before = dict(rows().summary()[14])
+        column = hash_ids[:, 1].clone() if other == "copy" else (hash_ids[:, 1] + 1) % tables.shape[0]
+        got = embed(column)
+        from tableclient.sglang import dequantize
+
+        want = dequantize(torch.from_numpy(tables[column.numpy()]), 256)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+        after = rows().summary()[14]
+        moved = {k: after[k] - before[k] for k in ("prefetched", "fetched")}
+        assert moved == ({"prefetched": 1, "fetched": 0} if other == "copy" else {"prefetched": 0, "fetched": 1})
 
 
 def test_scheduler_staging_channel_is_apart_from_the_forward(plugin, model_config, engram_tables, memnode):
@@ -354,8 +383,10 @@ def _resident(path: str, start: int, end: int) -> float:
             m.close()
 
 
-def test_checkpoint_tensors_of_served_tables_are_never_read(plugin, memnode, tmp_path):
-    """SGLang's own safetensors iterator, hooked: layer 14's table (served) is neither yielded nor read
+@pytest.mark.parametrize("iterator", ["buffered_multi_thread_safetensors_weights_iterator",  # SGLang's default
+                                      "safetensors_weights_iterator"])
+def test_checkpoint_tensors_of_served_tables_are_never_read(plugin, memnode, tmp_path, iterator):
+    """SGLang's own safetensors iterators, hooked: layer 14's table (served) is neither yielded nor read
     from disk; layer 1's (local) and every other tensor are, unchanged."""
     import json
     import struct
@@ -385,7 +416,8 @@ def test_checkpoint_tensors_of_served_tables_are_never_read(plugin, memnode, tmp
 
     configure(PluginConfig(address=memnode.address, transport="tcp", layers={1: "local"}))
     try:
-        got = dict(weight_utils.safetensors_weights_iterator([path]))
+        extra = {"max_workers": 2} if "multi_thread" in iterator else {}
+        got = dict(getattr(weight_utils, iterator)([path], **extra))
     finally:
         configure(PluginConfig())
     served = {k for k in tensors if k.startswith("layers.14.engram.embed.")}

@@ -29,6 +29,8 @@ __all__ = ["register", "configure", "rows", "PluginConfig", "ConfigError", "Plug
 
 def register() -> bool:
     """The ``sglang.srt.plugins`` entry point. Returns whether the hooks are in place."""
+    import os
+
     from tableclient.sglang import hooks
 
     try:
@@ -40,8 +42,12 @@ def register() -> bool:
         version = hooks.check_sglang()
         configure(config)
         hooks.register_hooks()
-    except (ConfigError, PluginError) as e:
-        raise SystemExit(f"tableserver plugin: {str(e).removeprefix('tableserver plugin: ')}") from None
+    except Exception as e:  # SGLang would log and go on without us: with TABLESERVER_* set, stop instead
+        if not isinstance(e, (ConfigError, PluginError)) and not any(k.startswith("TABLESERVER_") for k in os.environ):
+            raise
+        text = str(e).removeprefix("tableserver plugin: ")
+        raise SystemExit(f"tableserver plugin: {text if isinstance(e, (ConfigError, PluginError)) else repr(e)}") \
+            from None
     log.info("tableserver plugin: hooks in place in SGLang %s (%s)", version,
              "every Engram layer remote" if not config.layers else
              ", ".join(f"layer {k} {v}" for k, v in sorted(config.layers.items())))

@@ -73,6 +73,10 @@ class PluginConfig:
     windows: dict = field(default_factory=dict)  # layer -> seconds
 
     def __post_init__(self):
+        for f in fields(self):
+            value, kind = getattr(self, f.name), {"float": (int, float), "int": int, "dict": dict}.get(f.type, str)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ConfigError(f"{f.name} = {value!r}: expected {'a table' if kind is dict else f.type}")
         if self.policy not in POLICIES:
             raise ConfigError(f"policy = {self.policy!r}: use one of {', '.join(POLICIES)}")
         if self.policy == "fallback" and not self.fallback_address:
@@ -115,12 +119,13 @@ class PluginConfig:
         for name, var in ENV.items():
             if environ.get(var):
                 values[name] = _parse_placement(var, environ[var]) if name == "layers" else environ[var]
-        try:
-            for name, kind in (("timeout", float), ("max_tokens", int)):
-                if name in values:
+        for name, kind in (("timeout", float), ("max_tokens", int)):
+            if name in values:
+                try:
                     values[name] = kind(values[name])
-        except ValueError as e:
-            raise ConfigError(f"{e}: timeout is seconds, max_tokens a whole number") from None
+                except (TypeError, ValueError):
+                    raise ConfigError(f"{name} = {values[name]!r}: expected "
+                                      f"{'seconds' if kind is float else 'a whole number'}") from None
         return cls(**values)
 
     @property
@@ -131,6 +136,10 @@ class PluginConfig:
     # ------------------------------------------------------------------ per layer
     def placement(self, layer: int) -> str:
         return self.layers.get(layer, "remote" if self.address else "local")
+
+    def address_of(self, placement: str) -> str:
+        """The tableserver a placement reads from (remote: the memory node; node: this host's)."""
+        return {"remote": self.address, "node": self.node_address, "fallback": self.fallback_address}[placement]
 
     def table(self, layer: int) -> str:
         return self.tables.get(layer, f"{self.table_prefix}{layer}")
@@ -145,9 +154,10 @@ class PluginConfig:
 
     def describe(self, layers) -> str:
         """``1 local, 14 remote (memnode:7070)``: one phrase for a log line."""
-        where = {"remote": self.address, "node": self.node_address, "local": "SGLang's own table"}
-        return ", ".join(f"layer {layer} {self.placement(layer)} ({where[self.placement(layer)]})"
-                         for layer in layers)
+        def where(placement: str) -> str:
+            return "SGLang's own table" if placement == "local" else self.address_of(placement)
+
+        return ", ".join(f"layer {layer} {self.placement(layer)} ({where(self.placement(layer))})" for layer in layers)
 
 
 def _by_layer(name: str, table: dict) -> dict:

@@ -40,12 +40,13 @@ log = logging.getLogger("tableclient.sglang")
 SUPPORTED_SGLANG = "0.5.23"
 ENGRAM = "sglang.srt.layers.engram"
 STAGING = "sglang.srt.layers.engram_staging"
+WEIGHTS = "sglang.srt.model_loader.weight_utils"
 #: checkpoint tensors of a layer's table (names as in the checkpoint and after SGLang's remap)
 TABLE_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.engram\.embed\.(?:weight|scale)$")
 GRAPH_ADVICE = ("rows from a tableserver cannot be replayed from a captured CUDA graph: launch SGLang with "
                 "--cuda-graph-backend-decode disabled (prefill: breakable or disabled), or place the layer 'local'")
 
-_state: dict = {"config": None, "rows": None, "registered": False, "skipped_bytes": 0}
+_state: dict = {"config": None, "rows": None, "registered": False}
 
 
 class PluginError(RuntimeError):
@@ -115,17 +116,17 @@ def register_hooks() -> None:
              (f"{ENGRAM}.EngramHasher.forward", _hasher_forward, after),
              (f"{STAGING}.EngramRowStager.from_model", _stager_from_model, around),
              (f"{STAGING}.EngramRowStager.stage", _stager_stage, around),
-             ("sglang.srt.model_loader.weight_utils.safetensors_weights_iterator", _safetensors_iterator, around),
+             (f"{WEIGHTS}.safetensors_weights_iterator", _skip_served_tables, around),
+             (f"{WEIGHTS}.buffered_multi_thread_safetensors_weights_iterator", _skip_served_tables, around),
              ("sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM.load_weights", _load_weights, around)]
     for target, fn, kind in hooks:
         HookRegistry.register(target, fn, kind)
     HookRegistry.apply_hooks()  # SGLang's load_plugins applies them too; doing it here lets us check
-    from sglang.srt.layers import engram, engram_staging
+    import pkgutil
 
-    for target, fn, _ in hooks[:6]:
-        module_name, cls_name, attr = target.rsplit(".", 2)
-        module = {ENGRAM: engram, STAGING: engram_staging}[module_name]
-        if not _wraps(getattr(getattr(module, cls_name), attr), fn):
+    for target, fn, _ in hooks:
+        owner, attr = target.rsplit(".", 1)
+        if not _wraps(getattr(pkgutil.resolve_name(owner), attr), fn):
             raise PluginError(f"tableserver plugin: SGLang did not apply the hook on {target} (see its log): "
                               "the plugin cannot engage")
     _state["registered"] = True
@@ -207,16 +208,27 @@ def served_rows(embed, layer: int, indices):
         return embed.new_rows(indices)
     if _capturing(indices):
         raise PluginError(f"tableserver plugin: Engram layer {layer}: {GRAPH_ADVICE}")
-    packed = rows().rows(layer, indices)  # host uint8 [*indices.shape, dim + dim/32]
+    packed, staged = rows().rows(layer, indices)  # host uint8 [*indices.shape, dim + dim/32]
     if not indices.is_cuda:
         return dequantize(packed, embed.dim)
     # SGLang's own dequantization of staged rows: device fp8 rows and e8m0 scales, token-major.
-    flat = packed.reshape(-1, packed.shape[-1]).to(indices.device, non_blocking=True)
-    weight, scale = flat[:, :embed.dim].contiguous(), flat[:, embed.dim:].contiguous()
-    copied = torch.cuda.Event()
-    copied.record()
-    rows().fence("forward", copied)
+    weight, scale, copied = to_device(packed, embed.dim, indices.device, torch.cuda.current_stream())
+    if staged:
+        rows().fence("forward", copied)
     return embed.dequant_staged(weight, scale, copied, indices.shape)
+
+
+def to_device(packed, dim: int, device, stream):
+    """Host packed rows -> (device fp8 rows [N, dim], device e8m0 scales [N, dim/32], CUDA event), copied on
+    ``stream``: the layout SGLang's ``dequant_staged`` reads."""
+    import torch
+
+    with torch.cuda.stream(stream):
+        flat = packed.reshape(-1, packed.shape[-1]).to(device, non_blocking=True)
+        weight, scale = flat[:, :dim].contiguous(), flat[:, dim:].contiguous()
+        copied = torch.cuda.Event()
+        copied.record()
+    return weight, scale, copied
 
 
 def _capturing(t) -> bool:
@@ -293,8 +305,7 @@ def _stager_stage(original, self, batch):
         return None
     ids, _ = self.hasher.hash_windows(*windows)
     state = rows()
-    if not state.prefetch(ids, channel="stage"):  # served layers first: their rows travel meanwhile
-        return None
+    issued = state.prefetch(ids, channel="stage")  # served layers first: their rows travel meanwhile
     import torch
 
     staged = []
@@ -307,15 +318,11 @@ def _stager_stage(original, self, batch):
                 scale = scale.to(self.device, non_blocking=True)
                 copied = torch.cuda.Event()
                 copied.record()
-        else:
-            packed = state.staged(layer)  # [T, C, row_bytes] of the channel's pinned staging
-            dim = state.layers[layer].dim
-            with torch.cuda.stream(self.copy_stream):
-                flat = packed.reshape(-1, packed.shape[-1]).to(self.device, non_blocking=True)
-                weight, scale = flat[:, :dim].contiguous(), flat[:, dim:].contiguous()
-                copied = torch.cuda.Event()
-                copied.record()
-            state.fence("stage", copied)  # the next stage() refills the staging only after this copy
+        else:  # served: the channel's pinned staging, or (more tokens than it holds) fetched now
+            packed = state.staged(layer) if issued else state.fetch(layer, ids[:, column])
+            weight, scale, copied = to_device(packed, state.layers[layer].dim, self.device, self.copy_stream)
+            if issued:
+                state.fence("stage", copied)  # the next stage() refills the staging only after this copy
         staged.append((weight, scale, copied))
     return staged
 
@@ -326,8 +333,9 @@ def _served_key(name: str) -> bool:
     return m is not None and served(int(m.group(1)))
 
 
-def _safetensors_iterator(original, hf_weights_files, *args, **kwargs):
-    """SGLang's iterator for files without a served layer's table; those files without reading its tensors."""
+def _skip_served_tables(original, hf_weights_files, *args, **kwargs):
+    """SGLang's safetensors iterators (single- and multi-threaded): files holding a served layer's table
+    are read here, every tensor but those; the other files go to SGLang's iterator unchanged."""
     if config() is None or not config().enabled:
         yield from original(hf_weights_files, *args, **kwargs)
         return
@@ -345,20 +353,11 @@ def _safetensors_iterator(original, hf_weights_files, *args, **kwargs):
             run = []
         with safetensors.safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                if name in skip:
-                    _state["skipped_bytes"] += _nbytes(f.get_slice(name))
-                    continue
-                yield name, f.get_tensor(name)
+                if name not in skip:
+                    yield name, f.get_tensor(name)
         log.info("tableserver plugin: %s: not reading %s (served by the tableserver)", path, ", ".join(skip))
     if run:
         yield from original(run, *args, **kwargs)
-
-
-def _nbytes(tensor_slice) -> int:
-    n = 1
-    for d in tensor_slice.get_shape():
-        n *= d
-    return n * {"F8_E4M3": 1, "F8_E8M0": 1, "U8": 1, "I8": 1}.get(tensor_slice.get_dtype(), 2)
 
 
 def _load_weights(original, self, weights, *args, **kwargs):

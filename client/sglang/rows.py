@@ -90,15 +90,16 @@ class EngramRows:
         from tableclient import TableClient, TableClientError
 
         c = self.config
-        address = {"remote": c.address, "node": c.node_address, "fallback": c.fallback_address}[role]
+        address = c.address_of(role)
         transport = {"remote": c.transport, "node": "shm", "fallback": "auto"}[role]
         factory = self._client_factory or TableClient
         try:
             client = factory(address, transport=transport, token=c.token or None, tls_ca=c.tls_ca or None,
                              mode=c.mode, client_name=f"sglang-{role}-{os.getpid()}")
         except TableClientError as e:
+            key = {"remote": "address", "node": "node_address", "fallback": "fallback_address"}[role]
             raise EngramRowsError(f"tableserver plugin: cannot reach the {role} tableserver at {address} ({e}); "
-                                  f"start it or fix {'node_address' if role == 'node' else 'address'}") from None
+                                  f"start it or fix {key}") from None
         log.info("tableserver plugin: %s tableserver %s connected over %s", role, address, client.transport)
         return client
 
@@ -109,7 +110,7 @@ class EngramRows:
         client = self.client(placement)
         info = client.tables.get(served.table)
         row_bytes = dim + dim // FP8_BLOCK
-        where = c.address if placement == "remote" else c.node_address
+        where = c.address_of(placement)
         if info is None:
             raise EngramRowsError(f"tableserver plugin: layer {layer} is placed {placement} but {where} serves no "
                                   f"table {served.table!r} (it has {', '.join(client.tables) or 'none'}): name it "
@@ -145,7 +146,7 @@ class EngramRows:
             step = EngramStep(self.client(placement), [LayerPlan(s.layer, s.table, s.window_s, c.mode) for s in layers],
                               c.max_tokens, policy=c.policy,
                               fallback=self.client("fallback") if c.policy == "fallback" else None,
-                              timeout=c.timeout)
+                              timeout=c.timeout, deadlines=channel == "forward")
             self._steps[(channel, placement)] = step
         return step
 
@@ -155,43 +156,69 @@ class EngramRows:
 
         Shortest window first across servers. Returns False when nothing was issued (no layer knows its
         column, an empty step, or more tokens than the staging holds: those layers fetch when they run).
+        Channel "forward" is the model's step start; "stage" the scheduler preparing the next batch.
         """
         with self._lock:
+            for copy in self._fences.pop(channel, []):  # copies still reading the staging about to be refilled
+                copy.synchronize()
             served = [s for s in self.layers.values() if s.hash_index is not None]
             tokens = hash_ids.shape[0]
             if channel == "forward":
                 self._pending = None
             if not served or tokens == 0 or tokens > self.config.max_tokens:
                 return False
-            for copy in self._fences.pop(channel, []):  # the staging is about to be overwritten
-                copy.synchronize()
-            host = hash_ids.detach().to("cpu") if hash_ids.device.type != "cpu" else hash_ids.detach()
+            host = hash_ids.detach().to("cpu", copy=True)  # ours: the caller may refill its tensor
             by_placement: dict[str, dict] = {}
             for s in sorted(served, key=lambda s: s.window_s):
                 by_placement.setdefault(s.placement, {})[s.layer] = host[:, s.hash_index].numpy()
             order = sorted(by_placement, key=lambda p: min(self.layers[layer].window_s for layer in by_placement[p]))
             for placement in order:
                 self._step(placement, channel).begin_step(by_placement[placement])
-            if channel != "forward":
-                return True
-            root = hash_ids if hash_ids._base is None else hash_ids._base
-            geometry = {s.layer: _geometry(hash_ids[:, s.hash_index]) for s in served}
-            self._pending = (weakref.ref(root), geometry)
+            if channel == "forward":
+                root = hash_ids if hash_ids._base is None else hash_ids._base
+                self._pending = (weakref.ref(root), {s.layer: (_geometry(hash_ids[:, s.hash_index]),
+                                                               host[:, s.hash_index]) for s in served})
             return True
 
     def rows(self, layer: int, indices):
-        """Packed rows ``[*indices.shape, row_bytes]`` (uint8, host) of a served layer for ``indices``."""
+        """Packed rows ``[*indices.shape, row_bytes]`` (uint8, host) of a served layer for ``indices``.
+
+        Returns ``(rows, staged)``: ``staged`` when they are a view of the layer's persistent staging
+        (valid until the next prefetch), else a fresh array.
+        """
         import torch
 
         with self._lock:
             s = self.layers[layer]
             step = self._step(s.placement)
-            if self._is_prefetched(layer, indices) and layer in step.pending():
+            if layer in step.pending() and self._is_prefetched(layer, indices):
                 self.served[layer]["prefetched"] += 1
-                return step.wait(layer)
-            ids = indices.detach().to("cpu").numpy()
+                return step.wait(layer), True
             self.served[layer]["fetched"] += 1
-            return torch.from_numpy(step.gather_now(layer, ids))
+            return torch.from_numpy(step.gather_now(layer, indices.detach().to("cpu").numpy())), False
+
+    def _is_prefetched(self, layer: int, indices) -> bool:
+        """Whether ``indices`` are the ids prefetched for ``layer``: the very view of the hasher's output
+        (identity, no copy), or else equal in value (e.g. copied into a CUDA graph's static buffer)."""
+        if self._pending is None:
+            return False
+        ref, by_layer = self._pending
+        if layer not in by_layer:
+            return False
+        geometry, host = by_layer[layer]
+        root = indices if indices._base is None else indices._base
+        if ref() is root and geometry == _geometry(indices):
+            return True
+        return tuple(indices.shape) == tuple(host.shape) and bool((indices.detach().to("cpu") == host).all())
+
+    def fetch(self, layer: int, ids, channel: str = "stage"):
+        """A layer's rows for ``ids`` now, through ``channel``'s step (fresh host array, policy applied)."""
+        import torch
+
+        with self._lock:
+            self.served[layer]["fetched"] += 1
+            return torch.from_numpy(self._step(self.layers[layer].placement, channel).gather_now(
+                layer, ids.detach().to("cpu").numpy()))
 
     def staged(self, layer: int, channel: str = "stage"):
         """The rows of ``layer`` issued by ``prefetch(..., channel)``: ``[T, C, row_bytes]`` of its staging."""
@@ -199,29 +226,14 @@ class EngramRows:
             self.served[layer]["staged"] += 1
             return self._step(self.layers[layer].placement, channel).wait(layer)
 
-    def abandon(self, channel: str) -> None:
-        """Cancels the gathers ``channel`` issued and nobody waited for."""
-        with self._lock:
-            for (ch, _), step in self._steps.items():
-                if ch == channel:
-                    step.abandon()
-
     def fence(self, channel: str, copy) -> None:
         """``copy`` (anything with ``synchronize()``, e.g. a CUDA event) still reads ``channel``'s staging:
         the next prefetch on that channel waits for it before overwriting the buffers."""
         with self._lock:
             self._fences.setdefault(channel, []).append(copy)
 
-    def _is_prefetched(self, layer: int, indices) -> bool:
-        """``indices`` is the very view of the prefetched ids: same tensor object underneath, same geometry."""
-        if self._pending is None:
-            return False
-        ref, geometry = self._pending
-        root = indices if indices._base is None else indices._base
-        return ref() is root and geometry.get(layer) == _geometry(indices)
-
     def summary(self) -> dict:
-        """Per layer: placement, table, rows prefetched / fetched, and the step's deadline figures."""
+        """Per layer: placement, table, rows prefetched / staged / fetched, and the forward's deadline figures."""
         out = {}
         for layer, s in self.layers.items():
             step = self._steps.get(("forward", s.placement))

@@ -44,7 +44,11 @@ class Pending:
             raise self._error
 
     def cancel(self) -> None:
-        """The caller no longer wants the rows: late data must not touch its buffer."""
+        """The caller no longer wants the rows: once this returns, nothing writes into its buffer.
+
+        A barrier, not a hint: a copy already writing into the buffer is waited for (transports
+        override this where a write can be in progress), so the caller may reuse the buffer at once.
+        """
         self.cancelled = True
 
 

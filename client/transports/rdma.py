@@ -156,6 +156,11 @@ class _Batch(Pending):
             self.transport._progress()
         return self._event.is_set()
 
+    def cancel(self) -> None:
+        self.cancelled = True
+        with self.transport._poll_lock:  # a copy-out runs under it: wait for one in progress
+            pass
+
     def wait(self, timeout: float | None = None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         spin = self.transport.spin_polls

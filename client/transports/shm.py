@@ -63,6 +63,14 @@ class _Copy(Pending):
         self.run()
         super().wait(timeout)
 
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self._claim.acquire(blocking=False):  # nobody started it: it never will
+            self._args = None
+            self.complete()
+        else:
+            self._event.wait()  # a copy in progress (a local memcpy): let it finish before returning
+
 
 class ShmTransport(ClientTransport):
     name = "shm"

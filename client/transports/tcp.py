@@ -28,13 +28,28 @@ from tableserver.wire import (
 log = logging.getLogger("tableclient.tcp")
 
 
-class _TcpPending(Pending):
-    __slots__ = ("out", "request_id")
+#: how long cancelling a response that is being received waits for its last bytes before the
+#: connection is broken instead (a server stuck mid-response must not write into the buffer later)
+CANCEL_GRACE_S = 1.0
 
-    def __init__(self, out: np.ndarray, request_id: int):
+
+class _TcpPending(Pending):
+    __slots__ = ("out", "request_id", "receiving", "transport")
+
+    def __init__(self, out: np.ndarray, request_id: int, transport):
         super().__init__()
         self.out = out
         self.request_id = request_id
+        self.receiving = False  # the receiver is writing this response into ``out``
+        self.transport = transport
+
+    def cancel(self) -> None:
+        # With the receiver's order (receiving = True, then check cancelled) one of the two sides
+        # always sees the other: either the rows go to scratch, or we wait for them to be in.
+        self.cancelled = True
+        if self.receiving and not self._event.wait(CANCEL_GRACE_S):
+            self.transport._abort("a cancelled response stalled mid-transfer")
+            self._event.wait()
 
 
 class TcpTransport(ClientTransport):
@@ -87,7 +102,7 @@ class TcpTransport(ClientTransport):
         with self._send_lock:
             if self._error is not None:
                 raise self._error
-            p = _TcpPending(out, next(self._ids))
+            p = _TcpPending(out, next(self._ids), self)
             self._pending.append(p)  # before sending: the receiver may answer at once
             try:
                 send_all(self._sock, [request_header(FrameType.GATHER, p.request_id, table_index, ids.size), ids])
@@ -99,6 +114,7 @@ class TcpTransport(ClientTransport):
     def _receive_loop(self) -> None:
         head = bytearray(HEADER_BYTES)
         sock = self._sock
+        p = None  # the response being received: no longer in _pending, failed here if the connection breaks
         try:
             while True:
                 if not recv_exact(sock, memoryview(head)):
@@ -110,6 +126,7 @@ class TcpTransport(ClientTransport):
                 if p is None or p.request_id != req_id:
                     raise ConnectionError(f"response to request {req_id} that is not next in line")
                 if status == Status.OK:
+                    p.receiving = True
                     dest = p.out if not p.cancelled else np.empty(p.out.nbytes, np.uint8)
                     if count * row_bytes != dest.nbytes:
                         raise ConnectionError(f"response of {count}x{row_bytes} bytes for a "
@@ -124,7 +141,18 @@ class TcpTransport(ClientTransport):
                     if status in FATAL:
                         raise ConnectionError(f"server closed the connection after {name}")
         except (OSError, ValueError) as e:
-            self._fail(TransportError(f"tcp connection to {self.endpoint} lost: {e}"))
+            error = TransportError(f"tcp connection to {self.endpoint} lost: {e}")
+            if p is not None and not p.done():
+                p.complete(error)
+            self._fail(error)
+
+    def _abort(self, why: str) -> None:
+        """Breaks the connection: the receiver stops at once and fails what is pending."""
+        log.warning("tcp connection to %s aborted: %s", self.endpoint, why)
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def _fail(self, error: TransportError) -> None:
         if self._error is None:
