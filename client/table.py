@@ -31,11 +31,18 @@ class TableInfo:
     version: int
     checksum: str
     nbytes: int
+    total_rows: int = 0  # rows of the whole table (``rows``: the ones this server holds)
+    row_lo: int = 0  # table row id of the first held row
 
     @classmethod
     def from_proto(cls, t) -> "TableInfo":
         return cls(index=t.index, name=t.name, rows=t.rows, row_bytes=t.row_bytes, dtype=t.dtype,
-                   shape=tuple(t.shape), layer=t.layer, version=t.version, checksum=t.checksum, nbytes=t.nbytes)
+                   shape=tuple(t.shape), layer=t.layer, version=t.version, checksum=t.checksum, nbytes=t.nbytes,
+                   total_rows=t.total_rows or t.rows, row_lo=t.row_lo)
+
+    @property
+    def row_hi(self) -> int:
+        return self.row_lo + self.rows
 
 
 class GatherHandle:

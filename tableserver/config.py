@@ -42,6 +42,12 @@ SERVE_OPTIONS = (
            metavar="FILE[,FILE]"),
     Option("listen", "str", "127.0.0.1:7070", "gRPC control-plane address (port 0 = any free port)",
            metavar="HOST:PORT"),
+    Option("node_id", "str", "", "this memory node's identity, stable across restarts and distinct between "
+           "replicas (default: the hostname); clients route by it", metavar="ID"),
+    Option("shard", "str", "", "serve shard K of N: the K-th of N equal row ranges of every table (K from 0)",
+           metavar="K/N"),
+    Option("rows", "str", "", "serve only table rows LO..HI-1 of every table (instead of --shard)",
+           metavar="LO:HI"),
     Option("transports", "list", ["auto"], "data transports to offer, in preference order: rdma, shm, tcp, or "
            "auto (rdma when an RDMA device is usable, then shm and tcp)", metavar="NAME[,NAME]"),
     Option("tcp_listen", "str", "", "tcp data address (default: the --listen host, control port + 1)",

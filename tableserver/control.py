@@ -30,23 +30,27 @@ SERVICE_NAME = "tableserver.v1.TableService"
 class ServerState:
     """What the control plane answers from; filled in as the server starts."""
 
-    def __init__(self, sessions: SessionRegistry, transports: dict, max_rows: int, host_id: str, metrics=None):
+    def __init__(self, sessions: SessionRegistry, transports: dict, max_rows: int, host_id: str, metrics=None,
+                 node_id: str = ""):
         self.sessions = sessions
         self.metrics = metrics
         self.transports = transports  # name -> ServerTransport, in server preference order
         self.tables = None  # TableSet once loaded
         self.max_rows = max_rows
         self.host_id = host_id
+        self.node_id = node_id or socket.gethostname()
         self.ready = False
 
     def server_info(self) -> pb.ServerInfo:
         return pb.ServerInfo(version=__version__, hostname=socket.gethostname(), host_id=self.host_id,
-                             transports=list(self.transports), max_rows_per_request=self.max_rows)
+                             transports=list(self.transports), max_rows_per_request=self.max_rows,
+                             node_id=self.node_id)
 
     def catalog(self) -> pb.Catalog:
         tables = [pb.TableInfo(index=t.index, name=t.name, rows=t.rows, row_bytes=t.row_bytes,
                                dtype=t.spec.dtype, shape=list(t.spec.logical_shape), layer=t.spec.layer,
-                               version=t.spec.version, checksum=t.checksum, nbytes=t.nbytes)
+                               version=t.spec.version, checksum=t.checksum, nbytes=t.nbytes,
+                               total_rows=t.total_rows, row_lo=t.row_lo)
                   for t in self.tables]
         return pb.Catalog(tables=tables, server=self.server_info())
 

@@ -29,21 +29,33 @@ log = logging.getLogger("tableserver.loader")
 
 @dataclass
 class Table:
-    """A table pinned in memory and ready to serve."""
+    """A table, or a row range of it, pinned in memory and ready to serve.
+
+    ``rows`` are the rows held, ``row_lo`` the table row id of the first;
+    data transports address them 0..rows-1 (clients subtract ``row_lo``).
+    ``checksum`` is the whole table's: the identity every shard and replica of
+    one table version shares.
+    """
 
     index: int
     spec: TableSpec
     checksum: str
     source: str
     region: PinnedRegion
+    row_lo: int = 0
+    row_hi: int = -1  # -1: the whole table
 
     @property
     def name(self) -> str:
         return self.spec.name
 
     @property
-    def rows(self) -> int:
+    def total_rows(self) -> int:
         return self.spec.rows
+
+    @property
+    def rows(self) -> int:
+        return (self.spec.rows if self.row_hi < 0 else self.row_hi) - self.row_lo
 
     @property
     def row_bytes(self) -> int:
@@ -51,7 +63,7 @@ class Table:
 
     @property
     def nbytes(self) -> int:
-        return self.spec.nbytes
+        return self.rows * self.spec.row_bytes
 
     @property
     def data(self) -> np.ndarray:
@@ -105,9 +117,27 @@ def _use_direct(path: str, io: str) -> bool:
     return cached < 0.5
 
 
+def row_range(spec: TableSpec, rows: tuple[int, int] | None, shard: tuple[int, int] | None) -> tuple[int, int]:
+    """The rows [lo, hi) of ``spec`` a server holds: all, ``--rows LO:HI``, or shard K of N (equal ranges)."""
+    if shard is not None:
+        k, n = shard
+        return k * spec.rows // n, (k + 1) * spec.rows // n
+    if rows is not None:
+        lo, hi = rows
+        if hi > spec.rows:
+            raise TableFileError(f"--rows {lo}:{hi}: table {spec.name!r} has only {spec.rows} rows: use a range "
+                                 "inside every table, or --shard K/N")
+        return lo, hi
+    return 0, spec.rows
+
+
 def load_tables(paths: list[str], *, hugepages: str = "auto", lock: bool = True, verify: bool = True,
-                progress: str = "auto", workers: int | None = None, cancel=None, io: str = "auto") -> TableSet:
+                progress: str = "auto", workers: int | None = None, cancel=None, io: str = "auto",
+                rows: tuple[int, int] | None = None, shard: tuple[int, int] | None = None) -> TableSet:
     """Loads every table of every file in ``paths`` into pinned memory.
+
+    ``rows=(lo, hi)`` or ``shard=(k, n)`` load only a row range of each table
+    (see :func:`row_range`).
 
     ``io``: "direct" reads table files with O_DIRECT (disk straight into the
     pinned memory), "buffered" through the page cache, "auto" picks direct for
@@ -131,10 +161,12 @@ def load_tables(paths: list[str], *, hugepages: str = "auto", lock: bool = True,
             entries.append((source, spec))
     if not entries:
         raise TableFileError(f"{', '.join(paths)}: no tables found: pack some with `tableserver pack`")
-    plan = plan_memory([s.nbytes for _, s in entries], hugepages=hugepages, lock=lock)
+    ranges = [row_range(s, rows, shard) for _, s in entries]
+    sizes = [(hi - lo) * s.row_bytes for (_, s), (lo, hi) in zip(entries, ranges)]
+    plan = plan_memory([max(n, 1) for n in sizes], hugepages=hugepages, lock=lock)
     log.info("memory plan: %s for %d tables", plan.describe(), len(entries),
              extra=kv(event="memory_plan", tables=len(entries), plan=plan.describe()))
-    total = sum(s.nbytes for _, s in entries)
+    total = sum(sizes)
     bar = Progress(total, "loading tables", mode=progress)
 
     def advance(n: int) -> None:
@@ -150,21 +182,24 @@ def load_tables(paths: list[str], *, hugepages: str = "auto", lock: bool = True,
     t0 = time.monotonic()
     try:
         with ThreadPoolExecutor(workers, thread_name_prefix="tableserver-load") as pool:
-            for index, ((source, spec), page) in enumerate(zip(entries, plan.page_sizes)):
-                region = PinnedRegion(spec.name, spec.nbytes, page)
-                tables.append(Table(index, spec, "", source.path, region))
+            for index, ((source, spec), page, (lo, hi), size) in enumerate(zip(entries, plan.page_sizes, ranges,
+                                                                                   sizes)):
+                region = PinnedRegion(spec.name, max(size, 1), page)
+                tables.append(Table(index, spec, "", source.path, region, lo, hi))
                 region.advise_hugepage()
-                checksum = source.load(spec, region.array, pool, advance, verify, direct=direct[source.path])
+                checksum = source.load(spec, region.array, pool, advance, verify, direct=direct[source.path],
+                                       rows=(lo, hi))
                 tables[-1].checksum = checksum or spec.checksum
                 if lock:
                     region.lock()
                 region.seal()
-                log.info("table %s: %d rows x %d B = %s, layer %d, %s, checksum %s%s",
-                         spec.name, spec.rows, spec.row_bytes, human_bytes(spec.nbytes), spec.layer,
+                part = "" if (lo, hi) == (0, spec.rows) else f" (rows {lo}..{hi - 1} of {spec.rows})"
+                log.info("table %s: %d rows x %d B = %s%s, layer %d, %s, checksum %s%s",
+                         spec.name, hi - lo, spec.row_bytes, human_bytes(size), part, spec.layer,
                          region.kind, tables[-1].checksum or "-", "" if verify else " (not verified)",
-                         extra=kv(event="table_loaded", table=spec.name, layer=spec.layer, rows=spec.rows,
-                                  row_bytes=spec.row_bytes, bytes=spec.nbytes, memory=region.kind,
-                                  page_size=region.page_size, verified=verify))
+                         extra=kv(event="table_loaded", table=spec.name, layer=spec.layer, rows=hi - lo,
+                                  row_lo=lo, total_rows=spec.rows, row_bytes=spec.row_bytes, bytes=size,
+                                  memory=region.kind, page_size=region.page_size, verified=verify))
     except BaseException:
         for t in tables:
             t.region.close()

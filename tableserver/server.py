@@ -64,6 +64,7 @@ class TableServer:
                             if cfg["tls_cert"] or cfg["tls_key"] or cfg["tls_client_ca"] else None)
         if cfg["max_rows_per_request"] < 1:
             raise ConfigError("--max-rows-per-request must be at least 1")
+        self.shard, self.rows = parse_row_range(cfg.get("shard", ""), cfg.get("rows", ""))
         self.metrics_host = cfg.get("metrics_host") or self.host
         self.metrics_port = _metrics_port(cfg.get("metrics_port", ""), self.port)
         self.metrics = ServerMetrics()
@@ -89,7 +90,7 @@ class TableServer:
         grpc_server = None
         try:
             self.state = ServerState(self.sessions, self.transports, cfg["max_rows_per_request"], host_id(),
-                                     self.metrics)
+                                     self.metrics, node_id=cfg.get("node_id", ""))
             # metrics first: it also counts the calls the token check refuses
             interceptors = [MetricsInterceptor(self.metrics)] + ([TokenAuthInterceptor(self.token)]
                                                                  if self.token else [])
@@ -189,7 +190,7 @@ class TableServer:
 
         return load_tables(cfg["tables"], hugepages=cfg["hugepages"], lock=cfg["mlock"], verify=cfg["verify"],
                            progress=cfg["progress"], workers=cfg["load_workers"] or None, cancel=check_cancel,
-                           io=cfg["load_io"])
+                           io=cfg["load_io"], rows=self.rows, shard=self.shard)
 
     def _announce(self) -> None:
         cfg = self.cfg
@@ -253,3 +254,28 @@ def serve(cfg: dict) -> int:
     """Runs the daemon until SIGTERM/SIGINT; returns the exit code."""
     server = TableServer(cfg)
     return asyncio.run(server.run())
+
+
+def parse_row_range(shard: str, rows: str) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+    """(--shard K/N, --rows LO:HI) as (k, n) and (lo, hi); ConfigError naming the flag otherwise."""
+    if shard and rows:
+        raise ConfigError("--shard and --rows both given: a server holds one row range, pick one")
+    if shard:
+        k, sep, n = shard.partition("/")
+        try:
+            k, n = int(k), int(n)
+        except ValueError:
+            k = n = -1
+        if not sep or not 0 <= k < n:
+            raise ConfigError(f"--shard {shard!r}: expected K/N with 0 <= K < N, e.g. 0/2")
+        return (k, n), None
+    if rows:
+        lo, sep, hi = rows.partition(":")
+        try:
+            lo, hi = int(lo), int(hi)
+        except ValueError:
+            lo = hi = -1
+        if not sep or not 0 <= lo < hi:
+            raise ConfigError(f"--rows {rows!r}: expected LO:HI with 0 <= LO < HI, e.g. 0:1000000")
+        return None, (lo, hi)
+    return None, None

@@ -10,7 +10,7 @@ class GetCatalogRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TableInfo(_message.Message):
-    __slots__ = ("index", "name", "rows", "row_bytes", "dtype", "shape", "layer", "version", "checksum", "nbytes")
+    __slots__ = ("index", "name", "rows", "row_bytes", "dtype", "shape", "layer", "version", "checksum", "nbytes", "total_rows", "row_lo")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,8 @@ class TableInfo(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_ROWS_FIELD_NUMBER: _ClassVar[int]
+    ROW_LO_FIELD_NUMBER: _ClassVar[int]
     index: int
     name: str
     rows: int
@@ -31,21 +33,25 @@ class TableInfo(_message.Message):
     version: int
     checksum: str
     nbytes: int
-    def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., rows: _Optional[int] = ..., row_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., layer: _Optional[int] = ..., version: _Optional[int] = ..., checksum: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    total_rows: int
+    row_lo: int
+    def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., rows: _Optional[int] = ..., row_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., layer: _Optional[int] = ..., version: _Optional[int] = ..., checksum: _Optional[str] = ..., nbytes: _Optional[int] = ..., total_rows: _Optional[int] = ..., row_lo: _Optional[int] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "hostname", "host_id", "transports", "max_rows_per_request")
+    __slots__ = ("version", "hostname", "host_id", "transports", "max_rows_per_request", "node_id")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     MAX_ROWS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
     version: str
     hostname: str
     host_id: str
     transports: _containers.RepeatedScalarFieldContainer[str]
     max_rows_per_request: int
-    def __init__(self, version: _Optional[str] = ..., hostname: _Optional[str] = ..., host_id: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., max_rows_per_request: _Optional[int] = ...) -> None: ...
+    node_id: str
+    def __init__(self, version: _Optional[str] = ..., hostname: _Optional[str] = ..., host_id: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., max_rows_per_request: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class Catalog(_message.Message):
     __slots__ = ("tables", "server")
