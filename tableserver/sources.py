@@ -84,13 +84,7 @@ class TableFileSource:
             view = memoryview(dest)
 
             def read(f, part, at):
-                pos = 0
-                while pos < len(part):
-                    n = os.preadv(f, [part[pos:]], at + pos)
-                    if n <= 0:
-                        raise TableFileError(f"{self.path}: truncated table file: table {spec.name!r} "
-                                             f"ends early at byte {at + pos}: re-copy or re-pack it")
-                    pos += n
+                self._pread(f, part, at, spec)
 
             def chunk(i_range):
                 i, (a, b) = i_range
@@ -125,6 +119,16 @@ class TableFileSource:
                 os.close(dfd)
         return spec.checksum
 
+    def _pread(self, fd: int, buf, at: int, spec: TableSpec) -> None:
+        """Fills ``buf`` from file offset ``at``; a short file is a one-line TableFileError."""
+        pos = 0
+        while pos < len(buf):
+            n = os.preadv(fd, [buf[pos:]], at + pos)
+            if n <= 0:
+                raise TableFileError(f"{self.path}: truncated table file: table {spec.name!r} "
+                                     f"ends early at byte {at + pos}: re-copy or re-pack it")
+            pos += n
+
     def _load_range(self, spec: TableSpec, dest: np.ndarray, pool: ThreadPoolExecutor, progress: Progress,
                     verify: bool, rows: tuple[int, int]) -> str:
         """Rows [lo, hi) of ``spec`` into ``dest``, each chunk they touch verified whole (buffered reads)."""
@@ -136,13 +140,7 @@ class TableFileSource:
         fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             def read(buf, at):
-                pos = 0
-                while pos < len(buf):
-                    n = os.preadv(fd, [buf[pos:]], at + pos)
-                    if n <= 0:
-                        raise TableFileError(f"{self.path}: truncated table file: table {spec.name!r} "
-                                             f"ends early at byte {at + pos}: re-copy or re-pack it")
-                    pos += n
+                self._pread(fd, buf, at, spec)
 
             def chunk(i_range):
                 i, (a, b) = i_range
