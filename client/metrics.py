@@ -83,6 +83,20 @@ class ClientMetrics:
                                       "stream broken: server gone or unreachable).", registry=r)
         self.errors = Counter("tableserver_client_errors_total", "Failed gathers and connects, by reason.",
                               ["reason"], registry=r)
+        self.replica_up = Gauge("tableserver_client_replica_up", "Whether this client can read from a memory node "
+                                "(1) or has failed it or refused its data (0), by address.", ["address"],
+                                multiprocess_mode="livemin", registry=r)
+        self.failovers = Counter("tableserver_client_failovers_total", "Gather parts re-issued on another replica "
+                                 "after their node failed.", registry=r)
+        self.hedges = Counter("tableserver_client_hedges_total", "Hedged reads: issued on a second replica when the "
+                              "first was late, and won (answered first).", ["outcome"], registry=r)
+        self.version_refusals = Counter("tableserver_client_version_refusals_total", "Nodes refused because a table "
+                                        "there differs from the pinned version (checksum, rows, row size).",
+                                        registry=r)
+        for outcome in ("issued", "won"):
+            self.hedges.labels(outcome)
+        self.failovers.inc(0)
+        self.version_refusals.inc(0)
         for reason in ERROR_REASONS:
             self.errors.labels(reason)
         self.reconnects.inc(0)

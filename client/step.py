@@ -145,7 +145,8 @@ class EngramStep:
             self._ids[p.layer] = ids  # a reference, for the fallback policy
             out = self._staging_np[p.layer][:t]
             try:
-                self._handles[p.layer] = self.tables[p.layer].gather_async(ids, out=out)
+                self._handles[p.layer] = self.tables[p.layer].gather_async(ids, out=out,
+                                                                           hedge_after=self._hedge_after(p))
             except ValueError:
                 raise  # bad row ids are the caller's bug, whatever the policy
             except (TableClientError, OSError) as e:
@@ -204,6 +205,12 @@ class EngramStep:
         return dev, self._events[layer]
 
     # -------------------------------------------------------------- helpers
+    def _hedge_after(self, plan: LayerPlan) -> float | None:
+        """With replicas: re-issue a layer's gather elsewhere once this share of its window has passed."""
+        if not getattr(self.client, "replicated", False):
+            return None
+        return max(plan.window_s * self.client.hedge_fraction, 1e-4)
+
     def _plan(self, layer: int) -> LayerPlan:
         return next(p for p in self.plans if p.layer == layer)
 

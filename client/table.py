@@ -139,24 +139,29 @@ class RemoteTable:
         return (f"RemoteTable({self.name!r}, rows={self.rows}, row_bytes={self.row_bytes}, layer={self.layer}, "
                 f"mode={self.mode!r})")
 
-    def gather(self, row_ids, out=None, timeout: float | None = None, mode: str | None = None):
+    def gather(self, row_ids, out=None, timeout: float | None = None, mode: str | None = None,
+               hedge_after: float | None = None):
         """Rows ``row_ids`` (int array/tensor of any shape) as uint8 ``[..., row_bytes]``.
 
         On an error or timeout the gather is cancelled: rows arriving later never touch ``out``.
+        ``hedge_after``: with replicas, re-issue on another one if still missing after this long.
         """
-        handle = self._submit(row_ids, out, True, mode)
+        handle = self._submit(row_ids, out, True, mode, hedge_after)
         try:
             return handle.wait(timeout)
         except BaseException:
             handle.cancel()
             raise
 
-    def gather_async(self, row_ids, out=None, mode: str | None = None) -> GatherHandle:
+    def gather_async(self, row_ids, out=None, mode: str | None = None,
+                     hedge_after: float | None = None) -> GatherHandle:
         """Starts a gather and returns at once; ``handle.wait()`` returns the rows."""
-        return self._submit(row_ids, out, False, mode)
+        return self._submit(row_ids, out, False, mode, hedge_after)
 
-    def _submit(self, row_ids, out, sync: bool, mode: str | None) -> GatherHandle:
+    def _submit(self, row_ids, out, sync: bool, mode: str | None, hedge_after: float | None = None) -> GatherHandle:
         t0 = time.perf_counter()
+        if hedge_after is None:
+            hedge_after = getattr(self._client, "hedge_after", None)
         mode = check_mode(mode) if mode is not None else self.mode
         info = self.info
         try:
@@ -184,13 +189,13 @@ class RemoteTable:
                         pending = transport.gather(info.index, unique, flat_out, sync, mode, expand=inverse)
                         return GatherHandle([pending], result, None, flat_ids.size, t0, latency)
                     scratch = np.empty((unique.size, info.row_bytes), dtype=np.uint8)
-                    pendings = self._post(transport, unique, scratch, sync, mode)
+                    pendings = self._post(transport, unique, scratch, sync, mode, hedge_after)
                     return GatherHandle(pendings, result, lambda: np.take(scratch, inverse, axis=0, out=flat_out),
                                         flat_ids.size, t0, latency)
             unique_rows.inc(flat_ids.size)
             nbytes.inc(flat_out.nbytes)
-            return GatherHandle(self._post(transport, flat_ids, flat_out, sync, mode), result, None, flat_ids.size,
-                                t0, latency)
+            return GatherHandle(self._post(transport, flat_ids, flat_out, sync, mode, hedge_after), result, None,
+                                flat_ids.size, t0, latency)
         except Exception as e:
             metrics().error(e)
             raise
@@ -209,9 +214,11 @@ class RemoteTable:
         """Most ids one request may carry: the session's limit and the transport's."""
         return min(self._client.max_rows_per_request, transport.request_rows(mode) or 1 << 62)
 
-    def _post(self, transport, ids: np.ndarray, out: np.ndarray, sync: bool, mode: str) -> list:
+    def _post(self, transport, ids: np.ndarray, out: np.ndarray, sync: bool, mode: str,
+              hedge_after: float | None = None) -> list:
         step = self._request_rows(transport, mode)
+        extra = {} if hedge_after is None else {"hedge_after": hedge_after}
         if ids.size <= step:
-            return [transport.gather(self.info.index, ids, out, sync, mode)]
-        return [transport.gather(self.info.index, ids[a:a + step], out[a:a + step], sync, mode)
+            return [transport.gather(self.info.index, ids, out, sync, mode, **extra)]
+        return [transport.gather(self.info.index, ids[a:a + step], out[a:a + step], sync, mode, **extra)
                 for a in range(0, ids.size, step)]

@@ -225,7 +225,7 @@ def test_recoverable_errors_keep_the_connection(daemon, demo_local):
 def test_remote_error_surfaces_as_remote_error(daemon):
     """A request the server refuses raises RemoteError from wait (here: a table index it lacks)."""
     with TableClient(daemon.address, transport="tcp") as c:
-        transport = c._data_transport()
+        transport = c._node_transport()
         pending = transport.gather(42, np.array([0], np.int64), np.empty((1, 8), np.uint8))
         with pytest.raises(RemoteError, match="UNKNOWN_TABLE"):
             pending.wait(10)

@@ -37,9 +37,9 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 from observe import ALERTS, ClientWorkload, PrometheusServer, prometheus_binary  # noqa: E402
 
 DEPLOY = os.path.join(ROOT, "deploy")
-#: every label our metrics may carry (low cardinality by construction)
+#: every label our metrics may carry (low cardinality by construction; address: one per memory node of a client)
 ALLOWED_LABELS = {"table", "layer", "transport", "mode", "op", "method", "code", "reason", "page_size", "version",
-                  "python", "grpc", "le"}
+                  "python", "grpc", "le", "outcome", "address"}
 UNIT_SUFFIXES = ("_seconds", "_bytes", "_total", "_info", "_rows", "_ratio")
 
 

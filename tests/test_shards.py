@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from conftest import local_tables, run_cli, start_daemon
-from tableclient import TableClient
+from tableclient import ConnectError, TableClient
+from tableclient.node import NodeOptions, NodeSession
 from tableserver.demo import DemoRows, DemoTable
 from tableserver.tablefile import TableFileWriter, read_header
 from test_faults import assert_one_line_error
@@ -34,17 +35,24 @@ def test_a_server_holds_and_serves_its_row_range(chunked_file, tmp_path, flags, 
     local = local_tables(chunked_file)
     full = {s.name: s for s in read_header(chunked_file).tables}
     d = start_daemon(str(tmp_path / "d"), "--tables", chunked_file, "--node-id", "memnode-b", *flags)
+    node = NodeSession(d.address, NodeOptions(transport="tcp"))  # one server's own view: rows from row_lo
     try:
-        with TableClient(d.address, transport="tcp") as c:
-            assert c.server.node_id == "memnode-b"
-            for name, spec in full.items():
-                info = c.tables[name]
-                lo, hi = ranges(spec.rows)
-                assert (info.row_lo, info.rows, info.total_rows) == (lo, hi - lo, spec.rows)
-                assert info.checksum == spec.checksum  # the whole table's identity, not the range's
-                ids = np.concatenate([np.arange(0, hi - lo, 37), [hi - lo - 1]])  # ids of the held rows
-                np.testing.assert_array_equal(c.table(name).gather(ids), local[name][ids + lo])
+        assert node.server.node_id == "memnode-b"
+        for name, spec in full.items():
+            info = node.tables[name]
+            lo, hi = ranges(spec.rows)
+            assert (info.row_lo, info.rows, info.total_rows) == (lo, hi - lo, spec.rows)
+            assert info.checksum == spec.checksum  # the whole table's identity, not the range's
+            ids = np.concatenate([np.arange(0, hi - lo, 37), [hi - lo - 1]])  # ids of the held rows
+            out = np.empty((ids.size, 264), np.uint8)
+            node.data.gather(info.index, ids, out).wait(60)
+            np.testing.assert_array_equal(out, local[name][ids + lo])
+        # a client needs every row of every table: one shard alone is refused, naming what is missing
+        with pytest.raises(ConnectError, match=f"rows 0..{ranges(ROWS)[0] - 1} of 'engram.layer1' are on no node"
+                           if ranges(ROWS)[0] else "are on no node"):
+            TableClient(d.address, transport="tcp")
     finally:
+        node.close()
         d.stop()
     assert "(rows " in d.log()
 

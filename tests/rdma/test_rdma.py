@@ -49,7 +49,7 @@ def test_device_present():
 
 def test_handshake(rdma_daemon, demo_local):
     with TableClient(rdma_daemon.address, transport="rdma", rdma_qps=3, rdma_ring_rows=256) as c:
-        t = c._transport
+        t = c._node_transport()
         assert len(t._qps) == 3 and t.device == "rxe_lo"
         for info in c.tables.values():  # the regions tile every table exactly, on row boundaries
             state = t._tables[info.index]
@@ -142,7 +142,7 @@ def test_auto_prefers_rdma(rdma_daemon):
 
 def test_out_of_range_rejected_before_posting(client):
     t = client.table("engram.layer1")
-    transport = client._transport
+    transport = client._node_transport()
     before = next(transport._tokens)
     for bad in ([t.rows], [-1], [0.5]):
         with pytest.raises(ValueError):
@@ -156,7 +156,7 @@ def test_pack_server_checks_ids_itself(rdma_daemon, demo_local):
     with TableClient(rdma_daemon.address, transport="rdma", mode="pack", rdma_ring_rows=256) as c:
         t = c.table("engram.layer1")
         out = np.empty((2, 264), np.uint8)
-        pending = c._transport.gather(t.info.index, np.array([0, t.rows + 5], np.int64), out, mode="pack")
+        pending = c._node_transport().gather(t.info.index, np.array([0, t.rows + 5], np.int64), out, mode="pack")
         with pytest.raises(RemoteError, match="ROW_OUT_OF_RANGE"):
             pending.wait(EVENT_TIMEOUT)
         np.testing.assert_array_equal(t.gather([3, 4], timeout=EVENT_TIMEOUT), demo_local[t.name][[3, 4]])
@@ -167,7 +167,7 @@ def test_server_refuses_remote_write(rdma_daemon, demo_local):
     v = verbs()
     e = v.e
     with TableClient(rdma_daemon.address, transport="rdma", rdma_qps=1, rdma_ring_rows=64) as c:
-        t = c._transport
+        t = c._node_transport()
         info = c.tables["engram.layer1"]
         state = t._tables[info.index]
         local = t._register(4096, e.IBV_ACCESS_LOCAL_WRITE)

@@ -1,0 +1,299 @@
+"""NodeSession: one session with one tableserver (one memory node).
+
+Opening it fetches the server's catalog, opens a session (the server returns a
+secret and one offer per transport we accept), connects the first transport
+that works, and starts a keepalive stream; it returns only once the server
+has bound that stream to the session, so from then on this process's death
+ends the session at once. The stream is also how we hear the server: a
+response to every ping (every ``keepalive_interval``), so :meth:`silent_for`
+tells a frozen or unreachable server from a live one within a bounded time,
+and a broken stream calls ``on_lost``.
+
+Routing across nodes (replicas, shards, fail-over, hedging) is one layer up,
+in :mod:`tableclient.routing`; this module knows one server only.
+Not fork-safe (gRPC channels are not): create sessions after forking.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from tableclient.errors import AuthError, ConnectError, TableClientError, TransportUnavailable
+from tableclient.metrics import metrics
+from tableclient.table import TableInfo
+from tableclient.transports import AUTO_ORDER, KNOWN, transport_class
+from tableclient.transports.shm import local_host_id
+
+from tableserver.v1 import tableserver_pb2 as pb
+from tableserver.v1 import tableserver_pb2_grpc as pb_grpc
+
+log = logging.getLogger("tableclient")
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    id: bytes
+    secret: bytes
+    lease_seconds: float
+    max_rows_per_request: int
+
+
+@dataclass(frozen=True)
+class NodeOptions:
+    """How to reach and talk to a tableserver; the same for every node of a client."""
+
+    transport: str = "auto"
+    token: str | None = None
+    tls: bool = False
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_server_name: str | None = None
+    client_name: str = ""
+    connect_timeout: float = 10.0
+    keepalive_interval: float = 0.5  # seconds between pings; the server answers each
+    rdma: dict = field(default_factory=dict)  # device, gid_index, port, qps, ring_rows
+
+    def metadata(self) -> tuple:
+        token = self.token if self.token is not None else os.environ.get("TABLESERVER_AUTH_TOKEN") or None
+        return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def _read(path: str | None) -> bytes | None:
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ConnectError(f"cannot read {path} ({e.strerror})") from None
+
+
+def make_channel(address: str, o: NodeOptions):
+    options = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
+               ("grpc.keepalive_permit_without_calls", 1)]
+    if o.tls_server_name:
+        options.append(("grpc.ssl_target_name_override", o.tls_server_name))
+    if not (o.tls or o.tls_ca or o.tls_cert):
+        return grpc.insecure_channel(address, options=options)
+    creds = grpc.ssl_channel_credentials(root_certificates=_read(o.tls_ca), private_key=_read(o.tls_key),
+                                         certificate_chain=_read(o.tls_cert))
+    return grpc.secure_channel(address, creds, options=options)
+
+
+def rpc_error(address: str, e: grpc.RpcError) -> TableClientError:
+    code, details = e.code(), e.details()
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return AuthError(f"tableserver at {address} rejected the credentials: {details}")
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return ConnectError(f"cannot reach tableserver at {address}: {details}")
+    return ConnectError(f"tableserver at {address}: {code.name}: {details}")
+
+
+def fetch_catalog(address: str, o: NodeOptions, channel=None):
+    """(ServerInfo, [TableInfo]) of the server at ``address`` (one GetCatalog call)."""
+    own = channel is None
+    channel = channel or make_channel(address, o)
+    try:
+        catalog = pb_grpc.TableServiceStub(channel).GetCatalog(pb.GetCatalogRequest(), timeout=o.connect_timeout,
+                                                                metadata=o.metadata())
+    except grpc.RpcError as e:
+        raise rpc_error(address, e) from None
+    finally:
+        if own:
+            channel.close()
+    return catalog.server, [TableInfo.from_proto(t) for t in catalog.tables]
+
+
+class NodeSession:
+    """A session with the tableserver at ``address``: catalog, data transport, keepalive."""
+
+    def __init__(self, address: str, options: NodeOptions, on_lost=None):
+        o = options
+        if o.transport != "auto" and o.transport not in KNOWN:
+            raise ValueError(f"unknown transport {o.transport!r}: use auto, {', '.join(KNOWN)}")
+        self.address = address
+        self.options = o
+        self._metadata = o.metadata()
+        self._on_lost = on_lost
+        self._closed = False
+        self._counted = ""  # transport this session counts in tableserver_client_sessions
+        self._transport = None
+        self._keepalive_thread = None
+        self._keepalive_call = None
+        self._stop = threading.Event()
+        self.session: SessionInfo | None = None
+        self.error: BaseException | None = None  # why the session was lost, once it was
+        self.last_heard = time.monotonic()
+        self._channel = make_channel(address, o)
+        self._metrics = metrics()
+        try:
+            self._stub = pb_grpc.TableServiceStub(self._channel)
+            self.server, self.infos = fetch_catalog(address, o, self._channel)
+            self.tables: dict[str, TableInfo] = {t.name: t for t in self.infos}
+            self._connect(o.transport, o.client_name)
+        except BaseException as e:
+            if isinstance(e, Exception):
+                self._metrics.error(e)
+            self.close()
+            raise
+        self._metrics.connects.labels(self.transport).inc()
+        self._metrics.sessions.labels(self.transport).inc()
+        self._counted = self.transport
+
+    # ----------------------------------------------------------- connecting
+    def _call(self, method, request, timeout: float | None = None):
+        try:
+            return method(request, timeout=timeout or self.options.connect_timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise rpc_error(self.address, e) from None
+
+    def _connect(self, transport: str, client_name: str) -> None:
+        wanted = list(AUTO_ORDER) if transport == "auto" else [transport]
+        if transport == "auto":
+            if self.server.host_id != local_host_id():
+                wanted.remove("shm")  # another host: do not even ask for it
+            wanted = [t for t in wanted if t in self.server.transports] or wanted
+        reasons = []
+        prepared = None
+        if "rdma" in wanted:  # the handshake carries our QPs, so they exist before the session
+            try:
+                prepared = transport_class("rdma").prepare(**self.options.rdma, tables=len(self.infos))
+            except TransportUnavailable as e:
+                if transport == "rdma":
+                    raise ConnectError(f"transport='rdma' to {self.address}: {e}") from None
+                wanted.remove("rdma")
+                reasons.append(f"rdma: {e}")
+        try:
+            resp = self._call(self._stub.OpenSession, pb.OpenSessionRequest(
+                client_name=client_name or f"tableclient/{os.path.basename(sys.argv[0] or 'python')}",
+                hostname=socket.gethostname(), host_id=local_host_id(), pid=os.getpid(), transports=wanted,
+                rdma=prepared.params() if prepared is not None else None))
+            self.session = SessionInfo(resp.session_id, resp.secret, resp.lease_seconds, resp.max_rows_per_request)
+            self._start_keepalive()
+            for offer in resp.offers:
+                extra = dict(prepared=prepared) if offer.name == "rdma" else {}
+                try:
+                    self._transport = transport_class(offer.name)(offer, self.session, self.infos,
+                                                                  self.options.connect_timeout, **extra)
+                    break
+                except TransportUnavailable as e:
+                    reasons.append(f"{offer.name}: {e}")
+                    if offer.name == "rdma":
+                        prepared.close()
+                        prepared = None
+        finally:
+            if prepared is not None and (self._transport is None or self._transport.name != "rdma"):
+                prepared.close()
+        if self._transport is None:
+            raise ConnectError(f"no usable transport to {self.address} ({'; '.join(reasons) or 'none offered'})")
+        log.debug("session %s with %s uses %s", self.session.id.hex()[:12], self.address, self._transport.name)
+
+    def _start_keepalive(self) -> None:
+        """Starts the KeepAlive stream and returns once the server has bound it to the session.
+
+        Before the server's first answer only the lease would reclaim the session if this process
+        died, so nothing else happens until then.
+        """
+        interval = max(min(self.session.lease_seconds / 3.0, self.options.keepalive_interval), 0.02)
+        session_id = self.session.id
+        bound, answered = threading.Event(), threading.Event()
+
+        def pings():
+            yield pb.KeepAliveRequest(session_id=session_id)
+            while not self._stop.wait(interval):
+                yield pb.KeepAliveRequest(session_id=session_id)
+
+        def run():
+            try:
+                self._keepalive_call = self._stub.KeepAlive(pings(), metadata=self._metadata)
+                for _ in self._keepalive_call:
+                    self.last_heard = time.monotonic()
+                    answered.set()
+                    bound.set()
+            except grpc.RpcError as e:
+                if not self._stop.is_set():
+                    self.error = rpc_error(self.address, e)
+                    if answered.is_set():
+                        self._metrics.session_losses.inc()
+                        log.warning("tableserver session with %s lost: %s", self.address, self.error)
+                        if self._on_lost is not None:
+                            self._on_lost(self, self.error)
+            finally:
+                bound.set()  # wakes the constructor when the stream ends before its first answer
+
+        self._keepalive_thread = threading.Thread(target=run, name="tableclient-keepalive", daemon=True)
+        self._keepalive_thread.start()
+        if not bound.wait(self.options.connect_timeout):
+            raise ConnectError(f"tableserver at {self.address} did not answer the session keepalive within "
+                               f"{self.options.connect_timeout:g} s: raise connect_timeout or check the server")
+        if not answered.is_set():
+            raise self.error or ConnectError(f"tableserver at {self.address} ended the session keepalive "
+                                             "before answering it")
+
+    # --------------------------------------------------------------- public
+    @property
+    def transport(self) -> str:
+        """Name of the data transport in use (shm, tcp, ...)."""
+        return self._transport.name if self._transport is not None else ""
+
+    @property
+    def data(self):
+        """The data transport (raises once the session is closed)."""
+        if self._transport is None:
+            raise TableClientError(f"session with {self.address} is closed")
+        return self._transport
+
+    @property
+    def node_id(self) -> str:
+        return self.server.node_id or self.address
+
+    @property
+    def max_rows_per_request(self) -> int:
+        return self.session.max_rows_per_request or 65536
+
+    def silent_for(self) -> float:
+        """Seconds since the server last answered a keepalive ping."""
+        return time.monotonic() - self.last_heard
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self, graceful: bool = True) -> None:
+        """Ends the session and frees everything (an shm mapping included). Idempotent.
+
+        ``graceful=False`` (a server found dead or frozen) skips telling it: its lease reclaims the rest.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._counted:
+            self._metrics.sessions.labels(self._counted).dec()
+            self._counted = ""
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        if graceful and self.session is not None and self.error is None:
+            try:
+                self._stub.CloseSession(pb.CloseSessionRequest(session_id=self.session.id),
+                                        timeout=min(2.0, self.options.connect_timeout), metadata=self._metadata)
+            except grpc.RpcError:
+                pass  # the server may be gone; the lease reclaims the session
+        self._stop.set()  # after CloseSession, so the server logs why the session ended
+        if self._keepalive_call is not None:
+            self._keepalive_call.cancel()
+        if self._keepalive_thread is not None and self._keepalive_thread is not threading.current_thread():
+            self._keepalive_thread.join(timeout=2.0)
+        self._channel.close()
+
+    def __repr__(self) -> str:
+        return f"NodeSession({self.address!r}, node={self.node_id!r}, transport={self.transport!r})"
