@@ -255,7 +255,7 @@ class Router(ClientTransport):
             else:
                 self._admit(replica, *result)
         if not any(r.usable for r in self.replicas.values()):
-            errors = "; ".join(f"{r.address}: {r.error}" for r in self.replicas.values())
+            errors = "; ".join(f"{r.address} {r.state}: {r.error}" for r in self.replicas.values())
             first = next(iter(self.replicas.values()))
             if len(self.replicas) == 1 and isinstance(found[0], BaseException):
                 raise found[0]
@@ -310,8 +310,9 @@ class Router(ClientTransport):
         replica.state = "refused"
         replica.failures += 1
         replica.retry_at = time.monotonic() + self.options.backoff_max
+        pinned = pin[0] if pin[1] is None else f"{pin[0]} ({pin[1]} rows of {pin[2]} B)"
         replica.error = (f"table {t.name!r} there is {t.checksum} ({t.total_rows} rows of {t.row_bytes} B) but this "
-                         f"client pinned {pin[0]} ({pin[1]} rows of {pin[2]} B)")
+                         f"client pinned {pinned}")
         self._metrics.version_refusals.inc()
         self._gauge(replica)
         log.warning("tableserver %s refused: %s: never mixing rows of two versions", replica.address, replica.error)

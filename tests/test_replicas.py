@@ -1,0 +1,243 @@
+"""Surviving a memory node, on loopback: reconnect, identity, replicas, fail-over, hedging, shards.
+
+Real daemons (several per test), real sockets; every row checked bit-exact against the table file. The
+same scenarios across network namespaces (separate hosts, dropped packets, DNS) are in test_multihost.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from conftest import EVENT_TIMEOUT, local_tables, start_daemon, wait_for
+from tableclient import ConnectError, TableClient
+from tableserver.demo import DemoTable, write_demo_file
+
+TABLES = [DemoTable("engram.layer1", 30_000, 264, 1), DemoTable("engram.layer14", 40_001, 264, 14)]
+
+
+@pytest.fixture(scope="module")
+def v1(tmp_path_factory):
+    return write_demo_file(str(tmp_path_factory.mktemp("v1") / "v1.bin"), TABLES, seed=1)
+
+
+@pytest.fixture(scope="module")
+def v2(tmp_path_factory):
+    """Same names and sizes, other rows: another version of the tables."""
+    return write_demo_file(str(tmp_path_factory.mktemp("v2") / "v2.bin"), TABLES, seed=2)
+
+
+def free_port_block(n: int = 3) -> int:
+    """A control port whose next n-1 ports (tcp data, metrics) are free too."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        try:
+            socks = []
+            for k in range(n):
+                t = socket.socket()
+                t.bind(("127.0.0.1", base + k))
+                socks.append(t)
+            for t in socks:
+                t.close()
+            return base
+        except OSError:
+            for t in socks:
+                t.close()
+    raise RuntimeError("no free port block")
+
+
+def node(tmp_path, name, table, port=None, *flags):
+    port = port or free_port_block()
+    return start_daemon(str(tmp_path / name), "--tables", table, "--listen", f"127.0.0.1:{port}",
+                        "--transports", "tcp", "--node-id", name, *flags)
+
+
+def check(client, local, rng, n=2000):
+    for name in ("engram.layer1", "engram.layer14"):
+        ids = rng.integers(0, local[name].shape[0], n)
+        np.testing.assert_array_equal(client.table(name).gather(ids, timeout=EVENT_TIMEOUT), local[name][ids])
+
+
+def test_reconnects_after_a_restart_and_fails_fast_while_down(tmp_path, v1):
+    local = local_tables(v1)
+    port = free_port_block()
+    d = node(tmp_path, "a", v1, port)
+    rng = np.random.default_rng(0)
+    from prometheus_client import REGISTRY
+
+    reconnects = REGISTRY.get_sample_value("tableserver_client_reconnects_total") or 0
+    with TableClient(d.address, transport="tcp") as c:
+        check(c, local, rng)
+        d.stop(signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(ConnectError, match="is up .*reconnects in the background"):
+            wait_for(lambda: c.replicas()[d.address]["state"] == "down", "the client to notice the loss")
+            c.table("engram.layer1").gather([1, 2, 3], timeout=EVENT_TIMEOUT)
+        assert time.monotonic() - t0 < EVENT_TIMEOUT  # failed fast, not after the timeout
+        d = node(tmp_path, "a2", v1, port)  # the same address, restarted
+        wait_for(lambda: c.replicas()[d.address]["state"] == "up", "the client to reconnect")
+        check(c, local, rng)
+    assert REGISTRY.get_sample_value("tableserver_client_reconnects_total") >= reconnects + 1
+    d.stop()
+
+
+def test_a_restarted_node_with_other_data_is_refused_never_read(tmp_path, v1, v2):
+    local = local_tables(v1)
+    port = free_port_block()
+    d = node(tmp_path, "a", v1, port)
+    from prometheus_client import REGISTRY
+
+    refusals = REGISTRY.get_sample_value("tableserver_client_version_refusals_total") or 0
+    with TableClient(d.address, transport="tcp") as c:
+        check(c, local, np.random.default_rng(1))
+        d.stop(signal.SIGKILL)
+        d = node(tmp_path, "a2", v2, port)  # same address, same names, other rows
+        wait_for(lambda: c.replicas()[d.address]["state"] == "refused", lambda: f"a refusal: {c.replicas()}")
+        assert "pinned crc32:" in c.replicas()[d.address]["error"]
+        with pytest.raises(ConnectError, match="refused"):
+            c.table("engram.layer1").gather([5], timeout=EVENT_TIMEOUT)
+    assert REGISTRY.get_sample_value("tableserver_client_version_refusals_total") > refusals
+    # a client that pins the version it expects refuses a node with another from the start
+    with pytest.raises(ConnectError, match="refused"):
+        TableClient(d.address, transport="tcp", checksums={"engram.layer1": local_checksum(v1, "engram.layer1")})
+    d.stop()
+
+
+def local_checksum(path, name):
+    from tableserver.tablefile import read_header
+
+    return next(s.checksum for s in read_header(path).tables if s.name == name)
+
+
+def test_shm_client_releases_a_dead_servers_memory(tmp_path, v1):
+    d = start_daemon(str(tmp_path / "d"), "--tables", v1)
+    c = TableClient(d.address, transport="shm")
+    try:
+        assert c.transport == "shm"
+        maps = lambda: [ln for ln in open(f"/proc/{os.getpid()}/maps") if "tableserver:" in ln]  # noqa: E731
+        assert maps(), "the tables are not mapped"
+        d.stop(signal.SIGKILL)
+        wait_for(lambda: not maps(), "the mapping of the dead server's tables to be released")
+        with pytest.raises(ConnectError):
+            c.table("engram.layer1").gather([0], timeout=EVENT_TIMEOUT)
+    finally:
+        c.close()
+
+
+def test_a_frozen_node_is_detected_by_its_silence(tmp_path, v1):
+    d = node(tmp_path, "a", v1)
+    with TableClient(d.address, transport="tcp", liveness_timeout=1.0) as c:
+        check(c, local_tables(v1), np.random.default_rng(2))
+        os.kill(d.proc.pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: c.replicas()[d.address]["state"] == "down", "the frozen node to be failed")
+            assert "no keepalive answer" in c.replicas()[d.address]["error"]
+            t0 = time.monotonic()
+            with pytest.raises(ConnectError):
+                c.table("engram.layer1").gather([1], timeout=EVENT_TIMEOUT)
+            assert time.monotonic() - t0 < 5  # no hang on a frozen server
+        finally:
+            os.kill(d.proc.pid, signal.SIGCONT)
+    d.stop()
+
+
+@pytest.fixture
+def three(tmp_path, v1):
+    nodes = [node(tmp_path, f"n{k}", v1) for k in range(3)]
+    yield nodes
+    for d in nodes:
+        d.stop()
+
+
+def test_clients_spread_by_rendezvous_and_only_a_dead_nodes_clients_move(three, v1):
+    addresses = ",".join(d.address for d in three)
+    primaries = {}
+    clients = [TableClient(addresses, transport="tcp", client_id=f"worker-{k}") for k in range(12)]
+    try:
+        for k, c in enumerate(clients):
+            primaries[k] = c._router.primary("engram.layer1").address
+        assert len(set(primaries.values())) == 3  # 12 clients over 3 nodes: every node has some
+        victim = three[0]
+        victim.stop(signal.SIGKILL)
+        local = local_tables(v1)
+        rng = np.random.default_rng(3)
+        for c in clients:
+            check(c, local, rng, 300)  # fail-over: every gather still bit-exact
+        for k, c in enumerate(clients):
+            now = c._router.primary("engram.layer1").address
+            if primaries[k] != victim.address:
+                assert now == primaries[k]  # the others' clients stay where they were
+            else:
+                assert now != victim.address
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_kill_mid_stream_fails_over_bit_exact(three, v1):
+    from prometheus_client import REGISTRY
+
+    local = local_tables(v1)
+    failovers = REGISTRY.get_sample_value("tableserver_client_failovers_total") or 0
+    with TableClient(",".join(d.address for d in three), transport="tcp", client_id="mid") as c:
+        primary = c._router.primary("engram.layer14").address
+        rng = np.random.default_rng(4)
+        batches = [rng.integers(0, 40_001, 20_000) for _ in range(8)]
+        handles = [c.table("engram.layer14").gather_async(ids) for ids in batches]
+        next(d for d in three if d.address == primary).stop(signal.SIGKILL)  # with requests in flight
+        for ids, h in zip(batches, handles):
+            np.testing.assert_array_equal(h.wait(EVENT_TIMEOUT), local["engram.layer14"][ids])
+        check(c, local, rng)
+    assert REGISTRY.get_sample_value("tableserver_client_failovers_total") >= failovers
+
+
+def test_hedged_read_wins_over_a_frozen_primary(three, v1):
+    from prometheus_client import REGISTRY
+
+    local = local_tables(v1)
+    won = REGISTRY.get_sample_value("tableserver_client_hedges_total", {"outcome": "won"}) or 0
+    with TableClient(",".join(d.address for d in three), transport="tcp", client_id="hedge",
+                     liveness_timeout=60.0) as c:  # only the hedge can save these gathers
+        primary = next(d for d in three if d.address == c._router.primary("engram.layer1").address)
+        ids = np.arange(0, 30_000, 7)
+        os.kill(primary.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            rows = c.table("engram.layer1").gather(ids, timeout=EVENT_TIMEOUT, hedge_after=0.02)
+            elapsed = time.monotonic() - t0
+            np.testing.assert_array_equal(rows, local["engram.layer1"][ids])
+            assert elapsed < 10, elapsed  # not held up by the frozen primary (the liveness check is at 60 s)
+        finally:
+            os.kill(primary.proc.pid, signal.SIGCONT)
+    assert REGISTRY.get_sample_value("tableserver_client_hedges_total", {"outcome": "won"}) >= won + 1
+
+
+def test_two_shards_times_two_replicas(tmp_path, v1):
+    """--shard 0/2 and 1/2, each on two nodes: ids routed to their shard and scattered back in order; a
+    node of each shard killed, every row still bit-exact."""
+    nodes = [node(tmp_path, f"s{k}r{r}", v1, None, "--shard", f"{k}/2") for k in range(2) for r in range(2)]
+    local = local_tables(v1)
+    try:
+        with TableClient(",".join(d.address for d in nodes), transport="tcp", client_id="sharded") as c:
+            assert c.tables["engram.layer1"].rows == 30_000  # the whole table, over two shards
+            rng = np.random.default_rng(5)
+            check(c, local, rng)
+            for shape in ((64, 24), (0,), (3, 0, 2)):
+                ids = rng.integers(0, 30_000, shape)
+                np.testing.assert_array_equal(c.table("engram.layer1").gather(ids), local["engram.layer1"][ids])
+            edge = np.array([0, 14_999, 15_000, 29_999, 15_000, 0])  # both sides of the shard boundary, twice
+            np.testing.assert_array_equal(c.table("engram.layer1").gather(edge), local["engram.layer1"][edge])
+            for k in range(2):  # one node of each shard dies
+                victim = c._router._shards["engram.layer1"][k].replicas[0]
+                next(d for d in nodes if d.address == victim.address).stop(signal.SIGKILL)
+            check(c, local, rng)
+    finally:
+        for d in nodes:
+            d.stop()
