@@ -606,11 +606,11 @@ class Router(ClientTransport):
             now = time.monotonic()
             if now >= deadline:
                 raise GatherTimeout(f"gather of {part.ids.size} rows of {routed.name!r} not complete by its deadline")
-            if len(live) == 1:
-                until = deadline if part.hedged or part.hedge_at is None else min(deadline, part.hedge_at + 0.0002)
+            if len(live) == 1 and (part.hedge_at is None or now < part.hedge_at):
+                until = deadline if part.hedge_at is None else min(deadline, part.hedge_at)
                 slice_s = max(until - now, 0.0)
-            else:
-                slice_s = 0.0002  # hedged: poll both (rdma completions need the waiter to poll)
+            else:  # past the hedge time: a hedge may join at any moment; poll (rdma needs the waiter to poll)
+                slice_s = 0.0005
             for a in live:
                 try:
                     a.pending.wait(slice_s if len(live) == 1 else 0.0)
