@@ -76,7 +76,7 @@ class EngramStep:
 
     def __init__(self, client, plans: list, max_tokens: int, *, rows_per_token: int = 24, policy: str = "fail",
                  fallback=None, device=None, pin: bool | None = None, timeout: float = 5.0,
-                 keep_latencies: int = 100_000, deadlines: bool = True):
+                 keep_latencies: int = 100_000, deadlines: bool = True, hedge: bool = True):
         if policy not in POLICIES:
             raise ValueError(f"unknown failure policy {policy!r}: use {', '.join(POLICIES)}")
         if policy == "fallback" and fallback is None:
@@ -90,6 +90,7 @@ class EngramStep:
         # False where begin_step is not the model's step start (e.g. a scheduler staging the next batch):
         # waits are then not compared with the layers' windows, in stats or metrics.
         self.deadlines = deadlines
+        self.hedge = hedge  # with replicas: re-issue a late layer elsewhere at hedge_fraction of its window
         self.tables = {p.layer: client.table(p.table, mode=p.mode) for p in self.plans}
         self.stats = {p.layer: LayerStats() for p in self.plans}
         m = metrics()
@@ -207,7 +208,7 @@ class EngramStep:
     # -------------------------------------------------------------- helpers
     def _hedge_after(self, plan: LayerPlan) -> float | None:
         """With replicas: re-issue a layer's gather elsewhere once this share of its window has passed."""
-        if not getattr(self.client, "replicated", False):
+        if not self.hedge or not getattr(self.client, "replicated", False):
             return None
         return max(plan.window_s * self.client.hedge_fraction, 1e-4)
 
