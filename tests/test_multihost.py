@@ -10,21 +10,18 @@ no failed step, no stale or foreign row.
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import sys
 
 import pytest
 
 import netns
-from conftest import EVENT_TIMEOUT, ROOT, wait_for
+from conftest import wait_for
+from netns import PORT, Cluster, Worker
 from tableclient.routing import rendezvous_score
 from tableserver.demo import DemoTable, write_demo_file
 
 pytestmark = pytest.mark.slow
 TABLES = [DemoTable("engram.layer1", 60_000, 264, 1), DemoTable("engram.layer14", 80_003, 264, 14)]
-PORT = 7070
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -39,68 +36,6 @@ def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("multihost")
     return {"v1": write_demo_file(str(d / "v1.bin"), TABLES, seed=1),
             "v2": write_demo_file(str(d / "v2.bin"), TABLES, seed=2)}
-
-
-class Cluster:
-    def __init__(self, hosts: netns.Hosts, workdir: str):
-        self.hosts, self.workdir = hosts, workdir
-        self.nodes: dict[str, object] = {}
-
-    def start(self, name: str, table: str, *flags: str):
-        ready = os.path.join(self.workdir, f"{name}.ready")
-        if os.path.exists(ready):
-            os.unlink(ready)
-        log = open(os.path.join(self.workdir, f"{name}.log"), "a")
-        proc = self.hosts.popen(name, [sys.executable, "-m", "tableserver", "serve", "--tables", table, "--listen",
-                                       f"{self.hosts.ip(name)}:{PORT}", "--transports", "tcp", "--node-id", name,
-                                       "--ready-file", ready, "--progress", "never", "--metrics-port", "off",
-                                       "--lease-seconds", "120", *flags], stdout=log, stderr=log, cwd=ROOT)
-        self.nodes[name] = proc
-        wait_for(lambda: os.path.exists(ready) or proc.poll() is not None, f"{name} to serve")
-        assert proc.poll() is None, open(os.path.join(self.workdir, f"{name}.log")).read()[-3000:]
-        return proc
-
-    def address(self, *names: str) -> str:
-        return ",".join(f"{self.hosts.ip(n)}:{PORT}" for n in names)
-
-    def signal(self, name: str, sig) -> None:
-        os.kill(self.nodes[name].pid, sig)
-        if sig == signal.SIGKILL:
-            self.nodes[name].wait(EVENT_TIMEOUT)
-
-
-class Worker:
-    """tests/decode_client.py on its own host."""
-
-    def __init__(self, hosts, host: str, address: str, table: str, workdir: str, client_id: str, *extra: str):
-        self.progress_path = os.path.join(workdir, f"{client_id}.json")
-        self.stop_path = os.path.join(workdir, f"{client_id}.stop")
-        self.log = os.path.join(workdir, f"{client_id}.log")
-        with open(self.log, "w") as log:
-            self.proc = hosts.popen(host, [sys.executable, os.path.join(ROOT, "tests", "decode_client.py"),
-                                           "--address", address, "--tables", table, "--progress",
-                                           self.progress_path, "--stop", self.stop_path, "--client-id", client_id,
-                                           "--liveness", "1.0", *extra], stdout=log, stderr=log, cwd=ROOT)
-
-    def progress(self) -> dict:
-        try:
-            with open(self.progress_path) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return {"steps": 0}
-
-    def wait_steps(self, more: int) -> dict:
-        target = self.progress().get("steps", 0) + more
-        wait_for(lambda: self.progress().get("steps", 0) >= target or self.proc.poll() is not None,
-                 lambda: f"{more} more decode steps: {self.progress()}\n{open(self.log).read()[-3000:]}",
-                 interval=0.05)
-        assert self.proc.poll() is None, open(self.log).read()[-3000:]
-        return self.progress()
-
-    def stop(self) -> dict:
-        open(self.stop_path, "w").close()
-        self.proc.wait(EVENT_TIMEOUT)
-        return self.progress()
 
 
 def primary_of(client_id: str, names) -> str:

@@ -445,7 +445,7 @@ def test_real_prometheus_evaluates_every_dashboard_query(tmp_path, demo_file):
             assert cli.returncode == 0 and png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG", cli.stderr
             # every alerting rule of deploy/prometheus/alerts.yml loaded and evaluated against real data
             rules = _wait_rules_evaluated(prom)
-            assert len(rules) == 5 and all(r["health"] == "ok" for r in rules), rules
+            assert len(rules) == 6 and all(r["health"] == "ok" for r in rules), rules
         assert work.stop_workers() == [0, 0]
     finally:
         if work is not None:

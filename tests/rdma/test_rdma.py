@@ -17,7 +17,7 @@ import pytest
 
 from conftest import EVENT_TIMEOUT, ROOT, local_tables, start_daemon, wait_for
 from tests_helpers import run_workers, scrape, value
-from tableclient import GatherTimeout, RemoteError, TableClient, TransportError
+from tableclient import ConnectError, GatherTimeout, RemoteError, TableClient, TransportError
 from tableserver.demo import DemoRows, DemoTable
 from tableserver.rdma import list_devices, verbs
 from tableserver.tablefile import TableFileWriter
@@ -191,6 +191,31 @@ def test_server_refuses_remote_write(rdma_daemon, demo_local):
         assert not (row0[0] == 0xAB).all()
 
 
+def test_reconnects_after_a_qp_error(rdma_daemon, demo_local):
+    """A QP driven into the error state (a remote WRITE the server refuses): the next gather fails over to
+    nothing (one node) and fails fast; the client opens a new session and QPs, and serves bit-exact."""
+    v = verbs()
+    e = v.e
+    with TableClient(rdma_daemon.address, transport="rdma", rdma_qps=1, rdma_ring_rows=256) as c:
+        t = c._node_transport()
+        info = c.tables["engram.layer1"]
+        state = t._tables[info.index]
+        local = t._register(4096, e.IBV_ACCESS_LOCAL_WRITE)
+        wr = v.wr.SendWR(wr_id=78, opcode=e.IBV_WR_RDMA_WRITE, num_sge=1, sg=[v.wr.SGE(local.addr, 264, local.mr.lkey)],
+                         send_flags=e.IBV_SEND_SIGNALED)
+        wr.set_wr_rdma(int(state.rkeys[0]), int(state.addrs[0]))
+        t._qps[0].post_send(wr)  # the responder NAKs it: this QP is in the error state from now on
+        with pytest.raises(ConnectError):
+            for _ in range(50):  # the first gathers may still complete before the error surfaces
+                c.table("engram.layer1").gather([0, 1], timeout=EVENT_TIMEOUT)
+        wait_for(lambda: c.replicas()[rdma_daemon.address]["state"] == "up",
+                 lambda: f"a new session: {c.replicas()}")
+        assert c._node_transport() is not t
+        ids = np.arange(0, 50_000, 501)
+        np.testing.assert_array_equal(c.table("engram.layer1").gather(ids, timeout=EVENT_TIMEOUT),
+                                      demo_local["engram.layer1"][ids])
+
+
 def test_concurrent_client_processes(rdma_daemon, demo_file):
     configs = [dict(transport="rdma", mode=m, rdma_ring_rows=512) for m in ("read", "pack", "read")]
     outcomes = run_workers(configs, rdma_daemon.address, demo_file, steps=8, batch=16)
@@ -222,7 +247,7 @@ def test_server_gone_fails_gathers_cleanly(demo_file, tmp_path):
     c = TableClient(d.address, transport="rdma", rdma_ring_rows=256)
     assert c.table("tiny").gather([0], timeout=EVENT_TIMEOUT).shape == (1, 8)
     d.stop(signal.SIGKILL)
-    with pytest.raises((TransportError, GatherTimeout)):
+    with pytest.raises((ConnectError, TransportError, GatherTimeout)):  # one node: no replica to fail over to
         c.table("engram.layer1").gather(np.arange(100), timeout=30)
     c.close()
 
