@@ -162,20 +162,26 @@ def test_pack_server_checks_ids_itself(rdma_daemon, demo_local):
         np.testing.assert_array_equal(t.gather([3, 4], timeout=EVENT_TIMEOUT), demo_local[t.name][[3, 4]])
 
 
-def test_server_refuses_remote_write(rdma_daemon, demo_local):
-    """Tables are registered REMOTE_READ only: an RDMA WRITE into one fails at the responder."""
+def post_remote_write(client, wr_id: int):
+    """Posts an RDMA WRITE of 264 bytes of 0xAB into row 0 of engram.layer1 on the client's first QP."""
     v = verbs()
     e = v.e
+    t = client._node_transport()
+    state = t._tables[client.tables["engram.layer1"].index]
+    local = t._register(4096, e.IBV_ACCESS_LOCAL_WRITE)
+    local.array[:264] = 0xAB
+    wr = v.wr.SendWR(wr_id=wr_id, opcode=e.IBV_WR_RDMA_WRITE, num_sge=1,
+                     sg=[v.wr.SGE(local.addr, 264, local.mr.lkey)], send_flags=e.IBV_SEND_SIGNALED)
+    wr.set_wr_rdma(int(state.rkeys[0]), int(state.addrs[0]))
+    t._qps[0].post_send(wr)
+    return t, local, wr  # keep them referenced while the WRITE is in flight (pyverbs keeps raw pointers)
+
+
+def test_server_refuses_remote_write(rdma_daemon, demo_local):
+    """Tables are registered REMOTE_READ only: an RDMA WRITE into one fails at the responder."""
+    e = verbs().e
     with TableClient(rdma_daemon.address, transport="rdma", rdma_qps=1, rdma_ring_rows=64) as c:
-        t = c._node_transport()
-        info = c.tables["engram.layer1"]
-        state = t._tables[info.index]
-        local = t._register(4096, e.IBV_ACCESS_LOCAL_WRITE)
-        local.array[:264] = 0xAB
-        wr = v.wr.SendWR(wr_id=77, opcode=e.IBV_WR_RDMA_WRITE, num_sge=1, sg=[v.wr.SGE(local.addr, 264, local.mr.lkey)],
-                         send_flags=e.IBV_SEND_SIGNALED)
-        wr.set_wr_rdma(int(state.rkeys[0]), int(state.addrs[0]))
-        t._qps[0].post_send(wr)
+        t, _local, _wr = post_remote_write(c, 77)
         deadline = time.monotonic() + EVENT_TIMEOUT
         statuses = []
         with t._poll_lock:
@@ -194,17 +200,8 @@ def test_server_refuses_remote_write(rdma_daemon, demo_local):
 def test_reconnects_after_a_qp_error(rdma_daemon, demo_local):
     """A QP driven into the error state (a remote WRITE the server refuses): the next gather fails over to
     nothing (one node) and fails fast; the client opens a new session and QPs, and serves bit-exact."""
-    v = verbs()
-    e = v.e
     with TableClient(rdma_daemon.address, transport="rdma", rdma_qps=1, rdma_ring_rows=256) as c:
-        t = c._node_transport()
-        info = c.tables["engram.layer1"]
-        state = t._tables[info.index]
-        local = t._register(4096, e.IBV_ACCESS_LOCAL_WRITE)
-        wr = v.wr.SendWR(wr_id=78, opcode=e.IBV_WR_RDMA_WRITE, num_sge=1, sg=[v.wr.SGE(local.addr, 264, local.mr.lkey)],
-                         send_flags=e.IBV_SEND_SIGNALED)
-        wr.set_wr_rdma(int(state.rkeys[0]), int(state.addrs[0]))
-        t._qps[0].post_send(wr)  # the responder NAKs it: this QP is in the error state from now on
+        t, _local, _wr = post_remote_write(c, 78)  # the responder NAKs it: the QP is in the error state from now on
         with pytest.raises(ConnectError):
             for _ in range(50):  # the first gathers may still complete before the error surfaces
                 c.table("engram.layer1").gather([0, 1], timeout=EVENT_TIMEOUT)
