@@ -34,6 +34,7 @@ bench: $(DEV)
 	$(BIN)/python bench/bench_load.py
 	$(BIN)/python bench/bench_rdma.py
 	$(BIN)/python bench/bench_sglang.py
+	$(BIN)/python bench/bench_failover.py   # root: nodes in network namespaces (skips otherwise)
 
 # Engram traffic replay + deadline model on the demo table: bench/out/replay.txt and replay_cdf.png
 replay: $(DEV)
