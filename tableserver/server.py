@@ -237,10 +237,16 @@ def sd_notify(message: str) -> None:
 
 
 def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    from tableserver.tablefile import create_temp
+
+    fd, tmp = create_temp(path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        _remove(tmp)
+        raise
 
 
 def _remove(path: str) -> None:

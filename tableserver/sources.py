@@ -256,6 +256,10 @@ class SafetensorsSource:
                 continue
             dtype, size = _ST_DTYPES[info["dtype"]]
             rows, cols = info["shape"]
+            if cols * size == 0:
+                log.info("%s: skipping tensor %s of shape %s (zero-width rows are no table)",
+                         self.path, name, info["shape"])
+                continue
             specs.append(TableSpec(name=check_table_name(name), rows=rows, row_bytes=cols * size,
                                    dtype=dtype, shape=(rows, cols), layer=_layer_of(name)))
             self._plans[name] = [(name, cols * size)]

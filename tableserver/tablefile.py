@@ -46,6 +46,11 @@ assert PREAMBLE.size == 64
 ALIGNMENT = 2 << 20  # 2 MiB: a table can go straight into 2 MiB hugepages
 CHUNK_BYTES = 64 << 20
 MAX_HEADER_BYTES = 64 << 20
+#: checksum chunks a header may declare: at least a page each, so a table's list of chunk CRCs (and
+#: what reading a header allocates for it) stays proportional to its size in pages at most
+MIN_CHUNK_BYTES = 4096
+_HEX8 = re.compile(r"[0-9a-fA-F]{1,8}")
+MAX_CHUNK_BYTES = 1 << 40
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,254}$")
 
 #: dtype name of DeepSeek-V4.1 packed Engram rows: 256 FP8 e4m3 values then
@@ -62,6 +67,10 @@ def table_digest(chunk_crcs: Sequence[int]) -> str:
     """The catalog checksum of a table: CRC-32 over its chunk CRCs."""
     packed = np.asarray(chunk_crcs, dtype="<u4").tobytes()
     return f"crc32:{zlib.crc32(packed):08x}"
+
+
+def chunk_count(nbytes: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    return -(-nbytes // chunk_bytes)
 
 
 def chunk_ranges(nbytes: int, chunk_bytes: int = CHUNK_BYTES) -> list[tuple[int, int]]:
@@ -166,6 +175,8 @@ def read_header(path: str) -> TableFileHeader:
         doc = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise _bad(path, f"bad header JSON ({e})") from None
+    except RecursionError:
+        raise _bad(path, "bad header JSON (nested too deep)") from None
     return _parse_header(path, file_size, data_offset, header_bytes, doc)
 
 
@@ -174,8 +185,12 @@ def _parse_header(path: str, file_size: int, data_offset: int, header_bytes: int
         raise _bad(path, "bad header: no 'tables' list")
     chunk_bytes = doc.get("chunk_bytes", CHUNK_BYTES)
     alignment = doc.get("alignment", ALIGNMENT)
-    if not (isinstance(chunk_bytes, int) and chunk_bytes > 0 and isinstance(alignment, int) and alignment > 0):
-        raise _bad(path, "bad header: chunk_bytes and alignment must be positive integers")
+    if not (isinstance(chunk_bytes, int) and MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES
+            and isinstance(alignment, int) and 0 < alignment <= MAX_CHUNK_BYTES):
+        raise _bad(path, f"bad header: chunk_bytes must be an integer in {MIN_CHUNK_BYTES}..{MAX_CHUNK_BYTES} "
+                   "and alignment a positive integer")
+    if not isinstance(doc.get("metadata") or {}, dict):
+        raise _bad(path, "bad header: metadata is not an object")
     if data_offset < PREAMBLE.size + header_bytes or data_offset % alignment:
         raise _bad(path, f"bad header: data offset {data_offset} overlaps the header or is not "
                    f"{alignment}-aligned")
@@ -207,7 +222,7 @@ def _parse_header(path: str, file_size: int, data_offset: int, header_bytes: int
             raise _bad(path, f"bad header: tables {a.name!r} and {b.name!r} overlap")
     return TableFileHeader(path=path, file_size=file_size, data_offset=data_offset,
                            chunk_bytes=chunk_bytes, tables=tuple(specs),
-                           created_by=str(doc.get("created_by", "")),
+                           created_by=str(doc.get("created_by", ""))[:1000],
                            metadata=dict(doc.get("metadata") or {}))
 
 
@@ -221,10 +236,16 @@ def _parse_table(t: dict, chunk_bytes: int) -> TableSpec:
     if int(t.get("nbytes", rows * row_bytes)) != rows * row_bytes:
         raise ValueError(f"nbytes {t['nbytes']} != rows * row_bytes")
     crcs = t.get("chunk_crc32")
-    n_chunks = len(chunk_ranges(rows * row_bytes, chunk_bytes))
+    n_chunks = chunk_count(rows * row_bytes, chunk_bytes)  # counted, never built, before it is checked
     if not isinstance(crcs, list) or len(crcs) != n_chunks:
         raise ValueError(f"needs {n_chunks} chunk checksums")
+    if not all(isinstance(c, str) and _HEX8.fullmatch(c) for c in crcs):
+        raise ValueError("chunk checksums must be hex strings of up to 8 digits")
+    if not isinstance(t.get("metadata") or {}, dict):
+        raise ValueError("metadata is not an object")
     shape = tuple(int(x) for x in t.get("shape") or (rows, row_bytes))
+    if len(shape) > 8:
+        raise ValueError("shape has more than 8 dimensions")
     return TableSpec(name=name, rows=rows, row_bytes=row_bytes, dtype=str(t.get("dtype", "uint8")),
                      shape=shape, layer=int(t.get("layer", -1)), version=int(t.get("version", 1)),
                      offset=offset, chunk_crcs=tuple(int(c, 16) for c in crcs), chunk_bytes=chunk_bytes,
@@ -261,7 +282,9 @@ class TableFileWriter:
     def __init__(self, path: str, tables: Iterable[TableSpec], *, chunk_bytes: int = CHUNK_BYTES,
                  alignment: int = ALIGNMENT, metadata: dict | None = None, created_by: str = ""):
         self.path = path
-        self.tmp_path = f"{path}.tmp"
+        self.tmp_path = ""
+        if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes must be in {MIN_CHUNK_BYTES}..{MAX_CHUNK_BYTES}, got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
         self.alignment = alignment
         self.metadata = dict(metadata or {})
@@ -283,13 +306,13 @@ class TableFileWriter:
             self.offsets.append(offset)
             offset = align_up(offset + s.nbytes, alignment)
         self.file_size = self.offsets[-1] + specs[-1].nbytes if specs else self.data_offset
-        self._fd = os.open(self.tmp_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._fd, self.tmp_path = create_temp(path)
         os.ftruncate(self._fd, self.file_size)
 
     # -- header
     def _table_doc(self, i: int, placeholder: bool) -> dict:
         s = self._specs[i]
-        n_chunks = len(chunk_ranges(s.nbytes, self.chunk_bytes))
+        n_chunks = chunk_count(s.nbytes, self.chunk_bytes)
         crcs = ["00000000"] * n_chunks if placeholder else [f"{c:08x}" for c in self._crcs[i]]
         return {"name": s.name, "layer": s.layer, "dtype": s.dtype, "shape": list(s.logical_shape),
                 "rows": s.rows, "row_bytes": s.row_bytes, "version": s.version,
@@ -377,7 +400,8 @@ class TableFileWriter:
             os.close(self._fd)
             self._fd = -1
         try:
-            os.unlink(self.tmp_path)
+            if self.tmp_path:
+                os.unlink(self.tmp_path)
         except FileNotFoundError:
             pass
 
@@ -389,6 +413,21 @@ class TableFileWriter:
             self.commit()
         else:
             self.abort()
+
+
+def create_temp(path: str, mode: int = 0o644) -> tuple[int, str]:
+    """(fd, name) of a new, unpredictable file next to ``path``, created with O_EXCL|O_NOFOLLOW: a file or
+    symlink planted at a temp name is never followed or overwritten. Published with os.replace."""
+    import secrets
+
+    directory, base = os.path.split(os.path.abspath(path))
+    for _ in range(100):
+        tmp = os.path.join(directory, f".{base}.{secrets.token_hex(8)}.tmp")
+        try:
+            return os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode), tmp
+        except FileExistsError:
+            continue
+    raise TableFileError(f"cannot create a temporary file next to {path}")
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:

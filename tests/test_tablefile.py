@@ -202,8 +202,8 @@ def test_loader_reads_bit_exact_with_every_io_mode(tmp_path, io):
             w.append(i, data[s.name])
 
     dirs = [tmp_path] + ([p for p in ["/dev/shm"] if os.access(p, os.W_OK)])
-    # 1 MiB chunks (aligned) and 1000-byte chunks (O_DIRECT impossible: those chunks are read buffered)
-    for d, chunk in [(d, c) for d in dirs for c in (1 << 20, 1000)]:
+    # 1 MiB chunks (aligned) and 4100-byte chunks (O_DIRECT impossible: those chunks are read buffered)
+    for d, chunk in [(d, c) for d in dirs for c in (1 << 20, 4100)]:
         path = _write(os.path.join(d, f"io-{io}-{os.getpid()}.bin"), specs, fill, chunk_bytes=chunk)
         try:
             assert 0.0 <= page_cache_fraction(path) <= 1.0

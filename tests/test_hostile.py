@@ -1,0 +1,82 @@
+"""Hostile and faulty inputs and peers (issue 12): every one is refused in one line, bounded, and the
+server keeps serving the others."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import struct
+import zlib
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, run_cli
+from tableserver.demo import DemoTable, write_demo_file
+from tableserver.tablefile import FORMAT_VERSION, MAGIC, PREAMBLE
+from test_faults import assert_one_line_error
+
+
+def _table_file(path, doc: bytes, data_bytes: int = 4 << 20) -> str:
+    pre = PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(doc), zlib.crc32(doc), 0, 1 << 21)
+    with open(path, "wb") as f:
+        f.write(pre + doc)
+        f.truncate((1 << 21) + data_bytes)
+    return str(path)
+
+
+def _limited_memory():
+    """The child may allocate at most 512 MiB of data: a header must not make it allocate per byte."""
+    resource.setrlimit(resource.RLIMIT_DATA, (512 << 20, 512 << 20))
+
+
+@pytest.mark.parametrize("doc, needle", [
+    ({"tables": [{"name": "t", "rows": (4 << 20) // 264, "row_bytes": 264, "offset": 1 << 21, "chunk_crc32": []}],
+      "chunk_bytes": 1}, "chunk_bytes must be an integer in 4096.."),
+    ({"tables": [], "metadata": "x"}, "metadata is not an object"),
+    ({"tables": [{"name": "t", "rows": 10, "row_bytes": 8, "offset": 1 << 21, "chunk_crc32": ["0"],
+                  "metadata": [1]}]}, "metadata is not an object"),
+    ({"tables": [{"name": "t", "rows": 10, "row_bytes": 8, "offset": 1 << 21, "chunk_crc32": ["nothex"]}]},
+     "hex strings"),
+])
+def test_hostile_table_file_headers_are_one_line_errors_in_bounded_memory(tmp_path, doc, needle):
+    path = _table_file(tmp_path / "h.bin", json.dumps(doc).encode())
+    for cmd in (("inspect", path), ("--tables", path, "--listen", "127.0.0.1:0")):
+        assert_one_line_error(run_cli(*cmd, preexec=_limited_memory), needle)
+
+
+def test_a_header_nested_200k_deep_is_one_line(tmp_path):
+    path = _table_file(tmp_path / "deep.bin", b"[" * 200_000 + b"]" * 200_000)
+    assert_one_line_error(run_cli("inspect", path), "nested too deep")
+
+
+def test_a_zero_width_safetensors_tensor_is_no_table(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    path = str(tmp_path / "zw.safetensors")
+    save_file({"w": torch.zeros(10, 0), "ok": torch.ones(4, 2)}, path)
+    res = run_cli("inspect", path)
+    assert res.returncode == 0 and " ok " in res.stdout and " w " not in res.stdout, res.stdout + res.stderr
+
+
+def test_writers_never_follow_a_planted_symlink(tmp_path, monkeypatch):
+    """gen-demo / pack / --ready-file wrote through `PATH.tmp` (O_CREAT|O_TRUNC): a symlink planted there
+    overwrote its target. Temp files are now unpredictable and created O_EXCL|O_NOFOLLOW."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    out = tmp_path / "demo.bin"
+    os.symlink(victim, str(out) + ".tmp")  # the old, predictable temp name
+    res = run_cli("gen-demo", str(out), "--rows", "1000")
+    assert res.returncode == 0, res.stderr
+    assert victim.read_bytes() == b"precious"
+    # even a planted symlink at the very name drawn is refused, not followed
+    import tableserver.tablefile as tf
+
+    monkeypatch.setattr("secrets.token_hex", lambda n: "0" * (2 * n))
+    os.symlink(victim, tmp_path / f".again.bin.{'0' * 16}.tmp")
+    with pytest.raises(tf.TableFileError, match="cannot create a temporary file"):
+        write_demo_file(str(tmp_path / "again.bin"), [DemoTable("t", 10, 8)])
+    assert victim.read_bytes() == b"precious"
+    assert not (tmp_path / "again.bin").exists()
