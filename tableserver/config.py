@@ -62,6 +62,11 @@ SERVE_OPTIONS = (
     Option("verify", "bool", True, "verify table checksums while loading"),
     Option("lease_seconds", "float", 15.0, "a session ends this long after its last keepalive",
            metavar="SECONDS"),
+    Option("max_sessions", "int", 4096, "most open client sessions (more are refused: RESOURCE_EXHAUSTED)",
+           metavar="N"),
+    Option("max_sessions_per_peer", "int", 512, "most open sessions of one client host", metavar="N"),
+    Option("session_open_rate", "float", 20.0, "sessions one client host may open per second (burst: 5 s "
+           "worth)", metavar="PER_SECOND"),
     Option("max_rows_per_request", "int", 65536, "row ids per data-transport request (clients split larger "
            "gathers)", metavar="N"),
     Option("auth_token", "str", "", "bearer token every control-plane call must carry", metavar="TOKEN"),

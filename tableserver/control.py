@@ -25,13 +25,51 @@ from tableserver.v1 import tableserver_pb2_grpc as pb_grpc
 log = logging.getLogger("tableserver.control")
 
 SERVICE_NAME = "tableserver.v1.TableService"
+#: what one peer may ask of the control plane: bounded so no request costs more than a few microseconds
+#: of the event loop or a few kilobytes of reply
+MAX_MESSAGE_BYTES = 1 << 20
+MAX_TRANSPORTS = 8
+MAX_NAME_BYTES = 256
+
+
+def _peer_host(peer: str) -> str:
+    """``ipv4:1.2.3.4:5678`` / ``ipv6:[::1]:5678`` / ``unix:...`` -> the host part (the rate-limit key)."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return rest.rsplit(":", 1)[0]
+    return peer
+
+
+class OpenRate:
+    """Token bucket per peer host: session opens per second, with a burst."""
+
+    def __init__(self, per_second: float, burst: int, max_peers: int = 65536):
+        self.rate, self.burst, self.max_peers = per_second, burst, max_peers
+        self._buckets: dict[str, tuple[float, float]] = {}
+
+    def allow(self, peer: str, now: float | None = None) -> bool:
+        import time
+
+        if self.rate <= 0:
+            return True
+        now = time.monotonic() if now is None else now
+        tokens, last = self._buckets.get(peer, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - last) * self.rate)
+        if len(self._buckets) >= self.max_peers and peer not in self._buckets:
+            self._buckets.clear()  # bounded: forget everyone rather than grow without end
+        if tokens < 1.0:
+            self._buckets[peer] = (tokens, now)
+            return False
+        self._buckets[peer] = (tokens - 1.0, now)
+        return True
 
 
 class ServerState:
     """What the control plane answers from; filled in as the server starts."""
 
     def __init__(self, sessions: SessionRegistry, transports: dict, max_rows: int, host_id: str, metrics=None,
-                 node_id: str = ""):
+                 node_id: str = "", open_rate: OpenRate | None = None, max_sessions: int = 4096,
+                 max_sessions_per_peer: int = 512):
         self.sessions = sessions
         self.metrics = metrics
         self.transports = transports  # name -> ServerTransport, in server preference order
@@ -39,6 +77,8 @@ class ServerState:
         self.max_rows = max_rows
         self.host_id = host_id
         self.node_id = node_id or socket.gethostname()
+        self.open_rate = open_rate or OpenRate(20.0, 100)
+        self.max_sessions, self.max_sessions_per_peer = max_sessions, max_sessions_per_peer
         self.ready = False
 
     def server_info(self) -> pb.ServerInfo:
@@ -71,7 +111,29 @@ class TableService(pb_grpc.TableServiceServicer):
     async def OpenSession(self, request, context):
         await self._require_ready(context)
         state = self.state
-        wanted = list(request.transports) or list(state.transports)
+        if len(request.transports) > MAX_TRANSPORTS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{len(request.transports)} transports requested: at most {MAX_TRANSPORTS}")
+        if len(request.client_name.encode()) > MAX_NAME_BYTES or len(request.hostname.encode()) > MAX_NAME_BYTES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"client_name and hostname are limited to {MAX_NAME_BYTES} bytes")
+        peer = _peer_host(context.peer())
+        if not state.open_rate.allow(peer):
+            if state.metrics is not None:
+                state.metrics.errors.labels("rate_limited").inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"too many sessions opened from {peer}: at most {state.open_rate.rate:g}/s "
+                                f"(burst {state.open_rate.burst}); retry later")
+        open_now = state.sessions.sessions()
+        if len(open_now) >= state.max_sessions or \
+                sum(1 for s in open_now if _peer_host(s.peer) == peer) >= state.max_sessions_per_peer:
+            if state.metrics is not None:
+                state.metrics.errors.labels("too_many_sessions").inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"session limit reached ({state.max_sessions} in all, "
+                                f"{state.max_sessions_per_peer} per peer): close idle clients or raise "
+                                "--max-sessions / --max-sessions-per-peer")
+        wanted = list(dict.fromkeys(request.transports)) or list(state.transports)
         unknown = [t for t in wanted if t not in KNOWN and t != "rdma"]
         if unknown:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -121,7 +183,8 @@ async def start_control_plane(state: ServerState, host: str, port: int, *, crede
     """Binds and starts the gRPC server (health NOT_SERVING). Returns (server, health, port)."""
     options = [("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it
                ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
-               ("grpc.http2.max_pings_without_data", 0), ("grpc.keepalive_permit_without_calls", 1)]
+               ("grpc.http2.max_pings_without_data", 0), ("grpc.keepalive_permit_without_calls", 1),
+               ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
     server = grpc.aio.server(interceptors=list(interceptors), options=options)
     pb_grpc.add_TableServiceServicer_to_server(TableService(state), server)
     health = HealthServicer()

@@ -33,14 +33,23 @@ def _utc(record: logging.LogRecord) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", t) + f".{int(record.msecs):03d}Z"
 
 
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(32), 127)}
+
+
+def escape(text: str) -> str:
+    """``text`` with control characters (newlines included) shown as \\xNN: one log record, one line."""
+    return text.translate(_CONTROL)
+
+
 def _value(v) -> str:
     s = str(v)
-    return json.dumps(s) if (not s or any(c in s for c in ' "=')) else s
+    return json.dumps(s) if (not s or any(c in s for c in ' "=') or s != escape(s)) else s
 
 
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        line = f"{_utc(record)} {PREFIX}[{record.process}] {record.levelname} {record.name}: {record.getMessage()}"
+        line = (f"{_utc(record)} {PREFIX}[{record.process}] {record.levelname} {record.name}: "
+                f"{escape(record.getMessage())}")
         fields = getattr(record, "fields", None)
         if fields:
             line += " " + " ".join(f"{k}={_value(v)}" for k, v in fields.items())

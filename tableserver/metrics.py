@@ -37,7 +37,7 @@ GRPC_BUCKETS = tuple(50e-6 * 2 ** k for k in range(18))
 
 #: error reasons (the label values of tableserver_errors_total), all exported from the start
 ERROR_REASONS = ("bad_row_ids", "unknown_table", "too_many_rows", "bad_frame", "auth", "session_closed",
-                 "qp_error", "disconnect", "internal")
+                 "qp_error", "disconnect", "internal", "rate_limited", "too_many_sessions")
 STATUS_REASON = {Status.ROW_OUT_OF_RANGE: "bad_row_ids", Status.UNKNOWN_TABLE: "unknown_table",
                  Status.TOO_MANY_ROWS: "too_many_rows", Status.BAD_FRAME: "bad_frame",
                  Status.UNAUTHENTICATED: "auth", Status.SESSION_CLOSED: "session_closed",

@@ -25,7 +25,7 @@ import threading
 import time
 
 from tableserver.auth import TokenAuthInterceptor, load_token, server_credentials
-from tableserver.control import ServerState, is_loopback, set_serving, start_control_plane
+from tableserver.control import OpenRate, ServerState, is_loopback, set_serving, start_control_plane
 from tableserver.errors import ConfigError, ListenError, TableServerError
 from tableserver.loader import load_tables
 from tableserver.logs import kv
@@ -89,8 +89,12 @@ class TableServer:
         self.sessions.add_listener(self.metrics.session_ended)
         grpc_server = None
         try:
+            rate = cfg.get("session_open_rate", 20.0)
             self.state = ServerState(self.sessions, self.transports, cfg["max_rows_per_request"], host_id(),
-                                     self.metrics, node_id=cfg.get("node_id", ""))
+                                     self.metrics, node_id=cfg.get("node_id", ""),
+                                     open_rate=OpenRate(rate, max(1, int(rate * 5))),
+                                     max_sessions=cfg.get("max_sessions", 4096),
+                                     max_sessions_per_peer=cfg.get("max_sessions_per_peer", 512))
             # metrics first: it also counts the calls the token check refuses
             interceptors = [MetricsInterceptor(self.metrics)] + ([TokenAuthInterceptor(self.token)]
                                                                  if self.token else [])

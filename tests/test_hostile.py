@@ -80,3 +80,56 @@ def test_writers_never_follow_a_planted_symlink(tmp_path, monkeypatch):
         write_demo_file(str(tmp_path / "again.bin"), [DemoTable("t", 10, 8)])
     assert victim.read_bytes() == b"precious"
     assert not (tmp_path / "again.bin").exists()
+
+
+# ---------------------------------------------------------------------- control plane
+def _open(address, timeout=30, **fields):
+    import grpc
+
+    from tableserver.v1 import tableserver_pb2 as pb
+    from tableserver.v1 import tableserver_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        return pb_grpc.TableServiceStub(ch).OpenSession(pb.OpenSessionRequest(**fields), timeout=timeout)
+
+
+def test_oversized_open_session_requests_are_refused_cheaply(fresh_daemon):
+    import grpc
+
+    d = fresh_daemon()
+    for fields, code in (({"transports": ["tcp"] * 830_000}, grpc.StatusCode.RESOURCE_EXHAUSTED),  # 3 MB message
+                         ({"transports": ["tcp"] * 1000}, grpc.StatusCode.INVALID_ARGUMENT),
+                         ({"client_name": "x" * 5000}, grpc.StatusCode.INVALID_ARGUMENT)):
+        with pytest.raises(grpc.RpcError) as e:
+            _open(d.address, **fields)
+        assert e.value.code() == code, e.value
+    assert _open(d.address, transports=["tcp", "tcp", "shm"]).offers  # duplicates collapse, still served
+
+
+def test_a_client_name_cannot_forge_log_lines(fresh_daemon):
+    d = fresh_daemon()
+    _open(d.address, client_name="evil\n2026-01-01T00:00:00.000Z tableserver[1] ERROR forged: line", transports=["tcp"])
+    lines = d.log().splitlines()
+    assert not any(line.startswith("2026-01-01") for line in lines)
+    assert any("evil\\x0a2026-01-01" in line for line in lines)
+
+
+def test_session_opens_are_rate_limited_and_capped_per_peer(fresh_daemon):
+    import grpc
+
+    def outcomes(d, n):
+        out = []
+        for _ in range(n):
+            try:
+                _open(d.address, transports=["tcp"])
+                out.append("ok")
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
+                out.append("rate" if "retry later" in e.details() else "cap" if "session limit" in e.details()
+                           else e.details())
+        return out
+
+    capped = fresh_daemon("--session-open-rate", "1000", "--max-sessions-per-peer", "8")
+    assert outcomes(capped, 12) == ["ok"] * 8 + ["cap"] * 4
+    limited = fresh_daemon("--session-open-rate", "0.01")  # burst 1, one more every 100 s
+    assert outcomes(limited, 3) == ["ok", "rate", "rate"]
