@@ -120,6 +120,9 @@ def _serve(args) -> int:
 
     cfg = resolve(args)
     logs.setup(cfg["log_level"], cfg["log_format"])
+    if getattr(args, "auth_token", ""):
+        log.warning("--auth-token shows the token to every local user (/proc/PID/cmdline, ps): pass "
+                    "--auth-token-file or set TABLESERVER_AUTH_TOKEN instead")
     return serve(cfg)
 
 

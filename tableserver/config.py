@@ -67,10 +67,29 @@ SERVE_OPTIONS = (
     Option("max_sessions_per_peer", "int", 512, "most open sessions of one client host", metavar="N"),
     Option("session_open_rate", "float", 20.0, "sessions one client host may open per second (burst: 5 s "
            "worth)", metavar="PER_SECOND"),
+    Option("data_threads", "int", 0, "worker threads of the tcp data port (0 = 2 per core, 2..32); connections "
+           "hold no thread", metavar="N"),
+    Option("max_connections", "int", 0, "most connections each data port (tcp, shm) holds (0 = what the open-file "
+           "limit allows); more are refused with BUSY", metavar="N"),
+    Option("max_connections_per_session", "int", 8, "most connections one session may hold on each data port",
+           metavar="N"),
+    Option("max_handshakes", "int", 256, "most connections waiting for their HELLO; a new one evicts the oldest",
+           metavar="N"),
+    Option("handshake_timeout", "float", 5.0, "a data connection that has not authenticated by then is closed",
+           metavar="SECONDS"),
+    Option("idle_timeout", "float0", 0.0, "close a session's data connection idle this long (0 = never: the "
+           "session lease bounds it)", metavar="SECONDS"),
+    Option("send_timeout", "float", 10.0, "drop a data connection that does not read its response for this long",
+           metavar="SECONDS"),
+    Option("shm_group", "str", "", "group that may use the shm socket besides the server's user (socket mode "
+           "0660)", metavar="GROUP"),
     Option("max_rows_per_request", "int", 65536, "row ids per data-transport request (clients split larger "
            "gathers)", metavar="N"),
-    Option("auth_token", "str", "", "bearer token every control-plane call must carry", metavar="TOKEN"),
+    Option("auth_token", "str", "", "bearer token every control-plane call must carry (prefer "
+           "--auth-token-file or the environment: a flag shows in /proc/PID/cmdline)", metavar="TOKEN"),
     Option("auth_token_file", "str", "", "file holding the bearer token", metavar="PATH"),
+    Option("allow_anonymous", "bool", False, "listen off loopback without a token (default: generate one and "
+           "write it to a 0600 file next to the shm socket)"),
     Option("tls_cert", "str", "", "PEM server certificate: serve the control plane over TLS", metavar="PATH"),
     Option("tls_key", "str", "", "PEM private key of --tls-cert", metavar="PATH"),
     Option("tls_client_ca", "str", "", "PEM CA: require client certificates it signed (mutual TLS)",
@@ -92,8 +111,9 @@ SERVE_OPTIONS = (
     Option("load_workers", "int", 0, "threads that load tables (0 = min(8, cores))", metavar="N"),
     Option("metrics_port", "str", "", "Prometheus /metrics port (default: control port + 2; 0 = any free "
            "port; off = no endpoint)", metavar="PORT|off"),
-    Option("metrics_host", "str", "", "address the /metrics endpoint binds (default: the --listen host)",
-           metavar="HOST"),
+    Option("metrics_host", "str", "127.0.0.1", "address the /metrics endpoint binds (0.0.0.0 to let a Prometheus "
+           "on another host scrape it)", metavar="HOST"),
+    Option("metrics_tls", "bool", False, "serve /metrics over HTTPS with the --tls-cert/--tls-key pair"),
     Option("log_level", "choice", "info", "log level", choices=("debug", "info", "warning", "error")),
     Option("log_format", "choice", "text", "log lines as text (`tableserver[pid] LEVEL logger: message "
            "key=value`) or json (one object per line)", choices=("text", "json")),
@@ -144,6 +164,11 @@ def _convert(opt: Option, value, where: str):
             if not v > 0:
                 raise ValueError("expected a positive number")
             return v
+        if opt.kind == "float0":
+            v = float(value)
+            if not v >= 0:
+                raise ValueError("expected a non-negative number")
+            return v
         if opt.kind == "list":
             items = value if isinstance(value, list) else str(value).split(",")
             return [str(x).strip() for x in items if str(x).strip()]
@@ -155,7 +180,8 @@ def _convert(opt: Option, value, where: str):
         return str(value)
     except ValueError as e:
         msg = str(e) if str(e).startswith("expected") else {
-            "int": "expected a non-negative integer", "float": "expected a positive number"}.get(opt.kind, str(e))
+            "int": "expected a non-negative integer", "float": "expected a positive number",
+            "float0": "expected a non-negative number"}.get(opt.kind, str(e))
         raise ConfigError(f"{where} = {value!r}: {msg}") from None
 
 

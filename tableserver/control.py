@@ -80,6 +80,7 @@ class ServerState:
         self.open_rate = open_rate or OpenRate(20.0, 100)
         self.max_sessions, self.max_sessions_per_peer = max_sessions, max_sessions_per_peer
         self.ready = False
+        self.unready_reason = "tables are still loading"
 
     def server_info(self) -> pb.ServerInfo:
         return pb.ServerInfo(version=__version__, hostname=socket.gethostname(), host_id=self.host_id,
@@ -102,7 +103,7 @@ class TableService(pb_grpc.TableServiceServicer):
     async def _require_ready(self, context) -> None:
         if not self.state.ready:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                "tables are still loading: retry when health reports SERVING")
+                                f"{self.state.unready_reason}: retry when health reports SERVING")
 
     async def GetCatalog(self, request, context):
         await self._require_ready(context)

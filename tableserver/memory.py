@@ -181,6 +181,9 @@ class PinnedRegion:
         self._mmap = None
         try:
             self.fd = os.memfd_create(f"tableserver:{name}"[:249], flags)
+            # 0400: a process handed a read-only fd cannot reopen it writable through /proc/PID/fd
+            # (this process keeps writing through the mapping made below)
+            os.fchmod(self.fd, 0o400)
             os.ftruncate(self.fd, self.size)
             self._mmap = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED,
                                    prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -214,7 +217,9 @@ class PinnedRegion:
         """Forbids resizing and any new writable mapping of the memfd.
 
         Existing mappings (this process's loader view) keep working; every fd
-        handed out afterwards can only be mapped read-only.
+        handed out afterwards can only be mapped read-only. A kernel without
+        F_SEAL_FUTURE_WRITE (< 5.1) gets the other seals; the shm transport
+        refuses to start then (transports/shm.py check_read_only).
         """
         seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE
         try:

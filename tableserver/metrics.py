@@ -19,11 +19,12 @@ from __future__ import annotations
 import asyncio
 import inspect
 import platform
+import socket
 import time
 
 import grpc
 from prometheus_client import (
-    CollectorRegistry, Counter, GCCollector, Histogram, Info, PlatformCollector, ProcessCollector, start_http_server,
+    CollectorRegistry, Counter, GCCollector, Histogram, Info, PlatformCollector, ProcessCollector,
 )
 from prometheus_client.core import GaugeMetricFamily
 
@@ -37,11 +38,15 @@ GRPC_BUCKETS = tuple(50e-6 * 2 ** k for k in range(18))
 
 #: error reasons (the label values of tableserver_errors_total), all exported from the start
 ERROR_REASONS = ("bad_row_ids", "unknown_table", "too_many_rows", "bad_frame", "auth", "session_closed",
-                 "qp_error", "disconnect", "internal", "rate_limited", "too_many_sessions")
+                 "qp_error", "disconnect", "internal", "rate_limited", "too_many_sessions", "busy", "accept",
+                 "handshake_timeout", "handshake_evicted")
+#: the /metrics endpoint: concurrent requests served, and how long one may take to send its request
+HTTP_MAX_REQUESTS = 8
+HTTP_TIMEOUT_S = 5.0
 STATUS_REASON = {Status.ROW_OUT_OF_RANGE: "bad_row_ids", Status.UNKNOWN_TABLE: "unknown_table",
                  Status.TOO_MANY_ROWS: "too_many_rows", Status.BAD_FRAME: "bad_frame",
                  Status.UNAUTHENTICATED: "auth", Status.SESSION_CLOSED: "session_closed",
-                 Status.INTERNAL: "internal"}
+                 Status.INTERNAL: "internal", Status.BUSY: "busy"}
 #: why sessions end (label values of tableserver_sessions_ended_total)
 END_REASONS = ("closed", "disconnected", "lease_expired", "shutdown", "setup_failed")
 
@@ -118,9 +123,9 @@ class ServerMetrics:
         self.sessions_ended.labels(end_reason(session.close_reason)).inc()
 
     # ------------------------------------------------------------ endpoint
-    def serve(self, host: str, port: int) -> int:
+    def serve(self, host: str, port: int, tls_cert: str = "", tls_key: str = "") -> int:
         """Starts the /metrics HTTP endpoint (the daemon's own process only); returns the bound port."""
-        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        server, thread = start_metrics_server(host, port, self.registry, tls_cert, tls_key)
         self._http = (server, thread)
         return server.server_port
 
@@ -285,3 +290,54 @@ def _code_of(context, error) -> str:
     if isinstance(error, asyncio.CancelledError):
         return "CANCELLED"
     return "UNKNOWN"
+
+
+def start_metrics_server(host: str, port: int, registry, tls_cert: str = "", tls_key: str = ""):
+    """prometheus-client's WSGI exporter, bounded: at most HTTP_MAX_REQUESTS connections are served at
+    once (more are closed at once), each must send its request within HTTP_TIMEOUT_S, and with a cert
+    and key it speaks HTTPS (the TLS handshake runs on the request's thread, under the same timeout)."""
+    import ssl
+    import threading
+    from wsgiref.simple_server import make_server
+
+    from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler, make_wsgi_app
+
+    slots = threading.BoundedSemaphore(HTTP_MAX_REQUESTS)
+
+    class Handler(_SilentHandler):
+        timeout = HTTP_TIMEOUT_S
+
+    class Server(ThreadingWSGIServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        def process_request(self, request, client_address):
+            if not slots.acquire(blocking=False):
+                self.shutdown_request(request)  # busy: close instead of holding another thread
+                return
+            try:
+                super().process_request(request, client_address)
+            except BaseException:
+                slots.release()
+                self.shutdown_request(request)
+
+        def process_request_thread(self, request, client_address):
+            try:
+                if context is not None:
+                    request.settimeout(HTTP_TIMEOUT_S)
+                    request.do_handshake()
+                super().process_request_thread(request, client_address)
+            except (OSError, ValueError):
+                self.shutdown_request(request)
+            finally:
+                slots.release()
+
+    context = None
+    if tls_cert and tls_key:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(tls_cert, tls_key)
+    httpd = make_server(host, port, make_wsgi_app(registry), Server, handler_class=Handler)
+    if context is not None:
+        httpd.socket = context.wrap_socket(httpd.socket, server_side=True, do_handshake_on_connect=False)
+    thread = threading.Thread(target=httpd.serve_forever, name="tableserver-metrics", daemon=True)
+    thread.start()
+    return httpd, thread

@@ -65,7 +65,11 @@ class TableServer:
         if cfg["max_rows_per_request"] < 1:
             raise ConfigError("--max-rows-per-request must be at least 1")
         self.shard, self.rows = parse_row_range(cfg.get("shard", ""), cfg.get("rows", ""))
-        self.metrics_host = cfg.get("metrics_host") or self.host
+        self.metrics_host = cfg.get("metrics_host") or "127.0.0.1"
+        self.metrics_tls = bool(cfg.get("metrics_tls"))
+        if self.metrics_tls and not (cfg["tls_cert"] and cfg["tls_key"]):
+            raise ConfigError("--metrics-tls needs --tls-cert and --tls-key (the same pair serves /metrics)")
+        self.token_file = ""  # a token this server generated (removed when it stops)
         self.metrics_port = _metrics_port(cfg.get("metrics_port", ""), self.port)
         self.metrics = ServerMetrics()
         self.metrics.bind(self)
@@ -95,6 +99,7 @@ class TableServer:
                                      open_rate=OpenRate(rate, max(1, int(rate * 5))),
                                      max_sessions=cfg.get("max_sessions", 4096),
                                      max_sessions_per_peer=cfg.get("max_sessions_per_peer", 512))
+            self._generate_token_if_exposed()
             # metrics first: it also counts the calls the token check refuses
             interceptors = [MetricsInterceptor(self.metrics)] + ([TokenAuthInterceptor(self.token)]
                                                                  if self.token else [])
@@ -114,7 +119,9 @@ class TableServer:
             await set_serving(health, True)
             self.time_to_serving = time.monotonic() - self.started
             self._announce()
+            watch = asyncio.create_task(self._watch_health(health))
             await self._stop.wait()
+            watch.cancel()
             log.info("shutting down: health NOT_SERVING, ending %d sessions", len(self.sessions))
             await health.enter_graceful_shutdown()
             self.state.ready = False
@@ -136,6 +143,25 @@ class TableServer:
                 self.tables.close()
             if cfg["ready_file"]:
                 _remove(cfg["ready_file"])
+            if self.token_file:
+                _remove(self.token_file)
+
+    async def _watch_health(self, health, interval: float = 0.25) -> None:
+        """Health and tableserver_serving follow the transports: NOT_SERVING while one cannot serve."""
+        serving = True
+        while True:
+            await asyncio.sleep(interval)
+            problems = [why for ok, why in (t.health() for t in self.transports.values()) if not ok]
+            if bool(problems) == serving:
+                serving = not problems
+                self.state.unready_reason = f"not serving ({problems[0]})" if problems else ""
+                self.state.ready = serving
+                await set_serving(health, serving)
+                if serving:
+                    log.warning("transports recovered: health SERVING again", extra=kv(event="serving"))
+                else:
+                    log.error("health NOT_SERVING: %s", "; ".join(problems),
+                              extra=kv(event="not_serving", reason=problems[0]))
 
     def request_stop(self, sig=None) -> None:
         if sig is not None:
@@ -168,14 +194,34 @@ class TableServer:
         if self.metrics_port is None:
             return
         try:
-            self.metrics_port = self.metrics.serve(self.metrics_host, self.metrics_port)
+            self.metrics_port = self.metrics.serve(self.metrics_host, self.metrics_port,
+                                                   *((self.cfg["tls_cert"], self.cfg["tls_key"]) if self.metrics_tls
+                                                     else ()))
         except OSError as e:
             raise ListenError(f"cannot serve metrics on {self.metrics_host}:{self.metrics_port} ({e.strerror}): "
                               "fix --metrics-host, or pass --metrics-port PORT (0 picks a free port, off "
                               "disables it)",
                               errno=e.errno) from None
-        log.info("metrics on http://%s:%d/metrics", self.metrics_host, self.metrics_port,
+        log.info("metrics on %s://%s:%d/metrics", "https" if self.metrics_tls else "http", self.metrics_host,
+                 self.metrics_port,
                  extra=kv(event="metrics", address=f"{self.metrics_host}:{self.metrics_port}"))
+
+    def _generate_token_if_exposed(self) -> None:
+        """Off loopback with no token (and no --allow-anonymous): a random token in a 0600 file."""
+        if self.token or is_loopback(self.host) or self.cfg.get("allow_anonymous"):
+            return
+        import secrets
+
+        from tableserver.transports.shm import runtime_dir
+
+        directory = os.path.dirname(self.cfg["shm_socket"]) if self.cfg.get("shm_socket") else runtime_dir()
+        path = os.path.join(directory, f"tableserver-{self.port or os.getpid()}.token")
+        token = secrets.token_urlsafe(32)
+        _write_atomic(path, token + "\n", mode=0o600)
+        self.token, self.token_file = token, path
+        log.warning("listening on %s without a token: generated one in %s (mode 0600); clients pass it as "
+                    "TableClient(token=...) or TABLESERVER_AUTH_TOKEN (--allow-anonymous serves without one)",
+                    self.host, path, extra=kv(event="token_generated", token_file=path))
 
     def _warn_if_exposed(self) -> None:
         if not is_loopback(self.host) and self.credentials is None:
@@ -210,6 +256,8 @@ class TableServer:
         if cfg["ready_file"]:
             doc = dict(endpoints, pid=os.getpid(), tables=[t.name for t in self.tables],
                        time_to_serving_s=self.time_to_serving)
+            if self.token_file:
+                doc["token_file"] = self.token_file
             _write_atomic(cfg["ready_file"], json.dumps(doc, indent=1))
         sd_notify(f"READY=1\nSTATUS=serving {len(self.tables)} tables")
 
@@ -240,10 +288,10 @@ def sd_notify(message: str) -> None:
         log.warning("sd_notify failed: %s", e)
 
 
-def _write_atomic(path: str, text: str) -> None:
+def _write_atomic(path: str, text: str, mode: int | None = None) -> None:
     from tableserver.tablefile import create_temp
 
-    fd, tmp = create_temp(path)
+    fd, tmp = create_temp(path, 0o644 if mode is None else mode)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)

@@ -75,6 +75,22 @@ class SessionRegistry:
             return None
         return s
 
+    def authenticate_hello(self, payload: bytes, server_nonce: bytes) -> tuple[Session | None, bytes]:
+        """A data-transport HELLO (session id, client nonce, MAC) checked against ``server_nonce``:
+        (the session, the server's proof) or (None, b"")."""
+        from tableserver.wire import CLIENT_NONCE_BYTES, HELLO_BYTES, hello_mac, server_proof
+
+        if len(payload) != HELLO_BYTES:
+            return None, b""
+        sid = payload[:SESSION_ID_BYTES]
+        client_nonce = payload[SESSION_ID_BYTES:SESSION_ID_BYTES + CLIENT_NONCE_BYTES]
+        mac = payload[SESSION_ID_BYTES + CLIENT_NONCE_BYTES:]
+        s = self.get(sid)
+        if s is None or s.closed or not hmac.compare_digest(hello_mac(s.secret, sid, server_nonce, client_nonce),
+                                                            mac):
+            return None, b""
+        return s, server_proof(s.secret, sid, server_nonce, client_nonce)
+
     def renew(self, session_id: bytes) -> bool:
         with self._lock:
             s = self._sessions.get(session_id)

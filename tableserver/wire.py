@@ -5,15 +5,22 @@ Every frame starts with a 24-byte little-endian header::
     request  magic b"TSQ1" | type u16 | flags u16  | request_id u64 | table u32     | count u32
     response magic b"TSR1" | type u16 | status u16 | request_id u64 | row_bytes u32 | count u32
 
-* HELLO (type 1): payload = 16-byte session id + 32-byte session secret
-  (count = 48). Must be the first frame of a connection; answered with OK
-  (shm: plus a JSON table list and the table fds, see transports/shm.py).
+* CHALLENGE (type 3, server -> client): the server's first frame on every
+  connection, a response carrying a fresh 32-byte nonce (or, when the server has
+  no room for the connection, a BUSY error frame before it closes).
+* HELLO (type 1): payload = 16-byte session id + 16-byte client nonce +
+  HMAC-SHA256(session secret, "tableserver-hello" | session id | server nonce |
+  client nonce) (count = 64). Must be the first client frame; answered with OK
+  carrying the server's proof, HMAC-SHA256(secret, "tableserver-server" | same),
+  so each side shows it holds the secret and the secret never crosses the wire
+  (a sniffed HELLO is useless: the next connection gets another nonce). shm: the
+  OK carries a JSON table list and the table fds instead (transports/shm.py).
 * GATHER (type 2): payload = ``count`` int64 row ids of table ``table``.
   The OK response carries ``count * row_bytes`` bytes: the rows in request order.
 
 Any error response carries a UTF-8 message of ``count`` bytes instead of rows.
-Errors marked fatal (bad frame, unauthenticated, too many rows, session closed)
-close the connection after the response; the others leave it usable.
+Errors marked fatal (bad frame, unauthenticated, too many rows, session closed,
+busy) close the connection after the response; the others leave it usable.
 Responses come back in request order, so several requests may be in flight.
 """
 
@@ -29,13 +36,17 @@ REQUEST_MAGIC = b"TSQ1"
 RESPONSE_MAGIC = b"TSR1"
 SESSION_ID_BYTES = 16
 SECRET_BYTES = 32
-HELLO_BYTES = SESSION_ID_BYTES + SECRET_BYTES
+NONCE_BYTES = 32  # the server's challenge
+CLIENT_NONCE_BYTES = 16
+MAC_BYTES = 32
+HELLO_BYTES = SESSION_ID_BYTES + CLIENT_NONCE_BYTES + MAC_BYTES
 ROW_ID_BYTES = 8
 
 
 class FrameType(enum.IntEnum):
     HELLO = 1
     GATHER = 2
+    CHALLENGE = 3
 
 
 class Status(enum.IntEnum):
@@ -47,9 +58,75 @@ class Status(enum.IntEnum):
     TOO_MANY_ROWS = 5
     SESSION_CLOSED = 6
     INTERNAL = 7
+    BUSY = 8  # the server has no room for this connection (connection caps): retry later
 
 
-FATAL = frozenset({Status.BAD_FRAME, Status.UNAUTHENTICATED, Status.TOO_MANY_ROWS, Status.SESSION_CLOSED})
+FATAL = frozenset({Status.BAD_FRAME, Status.UNAUTHENTICATED, Status.TOO_MANY_ROWS, Status.SESSION_CLOSED,
+                   Status.BUSY})
+
+
+def hello_mac(secret: bytes, session_id: bytes, server_nonce: bytes, client_nonce: bytes,
+              role: bytes = b"tableserver-hello") -> bytes:
+    """The proof one side holds the session secret, bound to this connection's nonces."""
+    import hashlib
+    import hmac
+
+    return hmac.new(secret, role + session_id + server_nonce + client_nonce, hashlib.sha256).digest()
+
+
+def server_proof(secret: bytes, session_id: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    return hello_mac(secret, session_id, server_nonce, client_nonce, b"tableserver-server")
+
+
+def challenge_frame(nonce: bytes) -> bytes:
+    return response_header(FrameType.CHALLENGE, Status.OK, 0, 0, len(nonce)) + nonce
+
+
+def hello_frame(session_id: bytes, secret: bytes, server_nonce: bytes, request_id: int = 0) -> tuple[bytes, bytes]:
+    """(the HELLO frame answering ``server_nonce``, the client nonce it used)."""
+    import os
+
+    client_nonce = os.urandom(CLIENT_NONCE_BYTES)
+    payload = session_id + client_nonce + hello_mac(secret, session_id, server_nonce, client_nonce)
+    return request_header(FrameType.HELLO, request_id, 0, len(payload)) + payload, client_nonce
+
+
+class HandshakeRefused(Exception):
+    """The server answered the connection with an error instead of a CHALLENGE (e.g. BUSY)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def parse_challenge(frame: bytes) -> bytes:
+    """The nonce of a CHALLENGE frame; HandshakeRefused for an error frame, ValueError for anything else."""
+    if len(frame) < HEADER_BYTES:
+        raise ValueError(f"expected a CHALLENGE frame, got {len(frame)} bytes: not a tableserver data port?")
+    magic, ftype, status, _rid, _rb, count = HEADER.unpack_from(frame)
+    body = bytes(frame[HEADER_BYTES:HEADER_BYTES + count])
+    if magic != RESPONSE_MAGIC:
+        raise ValueError("the server did not open with a CHALLENGE frame: not a tableserver data port?")
+    if status != Status.OK:
+        name = Status(status).name if status in Status._value2member_map_ else str(status)
+        raise HandshakeRefused(status, f"{name}: {body.decode(errors='replace')}")
+    if ftype != FrameType.CHALLENGE or count != NONCE_BYTES or len(body) != NONCE_BYTES:
+        raise ValueError("the server did not open with a CHALLENGE frame: not a tableserver data port?")
+    return body
+
+
+def recv_challenge(sock: socket.socket) -> bytes:
+    """Reads the CHALLENGE a stream connection starts with; its nonce."""
+    head = bytearray(HEADER_BYTES)
+    if not recv_exact(sock, memoryview(head)):
+        raise ConnectionResetError("the server closed the connection before its CHALLENGE")
+    count = HEADER.unpack(head)[5]
+    if count > 4096:
+        raise ValueError("the server did not open with a CHALLENGE frame: not a tableserver data port?")
+    body = bytearray(count)
+    if count and not recv_exact(sock, memoryview(body)):
+        raise ConnectionResetError("the server closed the connection during its CHALLENGE")
+    return parse_challenge(bytes(head + body))
 
 
 def request_header(frame: FrameType, request_id: int, table: int, count: int) -> bytes:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import secrets
 import shutil
 import signal as signals
 import subprocess
@@ -61,6 +62,7 @@ class Hosts:
         self.names = list(names)
         self.bridge = f"tsbr{self.tag}"
         self.procs: list[subprocess.Popen] = []
+        self.token = secrets.token_urlsafe(16)
 
     def ns(self, name: str) -> str:
         return f"ts{self.tag}-{name}"
@@ -88,6 +90,9 @@ class Hosts:
         return self
 
     def popen(self, name: str, cmd: list[str], **kw) -> subprocess.Popen:
+        """Runs ``cmd`` on host ``name``. Servers off loopback need a token: every process of these hosts
+        shares one (servers and clients read TABLESERVER_AUTH_TOKEN)."""
+        kw.setdefault("env", dict(os.environ, TABLESERVER_AUTH_TOKEN=self.token))
         proc = subprocess.Popen(["ip", "netns", "exec", self.ns(name), *cmd], **kw)
         self.procs.append(proc)
         return proc

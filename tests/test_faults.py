@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 
 from conftest import EVENT_TIMEOUT, ROOT, run_cli, start_daemon, wait_for
-from tests_helpers import open_raw_session
+from tests_helpers import open_raw_session, tcp_hello
 from tableclient import RemoteError, TableClient, TransportError
 from tableserver.demo import DemoTable, write_demo_file
 from tableserver.tablefile import TableFileWriter, TableSpec
-from tableserver.wire import HEADER, HEADER_BYTES, FrameType, Status, recv_exact, request_header, send_all
+from tableserver.wire import (
+    HEADER, HEADER_BYTES, FrameType, Status, recv_challenge, recv_exact, request_header, send_all,
+)
 
 
 def assert_one_line_error(res, *needles, code=None):
@@ -155,8 +157,7 @@ def raw_connect(daemon, hello=True, resp=None):
     host, port = daemon.ready["tcp"].rsplit(":", 1)
     s = socket.create_connection((host, int(port)), timeout=EVENT_TIMEOUT)
     if hello:
-        send_all(s, [request_header(FrameType.HELLO, 1, 0, 48), resp.session_id, resp.secret])
-        assert read_response(s)[0] == Status.OK
+        assert tcp_hello(s, resp.session_id, resp.secret)[0] == Status.OK
     return s
 
 
@@ -179,17 +180,18 @@ def assert_still_serving(daemon, demo_local):
 
 def test_malformed_frames_close_only_that_connection(daemon, demo_local):
     with socket.create_connection(tuple_of(daemon.ready["tcp"])) as s:  # garbage
+        recv_challenge(s)
         s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         status, body = read_response(s)
         assert status == Status.BAD_FRAME and b"magic" in body
         assert read_response(s)[0] is None  # closed
     with socket.create_connection(tuple_of(daemon.ready["tcp"])) as s:  # gather before hello
+        recv_challenge(s)
         send_all(s, [request_header(FrameType.GATHER, 1, 0, 1), np.zeros(1, "<i8")])
         assert read_response(s)[0] == Status.UNAUTHENTICATED
     with socket.create_connection(tuple_of(daemon.ready["tcp"])) as s:  # wrong secret
         resp = open_raw_session(daemon.address)
-        send_all(s, [request_header(FrameType.HELLO, 1, 0, 48), resp.session_id, os.urandom(32)])
-        assert read_response(s)[0] == Status.UNAUTHENTICATED
+        assert tcp_hello(s, resp.session_id, os.urandom(32))[0] == Status.UNAUTHENTICATED
     with raw_connect(daemon) as s:  # unknown frame type
         send_all(s, [request_header(9, 2, 0, 0)])
         assert read_response(s)[0] == Status.BAD_FRAME
@@ -314,7 +316,7 @@ def test_cancel_is_a_barrier_even_when_the_server_stalls_mid_response():
     from types import SimpleNamespace
 
     from tableclient.transports import tcp
-    from tableserver.wire import HEADER_BYTES, response_header
+    from tableserver.wire import HEADER_BYTES, challenge_frame, response_header, server_proof
 
     listener = socket.create_server(("127.0.0.1", 0))
     host, port = listener.getsockname()
@@ -323,8 +325,13 @@ def test_cancel_is_a_barrier_even_when_the_server_stalls_mid_response():
     def peer():
         conn, _ = listener.accept()
         with conn:
-            recv_exact(conn, memoryview(bytearray(HEADER_BYTES + 48)))  # HELLO
-            conn.sendall(response_header(FrameType.HELLO, Status.OK, 0, 0, 0))
+            nonce = os.urandom(32)
+            conn.sendall(challenge_frame(nonce))
+            hello = bytearray(HEADER_BYTES + 64)
+            recv_exact(conn, memoryview(hello))  # HELLO
+            client_nonce = bytes(hello[HEADER_BYTES + 16:HEADER_BYTES + 32])
+            proof = server_proof(b"s" * 32, b"i" * 16, nonce, client_nonce)
+            conn.sendall(response_header(FrameType.HELLO, Status.OK, 0, 0, 32) + proof)
             recv_exact(conn, memoryview(bytearray(HEADER_BYTES + 8 * 100)))  # GATHER of 100 ids
             conn.sendall(response_header(FrameType.GATHER, Status.OK, 1, 264, 100) + b"\x07" * (264 * 50))
             sent_half.set()

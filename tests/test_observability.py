@@ -165,8 +165,9 @@ def test_daemon_counts_gathers_sessions_grpc_codes_and_errors(fresh_daemon):
     import socket
 
     with socket.create_connection((host, int(port)), timeout=EVENT_TIMEOUT) as s:
-        s.sendall(request_header(FrameType.HELLO, 1, 0, 48) + resp.session_id + resp.secret)
-        assert HEADER.unpack(s.recv(HEADER_BYTES))[1] == FrameType.HELLO
+        from tests_helpers import tcp_hello
+
+        assert tcp_hello(s, resp.session_id, resp.secret)[0] == Status.OK
         s.sendall(request_header(FrameType.GATHER, 2, 0, 1) + np.array([50_000], "<i8").tobytes())
         head = HEADER.unpack(s.recv(HEADER_BYTES))
     assert head[2] == Status.ROW_OUT_OF_RANGE

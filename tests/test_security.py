@@ -100,25 +100,46 @@ def test_mutual_tls(fresh_daemon, pki):
         assert c.table("tiny").gather([0]).shape == (1, 8)
 
 
-def test_exposed_listen_address_warns(fresh_daemon):
+def test_off_loopback_without_a_token_generates_one(fresh_daemon):
+    """Secure by default: listening off loopback with no token makes the server generate one (0600 file);
+    only --allow-anonymous serves anyone, and then it warns."""
+    import os
+    import stat
+
     d = fresh_daemon("--listen", "0.0.0.0:0", "--tcp-listen", "127.0.0.1:0")
     log = d.log()
-    assert "without TLS" in log and "without --auth-token" in log
+    assert "without TLS" in log and "generated one in" in log
+    path = d.ready["token_file"]
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    token = open(path).read().strip()
+    port = d.address.rsplit(":", 1)[1]
+    from tableclient import AuthError
+
+    with pytest.raises(AuthError):
+        TableClient(f"127.0.0.1:{port}", token="")
+    with TableClient(f"127.0.0.1:{port}", token=token) as c:
+        assert c.table("tiny").gather([0]).shape == (1, 8)
+    d.stop()
+    assert not os.path.exists(path)  # removed with the server
+    anon = fresh_daemon("--listen", "0.0.0.0:0", "--tcp-listen", "127.0.0.1:0", "--allow-anonymous")
+    assert "without --auth-token" in anon.log() and "token_file" not in anon.ready
+
+
+def test_a_token_on_the_command_line_warns(fresh_daemon):
+    d = fresh_daemon("--auth-token", "s3cret")
+    assert "shows the token to every local user" in d.log()
 
 
 def test_data_port_rejects_forged_sessions(daemon):
-    from tableserver.wire import HEADER, FrameType, Status, recv_exact, request_header, send_all
+    from tests_helpers import shm_hello, tcp_hello
+    from tableserver.wire import HEADER, Status
 
     host, port = daemon.ready["tcp"].rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=EVENT_TIMEOUT) as s:
-        send_all(s, [request_header(FrameType.HELLO, 1, 0, 48), bytes(48)])
-        head = bytearray(HEADER.size)
-        recv_exact(s, memoryview(head))
-        assert HEADER.unpack(head)[2] == Status.UNAUTHENTICATED
+        assert tcp_hello(s, bytes(16), bytes(32))[0] == Status.UNAUTHENTICATED
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
         s.connect(daemon.ready["shm"])
-        s.send(request_header(FrameType.HELLO, 1, 0, 48) + bytes(48))
-        msg, fds, _, _ = socket.recv_fds(s, 4096, 8)
+        msg, fds = shm_hello(s, bytes(16), bytes(32))
         assert HEADER.unpack_from(msg)[2] == Status.UNAUTHENTICATED and fds == []
 
 
@@ -132,9 +153,22 @@ def test_shm_fds_are_read_only(daemon):
     fds = shm_fds(daemon)
     try:
         for fd in fds:
+            assert os.fstat(fd).st_mode & 0o777 == 0o400  # no one but root may reopen it writable ...
+            pid = os.fork()
+            if pid == 0:  # ... checked as another user: the old memfd mode 0777 let any uid reopen it O_RDWR
+                try:
+                    os.setgid(65534)
+                    os.setuid(65534)
+                    os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+                    os._exit(1)
+                except PermissionError:
+                    os._exit(0)
+                except BaseException:
+                    os._exit(2)
+            assert os.waitpid(pid, 0)[1] == 0
             with pytest.raises(PermissionError):
                 mmap.mmap(fd, 4096, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            rw = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)  # even reopened read-write:
+            rw = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)  # even reopened read-write by root:
             try:
                 with pytest.raises(PermissionError):  # F_SEAL_FUTURE_WRITE forbids writable mappings
                     mmap.mmap(rw, 4096, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -145,3 +179,20 @@ def test_shm_fds_are_read_only(daemon):
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def test_shm_socket_is_0660_with_a_group(fresh_daemon, tmp_path):
+    """Before: the shm socket was 0666 (any local user). Now this user and --shm-group only."""
+    import grp
+    import os
+    import stat
+
+    group = grp.getgrgid(os.getgid()).gr_name
+    d = fresh_daemon("--shm-group", group)
+    st = os.stat(d.ready["shm"])
+    assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == os.getgid()
+    from test_faults import assert_one_line_error
+    from conftest import run_cli
+
+    assert_one_line_error(run_cli("--tables", "x.bin", "--listen", "127.0.0.1:0", "--shm-group", "no-such-grp",
+                                  "--shm-socket", str(tmp_path / "s.sock")), "no such group")

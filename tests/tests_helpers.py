@@ -13,7 +13,29 @@ from conftest import EVENT_TIMEOUT
 
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.v1 import tableserver_pb2_grpc as pb_grpc
-from tableserver.wire import HEADER, FrameType, Status, request_header
+from tableserver.wire import HEADER, HEADER_BYTES, FrameType, Status, hello_frame, recv_challenge, recv_exact
+
+
+def tcp_hello(s: socket.socket, session_id: bytes, secret: bytes) -> tuple[int, bytes]:
+    """Answers the server's CHALLENGE on a raw tcp data connection: (status, body of the reply)."""
+    nonce = recv_challenge(s)
+    s.sendall(hello_frame(session_id, secret, nonce)[0])
+    head = bytearray(HEADER_BYTES)
+    assert recv_exact(s, memoryview(head))
+    count = HEADER.unpack(head)[5]
+    body = bytearray(count)
+    recv_exact(s, memoryview(body))
+    return HEADER.unpack(head)[2], bytes(body)
+
+
+def shm_hello(s: socket.socket, session_id: bytes, secret: bytes):
+    """Answers the CHALLENGE on a raw shm connection: (the reply message, the fds that came with it)."""
+    from tableserver.wire import parse_challenge
+
+    nonce = parse_challenge(s.recv(4096))
+    s.send(hello_frame(session_id, secret, nonce, request_id=1)[0])
+    msg, fds, _, _ = socket.recv_fds(s, 1 << 20, 16)
+    return msg, fds
 
 
 def open_raw_session(address: str, transports=("tcp",)):
@@ -28,8 +50,7 @@ def shm_fds(daemon) -> list[int]:
     resp = open_raw_session(daemon.address, ("shm",))
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
         s.connect(daemon.ready["shm"])
-        s.send(request_header(FrameType.HELLO, 1, 0, 48) + resp.session_id + resp.secret)
-        msg, fds, _, _ = socket.recv_fds(s, 1 << 20, 16)
+        msg, fds = shm_hello(s, resp.session_id, resp.secret)
     assert HEADER.unpack_from(msg)[2] == Status.OK
     return fds
 

@@ -15,6 +15,7 @@ the GIL): the first layer never waits behind the others.
 from __future__ import annotations
 
 import collections
+import hmac
 import json
 import mmap
 import os
@@ -25,7 +26,9 @@ import numpy as np
 
 from tableclient.errors import AuthError, ConnectError, TransportUnavailable
 from tableclient.transports.base import DONE, ClientTransport, Pending
-from tableserver.wire import HEADER, HEADER_BYTES, RESPONSE_MAGIC, FrameType, Status, request_header
+from tableserver.wire import (
+    HEADER, HEADER_BYTES, RESPONSE_MAGIC, HandshakeRefused, Status, hello_frame, parse_challenge, server_proof,
+)
 
 
 def local_host_id() -> str:
@@ -104,8 +107,14 @@ class ShmTransport(ClientTransport):
         sock.settimeout(None)
 
     def _handshake(self, session, catalog) -> None:
-        self._sock.send(request_header(FrameType.HELLO, 1, 0, len(session.id) + len(session.secret))
-                        + session.id + session.secret)
+        try:
+            nonce = parse_challenge(self._sock.recv(4096))
+        except HandshakeRefused as e:
+            raise ConnectError(f"shm socket {self.path} refused the connection: {e}") from None
+        except ValueError as e:
+            raise ConnectError(f"shm handshake on {self.path} failed: {e}") from None
+        frame, client_nonce = hello_frame(session.id, session.secret, nonce, request_id=1)
+        self._sock.send(frame)
         msg, fds, _flags, _addr = socket.recv_fds(self._sock, 1 << 22, len(catalog) + 16)
         try:
             if len(msg) < HEADER_BYTES:
@@ -117,7 +126,12 @@ class ShmTransport(ClientTransport):
                 if status == Status.UNAUTHENTICATED:
                     raise AuthError(f"shm socket {self.path} refused the session: {text}")
                 raise ConnectError(f"shm handshake on {self.path} failed: {text}")
-            doc = json.loads(body)
+            reply = json.loads(body)
+            proof = server_proof(session.secret, session.id, nonce, client_nonce)
+            if not hmac.compare_digest(bytes.fromhex(reply.get("proof", "")), proof):
+                raise AuthError(f"shm socket {self.path} could not prove it holds the session secret: not the "
+                                "server that opened this session")
+            doc = reply["tables"]
             if len(fds) != len(doc):
                 raise ConnectError(f"shm handshake: {len(doc)} tables but {len(fds)} descriptors")
             by_index = {t.index: t for t in catalog}

@@ -12,6 +12,7 @@ completes. A cancelled request's late rows land in a scratch buffer instead.
 from __future__ import annotations
 
 import collections
+import hmac
 import itertools
 import logging
 import socket
@@ -22,7 +23,8 @@ import numpy as np
 from tableclient.errors import AuthError, ConnectError, RemoteError, TransportError
 from tableclient.transports.base import ClientTransport, Pending
 from tableserver.wire import (
-    FATAL, HEADER, HEADER_BYTES, RESPONSE_MAGIC, FrameType, Status, recv_exact, request_header, send_all,
+    FATAL, HEADER, HEADER_BYTES, RESPONSE_MAGIC, FrameType, HandshakeRefused, Status, hello_frame, recv_challenge,
+    recv_exact, request_header, send_all, server_proof,
 )
 
 log = logging.getLogger("tableclient.tcp")
@@ -77,25 +79,37 @@ class TcpTransport(ClientTransport):
         self._rx.start()
 
     def _hello(self, session_id: bytes, secret: bytes) -> None:
+        """Challenge-response: the secret never crosses the wire, and the server proves it holds it too."""
+        status, msg = Status.OK, b""
         try:
-            send_all(self._sock, [request_header(FrameType.HELLO, 0, 0, len(session_id) + len(secret)),
-                                  session_id, secret])
+            nonce = recv_challenge(self._sock)
+            frame, client_nonce = hello_frame(session_id, secret, nonce)
+            send_all(self._sock, [frame])
             head = bytearray(HEADER_BYTES)
             if not recv_exact(self._sock, memoryview(head)):
                 raise ConnectionResetError("server closed the connection")
             magic, _t, status, _rid, _rb, count = HEADER.unpack(head)
+            if magic != RESPONSE_MAGIC or count > 65536:
+                raise ValueError("not a tableserver response")
             msg = bytearray(count)
             if count:
                 recv_exact(self._sock, memoryview(msg))
-        except OSError as e:
+        except HandshakeRefused as e:
+            self._sock.close()
+            raise ConnectError(f"tcp data port {self.endpoint} refused the connection: {e}") from None
+        except (OSError, ValueError) as e:
             self._sock.close()
             raise ConnectError(f"tcp handshake with {self.endpoint} failed: {e}") from None
-        if magic != RESPONSE_MAGIC or status != Status.OK:
+        if status != Status.OK:
             self._sock.close()
             text = msg.decode(errors="replace")
             if status == Status.UNAUTHENTICATED:
                 raise AuthError(f"tcp data port {self.endpoint} refused the session: {text}")
-            raise ConnectError(f"tcp handshake with {self.endpoint} failed: {text or magic!r}")
+            raise ConnectError(f"tcp handshake with {self.endpoint} failed: {text}")
+        if not hmac.compare_digest(bytes(msg), server_proof(secret, session_id, nonce, client_nonce)):
+            self._sock.close()
+            raise AuthError(f"tcp data port {self.endpoint} could not prove it holds the session secret: "
+                            "not the server that opened this session")
 
     def gather(self, table_index: int, ids: np.ndarray, out: np.ndarray, sync: bool = False,
                mode: str = "read", expand=None) -> Pending:

@@ -50,6 +50,10 @@ class ServerTransport(abc.ABC):
         """Sessions attached to this transport now (tableserver_sessions{transport})."""
         return 0
 
+    def health(self) -> tuple[bool, str]:
+        """(True, "") while this transport can serve new clients; (False, why) when it cannot."""
+        return True, ""
+
     @abc.abstractmethod
     def close(self) -> None:
         """Stops serving and frees everything. Idempotent."""

@@ -1,39 +1,55 @@
 """shm transport: same-host clients map the pinned tables read-only and gather locally.
 
-The server listens on a Unix ``SOCK_SEQPACKET`` socket. A client sends a HELLO
-frame with its session id and secret; the server answers with one message:
-an OK header, a JSON list of the tables (index, name, rows, row_bytes, size)
-and, as ``SCM_RIGHTS``, one **read-only** file descriptor per table (a fresh
-``O_RDONLY`` open of each table's sealed memfd). The client maps them
-``PROT_READ`` and gathers with numpy: zero copies through the server, and one
-copy of the tables in memory serves every process on the node.
+The server listens on a Unix ``SOCK_SEQPACKET`` socket (mode 0660, group from
+``--shm-group``) served by the shared connection layer (connections.py: no
+thread per connection, handshake deadline, caps). Its first message on a
+connection is a CHALLENGE; the client answers with a HELLO that proves it
+holds its session secret (tableserver/wire.py); the server answers with one
+message: an OK header, a JSON object with the table list (index, name, rows,
+row_bytes, size) and the server's proof, and, as ``SCM_RIGHTS``, one
+**read-only** file descriptor per table (a fresh ``O_RDONLY`` open of each
+table's memfd). The client maps them ``PROT_READ`` and gathers with numpy:
+zero copies through the server, and one copy of the tables in memory serves
+every process on the node.
+
+Read-only by construction: each memfd has mode 0400 (no process but root can
+reopen it writable through ``/proc/PID/fd``) and carries
+``F_SEAL_FUTURE_WRITE`` (not even root can map it writable or write to it);
+both are verified when the transport starts.
 
 Lifetime: the connection stays open for the session; the server closes it
 when the session ends. A mapping the client already holds cannot be revoked
 (that is the nature of shared memory), so shm is offered only to
-authenticated sessions on the same host; seals forbid writable mappings.
+authenticated sessions on the same host.
 """
 
 from __future__ import annotations
 
+import fcntl
+import functools
+import grp
 import json
 import logging
 import os
 import socket
 import stat
-import threading
+import tempfile
 
-from tableserver.errors import ListenError
+from tableserver.errors import ConfigError, ListenError, TableServerError
 from tableserver.logs import RateLimitedLog
-from tableserver.sessions import Session
+from tableserver.memory import F_SEAL_FUTURE_WRITE
 from tableserver.transports.base import ServerTransport
-from tableserver.transports.tcp import _shutdown
+from tableserver.transports.connections import CLOSE, READ, Connection, ConnectionLoop, Protocol, Refused
+from tableserver.transports.tcp import connection_limits
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.wire import (
-    HEADER, HEADER_BYTES, HELLO_BYTES, REQUEST_MAGIC, SESSION_ID_BYTES, FrameType, Status, response_header,
+    HEADER, HEADER_BYTES, HELLO_BYTES, NONCE_BYTES, REQUEST_MAGIC, FrameType, Status, challenge_frame,
+    response_header,
 )
 
 log = logging.getLogger("tableserver.shm")
+
+REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE
 
 
 def host_id() -> str:
@@ -45,8 +61,11 @@ def host_id() -> str:
         return socket.gethostname()
 
 
-def default_socket_path(port: int) -> str:
-    for d in (os.environ.get("XDG_RUNTIME_DIR"), "/run/tableserver", "/tmp"):
+@functools.lru_cache(maxsize=1)
+def runtime_dir() -> str:
+    """$XDG_RUNTIME_DIR or /run/tableserver when writable; else a fresh directory with an unpredictable
+    name (so no other local user can plant a socket or a file at the path first)."""
+    for d in (os.environ.get("XDG_RUNTIME_DIR"), "/run/tableserver"):
         if not d:
             continue
         try:
@@ -54,8 +73,27 @@ def default_socket_path(port: int) -> str:
         except OSError:
             continue
         if os.access(d, os.W_OK):
-            return os.path.join(d, f"tableserver-{port}.sock")
-    return f"/tmp/tableserver-{port}.sock"
+            return d
+    d = tempfile.mkdtemp(prefix="tableserver-")
+    os.chmod(d, 0o711)  # others may reach the socket (its own mode decides), not list the directory
+    return d
+
+
+def default_socket_path(port: int) -> str:
+    return os.path.join(runtime_dir(), f"tableserver-{port}.sock")
+
+
+def check_read_only(region) -> None:
+    """TableServerError unless the table memfd can only ever be mapped read-only (mode 0400 + seals)."""
+    mode = os.fstat(region.fd).st_mode & 0o777
+    if mode & 0o377:
+        raise TableServerError(f"table memory {region.name!r} has mode {mode:o}, expected 0400: shm clients could "
+                          "reopen it writable; this is a bug, report it")
+    seals = fcntl.fcntl(region.fd, fcntl.F_GET_SEALS)
+    if seals & REQUIRED_SEALS != REQUIRED_SEALS:
+        raise TableServerError(f"the kernel did not seal table memory {region.name!r} against writes "
+                          f"(seals {seals:#x}, F_SEAL_FUTURE_WRITE needs Linux >= 5.1): shm clients could write "
+                          "to it; serve without shm (--transports tcp or rdma) or upgrade the kernel")
 
 
 class ShmTransport(ServerTransport):
@@ -64,13 +102,19 @@ class ShmTransport(ServerTransport):
     def __init__(self, sessions, options):
         super().__init__(sessions, options)
         self.path = options.get("shm_socket") or ""
+        self.group = options.get("shm_group") or ""
         self.host_id = host_id()
+        self.limits = connection_limits(options)
         self._sock: socket.socket | None = None
-        self._conns: dict[socket.socket, Session | None] = {}
-        self._lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
+        self._loop: ConnectionLoop | None = None
         self._closed = False
-        self._ratelog = RateLimitedLog(log)
+        self._gid = -1
+        if self.group:
+            try:
+                self._gid = int(self.group) if self.group.isdigit() else grp.getgrnam(self.group).gr_gid
+            except KeyError:
+                raise ConfigError(f"--shm-group {self.group!r}: no such group: name an existing group "
+                                  "(its members may use the shm transport)") from None
 
     def bind(self) -> None:
         if not self.path:
@@ -79,7 +123,10 @@ class ShmTransport(ServerTransport):
         try:
             _remove_stale(self.path)
             sock.bind(self.path)
-            os.chmod(self.path, 0o666)  # any local user may connect; the session secret admits them
+            if self._gid >= 0:
+                os.chown(self.path, -1, self._gid)
+            # this user and the --shm-group may connect; the session proof admits them
+            os.chmod(self.path, 0o660)
             sock.listen(256)
         except OSError as e:
             sock.close()
@@ -89,9 +136,10 @@ class ShmTransport(ServerTransport):
 
     def start(self, tables) -> None:
         self.tables = tables
-        t = threading.Thread(target=self._accept_loop, name="tableserver-shm-accept", daemon=True)
-        t.start()
-        self._threads.append(t)
+        for t in tables:
+            check_read_only(t.region)
+        self._loop = ConnectionLoop("shm", self._sock, _ShmProtocol(self), self.limits, 2, self.metrics)
+        self._loop.start()
 
     def describe(self) -> str:
         return f"shm {self.path}"
@@ -99,97 +147,99 @@ class ShmTransport(ServerTransport):
     def offer(self, session, request):
         return pb.TransportOffer(name="shm", shm=pb.ShmEndpoint(socket_path=self.path, host_id=self.host_id))
 
-    def release(self, session: Session) -> None:
-        with self._lock:
-            conns = [c for c, s in self._conns.items() if s is session]
-        for c in conns:
-            _shutdown(c)
+    def release(self, session) -> None:
+        if self._loop is not None:
+            self._loop.release(session)
 
     def active_sessions(self) -> int:
-        with self._lock:
-            return len({id(s) for s in self._conns.values() if s is not None})
+        return self._loop.active_sessions() if self._loop is not None else 0
+
+    def connections(self) -> int:
+        return self._loop.connections() if self._loop is not None else 0
+
+    def health(self) -> tuple[bool, str]:
+        return self._loop.health() if self._loop is not None else (True, "")
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._loop is not None:
+            self._loop.close()
         if self._sock is not None:
-            _shutdown(self._sock)
             self._sock.close()
             try:
                 os.unlink(self.path)
             except OSError:
                 pass
-        with self._lock:
-            conns = list(self._conns)
-        for c in conns:
-            _shutdown(c)
-        for t in self._threads:
-            t.join(timeout=5)
 
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                if self._closed:
-                    return
-                continue
-            with self._lock:
-                self._conns[conn] = None
-            t = threading.Thread(target=self._serve, args=(conn,), name="tableserver-shm-conn", daemon=True)
-            t.start()
-            self._threads = [x for x in self._threads if x.is_alive()] + [t]
+    def tables_message(self, req_id: int, proof: bytes) -> tuple[bytes, list[int]]:
+        doc = {"tables": [{"index": t.index, "name": t.name, "rows": t.rows, "row_bytes": t.row_bytes,
+                           "size": t.region.size} for t in self.tables],
+               "proof": proof.hex()}
+        body = json.dumps(doc).encode()
+        return response_header(FrameType.HELLO, Status.OK, req_id, 0, len(body)) + body, \
+            [t.region.readonly_fd() for t in self.tables]
 
-    def _serve(self, conn: socket.socket) -> None:
+
+class _ShmProtocol(Protocol):
+    def __init__(self, transport: ShmTransport):
+        self.t = transport
+        self.ratelog = RateLimitedLog(log)
+
+    def greeting(self, conn: Connection) -> bytes:
+        conn.state = os.urandom(NONCE_BYTES)
+        return challenge_frame(conn.state)
+
+    def busy(self, message: str) -> bytes:
+        body = message.encode()
+        return response_header(FrameType.CHALLENGE, Status.BUSY, 0, 0, len(body)) + body
+
+    def ready(self, conn: Connection, events: int) -> str:
+        sock = conn.sock
+        if conn.session is not None:  # held for the session's life: drop whatever the peer sends
+            for _ in range(16):
+                try:
+                    if not sock.recv(64):
+                        return CLOSE
+                except (BlockingIOError, InterruptedError):
+                    return READ
+            return READ
         try:
-            pid = _peer_pid(conn)
-            msg = conn.recv(HEADER_BYTES + HELLO_BYTES + 1)
+            msg = sock.recv(HEADER_BYTES + HELLO_BYTES + 1)
+        except (BlockingIOError, InterruptedError):
+            return READ
+        if not msg:
+            return CLOSE
+        req_id = 0
+        try:
             if len(msg) != HEADER_BYTES + HELLO_BYTES:
-                return self._refuse(conn, 0, Status.BAD_FRAME, "expected one HELLO frame")
+                raise Refused(Status.BAD_FRAME, "expected one HELLO frame (a client older than this server?)")
             magic, ftype, _f, req_id, _t, count = HEADER.unpack_from(msg)
             if magic != REQUEST_MAGIC or ftype != FrameType.HELLO or count != HELLO_BYTES:
-                return self._refuse(conn, req_id, Status.BAD_FRAME, "expected one HELLO frame")
-            payload = msg[HEADER_BYTES:]
-            session = self.sessions.authenticate(payload[:SESSION_ID_BYTES], payload[SESSION_ID_BYTES:])
+                raise Refused(Status.BAD_FRAME, "expected one HELLO frame")
+            session, proof = self.t.sessions.authenticate_hello(msg[HEADER_BYTES:], conn.state)
             if session is None or "shm" not in session.transports:
-                return self._refuse(conn, req_id, Status.UNAUTHENTICATED,
-                                    "unknown session, wrong secret, or shm not granted: open a session over gRPC")
-            with self._lock:
-                self._conns[conn] = session
-            self._send_tables(conn, req_id)
-            log.info("shm: session %s mapped %d tables (pid %s)", session.label, len(self.tables), pid)
-            while conn.recv(64):  # hold the connection until the client or the session ends it
+                raise Refused(Status.UNAUTHENTICATED,
+                              "unknown session, wrong proof, or shm not granted: open a session over gRPC")
+            self.t._loop.attach(conn, session)
+        except Refused as e:
+            body = str(e).encode()
+            self.t.metrics.refused(e.status)
+            self.ratelog.warning(e.status.name, "shm: refused a connection: %s", e)
+            try:
+                sock.send(response_header(FrameType.HELLO, e.status, req_id, 0, len(body)) + body)
+            except OSError:
                 pass
-        except OSError as e:
-            if not self._closed:
-                log.info("shm: connection ended (%s)", e)
-        finally:
-            with self._lock:
-                self._conns.pop(conn, None)
-            conn.close()
-
-    def _send_tables(self, conn: socket.socket, req_id: int) -> None:
-        doc = [{"index": t.index, "name": t.name, "rows": t.rows, "row_bytes": t.row_bytes,
-                "size": t.region.size} for t in self.tables]
-        body = json.dumps(doc).encode()
-        fds = []
+            return CLOSE
+        message, fds = self.t.tables_message(req_id, proof)
         try:
-            for t in self.tables:
-                fds.append(t.region.readonly_fd())
-            socket.send_fds(conn, [response_header(FrameType.HELLO, Status.OK, req_id, 0, len(body)) + body], fds)
+            socket.send_fds(sock, [message], fds)
         finally:
             for fd in fds:
                 os.close(fd)
-
-    def _refuse(self, conn: socket.socket, req_id: int, status: Status, message: str) -> None:
-        body = message.encode()
-        self.metrics.refused(status)
-        self._ratelog.warning(status.name, "shm: refused a connection: %s", message)
-        try:
-            conn.send(response_header(FrameType.HELLO, status, req_id, 0, len(body)) + body)
-        except OSError:
-            pass
+        log.info("shm: session %s mapped %d tables (pid %s)", session.label, len(self.t.tables), _peer_pid(sock))
+        return READ
 
 
 def _peer_pid(conn: socket.socket) -> int:

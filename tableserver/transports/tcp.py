@@ -1,10 +1,21 @@
 """tcp transport: row gathers over a framed binary protocol (see tableserver/wire.py).
 
-One thread per connection: read a request header and its int64 row ids
-straight into a reusable numpy buffer, check every id against the table in one
-vectorized pass, gather with ``np.take`` into a reusable output buffer and
-send header + rows with one ``sendmsg``. No per-row Python. Requests on one
-connection are answered in order, so a client may pipeline several.
+Connections live in the shared connection layer (transports/connections.py):
+a fixed pool of workers on one epoll set, no thread per connection, every
+limit (handshake deadline, caps, send timeout, accept back-off) written there.
+A connection opens with the server's CHALLENGE; the client answers with a
+HELLO that proves it holds its session secret without sending it.
+
+A request is served without blocking: read its header and int64 row ids (as
+they arrive) into the connection's buffer, check every id against the table in
+one vectorized pass, then gather with ``np.take`` in chunks of at most
+CHUNK_BYTES and send each with ``sendmsg`` as the socket takes it; when the
+client does not read, the worker re-arms the connection for writing and moves
+on. No per-row Python. Requests on one connection are answered in order, so a
+client may pipeline several.
+
+Memory a connection can make the server hold: its row-id buffer (at most
+8 * max_rows_per_request bytes) and one chunk (CHUNK_BYTES).
 
 Invariants: no byte outside a table is ever read (ids are range-checked, and
 ``np.take(mode="clip")`` could not read outside even if they were not); a
@@ -15,29 +26,32 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import socket
-import threading
 import time
 
 import numpy as np
 
 from tableserver.errors import ListenError
 from tableserver.logs import RateLimitedLog
-from tableserver.sessions import Session
 from tableserver.transports.base import ServerTransport
+from tableserver.transports.connections import (
+    CLOSE, READ, WRITE, Connection, ConnectionLoop, Limits, Protocol, Refused, cpu_workers, wait_writable,
+)
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.wire import (
-    FATAL, HEADER, HEADER_BYTES, HELLO_BYTES, REQUEST_MAGIC, SESSION_ID_BYTES, FrameType, Status,
-    recv_exact, response_header, send_all,
+    FATAL, HEADER, HEADER_BYTES, HELLO_BYTES, NONCE_BYTES, REQUEST_MAGIC, FrameType, Status, challenge_frame,
+    response_header,
 )
 
 log = logging.getLogger("tableserver.tcp")
 
-
-class RequestError(Exception):
-    def __init__(self, status: Status, message: str):
-        super().__init__(message)
-        self.status = status
+#: rows are gathered and sent in chunks of at most this many bytes
+CHUNK_BYTES = 512 << 10
+#: how long a worker waits for a reading client's socket to drain before re-arming it for later
+SEND_SPIN_S = 0.002
+#: requests one connection may have answered per turn before the worker serves others
+REQUESTS_PER_TURN = 8
 
 
 def parse_hostport(value: str, what: str) -> tuple[str, int]:
@@ -72,6 +86,15 @@ def bind_listener(host: str, port: int, what: str, flag: str) -> socket.socket:
     return sock
 
 
+def connection_limits(options) -> Limits:
+    return Limits(handshake_timeout=float(options.get("handshake_timeout", 5.0)),
+                  idle_timeout=float(options.get("idle_timeout", 0.0)),
+                  send_timeout=float(options.get("send_timeout", 10.0)),
+                  max_connections=int(options.get("max_connections", 0)),
+                  max_per_session=int(options.get("max_connections_per_session", 8)),
+                  max_handshakes=int(options.get("max_handshakes", 256)))
+
+
 class TcpTransport(ServerTransport):
     name = "tcp"
 
@@ -80,12 +103,11 @@ class TcpTransport(ServerTransport):
         self.host, self.port = options["tcp_listen"]
         self.advertise_host = options.get("tcp_advertise") or self.host
         self.max_rows = int(options["max_rows_per_request"])
+        self.limits = connection_limits(options)
+        self.workers = int(options.get("data_threads", 0)) or cpu_workers()
         self._sock: socket.socket | None = None
-        self._conns: dict[socket.socket, Session | None] = {}
-        self._lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
+        self._loop: ConnectionLoop | None = None
         self._closed = False
-        self._ratelog = RateLimitedLog(log)
         self._inst: dict[int, tuple] = {}
 
     # -- lifecycle
@@ -97,9 +119,8 @@ class TcpTransport(ServerTransport):
         self.tables = tables
         for t in tables:  # series exist from 0, so rate() counts the first requests
             self._instruments(t.index)
-        t = threading.Thread(target=self._accept_loop, name="tableserver-tcp-accept", daemon=True)
-        t.start()
-        self._threads.append(t)
+        self._loop = ConnectionLoop("tcp", self._sock, _TcpProtocol(self), self.limits, self.workers, self.metrics)
+        self._loop.start()
 
     def describe(self) -> str:
         return f"tcp {self.host}:{self.port}"
@@ -110,106 +131,27 @@ class TcpTransport(ServerTransport):
             host = socket.gethostname()
         return pb.TransportOffer(name="tcp", tcp=pb.TcpEndpoint(host=host, port=self.port))
 
-    def release(self, session: Session) -> None:
-        with self._lock:
-            conns = [c for c, s in self._conns.items() if s is session]
-        for c in conns:
-            _shutdown(c)
+    def release(self, session) -> None:
+        if self._loop is not None:
+            self._loop.release(session)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._loop is not None:
+            self._loop.close()
         if self._sock is not None:
-            _shutdown(self._sock)  # wakes the accept() blocked in another thread
             self._sock.close()
-        with self._lock:
-            conns = list(self._conns)
-        for c in conns:
-            _shutdown(c)
-        for t in self._threads:
-            t.join(timeout=5)
 
     def connections(self) -> int:
-        with self._lock:
-            return len(self._conns)
+        return self._loop.connections() if self._loop is not None else 0
 
     def active_sessions(self) -> int:
-        with self._lock:
-            return len({id(s) for s in self._conns.values() if s is not None})
+        return self._loop.active_sessions() if self._loop is not None else 0
 
-    # -- serving
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                conn, addr = self._sock.accept()
-            except OSError:
-                if self._closed:
-                    return
-                continue
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                self._conns[conn] = None
-            t = threading.Thread(target=self._serve, args=(conn, addr), name="tableserver-tcp-conn", daemon=True)
-            t.start()
-            self._threads = [x for x in self._threads if x.is_alive()] + [t]
-
-    def _serve(self, conn: socket.socket, addr) -> None:
-        peer = f"{addr[0]}:{addr[1]}"
-        head = bytearray(HEADER_BYTES)
-        buffers = _Buffers()
-        session: Session | None = None
-        try:
-            while True:
-                if not recv_exact(conn, memoryview(head)):
-                    return  # clean EOF between frames
-                magic, ftype, _flags, req_id, table_index, count = HEADER.unpack(head)
-                try:
-                    if magic != REQUEST_MAGIC:
-                        raise RequestError(Status.BAD_FRAME, f"bad frame magic {magic!r}: not a tableserver client")
-                    if ftype == FrameType.HELLO:
-                        session = self._hello(conn, count)
-                        with self._lock:
-                            self._conns[conn] = session
-                        send_all(conn, [response_header(ftype, Status.OK, req_id, 0, 0)])
-                        continue
-                    if session is None:
-                        raise RequestError(Status.UNAUTHENTICATED, "send HELLO with the session secret first")
-                    if session.closed:
-                        raise RequestError(Status.SESSION_CLOSED, f"session ended: {session.close_reason}")
-                    if ftype != FrameType.GATHER:
-                        raise RequestError(Status.BAD_FRAME, f"unknown frame type {ftype}")
-                    if count > self.max_rows:
-                        raise RequestError(Status.TOO_MANY_ROWS, f"{count} row ids in one request, the limit is "
-                                           f"{self.max_rows}: split the gather")
-                    ids = buffers.ids(count)
-                    recv_exact(conn, memoryview(ids).cast("B"))
-                    start = time.perf_counter()
-                    rows = self._gather(table_index, ids, buffers)
-                    send_all(conn, [response_header(ftype, Status.OK, req_id, rows.shape[1], count), rows])
-                    latency, nrows, nbytes = self._instruments(table_index)
-                    latency.observe(time.perf_counter() - start)
-                    nrows.inc(count)
-                    nbytes.inc(rows.nbytes)
-                except RequestError as e:
-                    self.metrics.refused(e.status)
-                    msg = str(e).encode()
-                    self._ratelog.warning(f"{e.status.name}", "tcp %s: %s: %s", peer, e.status.name, e)
-                    send_all(conn, [response_header(ftype, e.status, req_id, 0, len(msg)), msg])
-                    if e.status in FATAL:
-                        _lingering_close(conn)
-                        return
-        except (ConnectionError, OSError) as e:
-            if not self._closed:
-                self.metrics.error("disconnect")
-                self._ratelog.info("disconnect", "tcp %s: connection ended mid-request (%s)", peer, e)
-        except Exception:
-            self.metrics.error("internal")
-            log.exception("tcp %s: internal error; closing this connection", peer)
-        finally:
-            with self._lock:
-                self._conns.pop(conn, None)
-            conn.close()
+    def health(self) -> tuple[bool, str]:
+        return self._loop.health() if self._loop is not None else (True, "")
 
     def _instruments(self, table_index: int):
         """Per-table metric children, made once (labels() is too slow for every request)."""
@@ -218,69 +160,262 @@ class TcpTransport(ServerTransport):
             inst = self._inst[table_index] = self.metrics.gather_op("tcp", "gather", self.tables[table_index].name)
         return inst
 
-    def _hello(self, conn: socket.socket, count: int) -> Session:
-        if count != HELLO_BYTES:
-            raise RequestError(Status.BAD_FRAME, f"HELLO carries {count} bytes, expected {HELLO_BYTES}")
-        payload = bytearray(HELLO_BYTES)
-        if not recv_exact(conn, memoryview(payload)):
-            raise ConnectionResetError("closed during HELLO")
-        session = self.sessions.authenticate(bytes(payload[:SESSION_ID_BYTES]), bytes(payload[SESSION_ID_BYTES:]))
-        if session is None:
-            raise RequestError(Status.UNAUTHENTICATED, "unknown session or wrong secret: open a session over gRPC")
-        if "tcp" not in session.transports:
-            raise RequestError(Status.UNAUTHENTICATED, "this session was not granted the tcp transport")
-        return session
 
-    def _gather(self, table_index: int, ids: np.ndarray, buffers: "_Buffers") -> np.ndarray:
-        tables = self.tables
-        if table_index >= len(tables):
-            raise RequestError(Status.UNKNOWN_TABLE, f"no table #{table_index}: the catalog has {len(tables)} tables")
-        table = tables[table_index]
+class _State:
+    """One tcp connection's protocol state."""
+
+    __slots__ = ("nonce", "head", "got", "need", "target", "ftype", "req_id", "table", "count", "ids_buf",
+                 "chunk_buf", "parts", "next_row", "chunk_busy", "sending", "closing", "started", "hello", "error")
+
+    def __init__(self, nonce: bytes):
+        self.nonce = nonce
+        self.head = bytearray(HEADER_BYTES)
+        self.got = 0
+        self.need = HEADER_BYTES
+        self.target = memoryview(self.head)  # what the bytes being received fill
+        self.ftype = self.req_id = self.table = self.count = 0
+        self.ids_buf = np.empty(0, dtype="<i8")
+        self.chunk_buf = np.empty(0, dtype=np.uint8)
+        self.parts: list[memoryview] = []
+        self.next_row = 0
+        self.chunk_busy = False
+        self.sending = False  # a response is (partly) unsent: the send timeout applies
+        self.closing = False  # a fatal error was answered: drain, then close
+        self.started = 0.0
+        self.hello = bytearray(HELLO_BYTES)
+        self.error: Refused | None = None  # a refusal decided from the header alone
+
+    def expect_header(self) -> None:
+        self.got, self.need, self.target = 0, HEADER_BYTES, memoryview(self.head)
+
+    def ids(self, count: int) -> np.ndarray:
+        if self.ids_buf.size < count:
+            self.ids_buf = np.empty(count, dtype="<i8")
+        return self.ids_buf[:count]
+
+    def chunk(self, rows: int, row_bytes: int) -> np.ndarray:
+        need = rows * row_bytes
+        if self.chunk_buf.size < need:
+            self.chunk_buf = np.empty(need, dtype=np.uint8)
+        return self.chunk_buf[:need].reshape(rows, row_bytes)
+
+
+class _TcpProtocol(Protocol):
+    def __init__(self, transport: TcpTransport):
+        self.t = transport
+        self.ratelog = RateLimitedLog(log)
+
+    def greeting(self, conn: Connection) -> bytes:
+        nonce = os.urandom(NONCE_BYTES)
+        conn.state = _State(nonce)
+        return challenge_frame(nonce)
+
+    def busy(self, message: str) -> bytes:
+        body = message.encode()
+        return response_header(FrameType.CHALLENGE, Status.BUSY, 0, 0, len(body)) + body
+
+    def closed(self, conn: Connection) -> None:
+        conn.state = None
+
+    def ready(self, conn: Connection, events: int) -> str:
+        st: _State = conn.state
+        if st.closing:
+            return self._drain(conn)
+        if st.sending:
+            if not self._pump(conn):
+                return WRITE
+            self._finish(conn)
+            if st.closing:
+                return self._drain(conn)
+        for _ in range(REQUESTS_PER_TURN):
+            complete = self._receive(conn)
+            if complete is None:
+                return CLOSE
+            if not complete:
+                return READ
+            self._answer(conn)
+            if not self._pump(conn):
+                return WRITE
+            self._finish(conn)
+            if st.closing:
+                return self._drain(conn)
+        return READ  # level-triggered: re-fires at once if more requests are waiting
+
+    # -- receiving
+    def _receive(self, conn: Connection):
+        """True when a whole frame is in, False when more bytes are to come, None on a clean EOF."""
+        st: _State = conn.state
+        sock = conn.sock
+        while True:
+            if st.got < st.need:
+                try:
+                    n = sock.recv_into(st.target[st.got:], st.need - st.got)
+                except (BlockingIOError, InterruptedError):
+                    return False
+                if n == 0:
+                    if st.got == 0 and st.target.obj is st.head:
+                        return None
+                    raise ConnectionResetError(f"connection closed mid-frame ({st.got} of {st.need} bytes)")
+                st.got += n
+                if st.got < st.need:
+                    continue
+            if st.target.obj is st.head:
+                if not self._header(conn):
+                    return True  # an error to answer: no payload follows that we read
+                if st.got >= st.need:
+                    return True
+                continue
+            return True
+
+    def _header(self, conn: Connection) -> bool:
+        """Parses the header just received; sets up the payload. False when it is refused outright."""
+        st: _State = conn.state
+        magic, ftype, _flags, req_id, table, count = HEADER.unpack(st.head)
+        st.ftype, st.req_id, st.table, st.count = ftype, req_id, table, count
+        st.error = None
+        try:
+            if magic != REQUEST_MAGIC:
+                raise Refused(Status.BAD_FRAME, f"bad frame magic {magic!r}: not a tableserver client")
+            if ftype == FrameType.HELLO:
+                if count != HELLO_BYTES:
+                    raise Refused(Status.BAD_FRAME, f"HELLO carries {count} bytes, expected {HELLO_BYTES} "
+                                                    "(a client older than this server?)")
+                st.got, st.need, st.target = 0, HELLO_BYTES, memoryview(st.hello)
+                return True
+            if conn.session is None:
+                raise Refused(Status.UNAUTHENTICATED, "send HELLO with the session's proof first")
+            if ftype != FrameType.GATHER:
+                raise Refused(Status.BAD_FRAME, f"unknown frame type {ftype}")
+            if count > self.t.max_rows:
+                raise Refused(Status.TOO_MANY_ROWS, f"{count} row ids in one request, the limit is "
+                                                    f"{self.t.max_rows}: split the gather")
+            st.got, st.need = 0, count * 8
+            st.target = memoryview(st.ids(count)).cast("B")
+            return True
+        except Refused as e:
+            st.error = e
+            return False
+
+    # -- answering
+    def _answer(self, conn: Connection) -> None:
+        """Turns the frame just received into a response (parts to send, rows to gather)."""
+        st: _State = conn.state
+        st.started = time.perf_counter()
+        st.next_row = st.count = st.count if st.ftype == FrameType.GATHER else 0
+        error = st.error
+        try:
+            if error is not None:
+                raise error
+            if st.ftype == FrameType.HELLO:
+                proof = self._hello(conn)
+                st.parts = [memoryview(response_header(FrameType.HELLO, Status.OK, st.req_id, 0, len(proof))
+                                       + proof)]
+                st.count = 0
+            else:
+                session = conn.session
+                if session.closed:
+                    raise Refused(Status.SESSION_CLOSED, f"session ended: {session.close_reason}")
+                table = self._check(st)
+                st.next_row = 0
+                st.parts = [memoryview(response_header(FrameType.GATHER, Status.OK, st.req_id, table.row_bytes,
+                                                       st.count))]
+        except Refused as e:
+            self.t.metrics.refused(e.status)
+            self.ratelog.warning(e.status.name, "tcp %s: %s: %s", conn.peer, e.status.name, e)
+            msg = str(e).encode()
+            st.parts = [memoryview(response_header(st.ftype, e.status, st.req_id, 0, len(msg)) + msg)]
+            st.next_row = st.count = 0
+            st.closing = e.status in FATAL
+        st.error = None
+        st.sending = True
+        st.chunk_busy = False
+        st.expect_header()
+
+    def _hello(self, conn: Connection) -> bytes:
+        st: _State = conn.state
+        if conn.session is not None:
+            raise Refused(Status.BAD_FRAME, "a second HELLO on one connection")
+        session, proof = self.t.sessions.authenticate_hello(bytes(st.hello), st.nonce)
+        if session is None:
+            raise Refused(Status.UNAUTHENTICATED, "unknown session or wrong proof: open a session over gRPC")
+        if "tcp" not in session.transports:
+            raise Refused(Status.UNAUTHENTICATED, "this session was not granted the tcp transport")
+        self.t._loop.attach(conn, session)
+        return proof
+
+    def _check(self, st: _State):
+        tables = self.t.tables
+        if st.table >= len(tables):
+            raise Refused(Status.UNKNOWN_TABLE, f"no table #{st.table}: the catalog has {len(tables)} tables")
+        table = tables[st.table]
+        ids = st.ids_buf[:st.count]
         if ids.size:
             lo, hi = int(ids.min()), int(ids.max())
             if lo < 0 or hi >= table.rows:
                 bad = lo if lo < 0 else hi
-                raise RequestError(Status.ROW_OUT_OF_RANGE,
-                                   f"row id {bad} out of range for table {table.name!r} (0..{table.rows - 1})")
-        rows = buffers.rows(ids.size, table.row_bytes)
-        np.take(table.data, ids, axis=0, out=rows, mode="clip")
-        return rows
+                raise Refused(Status.ROW_OUT_OF_RANGE,
+                              f"row id {bad} out of range for table {table.name!r} (0..{table.rows - 1})")
+        return table
 
+    def _pump(self, conn: Connection) -> bool:
+        """Sends what the socket takes, gathering the next chunk when the last one is out. True when
+        the whole response is sent."""
+        st: _State = conn.state
+        sock = conn.sock
+        while True:
+            if st.next_row < st.count and not st.chunk_busy:
+                table = self.t.tables[st.table]
+                n = min(st.count - st.next_row, max(1, CHUNK_BYTES // table.row_bytes))
+                rows = st.chunk(n, table.row_bytes)
+                np.take(table.data, st.ids_buf[st.next_row:st.next_row + n], axis=0, out=rows, mode="clip")
+                st.next_row += n
+                st.parts.append(memoryview(rows.reshape(-1)))
+                st.chunk_busy = True
+            if not st.parts:
+                return True
+            try:
+                sent = sock.sendmsg(st.parts)
+            except (BlockingIOError, InterruptedError):
+                if wait_writable(sock, SEND_SPIN_S):
+                    continue
+                return False
+            conn.last_active = time.monotonic()
+            parts = st.parts
+            while parts and sent >= len(parts[0]):
+                sent -= len(parts[0])
+                parts.pop(0)
+            if parts and sent:
+                parts[0] = parts[0][sent:]
+            if not parts:
+                st.chunk_busy = False
 
-class _Buffers:
-    """A connection's reusable row-id and row buffers (grown, never shrunk)."""
+    def _finish(self, conn: Connection) -> None:
+        st: _State = conn.state
+        st.sending = False
+        if st.ftype == FrameType.GATHER and st.count and not st.closing:
+            latency, nrows, nbytes = self.t._instruments(st.table)
+            latency.observe(time.perf_counter() - st.started)
+            nrows.inc(st.count)
+            nbytes.inc(st.count * self.t.tables[st.table].row_bytes)
+        if st.closing:
+            try:  # the error frame is out: half-close, then drain what the peer still sends
+                conn.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
 
-    def __init__(self):
-        self._ids = np.empty(0, dtype="<i8")
-        self._out = np.empty(0, dtype=np.uint8)
-
-    def ids(self, count: int) -> np.ndarray:
-        if self._ids.size < count:
-            self._ids = np.empty(count, dtype="<i8")
-        return self._ids[:count]
-
-    def rows(self, count: int, row_bytes: int) -> np.ndarray:
-        need = count * row_bytes
-        if self._out.size < need:
-            self._out = np.empty(max(need, 1 << 20), dtype=np.uint8)
-        return self._out[:need].reshape(count, row_bytes)
-
-
-def _lingering_close(conn: socket.socket, max_bytes: int = 1 << 20, timeout: float = 1.0) -> None:
-    """Half-closes, then drains what the peer already sent, so the error frame
-    reaches it (closing with unread input makes the kernel send RST, which can
-    destroy the frame in flight)."""
-    try:
-        conn.shutdown(socket.SHUT_WR)
-        conn.settimeout(timeout)
-        drained = 0
-        while drained < max_bytes:
-            chunk = conn.recv(65536)
+    def _drain(self, conn: Connection) -> str:
+        """After a fatal error: read and drop the peer's bytes until it closes (closing with unread input
+        makes the kernel send RST, which can destroy the error frame in flight); the send timeout bounds it."""
+        st: _State = conn.state
+        st.sending = True  # so the send timeout closes a peer that never hangs up
+        for _ in range(16):
+            try:
+                chunk = conn.sock.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                return READ
             if not chunk:
-                break
-            drained += len(chunk)
-    except OSError:
-        pass
+                return CLOSE
+        return READ
 
 
 def _shutdown(sock: socket.socket) -> None:

@@ -1,0 +1,450 @@
+"""One connection layer for the socket data transports (tcp and shm).
+
+A fixed pool of worker threads waits on one epoll set. Every socket, the
+listener included, is registered ``EPOLLONESHOT``: each readiness event goes to
+exactly one worker, which handles it without blocking (accepts a batch, reads
+what has arrived, answers complete requests, sends what the socket takes) and
+re-arms it. No thread belongs to a connection: an idle connection costs one fd
+and its small state, and no thread is started after :meth:`ConnectionLoop.start`
+(a pids limit reached later cannot stop serving).
+
+Every limit is written here once, for every transport:
+
+* **handshake deadline**: a connection that has not authenticated within
+  ``handshake_timeout`` is closed. When ``max_handshakes`` are pending, the
+  oldest is evicted to admit a new one: a flood of idle connections churns
+  itself out while a real client, which answers the challenge in
+  microseconds, gets in.
+* **idle timeout** (off by default: a session's lease already bounds how long
+  its connections live) and a **send timeout**: a peer that stops reading its
+  response is dropped.
+* **connection caps**: ``max_connections`` in all (the default fits the fd
+  limit), ``max_per_session`` per session.
+* **accept errors** (EMFILE, ENFILE, ENOBUFS, ENOMEM, ...): back off 50 ms..1 s,
+  evict the oldest pending handshake to free an fd, log once per interval; while
+  accepts keep failing :meth:`ConnectionLoop.health` says so, and the daemon
+  reports NOT_SERVING.
+
+A :class:`Protocol` (one per transport) supplies the greeting sent on accept and
+handles a ready connection; it returns what to wait for next.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import os
+import resource
+import select
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+from tableserver.logs import RateLimitedLog
+
+log = logging.getLogger("tableserver.connections")
+
+READ, WRITE, CLOSE = "read", "write", "close"
+
+#: accept errors that mean "out of a resource": back off instead of spinning
+_EXHAUSTED = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+#: accept errors about one connection that is already gone: skip it
+_TRANSIENT = {errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.EINTR, errno.ENETDOWN, errno.ENOPROTOOPT,
+              errno.EHOSTDOWN, errno.ENONET, errno.EHOSTUNREACH, errno.EOPNOTSUPP, errno.ENETUNREACH}
+_ONESHOT = select.EPOLLONESHOT
+_EVENTS = {READ: select.EPOLLIN | _ONESHOT, WRITE: select.EPOLLOUT | _ONESHOT}
+
+
+def default_max_connections(transports: int = 2) -> int:
+    """Connections one transport may hold so all of them fit under RLIMIT_NOFILE (with room for tables,
+    gRPC and metrics)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(16, min(65536, (soft - 128) // max(1, transports)))
+
+
+@dataclass
+class Limits:
+    handshake_timeout: float = 5.0
+    idle_timeout: float = 0.0  # 0: off
+    send_timeout: float = 10.0
+    max_connections: int = 0  # 0: default_max_connections()
+    max_per_session: int = 8
+    max_handshakes: int = 256
+
+    def __post_init__(self):
+        if not self.max_connections:
+            self.max_connections = default_max_connections()
+        self.max_handshakes = max(1, min(self.max_handshakes, self.max_connections))
+
+
+class Refused(Exception):
+    """A connection the layer turns away; ``status`` and the message go to the peer."""
+
+    def __init__(self, status, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class Connection:
+    """One accepted socket and its protocol state (``state``, owned by the Protocol)."""
+
+    __slots__ = ("sock", "fd", "peer", "session", "opened", "last_active", "state", "evicted")
+
+    def __init__(self, sock: socket.socket, peer: str):
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.peer = peer
+        self.session = None
+        self.opened = self.last_active = time.monotonic()
+        self.state = None
+        self.evicted = False
+
+    def shutdown(self) -> None:
+        """Wakes whichever worker owns or will get this connection; it drops it (only a worker closes)."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+class Protocol:
+    """What one transport does with its connections. Methods run on worker threads, one at a time
+    per connection, and must not block: sockets are non-blocking."""
+
+    def greeting(self, conn: Connection) -> bytes:
+        """Bytes sent on accept (the CHALLENGE)."""
+        return b""
+
+    def busy(self, message: str) -> bytes:
+        """The frame that refuses a connection the layer has no room for."""
+        return b""
+
+    def ready(self, conn: Connection, events: int) -> str:
+        """Handles a readiness event; returns READ, WRITE or CLOSE."""
+        raise NotImplementedError
+
+    def closed(self, conn: Connection) -> None:
+        """The connection is gone (its state may be freed)."""
+
+
+class ConnectionLoop:
+    def __init__(self, name: str, listener: socket.socket, protocol: Protocol, limits: Limits, workers: int,
+                 metrics=None):
+        self.name = name
+        self.listener = listener
+        self.protocol = protocol
+        self.limits = limits
+        self.workers = max(1, workers)
+        self.metrics = metrics
+        listener.setblocking(False)
+        self._listen_fd = listener.fileno()
+        self._ep = select.epoll()
+        self._lock = threading.Lock()
+        self._conns: dict[int, Connection] = {}
+        self._handshakes: collections.OrderedDict[int, Connection] = collections.OrderedDict()
+        self._by_session: dict[int, set[Connection]] = {}
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+        self._stop = threading.Event()
+        self._accept_failing_since = 0.0  # monotonic time of the first failure in a row, 0 when accepting
+        self._accept_resume = 0.0  # re-arm the listener at this time (0: armed)
+        self._backoff = 0.0
+        self._ratelog = RateLimitedLog(log)
+        self.accepted = self.refused = self.evicted = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Starts the workers and the housekeeper; raises RuntimeError when a thread cannot start."""
+        self._ep.register(self._listen_fd, select.EPOLLIN | _ONESHOT)
+        targets = [(self._work, f"tableserver-{self.name}-{i}") for i in range(self.workers)]
+        targets.append((self._housekeep, f"tableserver-{self.name}-timers"))
+        for target, tname in targets:
+            t = threading.Thread(target=target, name=tname, daemon=True)
+            try:
+                t.start()
+            except RuntimeError as e:
+                self.close()
+                raise RuntimeError(f"cannot start the {self.name} worker threads ({e}): raise the pids/"
+                                   f"tasks limit (TasksMax, pids.max) or lower --data-threads") from None
+            self._threads.append(t)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        with self._lock:
+            conns = list(self._conns.values())
+        for c in conns:
+            c.shutdown()
+        for t in self._threads:
+            t.join(timeout=5)
+        with self._lock:
+            conns = list(self._conns.values())
+            self._conns.clear()
+            self._handshakes.clear()
+            self._by_session.clear()
+        for c in conns:
+            c.sock.close()
+        self._ep.close()
+
+    # ------------------------------------------------------------------ sessions
+    def attach(self, conn: Connection, session) -> None:
+        """Marks ``conn`` authenticated for ``session``; Refused past the per-session cap."""
+        from tableserver.wire import Status
+
+        with self._lock:
+            conns = self._by_session.setdefault(id(session), set())
+            if len(conns) >= self.limits.max_per_session:
+                raise Refused(Status.BUSY, f"this session already holds {len(conns)} {self.name} connections "
+                                           f"(the limit is {self.limits.max_per_session}): reuse them")
+            conns.add(conn)
+            conn.session = session
+            self._handshakes.pop(conn.fd, None)
+
+    def release(self, session) -> None:
+        """Drops every connection of ``session``."""
+        with self._lock:
+            conns = list(self._by_session.get(id(session), ()))
+        for c in conns:
+            c.shutdown()
+
+    def connections(self) -> int:
+        with self._lock:
+            return len(self._conns)
+
+    def active_sessions(self) -> int:
+        with self._lock:
+            return sum(1 for s in self._by_session.values() if s)
+
+    def health(self) -> tuple[bool, str]:
+        """(True, "") while this loop can serve; (False, why) when it cannot (read by the daemon's health)."""
+        if self._closed:
+            return False, f"{self.name} transport closed"
+        dead = [t.name for t in self._threads if not t.is_alive()]
+        if dead:
+            return False, f"{self.name} worker {dead[0]} died"
+        since = self._accept_failing_since
+        if since and time.monotonic() - since > 2.0:
+            return False, f"{self.name} cannot accept connections for {time.monotonic() - since:.0f} s " \
+                          f"({self._last_accept_error})"
+        return True, ""
+
+    _last_accept_error = ""
+
+    # ------------------------------------------------------------------ workers
+    def _work(self) -> None:
+        ep = self._ep
+        while not self._stop.is_set():
+            try:
+                events = ep.poll(0.5, 1)
+            except InterruptedError:
+                continue
+            except (OSError, ValueError):
+                return  # closed
+            for fd, ev in events:
+                try:
+                    if fd == self._listen_fd:
+                        self._accept()
+                    else:
+                        self._ready(fd, ev)
+                except Exception:  # never lose a worker
+                    self._ratelog.log(logging.ERROR, "worker", "%s: internal error in a worker (continuing)",
+                                      self.name)
+                    log.debug("worker error", exc_info=True)
+
+    def _ready(self, fd: int, events: int) -> None:
+        conn = self._conns.get(fd)
+        if conn is None:
+            return
+        try:
+            want = self.protocol.ready(conn, events)
+        except (OSError, ConnectionError):
+            want = CLOSE
+        except Exception:
+            want = CLOSE
+            if self.metrics is not None:
+                self.metrics.error("internal")
+            log.exception("%s %s: internal error; closing this connection", self.name, conn.peer)
+        if want == CLOSE or self._closed:
+            self._drop(conn)
+            return
+        conn.last_active = time.monotonic()
+        try:
+            self._ep.modify(fd, _EVENTS[want])
+        except OSError:
+            self._drop(conn)
+
+    def _drop(self, conn: Connection) -> None:
+        with self._lock:
+            if self._conns.pop(conn.fd, None) is None:
+                return
+            self._handshakes.pop(conn.fd, None)
+            if conn.session is not None:
+                group = self._by_session.get(id(conn.session))
+                if group is not None:
+                    group.discard(conn)
+                    if not group:
+                        del self._by_session[id(conn.session)]
+        try:
+            self._ep.unregister(conn.fd)
+        except (OSError, ValueError):
+            pass
+        conn.sock.close()
+        try:
+            self.protocol.closed(conn)
+        except Exception:
+            log.exception("%s: releasing a connection", self.name)
+
+    # ------------------------------------------------------------------ accepting
+    def _accept(self) -> None:
+        for i in range(64):
+            try:
+                sock, addr = self.listener.accept()
+            except BlockingIOError:
+                break
+            except OSError as e:
+                if e.errno in _TRANSIENT:
+                    continue
+                if i and e.errno in _EXHAUSTED:
+                    break  # the kernel checks for a free fd before it looks for a connection: maybe none waits
+                self._accept_failed(e)
+                return  # the housekeeper re-arms the listener after the back-off
+            self._accept_failing_since, self._backoff = 0.0, 0.0
+            self._admit(sock, addr)
+        try:
+            self._ep.modify(self._listen_fd, select.EPOLLIN | _ONESHOT)
+        except (OSError, ValueError):
+            pass
+
+    def _accept_failed(self, e: OSError) -> None:
+        now = time.monotonic()
+        if not self._accept_failing_since:
+            self._accept_failing_since = now
+        self._last_accept_error = f"{errno.errorcode.get(e.errno, e.errno)}: {e.strerror}"
+        self._backoff = min(1.0, max(0.05, self._backoff * 2))
+        self._accept_resume = now + self._backoff
+        if self.metrics is not None:
+            self.metrics.error("accept")
+        hint = (" (the open-file limit: raise LimitNOFILE/ulimit -n or lower --max-connections)"
+                if e.errno in (errno.EMFILE, errno.ENFILE) else "")
+        self._ratelog.warning(f"accept-{e.errno}", "%s: cannot accept connections: %s%s; retrying in %.2f s",
+                              self.name, self._last_accept_error, hint, self._backoff)
+        self._evict_oldest_handshake()  # frees an fd when a flood holds them
+
+    def _admit(self, sock: socket.socket, addr) -> None:
+        peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) and len(addr) >= 2 else "local"
+        sock.setblocking(False)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = Connection(sock, peer)
+        limits = self.limits
+        with self._lock:
+            full = len(self._conns) >= limits.max_connections
+            if full or len(self._handshakes) >= limits.max_handshakes:
+                victim = self._oldest_handshake_locked()
+                if victim is None and full:
+                    self.refused += 1
+                    refuse = True
+                else:
+                    refuse = False
+            else:
+                victim, refuse = None, False
+            if not refuse:
+                self._conns[conn.fd] = conn
+                self._handshakes[conn.fd] = conn
+                self.accepted += 1
+        if victim is not None:
+            self._evict(victim)
+        if refuse:
+            self._refuse(sock, f"the {self.name} port is at its limit of {limits.max_connections} connections: "
+                               f"retry later, or raise --max-connections")
+            return
+        try:
+            greeting = self.protocol.greeting(conn)
+            if greeting:
+                sock.send(greeting)  # a fresh socket's buffer always takes it whole
+            self._ep.register(conn.fd, select.EPOLLIN | _ONESHOT)
+        except OSError:
+            self._drop(conn)
+
+    def _refuse(self, sock: socket.socket, message: str) -> None:
+        if self.metrics is not None:
+            self.metrics.error("busy")
+        self._ratelog.warning("busy", "%s: refused a connection: %s", self.name, message)
+        try:
+            sock.send(self.protocol.busy(message))
+        except OSError:
+            pass
+        sock.close()
+
+    def _oldest_handshake_locked(self) -> Connection | None:
+        for conn in self._handshakes.values():
+            if not conn.evicted:
+                return conn
+        return None
+
+    def _evict_oldest_handshake(self) -> None:
+        with self._lock:
+            victim = self._oldest_handshake_locked()
+        if victim is not None:
+            self._evict(victim)
+
+    def _evict(self, conn: Connection) -> None:
+        conn.evicted = True
+        self.evicted += 1
+        if self.metrics is not None:
+            self.metrics.error("handshake_evicted")
+        with self._lock:
+            self._handshakes.pop(conn.fd, None)
+        conn.shutdown()
+
+    # ------------------------------------------------------------------ timers
+    def _housekeep(self) -> None:
+        limits = self.limits
+        while not self._stop.wait(0.05):
+            now = time.monotonic()
+            if self._accept_resume and now >= self._accept_resume:
+                self._accept_resume = 0.0
+                try:
+                    self._ep.modify(self._listen_fd, select.EPOLLIN | _ONESHOT)
+                except (OSError, ValueError):
+                    pass
+            expired = []
+            with self._lock:
+                for conn in self._handshakes.values():  # oldest first
+                    if now - conn.opened < limits.handshake_timeout:
+                        break
+                    expired.append(conn)
+                if limits.idle_timeout or limits.send_timeout:
+                    for conn in self._conns.values():
+                        idle = now - conn.last_active
+                        if conn.session is not None and limits.idle_timeout and idle > limits.idle_timeout:
+                            expired.append(conn)
+                        elif getattr(conn.state, "sending", False) and idle > limits.send_timeout:
+                            expired.append(conn)
+            for conn in expired:
+                if conn.session is None:
+                    if self.metrics is not None:
+                        self.metrics.error("handshake_timeout")
+                    self._ratelog.info("handshake-timeout", "%s %s: no HELLO within %g s; closed", self.name,
+                                       conn.peer, limits.handshake_timeout)
+                with self._lock:
+                    self._handshakes.pop(conn.fd, None)
+                conn.shutdown()
+
+
+def wait_writable(sock: socket.socket, timeout: float) -> bool:
+    """True when ``sock`` can take more bytes within ``timeout`` seconds (a short, bounded spin that
+    saves a round trip through epoll for a client that is reading)."""
+    p = select.poll()
+    p.register(sock, select.POLLOUT)
+    return bool(p.poll(timeout * 1000))
+
+
+def cpu_workers() -> int:
+    return max(2, min(32, 2 * (os.cpu_count() or 1)))

@@ -1,0 +1,306 @@
+"""Hostile peers on the data ports (issue 12): connection floods under a real fd limit, slow handshakes,
+connection caps, a sniffed HELLO, thread and fd exhaustion. Each is bounded, reported truthfully, and
+the server keeps serving everyone else bit-exact."""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import struct
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from conftest import EVENT_TIMEOUT, wait_for
+from test_faults import assert_still_serving, tuple_of
+from tests_helpers import open_raw_session, tcp_hello
+from tableclient import ConnectError, TableClient
+from tableserver.wire import REQUEST_MAGIC, FrameType, HandshakeRefused, Status, recv_challenge
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _many_fds():
+    """This test process opens more sockets than the default soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 8192), hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def fd_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def health(channel) -> str:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+def test_a_connection_flood_under_nofile_1024_leaves_everyone_else_served(fresh_daemon, demo_local):
+    """Before: ~1,000 idle connections under LimitNOFILE=1024 made every new tcp and shm client fail.
+    Now idle connections hold no thread, the oldest pending handshakes are evicted, and the fd count
+    stays bounded while a flooder keeps reconnecting."""
+    d = fresh_daemon(prefix=("prlimit", "--nofile=1024:1024"))
+    tcp = tuple_of(d.ready["tcp"])
+    held: list[socket.socket] = []
+    stop = threading.Event()
+    opened = [0]
+
+    def flood():
+        while not stop.is_set():
+            try:
+                s = socket.create_connection(tcp, timeout=5)
+                u = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                u.connect(d.ready["shm"])
+            except OSError:
+                continue
+            held.extend((s, u))
+            opened[0] += 2
+            while len(held) > 2400:  # keep 1,200 of each open, like a client that never says HELLO
+                held.pop(0).close()
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    flooder.start()
+    try:
+        wait_for(lambda: opened[0] >= 2400, "the flood to hold 2,400 connections")
+        started = time.monotonic()
+        assert_still_serving(d, demo_local)  # tcp and shm clients, bit-exact, during the flood
+        served_in = time.monotonic() - started
+        assert fd_count(d.proc.pid) < 1000
+    finally:
+        stop.set()
+        flooder.join(EVENT_TIMEOUT)
+        for s in held:
+            s.close()
+    assert d.proc.poll() is None
+    assert served_in < EVENT_TIMEOUT
+
+
+def test_a_connection_that_never_says_hello_is_closed_at_the_deadline(fresh_daemon):
+    d = fresh_daemon("--handshake-timeout", "0.5")
+    with socket.create_connection(tuple_of(d.ready["tcp"]), timeout=EVENT_TIMEOUT) as s:
+        recv_challenge(s)
+        started = time.monotonic()
+        assert s.recv(1) == b""  # closed by the server ...
+        assert time.monotonic() - started >= 0.4  # ... at its deadline
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as u:
+        u.settimeout(EVENT_TIMEOUT)
+        u.connect(d.ready["shm"])
+        u.recv(4096)  # the challenge
+        assert u.recv(4096) == b""
+
+
+def test_connection_caps_per_session_and_in_all(fresh_daemon, demo_local):
+    d = fresh_daemon("--max-connections", "3", "--max-connections-per-session", "2")
+    tcp = tuple_of(d.ready["tcp"])
+    resp = open_raw_session(d.address)
+    conns = [socket.create_connection(tcp, timeout=EVENT_TIMEOUT) for _ in range(3)]
+    try:
+        assert tcp_hello(conns[0], resp.session_id, resp.secret)[0] == Status.OK
+        assert tcp_hello(conns[1], resp.session_id, resp.secret)[0] == Status.OK
+        status, body = tcp_hello(conns[2], resp.session_id, resp.secret)
+        assert status == Status.BUSY and b"this session already holds 2 tcp connections" in body
+        other = open_raw_session(d.address)
+        third = socket.create_connection(tcp, timeout=EVENT_TIMEOUT)
+        conns.append(third)
+        assert tcp_hello(third, other.session_id, other.secret)[0] == Status.OK  # 3 in all now
+        with socket.create_connection(tcp, timeout=EVENT_TIMEOUT) as s:  # a 4th: no room, nothing to evict
+            with pytest.raises(HandshakeRefused, match="at its limit of 3 connections"):
+                recv_challenge(s)
+        with pytest.raises(ConnectError, match="BUSY"):
+            TableClient(d.address, transport="tcp")
+    finally:
+        for s in conns:
+            s.close()
+    wait_for(lambda: _serves(d, demo_local), "the server to serve again once the connections closed")
+
+
+def _serves(d, demo_local) -> bool:
+    try:
+        assert_still_serving(d, demo_local)
+        return True
+    except ConnectError:
+        return False
+
+
+def _tcp_payloads(packets: list[bytes], port: int) -> bytes:
+    """The tcp payload bytes sent to ``port`` in the captured loopback frames, in order."""
+    out = bytearray()
+    for frame in packets:
+        ip = frame[14:]
+        if len(ip) < 20 or ip[0] >> 4 != 4 or ip[9] != 6:
+            continue
+        ihl = (ip[0] & 0xF) * 4
+        total = struct.unpack("!H", ip[2:4])[0]
+        tcp = ip[ihl:total]
+        if struct.unpack("!H", tcp[2:4])[0] != port:
+            continue
+        out += tcp[(tcp[12] >> 4) * 4:]
+    return bytes(out)
+
+
+def test_a_sniffed_hello_is_useless(fresh_daemon, demo_local):
+    """Before: the HELLO carried the session secret in clear; a sniffer replayed it and read a table.
+    Now the secret never crosses the wire and a replayed HELLO answers the wrong challenge."""
+    d = fresh_daemon()
+    host, port = tuple_of(d.ready["tcp"])
+    sniffer = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))  # ETH_P_ALL on lo: real capture
+    sniffer.bind(("lo", 0))
+    sniffer.settimeout(0.2)
+    with TableClient(d.address, transport="tcp") as c:
+        secret = c._router.primary().session.secret
+        ids = np.arange(16)
+        np.testing.assert_array_equal(c.table("engram.layer1").gather(ids), demo_local["engram.layer1"][ids])
+        packets = []
+        while True:
+            try:
+                frame, addr = sniffer.recvfrom(1 << 16)
+            except socket.timeout:
+                break
+            if addr[2] != socket.PACKET_OUTGOING:  # lo shows each packet twice: going out and coming in
+                packets.append(frame)
+        sniffer.close()
+        sent = _tcp_payloads(packets, port)
+        assert sent.startswith(REQUEST_MAGIC + struct.pack("<H", FrameType.HELLO))  # we saw the handshake
+        assert secret not in sent
+        hello = sent[:24 + 64]
+        with socket.create_connection((host, port), timeout=EVENT_TIMEOUT) as s:  # replayed on a new connection
+            recv_challenge(s)
+            s.sendall(hello)
+            head = s.recv(24)
+            assert struct.unpack_from("<H", head, 6)[0] == Status.UNAUTHENTICATED
+
+
+def test_a_thread_that_cannot_start_stops_nothing(demo_file, demo_local, monkeypatch):
+    """Before: the accept loops started a thread per connection outside any try: one failed start
+    (TasksMax, a pids limit) killed them for good while health said SERVING. Now no thread starts
+    after start(): with every server thread start failing, new connections are served."""
+    from types import SimpleNamespace
+
+    from tableclient.transports.tcp import TcpTransport as ClientTcp
+    from tableserver.loader import load_tables
+    from tableserver.sessions import SessionRegistry
+    from tableserver.transports.tcp import TcpTransport
+
+    tables = load_tables([demo_file], hugepages="off", lock=False, progress="never")
+    sessions = SessionRegistry(60)
+    server = TcpTransport(sessions, {"tcp_listen": ("127.0.0.1", 0), "max_rows_per_request": 4096})
+    server.bind()
+    server.start(tables)
+    real_start = threading.Thread.start
+    refused = []
+
+    def start(self):
+        if self.name.startswith("tableserver-"):
+            refused.append(self.name)
+            raise RuntimeError("can't start new thread")
+        return real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    try:
+        session = sessions.open(transports=("tcp",))
+        offer = server.offer(session, None)
+        offer.tcp.host = "127.0.0.1"
+        clients = [ClientTcp(offer, SimpleNamespace(id=session.id, secret=session.secret), [], 10)
+                   for _ in range(8)]
+        table = next(t for t in tables if t.name == "engram.layer1")
+        rng = np.random.default_rng(3)
+        for client in clients:
+            ids = rng.integers(0, table.rows, 500)
+            out = np.empty((500, table.row_bytes), np.uint8)
+            client.gather(table.index, ids, out).wait(EVENT_TIMEOUT)
+            np.testing.assert_array_equal(out, demo_local["engram.layer1"][ids])
+        assert server.health() == (True, "")
+        assert not refused  # nothing even tried
+        for client in clients:
+            client.close()
+    finally:
+        monkeypatch.undo()
+        server.close()
+        sessions.close_all()
+        tables.close()
+
+
+def _pids_cgroup() -> str | None:
+    """A pids cgroup directory this test may create (v1 or v2), or None."""
+    v1 = "/sys/fs/cgroup/pids"
+    if os.access(os.path.join(v1, "cgroup.procs"), os.W_OK):
+        return v1
+    for v2 in ("/sys/fs/cgroup/unified", "/sys/fs/cgroup"):
+        try:
+            with open(os.path.join(v2, "cgroup.controllers")) as f:
+                if "pids" not in f.read().split():
+                    continue
+            with open(os.path.join(v2, "cgroup.subtree_control"), "a") as f:
+                f.write("+pids")
+            return v2
+        except OSError:
+            continue
+    return None
+
+
+def test_a_pids_limit_reached_after_start_stops_nothing(fresh_daemon, demo_local):
+    """The daemon moved into a pids cgroup that allows not one more thread: new tcp and shm clients are
+    served bit-exact and health stays SERVING (truthfully: every transport can serve)."""
+    parent = _pids_cgroup()
+    if parent is None:
+        pytest.skip("no writable pids cgroup on this machine (tested by the injected thread-start failure)")
+    d = fresh_daemon()
+    group = os.path.join(parent, f"tableserver-test-{os.getpid()}")
+    os.mkdir(group)
+    try:
+        with open(os.path.join(group, "cgroup.procs"), "w") as f:
+            f.write(str(d.proc.pid))
+        with open(os.path.join(group, "pids.current")) as f:
+            current = f.read().strip()
+        with open(os.path.join(group, "pids.max"), "w") as f:
+            f.write(current)
+        with grpc.insecure_channel(d.address) as ch:
+            for _ in range(3):
+                assert_still_serving(d, demo_local)
+            assert health(ch) == "SERVING"
+        assert d.proc.poll() is None
+    finally:
+        with open(os.path.join(parent, "cgroup.procs"), "w") as f:
+            f.write(str(d.proc.pid))
+        os.rmdir(group)
+
+
+def test_fd_exhaustion_backs_off_and_health_says_so(fresh_daemon, demo_local):
+    """Authenticated connections fill a too-small open-file limit (a misconfigured --max-connections):
+    the tcp accept loop backs off with a rate-limited log naming the fix, health turns NOT_SERVING,
+    and both recover once the connections close."""
+    d = fresh_daemon("--max-connections", "5000", prefix=("prlimit", "--nofile=128:128"))
+    tcp = tuple_of(d.ready["tcp"])
+    sessions = [open_raw_session(d.address) for _ in range(20)]
+    with grpc.insecure_channel(d.address) as ch:
+        assert health(ch) == "SERVING"
+        held = []
+        try:
+            for resp in sessions:
+                for _ in range(8):
+                    s = socket.create_connection(tcp, timeout=EVENT_TIMEOUT)
+                    held.append(s)
+                    s.settimeout(1.0)
+                    try:
+                        assert tcp_hello(s, resp.session_id, resp.secret)[0] == Status.OK
+                    except socket.timeout:
+                        break  # the server cannot accept any more: out of fds
+                else:
+                    continue
+                break
+            else:
+                pytest.fail("160 connections fit under a limit of 128 open files")
+            wait_for(lambda: health(ch) == "NOT_SERVING", "health NOT_SERVING while accepts fail")
+            assert "cannot accept connections" in d.log() and "LimitNOFILE" in d.log()
+        finally:
+            for s in held:
+                s.close()
+        wait_for(lambda: health(ch) == "SERVING", "health SERVING again")
+    assert_still_serving(d, demo_local)
