@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         return {"gen-demo": _gen_demo, "pack": _pack, "inspect": _inspect, "demo": _demo,
                 "dashboard": _dashboard, "doctor": _doctor}[args.command](args)
     except TableServerError as e:
-        print(f"tableserver: error: {e}", file=sys.stderr)
+        print(f"tableserver: error: {logs.escape(str(e))}", file=sys.stderr)  # one line, always
         return e.exit_code
     except KeyboardInterrupt:
         print("tableserver: interrupted", file=sys.stderr)

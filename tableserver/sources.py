@@ -347,7 +347,9 @@ def _read_safetensors_header(path: str) -> tuple[dict, int]:
     except FileNotFoundError:
         raise TableFileError(f"table file {path} not found: check --tables", errno=2) from None
     except Exception as e:  # SafetensorError is not exported as a class we can name portably
-        raise TableFileError(f"{path}: not a valid safetensors file ({e}): re-export it") from None
+        from tableserver.logs import escape
+
+        raise TableFileError(f"{path}: not a valid safetensors file ({escape(str(e))[:300]}): re-export it") from None
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         doc = json.loads(f.read(n))
