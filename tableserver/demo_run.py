@@ -70,10 +70,13 @@ class DemoIds:
         return h % self.sizes + self.offsets  # [batch, 24]
 
 
-def start_server(table: str, ready_dir: str, extra: list[str] = ()) -> tuple[subprocess.Popen, dict]:
+def start_server(table: str, ready_dir: str, extra: list[str] = (), prefix: list[str] = ()
+                 ) -> tuple[subprocess.Popen, dict]:
+    """The daemon serving ``table`` on free ports; ``prefix`` runs it under a wrapper that execs it
+    (e.g. prlimit), so the process is still the daemon's."""
     ready = os.path.join(ready_dir, "ready.json")
     log = open(os.path.join(ready_dir, "server.log"), "w+")
-    cmd = [sys.executable, "-m", "tableserver", "serve", "--tables", table, "--listen", "127.0.0.1:0",
+    cmd = [*prefix, sys.executable, "-m", "tableserver", "serve", "--tables", table, "--listen", "127.0.0.1:0",
            "--ready-file", ready, "--progress", "never", *extra]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300

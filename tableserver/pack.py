@@ -66,11 +66,12 @@ def inspect_file(path: str, verify: bool = True, out=None) -> int:
     for s in src.specs:
         view = memoryview(data[s.offset:s.offset + s.nbytes])
         for c, (a, b) in enumerate(chunk_ranges(s.nbytes, s.chunk_bytes)):
-            if zlib.crc32(view[a:b]) != s.chunk_crcs[c]:
+            if not s.chunk_ok(c, view[a:b]):
                 err: ChecksumError = checksum_error(path, s, c)
                 w(f"FAIL  {err}\n")
                 bad += 1
                 break
         else:
-            w(f"ok    {s.name}: {len(s.chunk_crcs)} chunks verified\n")
+            w(f"ok    {s.name}: {len(s.chunk_crcs)} chunks verified "
+              f"({'SHA-256' if s.chunk_sha256 is not None else 'CRC-32'})\n")
     return 1 if bad else 0

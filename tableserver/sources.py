@@ -71,8 +71,6 @@ class TableFileSource:
         it covers in part are read whole once for their CRC (at most two).
         The checksum returned is the whole table's either way: its identity.
         """
-        import zlib
-
         from tableserver.tablefile import checksum_error, chunk_ranges
 
         if rows is not None and rows != (0, spec.rows):
@@ -90,7 +88,7 @@ class TableFileSource:
                 i, (a, b) = i_range
                 part = view[a:b]
                 if _is_hole(fd, spec.offset + a, b - a):  # sparse: the fresh memory is already zero
-                    if verify and _zero_crc(b - a) != spec.chunk_crcs[i]:
+                    if verify and not _zero_chunk_ok(spec, i, b - a):
                         raise checksum_error(self.path, spec, i)
                     progress(b - a)
                     return
@@ -107,7 +105,7 @@ class TableFileSource:
                         aligned = 0
                 if aligned < b - a:
                     read(fd, part[aligned:], spec.offset + a + aligned)
-                if verify and zlib.crc32(part) != spec.chunk_crcs[i]:
+                if verify and not spec.chunk_ok(i, part):
                     raise checksum_error(self.path, spec, i)
                 progress(b - a)
 
@@ -117,7 +115,7 @@ class TableFileSource:
             os.close(fd)
             if dfd >= 0:
                 os.close(dfd)
-        return spec.checksum
+        return spec.checksum if verify else unverified(spec.checksum)
 
     def _pread(self, fd: int, buf, at: int, spec: TableSpec) -> None:
         """Fills ``buf`` from file offset ``at``; a short file is a one-line TableFileError."""
@@ -132,8 +130,6 @@ class TableFileSource:
     def _load_range(self, spec: TableSpec, dest: np.ndarray, pool: ThreadPoolExecutor, progress: Progress,
                     verify: bool, rows: tuple[int, int]) -> str:
         """Rows [lo, hi) of ``spec`` into ``dest``, each chunk they touch verified whole (buffered reads)."""
-        import zlib
-
         from tableserver.tablefile import checksum_error, chunk_ranges
 
         start, stop = rows[0] * spec.row_bytes, rows[1] * spec.row_bytes
@@ -151,13 +147,13 @@ class TableFileSource:
                 if verify and not inside:  # read the whole chunk once to check it, keep our part
                     whole = np.empty(b - a, np.uint8)
                     read(memoryview(whole), spec.offset + a)
-                    if zlib.crc32(whole) != spec.chunk_crcs[i]:
+                    if not spec.chunk_ok(i, whole):
                         raise checksum_error(self.path, spec, i)
                     dest[lo - start:hi - start] = whole[lo - a:hi - a]
                 else:
                     part = memoryview(dest)[lo - start:hi - start]
                     read(part, spec.offset + lo)
-                    if verify and zlib.crc32(part) != spec.chunk_crcs[i]:
+                    if verify and not spec.chunk_ok(i, part):
                         raise checksum_error(self.path, spec, i)
                 progress(hi - lo)
 
@@ -165,7 +161,7 @@ class TableFileSource:
                 pass
         finally:
             os.close(fd)
-        return spec.checksum
+        return spec.checksum if verify else unverified(spec.checksum)
 
 
 #: O_DIRECT offsets, lengths and buffer addresses are multiples of this (tables start 2 MiB-aligned
@@ -308,26 +304,34 @@ def _is_hole(fd: int, offset: int, length: int) -> bool:
         return e.errno == errno.ENXIO
 
 
-_ZERO_CRCS: dict[int, int] = {}
+_ZERO_DIGESTS: dict[tuple[int, bool], object] = {}
 
 
-def _zero_crc(n: int) -> int:
+def _zero_chunk_ok(spec: TableSpec, i: int, n: int) -> bool:
+    """Whether chunk ``i`` of ``spec`` is ``n`` zero bytes by its checksum (computed once per size)."""
     import zlib
 
-    if n not in _ZERO_CRCS:
-        _ZERO_CRCS[n] = zlib.crc32(bytes(n))
-    return _ZERO_CRCS[n]
+    from tableserver.tablefile import chunk_sha256
+
+    sha = spec.chunk_sha256 is not None
+    if (n, sha) not in _ZERO_DIGESTS:
+        zeros = bytes(n)
+        _ZERO_DIGESTS[n, sha] = chunk_sha256(zeros) if sha else zlib.crc32(zeros)
+    return _ZERO_DIGESTS[n, sha] == (spec.chunk_sha256[i] if sha else spec.chunk_crcs[i])
+
+
+def unverified(checksum: str) -> str:
+    """What the catalog says for a table loaded with --no-verify: the file's claim, marked as such (a
+    client that pins the checksum refuses it)."""
+    return f"unverified:{checksum}" if checksum else ""
 
 
 def compute_checksum(data: np.ndarray, chunk_bytes: int, pool: ThreadPoolExecutor) -> str:
-    """The catalog checksum of bytes already in memory (chunk CRCs in parallel)."""
-    import zlib
-
-    from tableserver.tablefile import chunk_ranges, table_digest
+    """The catalog checksum of bytes already in memory (chunk SHA-256s in parallel)."""
+    from tableserver.tablefile import chunk_ranges, chunk_sha256, table_sha256
 
     view = memoryview(data)
-    crcs = list(pool.map(lambda r: zlib.crc32(view[r[0]:r[1]]), chunk_ranges(len(data), chunk_bytes)))
-    return table_digest(crcs)
+    return table_sha256(list(pool.map(lambda r: chunk_sha256(view[r[0]:r[1]]), chunk_ranges(len(data), chunk_bytes))))
 
 
 def _layer_of(name: str) -> int:

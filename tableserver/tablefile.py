@@ -27,6 +27,7 @@ so a partial table file is never visible under its final name.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -50,6 +51,7 @@ MAX_HEADER_BYTES = 64 << 20
 #: what reading a header allocates for it) stays proportional to its size in pages at most
 MIN_CHUNK_BYTES = 4096
 _HEX8 = re.compile(r"[0-9a-fA-F]{1,8}")
+_HEX64 = re.compile(r"[0-9a-fA-F]{64}")
 MAX_CHUNK_BYTES = 1 << 40
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,254}$")
 
@@ -64,9 +66,19 @@ def align_up(value: int, alignment: int) -> int:
 
 
 def table_digest(chunk_crcs: Sequence[int]) -> str:
-    """The catalog checksum of a table: CRC-32 over its chunk CRCs."""
+    """The catalog checksum of a table without chunk SHA-256s (older files): CRC-32 over its chunk CRCs."""
     packed = np.asarray(chunk_crcs, dtype="<u4").tobytes()
     return f"crc32:{zlib.crc32(packed):08x}"
+
+
+def table_sha256(chunk_digests: Sequence[bytes]) -> str:
+    """The catalog checksum of a table: SHA-256 over its chunks' SHA-256 digests (chunks hash in
+    parallel while loading; the result is as collision-resistant as SHA-256 over the bytes)."""
+    return "sha256:" + hashlib.sha256(b"".join(chunk_digests)).hexdigest()
+
+
+def chunk_sha256(data) -> bytes:
+    return hashlib.sha256(data).digest()
 
 
 def chunk_count(nbytes: int, chunk_bytes: int = CHUNK_BYTES) -> int:
@@ -101,6 +113,7 @@ class TableSpec:
     offset: int = 0  # byte offset in its table file; 0 when not file-backed
     chunk_crcs: tuple[int, ...] | None = None
     chunk_bytes: int = CHUNK_BYTES
+    chunk_sha256: tuple[bytes, ...] | None = None  # files written since the digest was added
     metadata: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -109,7 +122,15 @@ class TableSpec:
 
     @property
     def checksum(self) -> str:
+        if self.chunk_sha256 is not None:
+            return table_sha256(self.chunk_sha256)
         return table_digest(self.chunk_crcs) if self.chunk_crcs is not None else ""
+
+    def chunk_ok(self, i: int, data) -> bool:
+        """Whether chunk ``i``'s bytes match the file: SHA-256 when the file has it, else CRC-32."""
+        if self.chunk_sha256 is not None:
+            return chunk_sha256(data) == self.chunk_sha256[i]
+        return zlib.crc32(data) == self.chunk_crcs[i]
 
     @property
     def logical_shape(self) -> tuple[int, ...]:
@@ -241,6 +262,12 @@ def _parse_table(t: dict, chunk_bytes: int) -> TableSpec:
         raise ValueError(f"needs {n_chunks} chunk checksums")
     if not all(isinstance(c, str) and _HEX8.fullmatch(c) for c in crcs):
         raise ValueError("chunk checksums must be hex strings of up to 8 digits")
+    shas = t.get("chunk_sha256")
+    if shas is not None:
+        if not isinstance(shas, list) or len(shas) != n_chunks or \
+                not all(isinstance(h, str) and _HEX64.fullmatch(h) for h in shas):
+            raise ValueError(f"chunk_sha256 needs {n_chunks} hex strings of 64 digits")
+        shas = tuple(bytes.fromhex(h) for h in shas)
     if not isinstance(t.get("metadata") or {}, dict):
         raise ValueError("metadata is not an object")
     shape = tuple(int(x) for x in t.get("shape") or (rows, row_bytes))
@@ -249,14 +276,14 @@ def _parse_table(t: dict, chunk_bytes: int) -> TableSpec:
     return TableSpec(name=name, rows=rows, row_bytes=row_bytes, dtype=str(t.get("dtype", "uint8")),
                      shape=shape, layer=int(t.get("layer", -1)), version=int(t.get("version", 1)),
                      offset=offset, chunk_crcs=tuple(int(c, 16) for c in crcs), chunk_bytes=chunk_bytes,
-                     metadata=dict(t.get("metadata") or {}))
+                     chunk_sha256=shas, metadata=dict(t.get("metadata") or {}))
 
 
 def verify_table(path: str, spec: TableSpec, data) -> None:
     """Checks ``data`` (the table's bytes) against the spec's chunk CRCs."""
     view = memoryview(data).cast("B")
     for i, (a, b) in enumerate(chunk_ranges(spec.nbytes, spec.chunk_bytes)):
-        if zlib.crc32(view[a:b]) != spec.chunk_crcs[i]:
+        if not spec.chunk_ok(i, view[a:b]):
             raise checksum_error(path, spec, i)
 
 
@@ -297,6 +324,8 @@ class TableFileWriter:
         self._specs = specs
         self._crcs: list[list[int]] = [[] for _ in specs]
         self._running = [0] * len(specs)
+        self._shas: list[list[bytes]] = [[] for _ in specs]
+        self._hashers = [hashlib.sha256() for _ in specs]
         self._written = [0] * len(specs)
         header = self._header_bytes(placeholder=True)
         offset = align_up(PREAMBLE.size + len(header), alignment)
@@ -314,10 +343,11 @@ class TableFileWriter:
         s = self._specs[i]
         n_chunks = chunk_count(s.nbytes, self.chunk_bytes)
         crcs = ["00000000"] * n_chunks if placeholder else [f"{c:08x}" for c in self._crcs[i]]
+        shas = ["0" * 64] * n_chunks if placeholder else [h.hex() for h in self._shas[i]]
         return {"name": s.name, "layer": s.layer, "dtype": s.dtype, "shape": list(s.logical_shape),
                 "rows": s.rows, "row_bytes": s.row_bytes, "version": s.version,
                 "offset": 0 if placeholder else self.offsets[i], "nbytes": s.nbytes,
-                "metadata": s.metadata, "chunk_crc32": crcs}
+                "metadata": s.metadata, "chunk_crc32": crcs, "chunk_sha256": shas}
 
     def _header_bytes(self, placeholder: bool) -> bytes:
         doc = {"format": "tableserver-tables", "version": FORMAT_VERSION, "alignment": self.alignment,
@@ -348,14 +378,16 @@ class TableFileWriter:
         end = self._written[table] + rows * s.row_bytes
         if end > s.nbytes:
             raise ValueError(f"too many rows for table {s.name!r} ({s.rows} rows)")
-        zero_chunk_crc = None
+        zero_chunk = None
         while self._written[table] < end:
             pos = self._written[table]
             n = min(self.chunk_bytes - pos % self.chunk_bytes, end - pos)
-            if n == self.chunk_bytes:  # a whole aligned chunk of zeros: one CRC serves them all
-                if zero_chunk_crc is None:
-                    zero_chunk_crc = zlib.crc32(bytes(n))
-                self._crcs[table].append(zero_chunk_crc)
+            if n == self.chunk_bytes:  # a whole aligned chunk of zeros: one CRC and digest serve them all
+                if zero_chunk is None:
+                    zeros = bytes(n)
+                    zero_chunk = (zlib.crc32(zeros), chunk_sha256(zeros))
+                self._crcs[table].append(zero_chunk[0])
+                self._shas[table].append(zero_chunk[1])
                 self._written[table] += n
             else:
                 self._crc_update(table, memoryview(bytes(n)))
@@ -371,9 +403,12 @@ class TableFileWriter:
             room = self.chunk_bytes - pos % self.chunk_bytes
             part, view = view[:room], view[room:]
             crc = zlib.crc32(part, crc)
+            self._hashers[table].update(part)
             pos += len(part)
             if pos % self.chunk_bytes == 0:
                 self._crcs[table].append(crc)
+                self._shas[table].append(self._hashers[table].digest())
+                self._hashers[table] = hashlib.sha256()
                 crc = 0
         self._written[table], self._running[table] = pos, crc
 
@@ -384,6 +419,7 @@ class TableFileWriter:
                 raise ValueError(f"table {s.name!r}: wrote {self._written[i]} of {s.nbytes} bytes")
             if s.nbytes % self.chunk_bytes:
                 self._crcs[i].append(self._running[i])
+                self._shas[i].append(self._hashers[i].digest())
         header = self._header_bytes(placeholder=False)
         if PREAMBLE.size + len(header) > self.data_offset:
             raise AssertionError("header outgrew its reservation")

@@ -30,7 +30,7 @@ def test_catalog_matches_file(client, demo_file, demo_local):
         info = client.tables[spec.name]
         assert (info.rows, info.row_bytes, info.layer, info.checksum) == (spec.rows, spec.row_bytes, spec.layer,
                                                                           spec.checksum)
-        assert info.checksum.startswith("crc32:")
+        assert info.checksum.startswith("sha256:")
     assert client.server.host_id and client.server.max_rows_per_request == 65536
     assert client.table(layer=14).name == "engram.layer14"
 

@@ -133,3 +133,21 @@ def test_session_opens_are_rate_limited_and_capped_per_peer(fresh_daemon):
     assert outcomes(capped, 12) == ["ok"] * 8 + ["cap"] * 4
     limited = fresh_daemon("--session-open-rate", "0.01")  # burst 1, one more every 100 s
     assert outcomes(limited, 3) == ["ok", "rate", "rate"]
+
+
+def test_the_catalog_says_when_it_did_not_verify(fresh_daemon, demo_file):
+    """Before: with --no-verify the catalog advertised the file's checksum for data nobody checked.
+    Now it says "unverified:", and a client pinning the SHA-256 digest refuses such a server."""
+    from tableclient import ConnectError, TableClient
+    from tableserver.tablefile import read_header
+
+    spec = read_header(demo_file).tables[0]
+    assert spec.checksum.startswith("sha256:")
+    d = fresh_daemon("--no-verify")
+    with TableClient(d.address) as c:
+        assert c.tables[spec.name].checksum == "unverified:" + spec.checksum
+    with pytest.raises(ConnectError, match="refused"):
+        TableClient(d.address, checksums={spec.name: spec.checksum})
+    verified = fresh_daemon()
+    with TableClient(verified.address, checksums={spec.name: spec.checksum}) as c:
+        assert c.tables[spec.name].checksum == spec.checksum

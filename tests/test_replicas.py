@@ -100,7 +100,7 @@ def test_a_restarted_node_with_other_data_is_refused_never_read(tmp_path, v1, v2
         d.stop(signal.SIGKILL)
         d = node(tmp_path, "a2", v2, port)  # same address, same names, other rows
         wait_for(lambda: c.replicas()[d.address]["state"] == "refused", lambda: f"a refusal: {c.replicas()}")
-        assert "pinned crc32:" in c.replicas()[d.address]["error"]
+        assert "pinned sha256:" in c.replicas()[d.address]["error"]
         with pytest.raises(ConnectError, match="refused"):
             c.table("engram.layer1").gather([5], timeout=EVENT_TIMEOUT)
     assert REGISTRY.get_sample_value("tableserver_client_version_refusals_total") > refusals

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -15,7 +16,7 @@ from tableserver.demo import DemoRows, DemoTable, default_tables, write_demo_fil
 from tableserver.errors import TableFileError
 from tableserver.sources import compute_checksum
 from tableserver.tablefile import (
-    ALIGNMENT, PREAMBLE, TableFileWriter, TableSpec, chunk_ranges, read_header, table_digest,
+    ALIGNMENT, PREAMBLE, TableFileWriter, TableSpec, chunk_ranges, read_header, table_digest, table_sha256,
 )
 
 
@@ -47,7 +48,10 @@ def test_layout_alignment_and_checksums(tmp_path):
             np.testing.assert_array_equal(got, data[s.name])
             crcs = [zlib.crc32(got.reshape(-1)[a:b]) for a, b in chunk_ranges(s.nbytes, h.chunk_bytes)]
             assert list(s.chunk_crcs) == crcs
-            assert s.checksum == table_digest(crcs) == compute_checksum(got.reshape(-1), h.chunk_bytes, pool)
+            shas = [hashlib.sha256(got.reshape(-1)[a:b]).digest() for a, b in chunk_ranges(s.nbytes, h.chunk_bytes)]
+            assert list(s.chunk_sha256) == shas
+            assert s.checksum == table_sha256(shas) == compute_checksum(got.reshape(-1), h.chunk_bytes, pool)
+            assert s.checksum.startswith("sha256:")
     assert h.tables[0].layer == 1 and h.tables[1].layer == -1
 
 
@@ -64,6 +68,7 @@ def test_sparse_zero_rows_have_correct_checksums(tmp_path):
     s = read_header(path).tables[0]
     got = np.fromfile(path, dtype=np.uint8)[s.offset:s.offset + s.nbytes]
     assert list(s.chunk_crcs) == [zlib.crc32(got[a:b]) for a, b in chunk_ranges(s.nbytes, 256 << 10)]
+    assert list(s.chunk_sha256) == [hashlib.sha256(got[a:b]).digest() for a, b in chunk_ranges(s.nbytes, 256 << 10)]
     rows = got.reshape(s.rows, 264)
     assert (rows[:10] == 7).all() and (rows[10:4010] == 0).all() and (rows[4010] == 9).all()
     assert (rows[4011:] == 0).all()
@@ -212,3 +217,21 @@ def test_loader_reads_bit_exact_with_every_io_mode(tmp_path, io):
                     np.testing.assert_array_equal(tables.by_name[s.name].data, data[s.name])
         finally:
             os.unlink(path)
+
+
+def test_files_without_chunk_sha256_still_load_by_crc(tmp_path):
+    """Files written before the SHA-256 digest: checked and identified by their CRC-32 chunks."""
+    path = _write(tmp_path / "old.bin", [TableSpec("t", 1000, 264)],
+                  lambda w, i, s: w.append(i, np.full((1000, 264), 3, np.uint8)))
+    pre = PREAMBLE.unpack(open(path, "rb").read(PREAMBLE.size))
+    with open(path, "r+b") as f:
+        f.seek(PREAMBLE.size)
+        doc = json.loads(f.read(pre[3]))
+        for t in doc["tables"]:
+            del t["chunk_sha256"]
+        raw = json.dumps(doc).encode().ljust(pre[3])
+        f.seek(0)
+        f.write(PREAMBLE.pack(pre[0], pre[1], pre[2], len(raw), zlib.crc32(raw), pre[5], pre[6]) + raw)
+    s = read_header(path).tables[0]
+    assert s.chunk_sha256 is None and s.checksum == table_digest(s.chunk_crcs)
+    assert s.chunk_ok(0, np.full(264 * 1000, 3, np.uint8)) and not s.chunk_ok(0, np.zeros(264 * 1000, np.uint8))
