@@ -35,6 +35,7 @@ bench: $(DEV)
 	$(BIN)/python bench/bench_rdma.py
 	$(BIN)/python bench/bench_sglang.py
 	$(BIN)/python bench/bench_failover.py   # root: nodes in network namespaces (skips otherwise)
+	$(BIN)/python bench/soak.py             # 16 clients + a flood client, every row checked
 
 # Engram traffic replay + deadline model on the demo table: bench/out/replay.txt and replay_cdf.png
 replay: $(DEV)
