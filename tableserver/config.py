@@ -101,6 +101,9 @@ SERVE_OPTIONS = (
     Option("rdma_max_qps_per_session", "int", 16, "most RC QPs one client session may open", metavar="N"),
     Option("rdma_mr_chunk_bytes", "int", 0, "register tables in memory regions of at most this many bytes "
            "(0: as large as the device allows)", metavar="BYTES"),
+    Option("rdma_rkeys", "choice", "auto", "RDMA access keys: session (each session's QPs get their own memory "
+           "windows; its rkeys die with it), shared (one rkey per region for everyone), auto (session where the "
+           "device has memory windows)", choices=("auto", "session", "shared")),
     Option("rdma_pack_max_rows", "int", 16384, "owner-side packing: most row ids per request (0 disables it)",
            metavar="N"),
     Option("ready_file", "str", "", "write a JSON file with the bound addresses once SERVING", metavar="PATH"),

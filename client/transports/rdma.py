@@ -254,9 +254,12 @@ class RdmaTransport(ClientTransport):
             by_table.setdefault(r.table, []).append(r)
         for info in catalog:
             regions = sorted(by_table.get(info.index, []), key=lambda r: r.table_offset)
+            # rkeys[region, qp]: a session's own memory-window rkey per QP, or the region's one rkey on all
+            rkeys = np.array([list(r.qp_rkeys) if r.qp_rkeys else [r.rkey] * len(self._qps) for r in regions],
+                             np.int64).reshape(len(regions), len(self._qps))
             self._tables[info.index] = _TableState(
                 info, np.array([r.table_offset for r in regions], np.int64),
-                np.array([r.addr for r in regions], np.uint64), np.array([r.rkey for r in regions], np.int64))
+                np.array([r.addr for r in regions], np.uint64), rkeys)
         if self.pack_max_rows:
             self._setup_pack()
         self._probe(connect_timeout)
@@ -326,11 +329,10 @@ class RdmaTransport(ClientTransport):
         offsets = ids * rb
         if len(t.starts) == 1:
             addrs = offsets.astype(np.uint64) + t.addrs[0]
-            rkeys = int(t.rkeys[0])
+            which = None
         else:
             which = np.searchsorted(t.starts, offsets, side="right") - 1
             addrs = (offsets - t.starts[which]).astype(np.uint64) + t.addrs[which]
-            rkeys = t.rkeys[which]
         n, nq = ids.size, len(self._qps)
         bounds = [n * q // nq for q in range(nq + 1)]
         batch = _Batch(self, next(self._tokens), out)
@@ -347,7 +349,7 @@ class RdmaTransport(ClientTransport):
                     batch.blocks.append((ring.slots, start))
                     positions[a:b] = np.arange(ring.base_row + start, ring.base_row + start + b - a)
                     batch.parts += 1
-                    rk = rkeys if isinstance(rkeys, int) else rkeys[a:b].tolist()
+                    rk = int(t.rkeys[0, q]) if which is None else t.rkeys[which[a:b], q].tolist()
                     ring.post(self._qps[q], start, addrs[a:b].tolist(), rk, (batch.token << 8) | q)
             except BaseException as e:
                 self._fail_all(TransportError(f"posting RDMA reads failed: {e}"))

@@ -1,10 +1,18 @@
 """rdma transport, server side: read-only memory regions, per-session RC QPs, owner-side packing.
 
-**Read mode** (one-sided): every table is registered as memory regions with
-``REMOTE_READ`` only (never remote write or atomics), row-aligned chunks no
-larger than the device's max MR size (or ``--rdma-mr-chunk-bytes``). A session
-gets its own RC QPs, connected to the client's over the gRPC handshake with
-random PSNs; clients then READ rows without this process's CPU.
+**Read mode** (one-sided): every table is registered as memory regions,
+row-aligned chunks no larger than the device's max MR size (or
+``--rdma-mr-chunk-bytes``). A session gets its own RC QPs, connected to the
+client's over the gRPC handshake with random PSNs; clients then READ rows
+without this process's CPU.
+
+**Revocable access** (``--rdma-rkeys session``, the default where the device
+has memory windows): the MRs grant no remote access at all, only MW binding;
+each session's QPs get type-2 memory windows bound to them with ``REMOTE_READ``
+only, so an rkey works on its own QP and nowhere else. When the session ends,
+its windows are deallocated and its QPs destroyed: its rkeys read nothing, and
+no other session's rkey ever did. ``shared`` (devices without windows) registers
+the MRs ``REMOTE_READ`` and hands every session their rkeys.
 
 **Pack mode** (owner-side, for windows too short for one READ per row): a
 client SENDs its row ids; one server thread gathers them with ``np.take`` into
@@ -39,6 +47,9 @@ log = logging.getLogger("tableserver.rdma")
 
 RECV_DEPTH = 16  # pack requests a QP can have queued at the server
 SEND_DEPTH = 64
+#: a pack reply (WRITE_WITH_IMM) the client does not take for this long (it stopped posting receive
+#: buffers: RNR forever) ends its session; meanwhile every other session is served
+PACK_REPLY_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -51,9 +62,11 @@ class Region:
     addr: int
     mr: object
 
-    def proto(self) -> pb.RdmaRegion:
-        return pb.RdmaRegion(table=self.table, table_offset=self.table_offset, addr=self.addr, rkey=self.mr.rkey,
-                             length=self.length)
+    def proto(self, qp_rkeys: list[int] | None = None) -> pb.RdmaRegion:
+        """The region as a session sees it: the shared MR rkey, or that session's window rkey per QP."""
+        return pb.RdmaRegion(table=self.table, table_offset=self.table_offset, addr=self.addr,
+                             rkey=qp_rkeys[0] if qp_rkeys else self.mr.rkey, length=self.length,
+                             qp_rkeys=qp_rkeys or [])
 
 
 @dataclass(eq=False)
@@ -67,6 +80,10 @@ class _SessionQPs:
     reply: RegisteredBuffer | None = None
     recv_wrs: list = field(default_factory=list)
     slot: int = 0  # bytes per receive buffer
+    windows: list = field(default_factory=list)  # type-2 MWs bound to this session's QPs
+    backlog: list = field(default_factory=list)  # pack requests received, not yet served (wr_id, len, qp)
+    inflight: tuple | None = None  # the pack reply on the wire: (wr, deadline, table, count, started)
+    rkeys: list = field(default_factory=list)  # [region][qp] window rkeys
     lock: threading.Lock = field(default_factory=threading.Lock)
     closed: bool = False
 
@@ -75,6 +92,8 @@ class _SessionQPs:
             if self.closed:
                 return
             self.closed = True
+            for mw in self.windows:  # the session's rkeys die here
+                mw.close()
             for qp in self.qps:
                 qp.close()
             self.cq.close()
@@ -99,6 +118,8 @@ class RdmaTransport(ServerTransport):
         self.max_qps = options.get("rdma_max_qps_per_session", 16) or 16
         self.chunk = options.get("rdma_mr_chunk_bytes", 0) or 0
         self.pack_max_rows = options.get("rdma_pack_max_rows", 16384)
+        self.rkeys_mode = options.get("rdma_rkeys", "auto") or "auto"
+        self.windows = False  # per-session memory windows (decided in start)
         self.dev: Device | None = None
         self.regions: list[Region] = []
         self._sessions: dict[bytes, _SessionQPs] = {}
@@ -126,6 +147,17 @@ class RdmaTransport(ServerTransport):
             for t in tables:  # series exist from 0, so rate() counts the first requests
                 self._instruments(t.index)
         e = verbs().e
+        max_mw = int(getattr(self.dev.attr, "max_mw", 0) or 0)
+        if self.rkeys_mode == "session" and not max_mw:
+            from tableserver.errors import ConfigError
+
+            raise ConfigError(f"--rdma-rkeys session: device {self.dev.name} has no memory windows (max_mw 0): "
+                              "pass --rdma-rkeys shared (one rkey for every session) or use a device with them")
+        self.windows = self.rkeys_mode != "shared" and max_mw > 0
+        if not self.windows:
+            log.warning("rdma: one rkey per table region for every session (%s): a session's rkeys stay valid "
+                        "after it ends", "device without memory windows" if not max_mw else "--rdma-rkeys shared")
+        access = e.IBV_ACCESS_MW_BIND if self.windows else e.IBV_ACCESS_REMOTE_READ
         jobs = []
         for t in tables:
             limit = min(self.dev.max_mr_size, self.chunk or self.dev.max_mr_size)
@@ -137,15 +169,16 @@ class RdmaTransport(ServerTransport):
         def register(job):
             t, off, length = job
             addr = t.region.addr + off
-            return Region(t.index, off, length, addr, self.dev.register(addr, length, e.IBV_ACCESS_REMOTE_READ))
+            return Region(t.index, off, length, addr, self.dev.register(addr, length, access))
 
         # pyverbs 44 holds the GIL inside ibv_reg_mr, so chunks register one at a
         # time there; a pyverbs that releases it registers them concurrently.
         with ThreadPoolExecutor(4, thread_name_prefix="tableserver-reg") as pool:
             self.regions = list(pool.map(register, jobs))
         self.register_seconds = time.monotonic() - t0
-        log.info("rdma: registered %d read-only MRs over %d tables (%.2f GiB) in %.2f s", len(self.regions),
-                 len(tables), tables.nbytes / 2**30, self.register_seconds)
+        log.info("rdma: registered %d %s MRs over %d tables (%.2f GiB) in %.2f s", len(self.regions),
+                 "window-only (per-session rkeys)" if self.windows else "read-only", len(tables),
+                 tables.nbytes / 2**30, self.register_seconds)
         self._packer = threading.Thread(target=self._pack_loop, name="tableserver-rdma-pack", daemon=True)
         self._packer.start()
 
@@ -192,6 +225,8 @@ class RdmaTransport(ServerTransport):
                 self._setup_pack(s)
             for qp, info, remote in zip(s.qps, s.infos, params.qps):
                 connect_rc_qp(dev, qp, info, QpInfo(remote.qp_num, remote.psn, remote.gid, remote.mtu), rd_atomic)
+            if self.windows:
+                self._bind_windows(s)
         except Exception:
             s.close()
             raise
@@ -201,8 +236,42 @@ class RdmaTransport(ServerTransport):
                  rd_atomic)
         return pb.TransportOffer(name="rdma", rdma=pb.RdmaEndpoint(
             qps=[pb.RdmaQueuePair(qp_num=i.qp_num, psn=i.psn, gid=i.gid, mtu=i.mtu) for i in s.infos],
-            regions=[r.proto() for r in self.regions], device=dev.name,
+            regions=[r.proto(s.rkeys[i] if s.rkeys else None) for i, r in enumerate(self.regions)], device=dev.name,
             pack_max_rows=self.pack_max_rows, max_rd_atomic=rd_atomic))
+
+    def _bind_windows(self, s: _SessionQPs, timeout: float = 10.0) -> None:
+        """Binds a type-2 memory window per (QP, region), REMOTE_READ only, on that QP; fills s.rkeys."""
+        v = verbs()
+        e = v.e
+        s.rkeys = [[0] * len(s.qps) for _ in self.regions]
+        posted = []  # WRs stay referenced until they complete (pyverbs hands the device raw pointers)
+
+        def reap() -> None:
+            deadline = time.monotonic() + timeout
+            done = 0
+            while done < len(posted):
+                n, wcs = s.cq.poll(16)
+                for wc in wcs[:n]:
+                    if wc.status != e.IBV_WC_SUCCESS:
+                        raise RuntimeError(f"binding a memory window failed (completion status {wc.status})")
+                    done += 1
+                if not n and time.monotonic() > deadline:
+                    raise RuntimeError(f"binding memory windows did not complete in {timeout:g} s")
+            posted.clear()
+
+        for q, qp in enumerate(s.qps):
+            for i, r in enumerate(self.regions):
+                mw = v.mr.MW(self.dev.pd, e.IBV_MW_TYPE_2)
+                s.windows.append(mw)
+                wr = v.wr.SendWR(wr_id=(3 << 40) | len(s.windows), opcode=e.IBV_WR_BIND_MW,
+                                 send_flags=e.IBV_SEND_SIGNALED)
+                wr.set_bind_wr(mw, v.mr.MWBindInfo(r.mr, r.addr, r.length, e.IBV_ACCESS_REMOTE_READ))
+                qp.post_send(wr)
+                posted.append(wr)
+                s.rkeys[i][q] = int(wr.rkey)
+                if len(posted) >= SEND_DEPTH // 2:
+                    reap()
+        reap()
 
     def release(self, session: Session) -> None:
         with self._lock:
@@ -238,21 +307,29 @@ class RdmaTransport(ServerTransport):
         s.slot = slot
 
     def _pack_loop(self) -> None:
-        """Serves pack requests of every session; backs off to 1 ms polls when idle."""
+        """Serves pack requests of every session; backs off to 1 ms polls when idle. Never waits on one
+        session: a reply still on the wire holds only that session's next request."""
         idle = 0
         while not self._stop.is_set():
             with self._lock:
                 sessions = list(self._sessions.values())
             busy = False
+            stalled = []
             for s in sessions:
                 with s.lock:
                     if s.closed or s.recv is None:
                         continue
                     try:
                         busy |= self._poll_session(s)
+                    except _Stalled as e:
+                        stalled.append((s, str(e)))
                     except Exception as e:  # a broken session must not stop the others
                         self.metrics.error("qp_error")
                         self._ratelog.warning("pack", "rdma: session %s pack error: %s", s.session.label, e)
+            for s, why in stalled:  # outside s.lock: ending the session releases (closes) it
+                self.metrics.error("qp_error")
+                log.warning("rdma: session %s: %s; ending it", s.session.label, why)
+                self.sessions.close(s.session.id, f"rdma pack replies stalled: {why}")
             if busy:
                 idle = 0
             else:
@@ -263,14 +340,33 @@ class RdmaTransport(ServerTransport):
         e = verbs().e
         n, wcs = s.cq.poll(16)
         for wc in wcs[:n]:
-            if wc.status != e.IBV_WC_SUCCESS:
+            if s.inflight is not None and wc.wr_id == s.inflight[0].wr_id:
+                self._reply_done(s, wc)
+            elif wc.status != e.IBV_WC_SUCCESS:
                 self.metrics.error("qp_error")
                 self._ratelog.warning("wc", "rdma: session %s: completion error status %d opcode %d", s.session.label,
                                       wc.status, wc.opcode)
-                continue
-            if wc.opcode == e.IBV_WC_RECV:
-                self._serve_pack(s, wc)
-        return n > 0
+            elif wc.opcode == e.IBV_WC_RECV:
+                s.backlog.append((wc.wr_id, wc.byte_len, wc.qp_num))
+        if s.inflight is not None and time.monotonic() > s.inflight[1]:
+            raise _Stalled(f"a pack reply was not taken for {PACK_REPLY_TIMEOUT_S:g} s (the client stopped "
+                           "posting receive buffers)")
+        served = False
+        while s.inflight is None and s.backlog:
+            self._serve_pack(s, *s.backlog.pop(0))
+            served = True
+        return n > 0 or served
+
+    def _reply_done(self, s: _SessionQPs, wc) -> None:
+        _wr, _deadline, table_index, count, started = s.inflight
+        s.inflight = None
+        if wc.status != verbs().e.IBV_WC_SUCCESS:
+            raise RuntimeError(f"pack reply failed with status {wc.status}")
+        if table_index is not None:
+            latency, nrows, nbytes_total = self._instruments(table_index)
+            latency.observe(time.perf_counter() - started)
+            nrows.inc(count)
+            nbytes_total.inc(count * self.tables[table_index].row_bytes)
 
     def _qp_of(self, s: _SessionQPs, qp_num: int):
         for qp, info in zip(s.qps, s.infos):
@@ -278,16 +374,17 @@ class RdmaTransport(ServerTransport):
                 return qp
         raise KeyError(qp_num)
 
-    def _serve_pack(self, s: _SessionQPs, wc) -> None:
+    def _serve_pack(self, s: _SessionQPs, k: int, byte_len: int, qp_num: int) -> None:
+        """Answers one pack request: gathers into the staging buffer and posts the WRITE (or the error
+        SEND) without waiting for it; the receive buffer goes back at once (the ids were consumed)."""
         v = verbs()
         e = v.e
-        k = wc.wr_id
         base = k * s.slot
-        raw = s.recv.array[base:base + wc.byte_len]
-        qp = self._qp_of(s, wc.qp_num)
+        raw = s.recv.array[base:base + byte_len]
+        qp = self._qp_of(s, qp_num)
         request_id = 0
         try:
-            if wc.byte_len < PACK_REQUEST.size:
+            if byte_len < PACK_REQUEST.size:
                 raise _Refuse(Status.BAD_FRAME, "pack request shorter than its header")
             magic, request_id, table_index, count, dest, rkey = PACK_REQUEST.unpack_from(raw)
             if magic != PACK_REQUEST_MAGIC:
@@ -295,8 +392,8 @@ class RdmaTransport(ServerTransport):
             if count > self.pack_max_rows:
                 raise _Refuse(Status.TOO_MANY_ROWS, f"{count} rows in one pack request, the limit is "
                                                     f"{self.pack_max_rows}")
-            if wc.byte_len != PACK_REQUEST.size + count * ROW_ID_BYTES:
-                raise _Refuse(Status.BAD_FRAME, f"pack request of {wc.byte_len} bytes for {count} ids")
+            if byte_len != PACK_REQUEST.size + count * ROW_ID_BYTES:
+                raise _Refuse(Status.BAD_FRAME, f"pack request of {byte_len} bytes for {count} ids")
             if table_index >= len(self.tables):
                 raise _Refuse(Status.UNKNOWN_TABLE, f"no table #{table_index}")
             table = self.tables[table_index]
@@ -314,11 +411,8 @@ class RdmaTransport(ServerTransport):
             wr = v.wr.SendWR(wr_id=1 << 40, opcode=e.IBV_WR_RDMA_WRITE_WITH_IMM, num_sge=1, sg=[sge],
                              imm_data=request_id, send_flags=e.IBV_SEND_SIGNALED)
             wr.set_wr_rdma(rkey, dest)
-            self._post_and_wait(s, qp, wr)
-            latency, nrows, nbytes_total = self._instruments(table_index)
-            latency.observe(time.perf_counter() - start)
-            nrows.inc(count)
-            nbytes_total.inc(nbytes)
+            qp.post_send(wr)
+            s.inflight = (wr, time.monotonic() + PACK_REPLY_TIMEOUT_S, table_index, count, start)
         except _Refuse as r:
             self.metrics.refused(r.status)
             self._ratelog.warning(r.status.name, "rdma: session %s pack request refused: %s", s.session.label, r)
@@ -326,10 +420,11 @@ class RdmaTransport(ServerTransport):
             body = PACK_ERROR.pack(PACK_ERROR_MAGIC, request_id, r.status, len(msg)) + msg
             s.reply.array[:len(body)] = np.frombuffer(body, np.uint8)
             sge = v.wr.SGE(s.reply.addr, len(body), s.reply.mr.lkey)
-            self._post_and_wait(s, qp, v.wr.SendWR(wr_id=1 << 41, opcode=e.IBV_WR_SEND, num_sge=1, sg=[sge],
-                                                   send_flags=e.IBV_SEND_SIGNALED))
+            wr = v.wr.SendWR(wr_id=1 << 41, opcode=e.IBV_WR_SEND, num_sge=1, sg=[sge], send_flags=e.IBV_SEND_SIGNALED)
+            qp.post_send(wr)
+            s.inflight = (wr, time.monotonic() + PACK_REPLY_TIMEOUT_S, None, 0, 0.0)
         finally:
-            qp.post_recv(s.recv_wrs[k])  # the receive buffer is free again
+            qp.post_recv(s.recv_wrs[k])  # the ids were consumed: the receive buffer is free again
 
     def _instruments(self, table_index: int):
         inst = self._inst.get(table_index)
@@ -337,29 +432,9 @@ class RdmaTransport(ServerTransport):
             inst = self._inst[table_index] = self.metrics.gather_op("rdma", "pack", self.tables[table_index].name)
         return inst
 
-    def _post_and_wait(self, s: _SessionQPs, qp, wr, timeout: float = 5.0) -> None:
-        """Posts ``wr`` and polls until it completes; receives seen meanwhile are served after."""
-        e = verbs().e
-        qp.post_send(wr)
-        deadline = time.monotonic() + timeout
-        deferred = []
-        while True:
-            n, wcs = s.cq.poll(8)
-            done = False
-            for wc in wcs[:n]:
-                if wc.wr_id == wr.wr_id and wc.opcode in (e.IBV_WC_RDMA_WRITE, e.IBV_WC_SEND):
-                    if wc.status != e.IBV_WC_SUCCESS:
-                        raise RuntimeError(f"pack reply failed with status {wc.status}")
-                    done = True
-                else:
-                    deferred.append(wc)
-            if done:
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError("pack reply did not complete in time")
-        for wc in deferred:
-            if wc.status == e.IBV_WC_SUCCESS and wc.opcode == e.IBV_WC_RECV:
-                self._serve_pack(s, wc)
+
+class _Stalled(Exception):
+    """A session stopped taking its pack replies."""
 
 
 class _Refuse(Exception):

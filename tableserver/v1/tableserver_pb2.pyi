@@ -150,18 +150,20 @@ class RdmaClientParams(_message.Message):
     def __init__(self, qps: _Optional[_Iterable[_Union[RdmaQueuePair, _Mapping]]] = ..., device: _Optional[str] = ..., staging_addr: _Optional[int] = ..., staging_rkey: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., max_rd_atomic: _Optional[int] = ...) -> None: ...
 
 class RdmaRegion(_message.Message):
-    __slots__ = ("table", "table_offset", "addr", "rkey", "length")
+    __slots__ = ("table", "table_offset", "addr", "rkey", "length", "qp_rkeys")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     TABLE_OFFSET_FIELD_NUMBER: _ClassVar[int]
     ADDR_FIELD_NUMBER: _ClassVar[int]
     RKEY_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    QP_RKEYS_FIELD_NUMBER: _ClassVar[int]
     table: int
     table_offset: int
     addr: int
     rkey: int
     length: int
-    def __init__(self, table: _Optional[int] = ..., table_offset: _Optional[int] = ..., addr: _Optional[int] = ..., rkey: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+    qp_rkeys: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, table: _Optional[int] = ..., table_offset: _Optional[int] = ..., addr: _Optional[int] = ..., rkey: _Optional[int] = ..., length: _Optional[int] = ..., qp_rkeys: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RdmaEndpoint(_message.Message):
     __slots__ = ("qps", "regions", "device", "pack_max_rows", "max_rd_atomic")

@@ -58,7 +58,7 @@ def test_handshake(rdma_daemon, demo_local):
         assert len(big.starts) > 1  # 18 MB over 3 MiB chunks
         assert c.table("tiny").gather([0]).tobytes() == demo_local["tiny"][0].tobytes()
     log = rdma_daemon.log()
-    assert "registered" in log and "read-only MRs" in log and "connected 3 QPs" in log
+    assert "registered" in log and "window-only (per-session rkeys) MRs" in log and "connected 3 QPs" in log
 
 
 @pytest.mark.parametrize("name", ["engram.layer1", "engram.layer14", "dense.f32", "tiny"])
@@ -172,7 +172,7 @@ def post_remote_write(client, wr_id: int):
     local.array[:264] = 0xAB
     wr = v.wr.SendWR(wr_id=wr_id, opcode=e.IBV_WR_RDMA_WRITE, num_sge=1,
                      sg=[v.wr.SGE(local.addr, 264, local.mr.lkey)], send_flags=e.IBV_SEND_SIGNALED)
-    wr.set_wr_rdma(int(state.rkeys[0]), int(state.addrs[0]))
+    wr.set_wr_rdma(int(state.rkeys[0, 0]), int(state.addrs[0]))
     t._qps[0].post_send(wr)
     return t, local, wr  # keep them referenced while the WRITE is in flight (pyverbs keeps raw pointers)
 
@@ -195,6 +195,80 @@ def test_server_refuses_remote_write(rdma_daemon, demo_local):
         row0 = c2.table("engram.layer1").gather([0, 1], timeout=EVENT_TIMEOUT)
         np.testing.assert_array_equal(row0, demo_local["engram.layer1"][[0, 1]])
         assert not (row0[0] == 0xAB).all()
+
+
+def read_with(transport, rkey: int, addr: int, wr_id: int):
+    """One RDMA READ of 264 bytes at ``addr`` with ``rkey`` on the transport's first QP: (status, bytes)."""
+    v = verbs()
+    e = v.e
+    local = transport._register(4096, e.IBV_ACCESS_LOCAL_WRITE)
+    wr = v.wr.SendWR(wr_id=wr_id, opcode=e.IBV_WR_RDMA_READ, num_sge=1,
+                     sg=[v.wr.SGE(local.addr, 264, local.mr.lkey)], send_flags=e.IBV_SEND_SIGNALED)
+    wr.set_wr_rdma(rkey, addr)
+    with transport._poll_lock:
+        transport._qps[0].post_send(wr)
+        deadline = time.monotonic() + EVENT_TIMEOUT
+        while time.monotonic() < deadline:
+            n, wcs = transport._cq.poll(4)
+            for wc in wcs[:n]:
+                if wc.wr_id == wr_id:
+                    return wc.status, bytes(local.array[:264])
+    raise AssertionError("the READ never completed")
+
+
+def test_an_rkey_reads_only_on_its_own_sessions_qps(rdma_daemon, demo_local):
+    """Before: one MR rkey per region served every session, forever (a session that ended, or another
+    one, kept reading with it). Now each session's QPs get their own type-2 memory windows: an rkey
+    reads on its own QP only, and dies with its session."""
+    e = verbs().e
+    index = None
+    with TableClient(rdma_daemon.address, transport="rdma", rdma_qps=2, rdma_ring_rows=64) as a:
+        ta = a._node_transport()
+        index = a.tables["engram.layer1"].index
+        sa = ta._tables[index]
+        addr = int(sa.addrs[0])
+        assert sa.rkeys[0, 0] != sa.rkeys[0, 1]  # one window per QP
+        status, row = read_with(ta, int(sa.rkeys[0, 0]), addr, 91)
+        assert status == e.IBV_WC_SUCCESS and row == demo_local["engram.layer1"][0].tobytes()
+        old_rkeys = [int(k) for k in sa.rkeys[0]]
+    with TableClient(rdma_daemon.address, transport="rdma", rdma_qps=1, rdma_ring_rows=64) as b:
+        tb = b._node_transport()
+        assert int(tb._tables[index].rkeys[0, 0]) not in old_rkeys
+        status, row = read_with(tb, old_rkeys[0], addr, 92)  # the ended session's rkey, on a live QP
+        assert status == e.IBV_WC_REM_ACCESS_ERR and row != demo_local["engram.layer1"][0].tobytes()
+    log = rdma_daemon.log()
+    assert "window-only (per-session rkeys)" in log
+
+
+def test_a_client_that_stops_taking_pack_replies_stalls_only_itself(rdma_daemon, demo_local):
+    """Before: the one pack thread waited on each reply until it completed (up to 5 s), so a client that
+    stopped posting receive buffers held every session's pack requests. Now a reply on the wire holds
+    only its own session: the others are served meanwhile, and the stalled session is ended."""
+    from tableserver.transports.rdma import PACK_REPLY_TIMEOUT_S
+
+    class Dropped:
+        """Where the broken client would re-post a receive buffer: it never does."""
+
+        def post_recv(self, wr):
+            pass
+
+    rows = demo_local["engram.layer1"]
+    with TableClient(rdma_daemon.address, transport="rdma", mode="pack", rdma_qps=1, rdma_ring_rows=64,
+                     client_name="stalls") as x:
+        tx = x._node_transport()
+        tx._recv_wrs = [(Dropped(), wr) for _qp, wr in tx._recv_wrs]
+        for i in range(16):  # each reply uses up one of its 16 receive buffers
+            np.testing.assert_array_equal(x.table("engram.layer1").gather([i], timeout=EVENT_TIMEOUT), rows[[i]])
+        stuck = x.table("engram.layer1").gather_async([99])  # its reply finds no receive buffer: RNR
+        with TableClient(rdma_daemon.address, transport="rdma", mode="pack", rdma_qps=1, rdma_ring_rows=64) as y:
+            for i in range(20):
+                t0 = time.monotonic()
+                ids = np.arange(i, 3000, 97)
+                np.testing.assert_array_equal(y.table("engram.layer1").gather(ids, timeout=EVENT_TIMEOUT), rows[ids])
+                assert time.monotonic() - t0 < PACK_REPLY_TIMEOUT_S / 2  # not held behind the stalled reply
+        wait_for(lambda: "pack replies stalled" in rdma_daemon.log(), "the stalled session to be ended")
+        with pytest.raises((TransportError, ConnectError, GatherTimeout)):
+            stuck.wait(EVENT_TIMEOUT)
 
 
 def test_reconnects_after_a_qp_error(rdma_daemon, demo_local):
