@@ -14,6 +14,7 @@ Usage: python bench/bench_transports.py [--gib 2] [--iters 300] [--server-pages 
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 
@@ -48,22 +49,29 @@ def main() -> int:
             print("note: could not reserve 2 MiB hugepages (needs root); the server uses 4 KiB pages while numpy's\n"
                   "      in-process copy gets transparent hugepages, so shm pays extra TLB misses")
         proc, ready = start_server(path, tmp, ["--hugepages", "2m" if huge else "off"])
+        # a second server on the same table file seals its tcp rows (AES-256-GCM): what privacy costs
+        sealed_dir = os.path.join(tmp, "sealed")
+        os.makedirs(sealed_dir)
+        sproc, sready = start_server(path, sealed_dir, ["--hugepages", "off", "--transports", "tcp",
+                                                        "--data-encryption", "on", "--metrics-port", "off"])
         try:
             shm = TableClient(ready["control"], transport="shm")
             tcp = TableClient(ready["control"], transport="tcp")
-            tables = {"shm": shm.table("bench"), "tcp": tcp.table("bench")}
+            sealed = TableClient(sready["control"], transport="tcp")
+            tables = {"shm": shm.table("bench"), "tcp": tcp.table("bench"), "tcp sealed": sealed.table("bench")}
+            paths = ("in-process", "shm", "tcp", "tcp sealed")
             print(f"server SERVING in {ready['time_to_serving_s']:.2f} s on {'2 MiB hugepages' if huge else '4 KiB pages'}; "
                   f"{args.iters} iterations per size, "
                   "paths interleaved, fresh random ids each time\n")
-            print(f"{'rows':>6}  {'path':<11}{'p50 us':>9}{'p99 us':>9}{'rows/s':>13}{'vs in-process':>15}")
+            print(f"{'rows':>6}  {'path':<12}{'p50 us':>9}{'p99 us':>9}{'rows/s':>13}{'vs in-process':>15}")
             results = {}
             for n in (1536, 12288):
                 rng = np.random.default_rng(n)
                 out = np.empty((n, 264), np.uint8)
-                t = {k: np.empty(args.iters) for k in ("in-process", "shm", "tcp")}
+                t = {k: np.empty(args.iters) for k in paths}
                 for i in range(args.iters + 20):  # first 20: warm-up
                     ids = rng.integers(0, spec.rows, n)
-                    for k in ("in-process", "shm", "tcp"):
+                    for k in paths:
                         s = time.perf_counter()
                         if k == "in-process":
                             np.take(local, ids, axis=0, out=out)
@@ -74,21 +82,27 @@ def main() -> int:
                     if i == 20:  # correctness once per size, outside the timings
                         np.testing.assert_array_equal(tables["tcp"].gather(ids), local[ids])
                         np.testing.assert_array_equal(tables["shm"].gather(ids), local[ids])
+                        np.testing.assert_array_equal(tables["tcp sealed"].gather(ids), local[ids])
                 base = stats(t["in-process"], n)[2]
                 for k in t:
                     p50, p99, rps = stats(t[k], n)
                     results[(n, k)] = (p50, p99, rps)
-                    print(f"{n:>6}  {k:<11}{p50 * 1e6:>9.0f}{p99 * 1e6:>9.0f}{rps:>13,.0f}{rps / base:>14.2f}x")
+                    print(f"{n:>6}  {k:<12}{p50 * 1e6:>9.0f}{p99 * 1e6:>9.0f}{rps:>13,.0f}{rps / base:>14.2f}x")
             shm.close()
             tcp.close()
+            sealed.close()
         finally:
-            proc.terminate()
-            proc.wait(30)
+            for p in (proc, sproc):
+                p.terminate()
+                p.wait(30)
     r_shm = min(results[(n, "shm")][2] / results[(n, "in-process")][2] for n in (1536, 12288))
     tcp_p50 = results[(1536, "tcp")][0]
     print(f"\ntarget shm >= 0.9x in-process rows/s: worst size {r_shm:.2f}x  "
           f"[{'met' if r_shm >= 0.9 else 'MISSED'}]")
     print(f"target tcp p50 <= 1 ms for 1,536 rows: {tcp_p50 * 1e3:.3f} ms  [{'met' if tcp_p50 <= 1e-3 else 'MISSED'}]")
+    for n in (1536, 12288):
+        print(f"sealed tcp (AES-256-GCM) at {n:,} rows: {results[(n, 'tcp sealed')][2] / results[(n, 'tcp')][2]:.2f}x "
+              f"plain tcp rows/s, p50 {results[(n, 'tcp sealed')][0] * 1e3:.2f} vs {results[(n, 'tcp')][0] * 1e3:.2f} ms")
     return 0
 
 

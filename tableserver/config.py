@@ -94,6 +94,9 @@ SERVE_OPTIONS = (
     Option("tls_key", "str", "", "PEM private key of --tls-cert", metavar="PATH"),
     Option("tls_client_ca", "str", "", "PEM CA: require client certificates it signed (mutual TLS)",
            metavar="PATH"),
+    Option("data_encryption", "choice", "auto", "seal tcp data connections with AES-256-GCM keyed from the session "
+           "(rows and row ids private and authenticated): on, off, or auto (on when the control plane runs TLS)",
+           choices=("auto", "on", "off")),
     Option("rdma_device", "str", "", "RDMA device (default: the first one)", metavar="NAME"),
     Option("rdma_port", "int", 1, "RDMA device port", metavar="N"),
     Option("rdma_gid_index", "str", "", "GID index (default: the first RoCE v2 IPv4-mapped GID)", metavar="N",

@@ -22,9 +22,10 @@ import numpy as np
 
 from tableclient.errors import AuthError, ConnectError, RemoteError, TransportError
 from tableclient.transports.base import ClientTransport, Pending
+from tableserver.seal import C2S, S2C, TAG_BYTES, BadTag, Direction, derive_key
 from tableserver.wire import (
-    FATAL, HEADER, HEADER_BYTES, RESPONSE_MAGIC, FrameType, HandshakeRefused, Status, hello_frame, recv_challenge,
-    recv_exact, request_header, send_all, server_proof,
+    FATAL, HEADER, HEADER_BYTES, HELLO_SEALED, RESPONSE_MAGIC, FrameType, HandshakeRefused, Status, hello_frame,
+    recv_challenge, recv_exact, request_header, send_all, server_proof,
 )
 
 log = logging.getLogger("tableclient.tcp")
@@ -68,6 +69,8 @@ class TcpTransport(ClientTransport):
                                "check that the server's --tcp-listen/--tcp-advertise address is reachable") from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = sock
+        self._seal_tx = self._seal_rx = None  # seal.Direction each way when the server seals this connection
+        self._scratch = bytearray(0)
         self._hello(session.id, session.secret)
         sock.settimeout(None)
         self._ids = itertools.count(1)
@@ -80,7 +83,7 @@ class TcpTransport(ClientTransport):
 
     def _hello(self, session_id: bytes, secret: bytes) -> None:
         """Challenge-response: the secret never crosses the wire, and the server proves it holds it too."""
-        status, msg = Status.OK, b""
+        status, msg, flags = Status.OK, b"", 0
         try:
             nonce = recv_challenge(self._sock)
             frame, client_nonce = hello_frame(session_id, secret, nonce)
@@ -88,7 +91,7 @@ class TcpTransport(ClientTransport):
             head = bytearray(HEADER_BYTES)
             if not recv_exact(self._sock, memoryview(head)):
                 raise ConnectionResetError("server closed the connection")
-            magic, _t, status, _rid, _rb, count = HEADER.unpack(head)
+            magic, _t, status, _rid, flags, count = HEADER.unpack(head)
             if magic != RESPONSE_MAGIC or count > 65536:
                 raise ValueError("not a tableserver response")
             msg = bytearray(count)
@@ -110,6 +113,9 @@ class TcpTransport(ClientTransport):
             self._sock.close()
             raise AuthError(f"tcp data port {self.endpoint} could not prove it holds the session secret: "
                             "not the server that opened this session")
+        if flags & HELLO_SEALED:  # every payload from here on is AES-GCM sealed (tableserver/seal.py)
+            self._seal_tx = Direction(derive_key(secret, C2S, nonce, client_nonce))
+            self._seal_rx = Direction(derive_key(secret, S2C, nonce, client_nonce))
 
     def gather(self, table_index: int, ids: np.ndarray, out: np.ndarray, sync: bool = False,
                mode: str = "read", expand=None) -> Pending:
@@ -119,7 +125,9 @@ class TcpTransport(ClientTransport):
             p = _TcpPending(out, next(self._ids), self)
             self._pending.append(p)  # before sending: the receiver may answer at once
             try:
-                send_all(self._sock, [request_header(FrameType.GATHER, p.request_id, table_index, ids.size), ids])
+                header = request_header(FrameType.GATHER, p.request_id, table_index, ids.size)
+                payload = ids if self._seal_tx is None else self._seal_tx.seal(header, memoryview(ids).cast("B"))
+                send_all(self._sock, [header, payload])
             except OSError as e:
                 self._fail(TransportError(f"tcp connection to {self.endpoint} broke while sending: {e}"))
                 raise self._error from None
@@ -145,20 +153,35 @@ class TcpTransport(ClientTransport):
                     if count * row_bytes != dest.nbytes:
                         raise ConnectionError(f"response of {count}x{row_bytes} bytes for a "
                                               f"{dest.nbytes}-byte buffer")
-                    recv_exact(sock, memoryview(dest).cast("B"))
+                    if self._seal_rx is None:
+                        recv_exact(sock, memoryview(dest).cast("B"))
+                    else:
+                        self._open(sock, bytes(head), memoryview(dest).cast("B"))
                     p.complete()
                 else:
                     msg = bytearray(count)
-                    recv_exact(sock, memoryview(msg))
+                    if self._seal_rx is None:
+                        recv_exact(sock, memoryview(msg))
+                    else:
+                        self._open(sock, bytes(head), memoryview(msg))
                     name = Status(status).name if status in Status._value2member_map_ else str(status)
                     p.complete(RemoteError(name, msg.decode(errors="replace")))
                     if status in FATAL:
                         raise ConnectionError(f"server closed the connection after {name}")
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, BadTag) as e:
             error = TransportError(f"tcp connection to {self.endpoint} lost: {e}")
             if p is not None and not p.done():
                 p.complete(error)
             self._fail(error)
+
+    def _open(self, sock, header: bytes, dest: memoryview) -> None:
+        """Receives a sealed payload (ciphertext + tag) and decrypts it into ``dest``; BadTag if forged."""
+        n = len(dest) + TAG_BYTES
+        if len(self._scratch) < n:
+            self._scratch = bytearray(n)
+        view = memoryview(self._scratch)[:n]
+        recv_exact(sock, view)
+        self._seal_rx.open_into(header, view[:len(dest)], view[len(dest):], dest)
 
     def _abort(self, why: str) -> None:
         """Breaks the connection: the receiver stops at once and fails what is pending."""

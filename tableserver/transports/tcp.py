@@ -39,9 +39,10 @@ from tableserver.transports.connections import (
     CLOSE, READ, WRITE, Connection, ConnectionLoop, Limits, Protocol, Refused, cpu_workers, wait_writable,
 )
 from tableserver.v1 import tableserver_pb2 as pb
+from tableserver.seal import C2S, S2C, TAG_BYTES, BadTag, Direction, crypt_into, derive_key
 from tableserver.wire import (
-    FATAL, HEADER, HEADER_BYTES, HELLO_BYTES, NONCE_BYTES, REQUEST_MAGIC, FrameType, Status, challenge_frame,
-    response_header,
+    CLIENT_NONCE_BYTES, FATAL, HEADER, HEADER_BYTES, HELLO_BYTES, HELLO_SEALED, NONCE_BYTES, REQUEST_MAGIC,
+    SESSION_ID_BYTES, FrameType, Status, challenge_frame, response_header,
 )
 
 log = logging.getLogger("tableserver.tcp")
@@ -105,6 +106,8 @@ class TcpTransport(ServerTransport):
         self.max_rows = int(options["max_rows_per_request"])
         self.limits = connection_limits(options)
         self.workers = int(options.get("data_threads", 0)) or cpu_workers()
+        mode = options.get("data_encryption", "auto") or "auto"
+        self.seal = mode == "on" or (mode == "auto" and bool(options.get("tls_cert")))
         self._sock: socket.socket | None = None
         self._loop: ConnectionLoop | None = None
         self._closed = False
@@ -165,7 +168,8 @@ class _State:
     """One tcp connection's protocol state."""
 
     __slots__ = ("nonce", "head", "got", "need", "target", "ftype", "req_id", "table", "count", "ids_buf",
-                 "chunk_buf", "parts", "next_row", "chunk_busy", "sending", "closing", "started", "hello", "error")
+                 "chunk_buf", "parts", "next_row", "chunk_busy", "sending", "closing", "started", "hello", "error", "rx", "tx", "enc", "cipher_buf",
+                 "sealed_buf", "client_nonce")
 
     def __init__(self, nonce: bytes):
         self.nonce = nonce
@@ -184,6 +188,11 @@ class _State:
         self.started = 0.0
         self.hello = bytearray(HELLO_BYTES)
         self.error: Refused | None = None  # a refusal decided from the header alone
+        self.rx = self.tx = None  # seal.Direction each way once the connection is sealed
+        self.enc = None  # the encryptor of the response being sent
+        self.cipher_buf = bytearray(0)  # a sealed request's payload + tag as received
+        self.sealed_buf = bytearray(0)  # an encrypted chunk of rows
+        self.client_nonce = b""
 
     def expect_header(self) -> None:
         self.got, self.need, self.target = 0, HEADER_BYTES, memoryview(self.head)
@@ -290,7 +299,13 @@ class _TcpProtocol(Protocol):
                 raise Refused(Status.TOO_MANY_ROWS, f"{count} row ids in one request, the limit is "
                                                     f"{self.t.max_rows}: split the gather")
             st.got, st.need = 0, count * 8
-            st.target = memoryview(st.ids(count)).cast("B")
+            if st.rx is not None:  # sealed: ciphertext + tag land aside, then decrypt into the id buffer
+                st.need += TAG_BYTES
+                if len(st.cipher_buf) < st.need:
+                    st.cipher_buf = bytearray(st.need)
+                st.target = memoryview(st.cipher_buf)
+            else:
+                st.target = memoryview(st.ids(count)).cast("B")
             return True
         except Refused as e:
             st.error = e
@@ -308,34 +323,60 @@ class _TcpProtocol(Protocol):
                 raise error
             if st.ftype == FrameType.HELLO:
                 proof = self._hello(conn)
-                st.parts = [memoryview(response_header(FrameType.HELLO, Status.OK, st.req_id, 0, len(proof))
-                                       + proof)]
+                # row_bytes of the HELLO answer carries flags: SEALED when the payloads that follow are sealed
+                st.parts = [memoryview(response_header(FrameType.HELLO, Status.OK, st.req_id,
+                                                       HELLO_SEALED if self.t.seal else 0, len(proof)) + proof)]
                 st.count = 0
+                if self.t.seal:
+                    self._seal(conn)
             else:
                 session = conn.session
+                if st.rx is not None:
+                    self._open_ids(st)
                 if session.closed:
                     raise Refused(Status.SESSION_CLOSED, f"session ended: {session.close_reason}")
                 table = self._check(st)
                 st.next_row = 0
-                st.parts = [memoryview(response_header(FrameType.GATHER, Status.OK, st.req_id, table.row_bytes,
-                                                       st.count))]
+                header = response_header(FrameType.GATHER, Status.OK, st.req_id, table.row_bytes, st.count)
+                st.parts = [memoryview(header)]
+                if st.tx is not None:
+                    st.enc = st.tx.encryptor(header)
         except Refused as e:
             self.t.metrics.refused(e.status)
             self.ratelog.warning(e.status.name, "tcp %s: %s: %s", conn.peer, e.status.name, e)
             msg = str(e).encode()
-            st.parts = [memoryview(response_header(st.ftype, e.status, st.req_id, 0, len(msg)) + msg)]
+            header = response_header(st.ftype, e.status, st.req_id, 0, len(msg))
+            st.parts = [memoryview(header + (st.tx.seal(header, msg) if st.tx is not None else msg))]
             st.next_row = st.count = 0
+            st.enc = None
             st.closing = e.status in FATAL
         st.error = None
         st.sending = True
         st.chunk_busy = False
         st.expect_header()
 
+    def _seal(self, conn: Connection) -> None:
+        st: _State = conn.state
+        secret = conn.session.secret
+        st.rx = Direction(derive_key(secret, C2S, st.nonce, st.client_nonce))
+        st.tx = Direction(derive_key(secret, S2C, st.nonce, st.client_nonce))
+
+    def _open_ids(self, st: _State) -> None:
+        """Decrypts a sealed GATHER's ids into the id buffer; a bad tag is fatal (BAD_FRAME)."""
+        n = st.count * 8
+        header = bytes(st.head)
+        try:
+            st.rx.open_into(header, memoryview(st.cipher_buf)[:n], bytes(st.cipher_buf[n:n + TAG_BYTES]),
+                            memoryview(st.ids(st.count)).cast("B"))
+        except BadTag as e:
+            raise Refused(Status.BAD_FRAME, str(e)) from None
+
     def _hello(self, conn: Connection) -> bytes:
         st: _State = conn.state
         if conn.session is not None:
             raise Refused(Status.BAD_FRAME, "a second HELLO on one connection")
         session, proof = self.t.sessions.authenticate_hello(bytes(st.hello), st.nonce)
+        st.client_nonce = bytes(st.hello[SESSION_ID_BYTES:SESSION_ID_BYTES + CLIENT_NONCE_BYTES])
         if session is None:
             raise Refused(Status.UNAUTHENTICATED, "unknown session or wrong proof: open a session over gRPC")
         if "tcp" not in session.transports:
@@ -369,8 +410,23 @@ class _TcpProtocol(Protocol):
                 rows = st.chunk(n, table.row_bytes)
                 np.take(table.data, st.ids_buf[st.next_row:st.next_row + n], axis=0, out=rows, mode="clip")
                 st.next_row += n
-                st.parts.append(memoryview(rows.reshape(-1)))
+                view = memoryview(rows.reshape(-1))
+                if st.enc is not None:
+                    if len(st.sealed_buf) < len(view) + 15 + TAG_BYTES:
+                        st.sealed_buf = bytearray(max(len(view), CHUNK_BYTES) + 15 + TAG_BYTES)
+                    crypt_into(st.enc, view, memoryview(st.sealed_buf)[:len(view) + 15])
+                    view = memoryview(st.sealed_buf)[:len(view)]
+                    if st.next_row == st.count:  # the last chunk carries the tag
+                        st.enc.finalize()
+                        st.sealed_buf[len(view):len(view) + TAG_BYTES] = st.enc.tag
+                        view = memoryview(st.sealed_buf)[:len(view) + TAG_BYTES]
+                        st.enc = None
+                st.parts.append(view)
                 st.chunk_busy = True
+            elif st.enc is not None and st.next_row == st.count:  # zero rows: the tag alone
+                st.enc.finalize()
+                st.parts.append(memoryview(st.enc.tag))
+                st.enc = None
             if not st.parts:
                 return True
             try:
