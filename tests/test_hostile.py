@@ -7,6 +7,7 @@ import json
 import os
 import resource
 import struct
+import time
 import zlib
 
 import numpy as np
@@ -151,3 +152,56 @@ def test_the_catalog_says_when_it_did_not_verify(fresh_daemon, demo_file):
     verified = fresh_daemon()
     with TableClient(verified.address, checksums={spec.name: spec.checksum}) as c:
         assert c.tables[spec.name].checksum == spec.checksum
+
+
+def test_table_memory_without_the_write_seal_is_refused_for_shm():
+    """The shm transport starts only over memory nobody can write: mode 0400 and F_SEAL_FUTURE_WRITE,
+    checked at start (a kernel that refused the seal used to be ignored silently)."""
+    import fcntl
+
+    from tableserver.errors import TableServerError
+    from tableserver.memory import PinnedRegion
+    from tableserver.transports.shm import check_read_only
+
+    with PinnedRegion("t", 4096) as good:
+        good.seal()
+        check_read_only(good)  # the loader's own regions pass
+    with PinnedRegion("t", 4096) as half:
+        fcntl.fcntl(half.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)  # what an old kernel gives
+        with pytest.raises(TableServerError, match="F_SEAL_FUTURE_WRITE needs Linux >= 5.1"):
+            check_read_only(half)
+    with PinnedRegion("t", 4096) as loose:
+        loose.seal()
+        os.fchmod(loose.fd, 0o644)
+        with pytest.raises(TableServerError, match="mode 644, expected 0400"):
+            check_read_only(loose)
+
+
+def test_the_metrics_endpoint_holds_a_bounded_number_of_threads(fresh_daemon):
+    """Before: one thread per connection to /metrics, forever for an idle one. Now at most 8 requests are
+    served at once, each must arrive within 5 s, and extra connections are closed at once."""
+    import socket
+    import urllib.request
+
+    from conftest import wait_for
+
+    d = fresh_daemon()
+    host, port = d.ready["metrics"].rsplit(":", 1)
+    assert host == "127.0.0.1"  # loopback unless told otherwise
+
+    def threads() -> int:
+        with open(f"/proc/{d.proc.pid}/status") as f:
+            return int(next(line for line in f if line.startswith("Threads:")).split()[1])
+
+    before = threads()
+    idle = [socket.create_connection((host, int(port))) for _ in range(100)]
+    try:
+        time.sleep(0.5)
+        assert threads() <= before + 8
+    finally:
+        for s in idle:
+            s.close()
+    wait_for(lambda: threads() <= before, "the metrics threads to go")
+    wait_for(lambda: b"tableserver_serving 1.0" in urllib.request.urlopen(f"http://{host}:{port}/metrics",
+                                                                          timeout=10).read(),
+             "a scrape once the idle connections are gone")
