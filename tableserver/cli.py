@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "and check that it matches the host's rdma-core")
     o.add_argument("--pyverbs-from", default="", metavar="DIR", help="with --fix-pyverbs: link this pyverbs "
                    "package directory instead (e.g. a vendor OFED/DOCA build)")
+    # the serve options: with any of them (or --config) the doctor checks what that server needs
+    from tableserver.config import add_flags
+
+    add_flags(o)
     return p
 
 
@@ -174,9 +178,15 @@ def _demo(args) -> int:
 
 
 def _doctor(args) -> int:
-    from tableserver import doctor
+    import os
 
-    return doctor.run(fix_pyverbs_=args.fix_pyverbs or bool(args.pyverbs_from), pyverbs_from=args.pyverbs_from or None)
+    from tableserver import doctor
+    from tableserver.config import ENV_PREFIX, SERVE_OPTIONS, resolve
+
+    given = hasattr(args, "config") or any(hasattr(args, o.name) for o in SERVE_OPTIONS) \
+        or bool(os.environ.get(ENV_PREFIX + "CONFIG"))
+    return doctor.run(fix_pyverbs_=args.fix_pyverbs or bool(args.pyverbs_from), pyverbs_from=args.pyverbs_from or None,
+                      cfg=resolve(args) if given else None)
 
 
 def _dashboard(args) -> int:

@@ -195,10 +195,13 @@ def pyverbs_problem(info: dict) -> str | None:
     return None
 
 
-def check_rdma_devices() -> Finding:
+def check_rdma_devices(required: bool = False) -> Finding:
     devices = sorted(os.listdir("/sys/class/infiniband")) if os.path.isdir("/sys/class/infiniband") else []
     if devices:
         return Finding("rdma devices", "ok", ", ".join(devices))
+    if required:
+        return Finding("rdma devices", "FAIL", "none, but --transports names rdma: load the NIC's driver (and on "
+                       "Kubernetes request the RDMA device plugin's resource), or drop rdma from --transports")
     return Finding("rdma devices", "warn", "none (no RDMA NIC, or no Soft-RoCE link: `rdma link add rxe0 type rxe "
                    "netdev eth0`); tcp and shm still work")
 
@@ -289,12 +292,18 @@ def link(pkg_dir: str, purelib: str, link_dir: str):
     return undo
 
 
-def run(fix_pyverbs_: bool = False, pyverbs_from: str | None = None, out=sys.stdout) -> int:
-    """The ``doctor`` command: prints one line per check; 1 when a check fails."""
+def run(fix_pyverbs_: bool = False, pyverbs_from: str | None = None, out=sys.stdout, cfg: dict | None = None) -> int:
+    """The ``doctor`` command: prints one line per check; 1 when a check fails. With a serve configuration
+    (``cfg``: the same flags, environment and --config as ``serve``) it also checks what that server needs."""
     if fix_pyverbs_ or pyverbs_from:
         print(fix_pyverbs(source=pyverbs_from).line(), file=out)
         return 0
-    findings = [check_pyverbs(), check_rdma_devices()]
+    from tableserver import host_checks
+
+    wants_rdma = bool(cfg) and "rdma" in cfg.get("transports", [])
+    findings = [check_pyverbs(), check_rdma_devices(required=wants_rdma)]
+    if cfg is not None:
+        findings += host_checks.run(cfg, rdma=wants_rdma or (bool(cfg) and "auto" in cfg.get("transports", [])))
     for f in findings:
         print(f.line(), file=out)
     return 1 if any(f.status == "FAIL" for f in findings) else 0

@@ -122,7 +122,13 @@ def plan_memory(sizes: list[int], hugepages: str = "auto", lock: bool = True) ->
     """
     if hugepages not in HUGEPAGE_MODES:
         raise MemoryLimitError(f"unknown --hugepages {hugepages!r}: use one of {', '.join(HUGEPAGE_MODES)}")
+    from tableserver.cgroups import hugetlb_allowance, memory_allowance
+
     free = {HUGE_1G: free_hugepages(HUGE_1G), HUGE_2M: free_hugepages(HUGE_2M)}
+    hugetlb = {hp: hugetlb_allowance(hp) for hp in free}
+    for hp, allowed in hugetlb.items():  # the pod's or unit's hugetlb limit binds before the host's pool
+        if allowed is not None:
+            free[hp] = min(free[hp], allowed.available // hp)
     page_sizes = []
     for size in sizes:
         choice = PAGE
@@ -138,6 +144,13 @@ def plan_memory(sizes: list[int], hugepages: str = "auto", lock: bool = True) ->
         if hugepages in ("1g", "2m") and choice == PAGE:
             hp = HUGE_1G if hugepages == "1g" else HUGE_2M
             need = round_up(size, hp) // hp
+            allowed = hugetlb[hp]
+            if allowed is not None and allowed.available // hp < min(need, free_hugepages(hp)):
+                raise MemoryLimitError(
+                    f"--hugepages {hugepages} needs {need} {hp >> 20} MiB hugepages for a {_gib(size)} table, but "
+                    f"cgroup {allowed.cgroup} allows {allowed.available // hp} more ({allowed.knob} = "
+                    f"{_gib(allowed.limit)}): raise it (Kubernetes: resources.limits.hugepages-"
+                    f"{'1Gi' if hp == HUGE_1G else '2Mi'}) or use --hugepages auto")
             raise MemoryLimitError(
                 f"--hugepages {hugepages} needs {need} free {hp >> 20} MiB hugepages for a {_gib(size)} table, "
                 f"{free_hugepages(hp)} are free: reserve them (echo N > "
@@ -145,6 +158,12 @@ def plan_memory(sizes: list[int], hugepages: str = "auto", lock: bool = True) ->
         page_sizes.append(choice)
     total = sum(round_up(s, p) for s, p in zip(sizes, page_sizes))
     normal = sum(round_up(s, p) for s, p in zip(sizes, page_sizes) if p == PAGE)
+    cgroup = memory_allowance()
+    if cgroup is not None and normal > cgroup.available:
+        raise MemoryLimitError(
+            f"the tables need {_gib(normal)} of memory but cgroup {cgroup.cgroup} allows {_gib(cgroup.available)} "
+            f"more ({cgroup.knob} = {_gib(cgroup.limit)}): raise it (Kubernetes: resources.limits.memory; "
+            "systemd: MemoryMax=), reserve hugepages for the tables, or serve fewer tables")
     avail = mem_available()
     if normal > avail:
         raise MemoryLimitError(

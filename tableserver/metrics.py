@@ -43,6 +43,8 @@ ERROR_REASONS = ("bad_row_ids", "unknown_table", "too_many_rows", "bad_frame", "
 #: the /metrics endpoint: concurrent requests served, and how long one may take to send its request
 HTTP_MAX_REQUESTS = 8
 HTTP_TIMEOUT_S = 5.0
+#: /livez fails when the control plane's event loop has not run for this long
+LIVENESS_S = 10.0
 STATUS_REASON = {Status.ROW_OUT_OF_RANGE: "bad_row_ids", Status.UNKNOWN_TABLE: "unknown_table",
                  Status.TOO_MANY_ROWS: "too_many_rows", Status.BAD_FRAME: "bad_frame",
                  Status.UNAUTHENTICATED: "auth", Status.SESSION_CLOSED: "session_closed",
@@ -125,9 +127,29 @@ class ServerMetrics:
     # ------------------------------------------------------------ endpoint
     def serve(self, host: str, port: int, tls_cert: str = "", tls_key: str = "") -> int:
         """Starts the /metrics HTTP endpoint (the daemon's own process only); returns the bound port."""
-        server, thread = start_metrics_server(host, port, self.registry, tls_cert, tls_key)
+        server, thread = start_metrics_server(host, port, self.registry, tls_cert, tls_key,
+                                              probes={"/readyz": self._ready, "/livez": self._live})
         self._http = (server, thread)
         return server.server_port
+
+    def _ready(self) -> tuple[bool, str]:
+        """/readyz: the gRPC health status, in plain HTTP for probes that cannot speak (m)TLS gRPC."""
+        state = getattr(self._state.server, "state", None)
+        if state is not None and state.ready:
+            return True, "SERVING"
+        reason = state.unready_reason if state is not None else "starting"
+        return False, f"NOT_SERVING: {reason}"
+
+    def _live(self) -> tuple[bool, str]:
+        """/livez: the control plane's event loop has run within LIVENESS_S (it beats every second, also
+        while tables load)."""
+        beat = getattr(self._state.server, "heartbeat", None)
+        if beat is None:
+            return True, "alive (starting)"
+        stale = time.monotonic() - beat
+        if stale > LIVENESS_S:
+            return False, f"the control-plane event loop has not run for {stale:.0f} s"
+        return True, "alive"
 
     def close(self) -> None:
         if self._http is not None:
@@ -292,10 +314,11 @@ def _code_of(context, error) -> str:
     return "UNKNOWN"
 
 
-def start_metrics_server(host: str, port: int, registry, tls_cert: str = "", tls_key: str = ""):
+def start_metrics_server(host: str, port: int, registry, tls_cert: str = "", tls_key: str = "", probes=None):
     """prometheus-client's WSGI exporter, bounded: at most HTTP_MAX_REQUESTS connections are served at
     once (more are closed at once), each must send its request within HTTP_TIMEOUT_S, and with a cert
-    and key it speaks HTTPS (the TLS handshake runs on the request's thread, under the same timeout)."""
+    and key it speaks HTTPS (the TLS handshake runs on the request's thread, under the same timeout).
+    ``probes`` maps paths (/readyz, /livez) to ``() -> (ok, text)``: 200 or 503 with the text, no table data."""
     import ssl
     import threading
     from wsgiref.simple_server import make_server
@@ -335,7 +358,18 @@ def start_metrics_server(host: str, port: int, registry, tls_cert: str = "", tls
     if tls_cert and tls_key:
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         context.load_cert_chain(tls_cert, tls_key)
-    httpd = make_server(host, port, make_wsgi_app(registry), Server, handler_class=Handler)
+    metrics_app = make_wsgi_app(registry)
+
+    def app(environ, start_response):
+        probe = (probes or {}).get(environ.get("PATH_INFO", ""))
+        if probe is None:
+            return metrics_app(environ, start_response)
+        ok, text = probe()
+        start_response("200 OK" if ok else "503 Service Unavailable",
+                       [("Content-Type", "text/plain; charset=utf-8"), ("Cache-Control", "no-store")])
+        return [text.encode() + b"\n"]
+
+    httpd = make_server(host, port, app, Server, handler_class=Handler)
     if context is not None:
         httpd.socket = context.wrap_socket(httpd.socket, server_side=True, do_handshake_on_connect=False)
     thread = threading.Thread(target=httpd.serve_forever, name="tableserver-metrics", daemon=True)

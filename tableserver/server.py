@@ -80,6 +80,7 @@ class TableServer:
         self._stop: asyncio.Event | None = None
         self._cancel_load = threading.Event()
         self.started = time.monotonic()
+        self.heartbeat: float | None = None  # the event loop's last beat (/livez)
         self.time_to_serving = None
 
     # ------------------------------------------------------------------ run
@@ -89,6 +90,7 @@ class TableServer:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop, sig)
         cfg = self.cfg
+        beat = asyncio.create_task(self._beat())
         self.sessions = SessionRegistry(cfg["lease_seconds"])
         self.sessions.add_listener(self.metrics.session_ended)
         grpc_server = None
@@ -110,6 +112,7 @@ class TableServer:
             self._warn_if_exposed()
             log.info("control plane on %s:%d (%s%s), health NOT_SERVING while loading", self.host, self.port,
                      "TLS" if self.credentials else "plaintext", ", token auth" if self.token else "")
+            sd_notify(f"STATUS=loading {len(cfg['tables'])} table file(s)")
             self.tables = await loop.run_in_executor(None, self._load)
             for t in self.transports.values():  # rdma registers every table here: keep health answering
                 await loop.run_in_executor(None, t.start, self.tables)
@@ -123,6 +126,7 @@ class TableServer:
             await self._stop.wait()
             watch.cancel()
             log.info("shutting down: health NOT_SERVING, ending %d sessions", len(self.sessions))
+            sd_notify("STOPPING=1\nSTATUS=shutting down")
             await health.enter_graceful_shutdown()
             self.state.ready = False
             self.sessions.close_all()
@@ -133,6 +137,7 @@ class TableServer:
             log.info("stopped while loading tables")
             return 0
         finally:
+            beat.cancel()
             if grpc_server is not None:
                 await grpc_server.stop(grace=None)
             self.sessions.close_all()
@@ -146,6 +151,17 @@ class TableServer:
             if self.token_file:
                 _remove(self.token_file)
 
+    async def _beat(self) -> None:
+        """The event loop's heartbeat for /livez and the systemd watchdog (WATCHDOG_USEC)."""
+        watchdog = _watchdog_interval()
+        last_ping = 0.0
+        while True:
+            self.heartbeat = time.monotonic()
+            if watchdog and self.heartbeat - last_ping >= watchdog:
+                sd_notify("WATCHDOG=1")
+                last_ping = self.heartbeat
+            await asyncio.sleep(min(1.0, watchdog or 1.0))
+
     async def _watch_health(self, health, interval: float = 0.25) -> None:
         """Health and tableserver_serving follow the transports: NOT_SERVING while one cannot serve."""
         serving = True
@@ -157,6 +173,7 @@ class TableServer:
                 self.state.unready_reason = f"not serving ({problems[0]})" if problems else ""
                 self.state.ready = serving
                 await set_serving(health, serving)
+                sd_notify(f"STATUS={'serving' if serving else 'NOT_SERVING: ' + problems[0]}")
                 if serving:
                     log.warning("transports recovered: health SERVING again", extra=kv(event="serving"))
                 else:
@@ -272,6 +289,15 @@ def _metrics_port(value: str, control_port: int) -> int | None:
     if not value.isdigit() or int(value) > 65535:
         raise ConfigError(f"--metrics-port {value!r}: expected a port number 0..65535 or off")
     return int(value)
+
+
+def _watchdog_interval() -> float:
+    """Half of systemd's WatchdogSec for this process (0 when no watchdog is armed)."""
+    usec = os.environ.get("WATCHDOG_USEC", "")
+    pid = os.environ.get("WATCHDOG_PID", "")
+    if not usec.isdigit() or (pid and pid != str(os.getpid())):
+        return 0.0
+    return int(usec) / 2e6
 
 
 def sd_notify(message: str) -> None:

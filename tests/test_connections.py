@@ -219,33 +219,17 @@ def test_a_thread_that_cannot_start_stops_nothing(demo_file, demo_local, monkeyp
         tables.close()
 
 
-def _pids_cgroup() -> str | None:
-    """A pids cgroup directory this test may create (v1 or v2), or None."""
-    v1 = "/sys/fs/cgroup/pids"
-    if os.access(os.path.join(v1, "cgroup.procs"), os.W_OK):
-        return v1
-    for v2 in ("/sys/fs/cgroup/unified", "/sys/fs/cgroup"):
-        try:
-            with open(os.path.join(v2, "cgroup.controllers")) as f:
-                if "pids" not in f.read().split():
-                    continue
-            with open(os.path.join(v2, "cgroup.subtree_control"), "a") as f:
-                f.write("+pids")
-            return v2
-        except OSError:
-            continue
-    return None
-
-
 def test_a_pids_limit_reached_after_start_stops_nothing(fresh_daemon, demo_local):
     """The daemon moved into a pids cgroup that allows not one more thread: new tcp and shm clients are
     served bit-exact and health stays SERVING (truthfully: every transport can serve)."""
-    parent = _pids_cgroup()
-    if parent is None:
+    from tests_helpers import make_cgroup
+
+    made = make_cgroup("pids", f"tableserver-test-{os.getpid()}")
+    if made is None:
         pytest.skip("no writable pids cgroup on this machine (tested by the injected thread-start failure)")
+    group = made[0]
+    parent = os.path.dirname(group)
     d = fresh_daemon()
-    group = os.path.join(parent, f"tableserver-test-{os.getpid()}")
-    os.mkdir(group)
     try:
         with open(os.path.join(group, "cgroup.procs"), "w") as f:
             f.write(str(d.proc.pid))

@@ -112,3 +112,28 @@ def value(families: dict, name: str, sample: str | None = None, **labels) -> flo
     sample = sample or (family + "_total" if fam.type == "counter" else name)
     return sum(s.value for s in fam.samples if s.name == sample and all(s.labels.get(k) == v
                                                                         for k, v in labels.items()))
+
+
+def make_cgroup(controller: str, name: str):
+    """A fresh cgroup of ``controller`` this test may limit: (its directory, "v1" or "v2"), or None where
+    no such hierarchy is writable. Members are written to <dir>/cgroup.procs; the caller removes it."""
+    import os
+
+    v1 = os.path.join("/sys/fs/cgroup", controller)
+    if os.access(os.path.join(v1, "cgroup.procs"), os.W_OK):
+        d = os.path.join(v1, name)
+        os.mkdir(d)
+        return d, "v1"
+    for v2 in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
+        try:
+            with open(os.path.join(v2, "cgroup.controllers")) as f:
+                if controller not in f.read().split():
+                    continue
+            with open(os.path.join(v2, "cgroup.subtree_control"), "a") as f:
+                f.write("+" + controller)
+            d = os.path.join(v2, name)
+            os.mkdir(d)
+            return d, "v2"
+        except OSError:
+            continue
+    return None
