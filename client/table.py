@@ -190,7 +190,9 @@ class RemoteTable:
                         return GatherHandle([pending], result, None, flat_ids.size, t0, latency)
                     scratch = np.empty((unique.size, info.row_bytes), dtype=np.uint8)
                     pendings = self._post(transport, unique, scratch, sync, mode, hedge_after)
-                    return GatherHandle(pendings, result, lambda: np.take(scratch, inverse, axis=0, out=flat_out),
+                    # mode="clip": inverse indexes scratch by construction ("raise" copies through a temporary)
+                    return GatherHandle(pendings, result,
+                                        lambda: np.take(scratch, inverse, axis=0, out=flat_out, mode="clip"),
                                         flat_ids.size, t0, latency)
             unique_rows.inc(flat_ids.size)
             nbytes.inc(flat_out.nbytes)

@@ -165,3 +165,18 @@ def test_rdma_flags():
     cfg = resolve(_parse(["--gid-index", "1", "--rdma-device", "rxe0", "--transports", "rdma,tcp"]), {})
     assert cfg["rdma_gid_index"] == "1" and cfg["rdma_device"] == "rxe0" and cfg["transports"] == ["rdma", "tcp"]
     assert resolve(_parse([]), {})["transports"] == ["auto"]
+
+
+def test_dedup_only_when_it_pays():
+    """Uniform random ids over a big table skip np.unique; Zipf-heavy batches are fetched once per row;
+    small batches are always deduplicated."""
+    rng = np.random.default_rng(0)
+    uniform = rng.integers(0, 384_000_000, 12_288)
+    same, inverse = dedup(uniform)
+    assert same is uniform and inverse is None
+    zipf = (rng.zipf(1.1, 12_288) % 400_000).astype(np.int64)
+    unique, inverse = dedup(zipf)
+    assert unique.size < 0.6 * zipf.size and np.array_equal(unique[inverse], zipf)
+    small = np.array([5, 1, 5, 2], np.int64)
+    unique, inverse = dedup(small)
+    assert list(unique) == [1, 2, 5] and np.array_equal(unique[inverse], small)
