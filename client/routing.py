@@ -527,6 +527,19 @@ class Router(ClientTransport):
                 return r.node
         return None
 
+    def local_table(self, name: str):
+        """The rows of ``name`` as a local array when the replica read first maps them (shm) and the table
+        has one shard; None otherwise. The mapping stays valid while the array lives."""
+        shards = self._shards.get(name)
+        if shards is None or len(shards) != 1:
+            return None
+        for r in shards[0].replicas:
+            node = r.node
+            if r.usable and node is not None and not node.closed:
+                transport = node._transport
+                return None if transport is None else transport.local_table(r.tables[name].index)
+        return None
+
     def request_rows(self, mode: str = "read") -> int | None:
         limits = [min(r.node.data.request_rows(mode) or 1 << 62, r.node.max_rows_per_request)
                   for r in list(self.replicas.values()) if r.node is not None and not r.node.closed]

@@ -76,14 +76,17 @@ def dedup(flat_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     """(unique ids, inverse) when ``flat_ids`` repeats ids enough for dedup to pay, else (flat_ids, None).
 
     Batches up to DEDUP_SAMPLE ids are deduplicated whenever they repeat an id (cheap at that size);
-    larger ones only when a strided sample of DEDUP_SAMPLE ids has DEDUP_MIN_SHARE repeats (Zipf-heavy
-    batches: fetch each row once), so uniform random ids skip np.unique entirely."""
+    larger ones only when a strided sample of DEDUP_SAMPLE ids, scaled to the batch, suggests
+    DEDUP_MIN_SHARE repeats (Zipf-heavy batches: fetch each row once), so uniform random ids over a big
+    table skip np.unique entirely."""
     n = flat_ids.size
     if n < 2:
         return flat_ids, None
     if n > DEDUP_SAMPLE:
         sample = np.sort(flat_ids[:: n // DEDUP_SAMPLE][:DEDUP_SAMPLE])
-        if np.count_nonzero(sample[1:] == sample[:-1]) < DEDUP_MIN_SHARE * sample.size:
+        # repeats grow with the batch (birthday): k sampled ids with r repeats suggest ~r/k * n/k of n repeat
+        repeats = np.count_nonzero(sample[1:] == sample[:-1])
+        if repeats * n < DEDUP_MIN_SHARE * sample.size * sample.size:
             return flat_ids, None
     unique, inverse = np.unique(flat_ids, return_inverse=True)
     if unique.size == flat_ids.size:

@@ -91,6 +91,11 @@ class ClientTransport(abc.ABC):
         ``out`` row i receives the row of ``ids[expand[i]]``.
         """
 
+    def local_table(self, table_index: int):
+        """The table's rows as a local read-only array when this transport maps them (shm), else None:
+        a synchronous gather then is one bounds-safe ``np.take`` in the caller's thread."""
+        return None
+
     def request_rows(self, mode: str = "read") -> int | None:
         """Most row ids one request of this transport may carry (None: the session's limit)."""
         return None

@@ -151,6 +151,9 @@ class ShmTransport(ClientTransport):
             for fd in fds:
                 os.close(fd)
 
+    def local_table(self, table_index: int):
+        return self._tables.get(table_index)
+
     def gather(self, table_index: int, ids: np.ndarray, out: np.ndarray, sync: bool = False,
                mode: str = "read", expand=None) -> Pending:
         if sync:  # the caller waits at once: a thread handoff would only add latency
