@@ -157,8 +157,8 @@ class RemoteTable:
             handle.cancel()
             raise
 
-    def _gather_local(self, local: np.ndarray, row_ids, out):
-        t0 = time.perf_counter()
+    def _checked(self, row_ids, out):
+        """(flat int64 ids, flat output rows, what the caller gets back); ValueError (counted) if bad."""
         info = self.info
         try:
             ids, torch_in = to_row_ids(row_ids, info.rows, info.name)
@@ -166,9 +166,15 @@ class RemoteTable:
         except ValueError as e:
             metrics().error(e)
             raise
-        n = ids.size
+        return ids.reshape(-1), out_arr.reshape(-1, info.row_bytes), result
+
+    def _gather_local(self, local: np.ndarray, row_ids, out):
+        t0 = time.perf_counter()
+        info = self.info
+        flat_ids, flat_out, result = self._checked(row_ids, out)
+        n = flat_ids.size
         if n:
-            np.take(local, ids.reshape(-1), axis=0, out=out_arr.reshape(-1, info.row_bytes), mode="clip")
+            np.take(local, flat_ids, axis=0, out=flat_out, mode="clip")
             latency, rows, unique_rows, nbytes = self._instruments("shm", "read")
             rows.inc(n)
             unique_rows.inc(n)
@@ -187,14 +193,7 @@ class RemoteTable:
             hedge_after = getattr(self._client, "hedge_after", None)
         mode = check_mode(mode) if mode is not None else self.mode
         info = self.info
-        try:
-            ids, torch_in = to_row_ids(row_ids, info.rows, info.name)
-            out_arr, result = prepare_out(out, ids.shape, info.row_bytes, torch_in)
-        except ValueError as e:
-            metrics().error(e)
-            raise
-        flat_ids = ids.reshape(-1)
-        flat_out = out_arr.reshape(-1, info.row_bytes)
+        flat_ids, flat_out, result = self._checked(row_ids, out)
         if flat_ids.size == 0:
             return GatherHandle([], result)
         transport = self._client._data_transport()
