@@ -127,9 +127,12 @@ def interleaved(paths: dict, rows: int, n: int, iters: int, gap: float = 0.0, wa
     out = np.empty((n, 264), np.uint8)
     times = {k: np.empty(iters) for k in paths}
     fixed = rng.integers(0, rows, n)
+    names = list(paths)
     for i in range(iters + 10):  # first 10: warm-up
         ids = fixed if warm else rng.integers(0, rows, n)
-        for k, fn in paths.items():
+        # the order rotates each iteration: no path always reads rows another path just pulled into cache
+        for k in names[i % len(names):] + names[:i % len(names)]:
+            fn = paths[k]
             if gap:
                 time.sleep(gap)
             start = time.perf_counter()
@@ -226,8 +229,8 @@ def main() -> int:
                 batches = [make() for _ in range(args.iters // 2)]
                 out = np.empty((12288, 264), np.uint8)
                 t = {"decision": [], "never": []}
-                for ids in batches:
-                    for arm in ("decision", "never"):
+                for i, ids in enumerate(batches):
+                    for arm in (("decision", "never") if i % 2 else ("never", "decision")):  # alternate who goes first
                         table_module.dedup = real if arm == "decision" else (lambda f: (f, None))
                         start = time.perf_counter()
                         t_tcp.gather(ids, out=out)
