@@ -197,3 +197,31 @@ def test_shm_socket_is_0660_with_a_group(fresh_daemon, tmp_path):
 
     assert_one_line_error(run_cli("--tables", "x.bin", "--listen", "127.0.0.1:0", "--shm-group", "no-such-grp",
                                   "--shm-socket", str(tmp_path / "s.sock")), "no such group")
+
+
+def test_metrics_over_https(fresh_daemon, pki):
+    """--metrics-tls: /metrics (and the probes) speak HTTPS with the control plane's certificate."""
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    cert, key = pki["server"]
+    d = fresh_daemon("--tls-cert", cert, "--tls-key", key, "--auth-token-file", _token_file(pki["ca"][0]),
+                     "--metrics-tls")
+    port = d.ready["metrics"].rsplit(":", 1)[1]
+    ctx = ssl.create_default_context(cafile=pki["ca"][0])
+    with urllib.request.urlopen(f"https://localhost:{port}/metrics", context=ctx, timeout=EVENT_TIMEOUT) as r:
+        assert b"tableserver_serving 1.0" in r.read()
+    with urllib.request.urlopen(f"https://localhost:{port}/readyz", context=ctx, timeout=EVENT_TIMEOUT) as r:
+        assert r.read() == b"SERVING\n"
+    with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
+        urllib.request.urlopen(f"http://localhost:{port}/metrics", timeout=EVENT_TIMEOUT).read()  # plaintext: refused
+
+
+def _token_file(near: str) -> str:
+    import os
+
+    path = os.path.join(os.path.dirname(near), "token")
+    with open(path, "w") as f:
+        f.write(TOKEN + "\n")
+    return path
