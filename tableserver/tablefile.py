@@ -247,14 +247,22 @@ def _parse_header(path: str, file_size: int, data_offset: int, header_bytes: int
                            metadata=dict(doc.get("metadata") or {}))
 
 
+def _int(t: dict, key: str, default=None) -> int:
+    """A JSON integer field (not a float, bool or string that looks like one)."""
+    v = t.get(key, default) if default is not None else t[key]
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise ValueError(f"{key} must be an integer, got {json.dumps(v)[:40]}")
+    return v
+
+
 def _parse_table(t: dict, chunk_bytes: int) -> TableSpec:
     if not isinstance(t, dict):
         raise TypeError("entry is not an object")
     name = check_table_name(t["name"])
-    rows, row_bytes, offset = int(t["rows"]), int(t["row_bytes"]), int(t["offset"])
+    rows, row_bytes, offset = _int(t, "rows"), _int(t, "row_bytes"), _int(t, "offset")
     if rows < 0 or row_bytes <= 0 or offset < 0:
         raise ValueError(f"rows={rows} row_bytes={row_bytes} offset={offset} out of range")
-    if int(t.get("nbytes", rows * row_bytes)) != rows * row_bytes:
+    if _int(t, "nbytes", rows * row_bytes) != rows * row_bytes:
         raise ValueError(f"nbytes {t['nbytes']} != rows * row_bytes")
     crcs = t.get("chunk_crc32")
     n_chunks = chunk_count(rows * row_bytes, chunk_bytes)  # counted, never built, before it is checked
@@ -270,11 +278,12 @@ def _parse_table(t: dict, chunk_bytes: int) -> TableSpec:
         shas = tuple(bytes.fromhex(h) for h in shas)
     if not isinstance(t.get("metadata") or {}, dict):
         raise ValueError("metadata is not an object")
-    shape = tuple(int(x) for x in t.get("shape") or (rows, row_bytes))
-    if len(shape) > 8:
-        raise ValueError("shape has more than 8 dimensions")
-    return TableSpec(name=name, rows=rows, row_bytes=row_bytes, dtype=str(t.get("dtype", "uint8")),
-                     shape=shape, layer=int(t.get("layer", -1)), version=int(t.get("version", 1)),
+    raw_shape = t.get("shape") or [rows, row_bytes]
+    if not isinstance(raw_shape, list) or len(raw_shape) > 8:
+        raise ValueError("shape must be a list of at most 8 integers")
+    shape = tuple(_int({"shape": x}, "shape") for x in raw_shape)
+    return TableSpec(name=name, rows=rows, row_bytes=row_bytes, dtype=str(t.get("dtype", "uint8"))[:64],
+                     shape=shape, layer=_int(t, "layer", -1), version=_int(t, "version", 1),
                      offset=offset, chunk_crcs=tuple(int(c, 16) for c in crcs), chunk_bytes=chunk_bytes,
                      chunk_sha256=shas, metadata=dict(t.get("metadata") or {}))
 

@@ -205,3 +205,12 @@ def test_the_metrics_endpoint_holds_a_bounded_number_of_threads(fresh_daemon):
     wait_for(lambda: b"tableserver_serving 1.0" in urllib.request.urlopen(f"http://{host}:{port}/metrics",
                                                                           timeout=10).read(),
              "a scrape once the idle connections are gone")
+
+
+@pytest.mark.parametrize("field, value", [("offset", float("inf")), ("rows", 1.5), ("row_bytes", "264"),
+                                          ("layer", True), ("shape", "abc")])
+def test_header_numbers_must_be_integers(tmp_path, field, value):
+    """Found by the fuzzer: an offset of Infinity (JSON allows it) was an OverflowError traceback."""
+    t = {"name": "t", "rows": 10, "row_bytes": 8, "offset": 1 << 21, "chunk_crc32": ["0"], field: value}
+    path = _table_file(tmp_path / "n.bin", json.dumps({"tables": [t]}).encode())
+    assert_one_line_error(run_cli("inspect", path), field)

@@ -205,7 +205,11 @@ def test_hedged_read_wins_over_a_frozen_primary(three, v1):
     won = REGISTRY.get_sample_value("tableserver_client_hedges_total", {"outcome": "won"}) or 0
     with TableClient(",".join(d.address for d in three), transport="tcp", client_id="hedge",
                      liveness_timeout=60.0) as c:  # only the hedge can save these gathers
-        primary = next(d for d in three if d.address == c._router.primary("engram.layer1").address)
+        # the replica this client reads first (rendezvous), once its session is up: a client may start on
+        # another one while the first one's session is still opening, and move back to it after
+        first = c._router._shards["engram.layer1"][0].replicas[0].address
+        wait_for(lambda: c._router.primary("engram.layer1").address == first, "the first replica's session")
+        primary = next(d for d in three if d.address == first)
         ids = np.arange(0, 30_000, 7)
         os.kill(primary.proc.pid, signal.SIGSTOP)
         try:
