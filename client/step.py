@@ -71,6 +71,16 @@ class _Failed:
         raise self.error
 
 
+class _Done:
+    """A gather that completed while it was issued (the rows are in place)."""
+
+    def __init__(self):
+        self.completed_at = time.perf_counter()
+
+    def wait(self, timeout=None):
+        return None
+
+
 class EngramStep:
     """Issues a step's gathers at step start and hands each layer its rows when it waits."""
 
@@ -146,8 +156,15 @@ class EngramStep:
             self._ids[p.layer] = ids  # a reference, for the fallback policy
             out = self._staging_np[p.layer][:t]
             try:
-                self._handles[p.layer] = self.tables[p.layer].gather_async(ids, out=out,
-                                                                           hedge_after=self._hedge_after(p))
+                local = self._local(p.layer) if not self.issue_order else None
+                if local is not None:
+                    # the shortest window's rows are mapped here (shm): one copy now, in this thread, beats
+                    # handing it to a worker (a wake-up) while this thread races on to the next layer
+                    self.tables[p.layer]._gather_local(local, ids, out)
+                    self._handles[p.layer] = _Done()
+                else:
+                    self._handles[p.layer] = self.tables[p.layer].gather_async(ids, out=out,
+                                                                               hedge_after=self._hedge_after(p))
             except ValueError:
                 raise  # bad row ids are the caller's bug, whatever the policy
             except (TableClientError, OSError) as e:
@@ -211,6 +228,12 @@ class EngramStep:
         if not self.hedge or not getattr(self.client, "replicated", False):
             return None
         return max(plan.window_s * self.client.hedge_fraction, 1e-4)
+
+    def _local(self, layer: int):
+        """The layer's table rows when this process maps them (shm), else None."""
+        table = self.tables[layer]
+        router = getattr(getattr(table, "_client", None), "_router", None)
+        return router.local_table(table.info.name) if router is not None else None
 
     def _plan(self, layer: int) -> LayerPlan:
         return next(p for p in self.plans if p.layer == layer)
