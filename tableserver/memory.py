@@ -64,25 +64,12 @@ def free_hugepages(page_size: int) -> int:
 
 
 def mem_available() -> int:
-    """MemAvailable from /proc/meminfo, in bytes (also bounded by a cgroup v2 limit)."""
-    avail = None
+    """MemAvailable from /proc/meminfo, in bytes (cgroup limits: tableserver/cgroups.py)."""
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):
-                avail = int(line.split()[1]) * 1024
-                break
-    if avail is None:
-        avail = os.sysconf("SC_AVPHYS_PAGES") * PAGE
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        with open("/sys/fs/cgroup/memory.current") as f:
-            current = int(f.read())
-        if limit != "max":
-            avail = min(avail, int(limit) - current)
-    except (OSError, ValueError):
-        pass
-    return avail
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * PAGE
 
 
 def has_cap_ipc_lock() -> bool:

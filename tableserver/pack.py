@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import zlib
 
 import numpy as np
 

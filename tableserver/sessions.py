@@ -69,12 +69,6 @@ class SessionRegistry:
         with self._lock:
             return self._sessions.get(session_id)
 
-    def authenticate(self, session_id: bytes, secret: bytes) -> Session | None:
-        s = self.get(session_id)
-        if s is None or s.closed or not hmac.compare_digest(s.secret, secret):
-            return None
-        return s
-
     def authenticate_hello(self, payload: bytes, server_nonce: bytes) -> tuple[Session | None, bytes]:
         """A data-transport HELLO (session id, client nonce, MAC) checked against ``server_nonce``:
         (the session, the server's proof) or (None, b"")."""

@@ -6,14 +6,12 @@ from __future__ import annotations
 import json
 import os
 import resource
-import struct
 import time
 import zlib
 
-import numpy as np
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import run_cli
 from tableserver.demo import DemoTable, write_demo_file
 from tableserver.tablefile import FORMAT_VERSION, MAGIC, PREAMBLE
 from test_faults import assert_one_line_error

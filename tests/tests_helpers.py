@@ -13,7 +13,7 @@ from conftest import EVENT_TIMEOUT
 
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.v1 import tableserver_pb2_grpc as pb_grpc
-from tableserver.wire import HEADER, HEADER_BYTES, FrameType, Status, hello_frame, recv_challenge, recv_exact
+from tableserver.wire import HEADER, HEADER_BYTES, Status, hello_frame, recv_challenge, recv_exact
 
 
 def tcp_hello(s: socket.socket, session_id: bytes, secret: bytes) -> tuple[int, bytes]:

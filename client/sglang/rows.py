@@ -25,8 +25,6 @@ import threading
 import weakref
 from dataclasses import dataclass
 
-import numpy as np
-
 from tableclient.sglang.config import PluginConfig
 
 log = logging.getLogger("tableclient.sglang")

@@ -473,9 +473,3 @@ class _TcpProtocol(Protocol):
                 return CLOSE
         return READ
 
-
-def _shutdown(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
