@@ -4,13 +4,17 @@
 Fair baselines: the in-process gather is ``np.take(..., out=, mode="clip")`` (``mode="raise"`` copies
 through a temporary and flatters every ratio against it). In the same run it also measures the floors a
 transport cannot beat: a contiguous memcpy of the same bytes, loopback bulk tcp bandwidth, and a minimal
-one-thread Python request/response that gathers the same rows over a loopback socket.
+request/response -- a separate one-thread Python server process (like the daemon) that receives the ids,
+``np.take``s the rows and ``sendall``s them over loopback to a client reading in its own thread.
 
 Sections, 1,536 rows (one layer of a batch-64 decode step) and 12,288 rows of 264 B:
 
-* back to back, paths interleaved, fresh random ids each iteration (rows cache-cold in a 2 GiB table),
-  then the same ids again (warm);
-* with a 20 ms gap between steps (what a decode loop does between layers' gathers): p50/p99;
+* back to back, paths interleaved in a rotating order, each path its own fresh random ids every
+  iteration (rows cache-cold in a 2 GiB table: no path reads rows another one just cached), then one
+  fixed set of ids again and again (warm);
+* with a 20 ms gap between steps (what a decode loop does between layers' gathers): p50/p99, tcp with
+  busy-polling off and on (``busy_poll``: the reader spins up to 200 us before sleeping);
+* the client library's cost per call: a 1-row gather through it vs. the bare operation under it;
 * dedup: uniform and Zipf(1.1) ids over tcp, the library's dedup decision vs. never deduplicating.
 
 Prints each ratio an issue states its targets in, with met/MISSED, and writes bench/out/transports.txt.
@@ -21,6 +25,7 @@ Usage: python bench/bench_transports.py [--gib 2] [--iters 300] [--server-pages 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import socket
 import tempfile
@@ -36,6 +41,7 @@ from tableserver.tablefile import read_header
 
 SIZES = (1536, 12288)
 GAP_S = 0.020
+BUSY_POLL_S = 200e-6
 LINES: list[str] = []
 
 
@@ -85,7 +91,9 @@ class MinimalServer:
         self.table = table
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
-        threading.Thread(target=self._serve, daemon=True).start()
+        # its own process, as the daemon is (forked: it shares the table copy-on-write)
+        self.proc = multiprocessing.get_context("fork").Process(target=self._serve, daemon=True)
+        self.proc.start()
 
     def _serve(self) -> None:
         conn, _ = self.listener.accept()
@@ -129,9 +137,10 @@ def interleaved(paths: dict, rows: int, n: int, iters: int, gap: float = 0.0, wa
     fixed = rng.integers(0, rows, n)
     names = list(paths)
     for i in range(iters + 10):  # first 10: warm-up
-        ids = fixed if warm else rng.integers(0, rows, n)
-        # the order rotates each iteration: no path always reads rows another path just pulled into cache
+        # the order rotates each iteration, and cold ids are drawn per path: no path reads rows another
+        # path just pulled into cache
         for k in names[i % len(names):] + names[:i % len(names)]:
+            ids = fixed if warm else rng.integers(0, rows, n)
             fn = paths[k]
             if gap:
                 time.sleep(gap)
@@ -140,6 +149,20 @@ def interleaved(paths: dict, rows: int, n: int, iters: int, gap: float = 0.0, wa
             if i >= 10:
                 times[k][i - 10] = time.perf_counter() - start
     return times
+
+
+def per_call(lib, bare, rows: int, n: int, iters: int) -> tuple[float, float]:
+    """Medians of ``lib(ids)`` and ``bare(ids)`` called alternately (who goes first alternates too)."""
+    rng = np.random.default_rng(n + 1)
+    t = {lib: [], bare: []}
+    for i in range(iters + 20):
+        for fn in ((lib, bare) if i % 2 else (bare, lib)):
+            ids = rng.integers(0, rows, n)
+            start = time.perf_counter()
+            fn(ids)
+            if i >= 20:
+                t[fn].append(time.perf_counter() - start)
+    return float(np.median(t[lib])), float(np.median(t[bare]))
 
 
 def main() -> int:
@@ -174,11 +197,13 @@ def main() -> int:
         try:
             shm = TableClient(ready["control"], transport="shm")
             tcp = TableClient(ready["control"], transport="tcp")
+            tcp_bp = TableClient(ready["control"], transport="tcp", busy_poll=BUSY_POLL_S)
             sealed = TableClient(sready["control"], transport="tcp")
             t_shm, t_tcp, t_sealed = shm.table("bench"), tcp.table("bench"), sealed.table("bench")
+            t_tcp_bp = tcp_bp.table("bench")
             floor_gather, floor_sock = minimal.client()
             for ids in (np.arange(5), np.random.default_rng(1).integers(0, spec.rows, 12288)):  # correctness first
-                for t in (t_shm, t_tcp, t_sealed):
+                for t in (t_shm, t_tcp, t_sealed, t_tcp_bp):
                     np.testing.assert_array_equal(t.gather(ids), local[ids])
                 out = np.empty((ids.size, 264), np.uint8)
                 floor_gather(ids, out)
@@ -213,11 +238,31 @@ def main() -> int:
             say(f"\nwith a {GAP_S * 1e3:.0f} ms gap before each gather (idle CPUs between decode steps), 1,536 rows")
             say(f"{'path':<13}{'p50 us':>9}{'p99 us':>9}")
             gap_paths = {k: paths[k] for k in ("in-process", "min req/resp", "shm", "tcp")}
+            gap_paths["tcp busy-poll"] = lambda ids, out: t_tcp_bp.gather(ids, out=out)
             gaps = interleaved(gap_paths, spec.rows, 1536, args.gap_iters, gap=GAP_S)
             for k, v in gaps.items():
                 p50, p99, _ = stats(v, 1536)
                 results[("gap", k)] = (p50, p99)
                 say(f"{k:<13}{p50 * 1e6:>9.0f}{p99 * 1e6:>9.0f}")
+            say("\nclient library cost per call, back to back (median of interleaved calls): the gather "
+                "through the library vs the bare operation under it")
+            mapped = shm._router.local_table("bench")
+            tcp_node = tcp._node_transport()
+            say(f"{'rows':>6}  {'path':<34}{'library us':>11}{'bare us':>9}{'per call us':>12}")
+            for n in (1, 1536):
+                out = np.empty((n, 264), np.uint8)
+                pairs = {
+                    "shm: gather vs take from the mapping": (
+                        lambda ids: t_shm.gather(ids, out=out),
+                        lambda ids: mapped.take(ids, axis=0, out=out, mode="clip")),
+                    "tcp: gather vs the transport alone": (
+                        lambda ids: t_tcp.gather(ids, out=out),
+                        lambda ids: tcp_node.gather(0, ids, out, True).wait()),
+                }
+                for label, (lib, bare) in pairs.items():
+                    lt, bt = per_call(lib, bare, spec.rows, n, 400 if n > 1 else 2000)
+                    results[("per call", n, label[:3])] = lt - bt
+                    say(f"{n:>6}  {label:<34}{lt * 1e6:>11.1f}{bt * 1e6:>9.1f}{(lt - bt) * 1e6:>12.1f}")
             say("\ndedup over tcp, 12,288 ids: the library's decision vs never deduplicating")
             say(f"{'ids':<14}{'unique':>8}{'decision p50 us':>17}{'never p50 us':>14}{'ratio':>8}")
             import tableclient.table as table_module
@@ -243,6 +288,7 @@ def main() -> int:
                 say(f"{name:<14}{uniq:>8.0%}{d * 1e6:>17.0f}{never * 1e6:>14.0f}{d / never:>7.2f}x")
             shm.close()
             tcp.close()
+            tcp_bp.close()
             sealed.close()
             floor_sock.close()
         finally:
@@ -262,7 +308,11 @@ def main() -> int:
         f"[{'met' if bw >= 0.6 * bulk else 'MISSED'}]")
     gp99 = results[("gap", "shm")][1]
     say(f"  20 ms gaps, 1,536 rows over shm: p99 {gp99 * 1e6:.0f} us <= 300 us  [{'met' if gp99 <= 300e-6 else 'MISSED'}]; "
-        f"tcp p50/p99 {results[('gap', 'tcp')][0] * 1e6:.0f}/{results[('gap', 'tcp')][1] * 1e6:.0f} us (no busy-poll)")
+        f"tcp p50/p99 {results[('gap', 'tcp')][0] * 1e6:.0f}/{results[('gap', 'tcp')][1] * 1e6:.0f} us without "
+        f"busy-polling, {results[('gap', 'tcp busy-poll')][0] * 1e6:.0f}/{results[('gap', 'tcp busy-poll')][1] * 1e6:.0f}"
+        f" us with (up to {BUSY_POLL_S * 1e6:.0f} us of one core spinning per gather)")
+    say(f"  client library per call (1 row): shm {results[('per call', 1, 'shm')] * 1e6:.1f} us, tcp "
+        f"{results[('per call', 1, 'tcp')] * 1e6:.1f} us over the bare operation")
     say(f"  dedup never slower on uniform ids: {results[('dedup', 'uniform')]:.2f}x  "
         f"[{'met' if results[('dedup', 'uniform')] <= 1.05 else 'MISSED'}]; faster on Zipf(1.1): "
         f"{results[('dedup', 'Zipf(1.1)')]:.2f}x  [{'met' if results[('dedup', 'Zipf(1.1)')] < 1 else 'MISSED'}]")

@@ -42,7 +42,9 @@ class TableClient:
     (plain gathers: re-issue on another replica when still missing after this many seconds; the step
     API hedges each layer at ``hedge_fraction`` of its window instead), ``reconnect_wait`` (a gather
     whose rows are on no node that is up waits this long for one to come back; 0: it fails at once
-    with ConnectError, and the client keeps reconnecting in the background).
+    with ConnectError, and the client keeps reconnecting in the background). ``busy_poll`` (tcp,
+    seconds, default 0): whoever reads a response spins on the socket this long before sleeping in
+    the kernel -- no wake-up when rows arrive within it, for one core busy up to that long per wait.
     """
 
     def __init__(self, address="127.0.0.1:7070", transport: str = "auto", *, token: str | None = None,
@@ -53,7 +55,7 @@ class TableClient:
                  rdma_ring_rows: int = 4096, client_id: str = "", checksums: dict | None = None,
                  request_timeout: float = 30.0, liveness_timeout: float = 2.0, keepalive_interval: float = 0.5,
                  dns_refresh: float = 5.0, standby: bool = True, hedge_after: float | None = None,
-                 hedge_fraction: float = 0.5, reconnect_wait: float = 0.0):
+                 hedge_fraction: float = 0.5, reconnect_wait: float = 0.0, busy_poll: float = 0.0):
         if transport != "auto" and transport not in KNOWN:
             raise ValueError(f"unknown transport {transport!r}: use auto, {', '.join(KNOWN)}")
         self.mode = check_mode(mode)
@@ -64,6 +66,8 @@ class TableClient:
                             ("dns_refresh", dns_refresh)):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
+        if not 0 <= busy_poll <= 0.01:
+            raise ValueError(f"busy_poll must be 0..0.01 seconds (a core spins this long per wait), got {busy_poll!r}")
         if not 0 < hedge_fraction <= 1 or (hedge_after is not None and not hedge_after > 0):
             raise ValueError("hedge_fraction must be in (0, 1] and hedge_after > 0 seconds")
         self.connect_timeout = connect_timeout
@@ -72,6 +76,7 @@ class TableClient:
         options = NodeOptions(transport=transport, token=token, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert,
                               tls_key=tls_key, tls_server_name=tls_server_name, client_name=client_name,
                               connect_timeout=connect_timeout, keepalive_interval=keepalive_interval,
+                              busy_poll=busy_poll,
                               rdma=dict(device=rdma_device, gid_index=rdma_gid_index, port=rdma_port, qps=rdma_qps,
                                         ring_rows=rdma_ring_rows))
         self._router = Router(address, options, RoutingOptions(client_id=client_id, request_timeout=request_timeout,

@@ -61,6 +61,7 @@ class NodeOptions:
     connect_timeout: float = 10.0
     keepalive_interval: float = 0.5  # seconds between pings; the server answers each
     rdma: dict = field(default_factory=dict)  # device, gid_index, port, qps, ring_rows
+    busy_poll: float = 0.0  # tcp: seconds a reader spins on the socket before sleeping (0: never spins)
 
     def metadata(self) -> tuple:
         token = self.token if self.token is not None else os.environ.get("TABLESERVER_AUTH_TOKEN") or None
@@ -181,6 +182,8 @@ class NodeSession:
             self._start_keepalive()
             for offer in resp.offers:
                 extra = dict(prepared=prepared) if offer.name == "rdma" else {}
+                if offer.name == "tcp":
+                    extra = dict(busy_poll=self.options.busy_poll)
                 try:
                     self._transport = transport_class(offer.name)(offer, self.session, self.infos,
                                                                   self.options.connect_timeout, **extra)

@@ -229,6 +229,10 @@ class Router(ClientTransport):
         self._hedge_cv = threading.Condition()
         self._metrics = metrics()
         self._next_dns = 0.0
+        self._generation = 0  # bumped on every replica change: invalidates _local
+        self._local: dict[str, tuple] = {}  # table -> (generation, node, local rows or None)
+        self._primary: tuple | None = None  # (generation, node read first)
+        self._rows_limit: dict[str, tuple] = {}  # mode -> (generation, most ids per request)
         self.last_error: BaseException | None = None
         try:
             self._start()
@@ -339,6 +343,7 @@ class Router(ClientTransport):
                           for (lo, hi), rs in sorted(by_range.items()) if hi > lo]
                 self._shards[name] = shards
                 self._bounds[name] = np.array([s.hi for s in shards], np.int64)
+            self._invalidate()
 
     def _gaps(self) -> str:
         """What no usable replica covers: '' when every table is tiled by shards."""
@@ -435,7 +440,14 @@ class Router(ClientTransport):
         if node is not None:
             node.close(graceful=False)
 
+    def _invalidate(self) -> None:
+        """Drops what the data path cached about replicas (and the mappings of a closed node with it)."""
+        self._generation += 1
+        self._local.clear()
+        self._primary = None
+
     def _gauge(self, replica: Replica) -> None:
+        self._invalidate()  # every change of a replica's state or session passes here
         self._metrics.replica_up.labels(replica.address).set(1 if replica.usable else 0)
 
     # ------------------------------------------------------------------ background
@@ -510,6 +522,15 @@ class Router(ClientTransport):
         return node.data.modes if node is not None else ("read",)
 
     def _primary_node(self) -> NodeSession | None:
+        hit = self._primary
+        if hit is not None and hit[0] == self._generation and (hit[1] is None or not hit[1].closed):
+            return hit[1]
+        generation = self._generation
+        node = self._find_primary()
+        self._primary = (generation, node)
+        return node
+
+    def _find_primary(self) -> NodeSession | None:
         for shards in self._shards.values():
             for s in shards:
                 for r in s.replicas:
@@ -529,21 +550,38 @@ class Router(ClientTransport):
 
     def local_table(self, name: str):
         """The rows of ``name`` as a local array when the replica read first maps them (shm) and the table
-        has one shard; None otherwise. The mapping stays valid while the array lives."""
+        has one shard; None otherwise. The mapping stays valid while the array lives.
+
+        On every gather: the answer is cached until a replica changes state (``_generation``)."""
+        hit = self._local.get(name)
+        if hit is not None and hit[0] == self._generation and (hit[1] is None or not hit[1].closed):
+            return hit[2]
+        generation, node, rows = self._generation, None, None
         shards = self._shards.get(name)
-        if shards is None or len(shards) != 1:
-            return None
-        for r in shards[0].replicas:
-            node = r.node
-            if r.usable and node is not None and not node.closed:
-                transport = node._transport
-                return None if transport is None else transport.local_table(r.tables[name].index)
-        return None
+        if shards is not None and len(shards) == 1:
+            for r in shards[0].replicas:
+                node = r.node
+                if r.usable and node is not None and not node.closed:
+                    transport = node._transport
+                    rows = None if transport is None else transport.local_table(r.tables[name].index)
+                    break
+            else:
+                node = None
+        self._local[name] = (generation, node, rows)
+        if self._generation != generation:  # changed meanwhile: keep no mapping of a node now gone
+            self._local.pop(name, None)
+        return rows
 
     def request_rows(self, mode: str = "read") -> int | None:
+        hit = self._rows_limit.get(mode)
+        if hit is not None and hit[0] == self._generation:
+            return hit[1]
+        generation = self._generation
         limits = [min(r.node.data.request_rows(mode) or 1 << 62, r.node.max_rows_per_request)
                   for r in list(self.replicas.values()) if r.node is not None and not r.node.closed]
-        return min(limits) if limits else None
+        limit = min(limits) if limits else None
+        self._rows_limit[mode] = (generation, limit)
+        return limit
 
     def gather(self, table_index: int, ids: np.ndarray, out: np.ndarray, sync: bool = False, mode: str = "read",
                expand=None, hedge_after: float | None = None) -> Pending:
@@ -704,6 +742,7 @@ class Router(ClientTransport):
 
     def close(self) -> None:
         self._closed.set()
+        self._invalidate()
         with self._hedge_cv:
             self._hedge_cv.notify_all()
         with self._lock:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tableclient.errors import GatherTimeout
-from tableclient.metrics import metrics
+from tableclient.metrics import GatherRecorder, metrics
 from tableclient.rowids import dedup, prepare_out, to_row_ids
 
 
@@ -56,7 +56,7 @@ class GatherHandle:
         self._finish = finish
         self.rows = rows
         self._t0 = t0  # perf_counter() at issue
-        self._latency = latency  # histogram child, observed once on the first successful wait
+        self._latency = latency  # GatherRecorder, observed once on the first successful wait
 
     def done(self) -> bool:
         return all(p.done() for p in self._pendings)
@@ -146,8 +146,9 @@ class RemoteTable:
         On an error or timeout the gather is cancelled: rows arriving later never touch ``out``.
         ``hedge_after``: with replicas, re-issue on another one if still missing after this long.
         """
-        if not self._client._closed:
-            local = self._client._router.local_table(self.info.name)
+        client = self._client
+        if not client._closed:
+            local = client._router.local_table(self.info.name)
             if local is not None:  # shm: the rows are mapped here; one bounds-safe take, no round trip
                 return self._gather_local(local, row_ids, out)
         handle = self._submit(row_ids, out, True, mode, hedge_after)
@@ -169,17 +170,15 @@ class RemoteTable:
         return ids.reshape(-1), out_arr.reshape(-1, info.row_bytes), result
 
     def _gather_local(self, local: np.ndarray, row_ids, out):
+        """The shm fast path: checks, one ``take`` (in range by the check; "clip" copies without a
+        temporary), metrics. Nothing else runs per call."""
         t0 = time.perf_counter()
-        info = self.info
         flat_ids, flat_out, result = self._checked(row_ids, out)
         n = flat_ids.size
         if n:
-            np.take(local, flat_ids, axis=0, out=flat_out, mode="clip")
-            latency, rows, unique_rows, nbytes = self._instruments("shm", "read")
-            rows.inc(n)
-            unique_rows.inc(n)
-            nbytes.inc(n * info.row_bytes)
-            latency.observe(time.perf_counter() - t0)
+            local.take(flat_ids, axis=0, out=flat_out, mode="clip")
+            recorder = self._inst.get(("shm", "read")) or self._instruments("shm", "read")
+            recorder.record(n, n, n * self.info.row_bytes, time.perf_counter() - t0)
         return result
 
     def gather_async(self, row_ids, out=None, mode: str | None = None,
@@ -197,15 +196,12 @@ class RemoteTable:
         if flat_ids.size == 0:
             return GatherHandle([], result)
         transport = self._client._data_transport()
-        latency, rows, unique_rows, nbytes = self._instruments(transport.name,
-                                                               mode if mode in transport.modes else "read")
-        rows.inc(flat_ids.size)
+        latency = self._instruments(transport.name, mode if mode in transport.modes else "read")
         try:
             if transport.dedups:
                 unique, inverse = dedup(flat_ids)
                 if inverse is not None:
-                    unique_rows.inc(unique.size)
-                    nbytes.inc(unique.size * info.row_bytes)
+                    latency.count(flat_ids.size, unique.size, unique.size * info.row_bytes)
                     if transport.expands and unique.size <= self._request_rows(transport, mode):
                         # one request: the transport copies from its staging straight into out, expanded
                         pending = transport.gather(info.index, unique, flat_out, sync, mode, expand=inverse)
@@ -216,20 +212,19 @@ class RemoteTable:
                     return GatherHandle(pendings, result,
                                         lambda: np.take(scratch, inverse, axis=0, out=flat_out, mode="clip"),
                                         flat_ids.size, t0, latency)
-            unique_rows.inc(flat_ids.size)
-            nbytes.inc(flat_out.nbytes)
+            latency.count(flat_ids.size, flat_ids.size, flat_out.nbytes)
             return GatherHandle(self._post(transport, flat_ids, flat_out, sync, mode, hedge_after), result, None,
                                 flat_ids.size, t0, latency)
         except Exception as e:
             metrics().error(e)
             raise
 
-    def _instruments(self, transport: str, mode: str) -> tuple:
-        """Metric children of (transport, mode), made once per table (labels() costs microseconds)."""
+    def _instruments(self, transport: str, mode: str) -> GatherRecorder:
+        """The metrics of (transport, mode), made once per table (labels() costs microseconds)."""
         inst = self._inst.get((transport, mode))
         if inst is None:
             m, name, layer = metrics(), self.info.name, str(self.info.layer)
-            inst = self._inst[(transport, mode)] = (
+            inst = self._inst[(transport, mode)] = GatherRecorder(
                 m.gather_latency.labels(name, layer, transport, mode), m.rows.labels(name, layer, transport),
                 m.unique_rows.labels(name, layer, transport), m.bytes.labels(name, layer, transport))
         return inst

@@ -309,21 +309,22 @@ def test_client_asks_for_rdma_without_a_device(daemon):
         TableClient(daemon.address, transport="rdma")
 
 
-def test_cancel_is_a_barrier_even_when_the_server_stalls_mid_response():
-    """A tcp response stuck half-way (the peer stops sending) is cancelled within the grace time, and no
-    byte lands in the caller's buffer after cancel() returns (the connection is broken instead)."""
-    import threading
-    from types import SimpleNamespace
+class _StallingPeer:
+    """A tcp data port that answers one GATHER of 100 ids with half its rows, then stalls until
+    ``release`` is set (and then sends the rest)."""
 
-    from tableclient.transports import tcp
-    from tableserver.wire import HEADER_BYTES, challenge_frame, response_header, server_proof
+    def __init__(self):
+        import threading
 
-    listener = socket.create_server(("127.0.0.1", 0))
-    host, port = listener.getsockname()
-    sent_half, release = threading.Event(), threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.sent_half, self.release = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self._peer, daemon=True)
+        self.thread.start()
 
-    def peer():
-        conn, _ = listener.accept()
+    def _peer(self):
+        from tableserver.wire import HEADER_BYTES, challenge_frame, response_header, server_proof
+
+        conn, _ = self.listener.accept()
         with conn:
             nonce = os.urandom(32)
             conn.sendall(challenge_frame(nonce))
@@ -334,28 +335,62 @@ def test_cancel_is_a_barrier_even_when_the_server_stalls_mid_response():
             conn.sendall(response_header(FrameType.HELLO, Status.OK, 0, 0, 32) + proof)
             recv_exact(conn, memoryview(bytearray(HEADER_BYTES + 8 * 100)))  # GATHER of 100 ids
             conn.sendall(response_header(FrameType.GATHER, Status.OK, 1, 264, 100) + b"\x07" * (264 * 50))
-            sent_half.set()
-            release.wait(30)
+            self.sent_half.set()
+            self.release.wait(30)
             try:
-                conn.sendall(b"\x07" * (264 * 50))  # the rest, after the caller gave up
+                conn.sendall(b"\x07" * (264 * 50))  # the rest
             except OSError:
                 pass
 
-    t = threading.Thread(target=peer, daemon=True)
-    t.start()
-    offer = SimpleNamespace(tcp=SimpleNamespace(host=host, port=port))
-    transport = tcp.TcpTransport(offer, SimpleNamespace(id=b"i" * 16, secret=b"s" * 32), [], 10)
+    def transport(self):
+        from types import SimpleNamespace
+
+        from tableclient.transports import tcp
+
+        host, port = self.listener.getsockname()
+        offer = SimpleNamespace(tcp=SimpleNamespace(host=host, port=port))
+        return tcp.TcpTransport(offer, SimpleNamespace(id=b"i" * 16, secret=b"s" * 32), [], 10)
+
+    def close(self):
+        self.release.set()
+        self.thread.join(EVENT_TIMEOUT)
+        self.listener.close()
+
+
+def test_cancel_is_a_barrier_even_when_the_server_stalls_mid_response():
+    """A tcp response stuck half-way (the peer stops sending) is cancelled within the grace time, and no
+    byte lands in the caller's buffer after cancel() returns (the connection is broken instead)."""
+    peer = _StallingPeer()
+    transport = peer.transport()
     out = np.zeros((100, 264), np.uint8)
     pending = transport.gather(0, np.arange(100, dtype=np.int64), out)
-    assert sent_half.wait(EVENT_TIMEOUT)
+    assert peer.sent_half.wait(EVENT_TIMEOUT)
     wait_for(lambda: out[49].any(), "the first half of the rows")  # the receiver is mid-response
     pending.cancel()  # returns after the grace time: the connection was broken
     assert pending.done()
     snapshot = out.copy()
-    release.set()
-    t.join(EVENT_TIMEOUT)
+    peer.close()
     assert np.array_equal(out, snapshot) and not out[50:].any()
     with pytest.raises(TransportError):
         pending.wait(0)
     transport.close()
-    listener.close()
+
+
+def test_sync_gather_timed_out_mid_response_is_finished_by_the_receiver():
+    """A synchronous gather is read by the caller's thread; when its wait times out half-way through the
+    response, the receiver thread resumes that very frame, so the rows still land whole and in place."""
+    from tableclient import GatherTimeout
+
+    peer = _StallingPeer()
+    transport = peer.transport()
+    out = np.zeros((100, 264), np.uint8)
+    pending = transport.gather(0, np.arange(100, dtype=np.int64), out, sync=True)
+    assert peer.sent_half.wait(EVENT_TIMEOUT)
+    with pytest.raises(GatherTimeout):
+        pending.wait(0.2)  # the caller read the first half, then gave up
+    assert out[:50].all() and not out[50:].any() and not pending.done()
+    peer.release.set()
+    pending.wait(EVENT_TIMEOUT)  # completed by the receiver thread, which took the request over
+    assert (out == 7).all()
+    peer.close()
+    transport.close()

@@ -166,3 +166,46 @@ def test_auto_falls_back_to_tcp_when_shm_is_unreachable(fresh_daemon, demo_local
         assert c.transport == "tcp"
         ids = np.arange(10)
         np.testing.assert_array_equal(c.table("engram.layer1").gather(ids), demo_local["engram.layer1"][ids])
+
+
+@pytest.mark.parametrize("busy_poll", [0.0, 200e-6])
+def test_tcp_sync_and_async_gathers_from_many_threads(daemon, demo_local, busy_poll):
+    """One tcp connection, many threads: synchronous gathers are read by their callers' threads,
+    asynchronous ones by the receiver thread, responses in order between them; every row bit-exact."""
+    import threading
+
+    with TableClient(daemon.address, transport="tcp", busy_poll=busy_poll) as c:
+        table = c.table("engram.layer1")
+        expect = demo_local[table.name]
+        errors = []
+
+        def worker(seed):
+            rng = np.random.default_rng(seed)
+            try:
+                for i in range(60):
+                    ids = rng.integers(0, table.rows, int(rng.integers(1, 3000)))
+                    if i % 3 == 0:
+                        got = table.gather(ids)
+                    elif i % 3 == 1:
+                        got = table.gather_async(ids).wait(timeout=EVENT_TIMEOUT)
+                    else:
+                        h = table.gather_async(ids)
+                        got2 = table.gather(ids[::-1])
+                        np.testing.assert_array_equal(got2, expect[ids[::-1]])
+                        got = h.wait(timeout=EVENT_TIMEOUT)
+                    np.testing.assert_array_equal(got, expect[ids])
+            except BaseException as e:  # reported by the main thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(s,)) for s in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors[0]
+        assert not any(t.is_alive() for t in threads)
+
+
+def test_busy_poll_is_bounded():
+    with pytest.raises(ValueError, match="busy_poll"):
+        TableClient("127.0.0.1:1", busy_poll=1.0)

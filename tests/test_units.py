@@ -180,3 +180,51 @@ def test_dedup_only_when_it_pays():
     small = np.array([5, 1, 5, 2], np.int64)
     unique, inverse = dedup(small)
     assert list(unique) == [1, 2, 5] and np.array_equal(unique[inverse], small)
+
+
+def test_gather_recorder_direct_updates_export_what_the_public_api_does():
+    """GatherRecorder calls prometheus_client's value objects directly; the exported samples must be
+    exactly those of the public inc()/observe() (and the fallback must work where they are missing)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from tableclient.metrics import ClientMetrics, GatherRecorder
+
+    def recorder(registry, direct):
+        m = ClientMetrics(registry)
+        return GatherRecorder(m.gather_latency.labels("t", "1", "shm", "read"), m.rows.labels("t", "1", "shm"),
+                              m.unique_rows.labels("t", "1", "shm"), m.bytes.labels("t", "1", "shm"), direct=direct)
+
+    fast_reg, slow_reg = CollectorRegistry(), CollectorRegistry()
+    fast, slow = recorder(fast_reg, True), recorder(slow_reg, False)
+    assert fast._incs is not None and slow._incs is None
+    values = [0.0, 2e-6, 2.5e-6, 4e-6, 1e-4, 0.3, 0.5, 7.0] + list(np.random.default_rng(0).exponential(1e-3, 200))
+    for i, seconds in enumerate(values):
+        for r in (fast, slow):
+            r.record(i + 1, i, 264 * i, float(seconds))
+
+    def samples(registry):  # without the *_created timestamps (when each registry was made)
+        return [line for line in generate_latest(registry).decode().splitlines() if "_created" not in line]
+
+    assert samples(fast_reg) == samples(slow_reg)
+    assert any(line.startswith("tableserver_client_gather_duration_seconds_count") and line.endswith(" 208.0")
+               for line in samples(fast_reg))
+
+
+def test_flag_wakes_every_waiter_and_times_out():
+    import threading
+    import time
+
+    from tableclient.transports.base import Flag
+
+    flag = Flag()
+    assert not flag.is_set() and not flag.wait(0.01) and not flag.wait(0)
+    woken = []
+    waiters = [threading.Thread(target=lambda: woken.append(flag.wait(10))) for _ in range(4)]
+    for t in waiters:
+        t.start()
+    time.sleep(0.05)
+    flag.set()
+    flag.set()  # idempotent
+    for t in waiters:
+        t.join(10)
+    assert woken == [True] * 4 and flag.wait() and flag.wait(0) and flag.is_set()

@@ -18,13 +18,47 @@ import numpy as np
 from tableclient.errors import GatherTimeout
 
 
+class Flag:
+    """A one-shot event: set once, waited for by any number of threads. ``threading.Event`` minus its
+    Condition: one lock, held until set (a gather makes one or two of these; ~3 us less each)."""
+
+    __slots__ = ("_lock", "_set")
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._set = False
+
+    def set(self) -> None:
+        if not self._set:
+            self._set = True
+            try:
+                self._lock.release()
+            except RuntimeError:  # a racing second set() already released it
+                pass
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._set:
+            return True
+        if self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+            try:
+                self._lock.release()  # the next waiter's turn
+            except RuntimeError:  # released meanwhile by a racing second set(): it stays released
+                pass
+            return True
+        return self._set
+
+
 class Pending:
     """Completion of one transport request. ``wait`` raises what the request hit."""
 
     __slots__ = ("_event", "_error", "cancelled", "completed_at")
 
     def __init__(self):
-        self._event = threading.Event()
+        self._event = Flag()
         self._error: BaseException | None = None
         self.cancelled = False
         self.completed_at = 0.0  # time.perf_counter() when the rows were in place

@@ -1,9 +1,20 @@
 """tcp transport, client side: pipelined gathers over one connection.
 
 The caller's thread frames a request (header + the int64 ids, one
-``sendmsg``) and returns at once; a receiver thread reads each response
-straight into that request's output buffer (no intermediate copy) and
-completes it. Responses arrive in request order (see tableserver/wire.py).
+``sendmsg``). Each response is read straight into its request's output buffer
+(no intermediate copy) by whichever thread reads next: one reader at a time
+(``_rx_lock``), responses in request order (see tableserver/wire.py), and the
+response being read is resumable, so readers may take turns mid-frame.
+
+* A synchronous gather (``sync=True``: the caller waits at once) is read by
+  the caller's own thread: request, server, caller -- no hand-off to a
+  receiver thread and back (one thread wake-up less per gather).
+* Asynchronous gathers are read by the receiver thread, woken only when one is
+  outstanding; a synchronous waiter that times out hands its request over to it.
+* ``busy_poll`` (seconds, default 0): a reader first spins on a non-blocking
+  ``recv`` this long before sleeping in the kernel, like polling an RDMA CQ:
+  no wake-up at all when the rows arrive within it, at the price of one core
+  spinning for up to ``busy_poll`` per wait (the bench reports both).
 
 Lifetime of an output buffer: it belongs to the request until its Pending
 completes. A cancelled request's late rows land in a scratch buffer instead.
@@ -15,8 +26,11 @@ import collections
 import hmac
 import itertools
 import logging
+import math
+import select
 import socket
 import threading
+import time
 
 import numpy as np
 
@@ -34,20 +48,28 @@ log = logging.getLogger("tableclient.tcp")
 #: how long cancelling a response that is being received waits for its last bytes before the
 #: connection is broken instead (a server stuck mid-response must not write into the buffer later)
 CANCEL_GRACE_S = 1.0
+_BROKEN = (OSError, ValueError, BadTag)
 
 
 class _TcpPending(Pending):
-    __slots__ = ("out", "request_id", "receiving", "transport")
+    __slots__ = ("out", "request_id", "receiving", "transport", "sync")
 
-    def __init__(self, out: np.ndarray, request_id: int, transport):
+    def __init__(self, out: np.ndarray, request_id: int, transport, sync: bool):
         super().__init__()
         self.out = out
         self.request_id = request_id
-        self.receiving = False  # the receiver is writing this response into ``out``
+        self.receiving = False  # a reader is writing this response into ``out``
         self.transport = transport
+        self.sync = sync  # read by the waiting caller's thread, not the receiver thread
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self.sync and not self._event.is_set():
+            self.transport._read_for(self, timeout)
+            timeout = 0.0 if timeout is not None else None
+        super().wait(timeout)
 
     def cancel(self) -> None:
-        # With the receiver's order (receiving = True, then check cancelled) one of the two sides
+        # With the reader's order (receiving = True, then check cancelled) one of the two sides
         # always sees the other: either the rows go to scratch, or we wait for them to be in.
         self.cancelled = True
         if self.receiving and not self._event.wait(CANCEL_GRACE_S):
@@ -55,13 +77,28 @@ class _TcpPending(Pending):
             self._event.wait()
 
 
+class _Reading:
+    """The response being read, resumable by whichever reader comes next."""
+
+    __slots__ = ("head", "view", "got", "p", "status", "dest", "sealed")
+
+    def __init__(self):
+        self.head = bytearray(HEADER_BYTES)
+        self.sealed = b""
+        self.header()
+
+    def header(self) -> None:
+        self.view, self.got, self.p, self.status, self.dest = memoryview(self.head), 0, None, 0, None
+
+
 class TcpTransport(ClientTransport):
     name = "tcp"
     dedups = True
 
-    def __init__(self, offer, session, catalog, connect_timeout: float = 10.0):
+    def __init__(self, offer, session, catalog, connect_timeout: float = 10.0, busy_poll: float = 0.0):
         ep = offer.tcp
         self.endpoint = f"{ep.host}:{ep.port}"
+        self.busy_poll = max(0.0, float(busy_poll))
         try:
             sock = socket.create_connection((ep.host, ep.port), timeout=connect_timeout)
         except OSError as e:
@@ -73,9 +110,15 @@ class TcpTransport(ClientTransport):
         self._scratch = bytearray(0)
         self._hello(session.id, session.secret)
         sock.settimeout(None)
+        self._poller = select.poll()
+        self._poller.register(sock, select.POLLIN)
         self._ids = itertools.count(1)
         self._pending: collections.deque[_TcpPending] = collections.deque()
         self._send_lock = threading.Lock()
+        self._rx_lock = threading.Lock()  # held by the one thread reading responses
+        self._reading = _Reading()
+        self._wake = threading.Condition(threading.Lock())
+        self._async = 0  # asynchronous requests not completed yet: the receiver thread reads while > 0
         self._error: BaseException | None = None
         self._closed = False
         self._rx = threading.Thread(target=self._receive_loop, name="tableclient-tcp-rx", daemon=True)
@@ -122,69 +165,170 @@ class TcpTransport(ClientTransport):
         with self._send_lock:
             if self._error is not None:
                 raise self._error
-            p = _TcpPending(out, next(self._ids), self)
-            self._pending.append(p)  # before sending: the receiver may answer at once
+            p = _TcpPending(out, next(self._ids), self, sync)
+            self._pending.append(p)  # before sending: a reader may see the answer at once
             try:
                 header = request_header(FrameType.GATHER, p.request_id, table_index, ids.size)
-                payload = ids if self._seal_tx is None else self._seal_tx.seal(header, memoryview(ids).cast("B"))
-                send_all(self._sock, [header, payload])
+                if self._seal_tx is None:
+                    payload, size = ids, ids.nbytes
+                else:
+                    payload = self._seal_tx.seal(header, memoryview(ids).cast("B"))
+                    size = len(payload)
+                sent = self._sock.sendmsg([header, payload])
+                if sent < len(header) + size:  # the socket was full: the rest, blocking
+                    rest = memoryview(header + memoryview(payload).cast("B").tobytes())[sent:]
+                    send_all(self._sock, [rest])
             except OSError as e:
                 self._fail(TransportError(f"tcp connection to {self.endpoint} broke while sending: {e}"))
                 raise self._error from None
+        if not sync:
+            self._hand_over(p)
         return p
 
-    def _receive_loop(self) -> None:
-        head = bytearray(HEADER_BYTES)
-        sock = self._sock
-        p = None  # the response being received: no longer in _pending, failed here if the connection breaks
-        try:
-            while True:
-                if not recv_exact(sock, memoryview(head)):
-                    raise ConnectionResetError("server closed the connection")
-                magic, _t, status, req_id, row_bytes, count = HEADER.unpack(head)
-                if magic != RESPONSE_MAGIC:
-                    raise ConnectionError(f"bad response magic {magic!r}")
-                p = self._pending.popleft() if self._pending else None
-                if p is None or p.request_id != req_id:
-                    raise ConnectionError(f"response to request {req_id} that is not next in line")
-                if status == Status.OK:
-                    p.receiving = True
-                    dest = p.out if not p.cancelled else np.empty(p.out.nbytes, np.uint8)
-                    if count * row_bytes != dest.nbytes:
-                        raise ConnectionError(f"response of {count}x{row_bytes} bytes for a "
-                                              f"{dest.nbytes}-byte buffer")
-                    if self._seal_rx is None:
-                        recv_exact(sock, memoryview(dest).cast("B"))
-                    else:
-                        self._open(sock, bytes(head), memoryview(dest).cast("B"))
-                    p.complete()
-                else:
-                    msg = bytearray(count)
-                    if self._seal_rx is None:
-                        recv_exact(sock, memoryview(msg))
-                    else:
-                        self._open(sock, bytes(head), memoryview(msg))
-                    name = Status(status).name if status in Status._value2member_map_ else str(status)
-                    p.complete(RemoteError(name, msg.decode(errors="replace")))
-                    if status in FATAL:
-                        raise ConnectionError(f"server closed the connection after {name}")
-        except (OSError, ValueError, BadTag) as e:
-            error = TransportError(f"tcp connection to {self.endpoint} lost: {e}")
-            if p is not None and not p.done():
-                p.complete(error)
-            self._fail(error)
+    # -- reading: one reader at a time, in request order
+    def _hand_over(self, p: _TcpPending) -> None:
+        """Makes ``p`` the receiver thread's to read (an asynchronous request, or a timed-out sync one)."""
+        with self._wake:
+            p.sync = False
+            if not p.done():
+                self._async += 1
+                self._wake.notify()
 
-    def _open(self, sock, header: bytes, dest: memoryview) -> None:
-        """Receives a sealed payload (ciphertext + tag) and decrypts it into ``dest``; BadTag if forged."""
-        n = len(dest) + TAG_BYTES
-        if len(self._scratch) < n:
-            self._scratch = bytearray(n)
-        view = memoryview(self._scratch)[:n]
-        recv_exact(sock, view)
-        self._seal_rx.open_into(header, view[:len(dest)], view[len(dest):], dest)
+    def _read_for(self, p: _TcpPending, timeout: float | None) -> None:
+        """The caller's thread reads responses until ``p``'s is in (or ``timeout`` passes: then the
+        receiver thread takes ``p`` over and the caller's wait times out)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not p.done() and self._error is None:
+            if not self._rx_lock.acquire(timeout=-1 if deadline is None else max(deadline - time.monotonic(), 0)):
+                break
+            try:
+                while not p.done() and self._error is None:
+                    if not self._read_one(deadline):
+                        break
+            except _BROKEN as e:
+                self._broken(e)
+            finally:
+                self._rx_lock.release()
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+        if not p.done():
+            self._hand_over(p)
+
+    def _receive_loop(self) -> None:
+        while True:
+            with self._wake:
+                while self._async <= 0 and not self._closed and self._error is None:
+                    self._wake.wait()
+                if self._closed or self._error is not None:
+                    return
+            with self._rx_lock:
+                try:
+                    while self._async > 0 and self._error is None:
+                        self._read_one(None)
+                except _BROKEN as e:
+                    self._broken(e)
+
+    def _readable(self, deadline: float | None) -> bool:
+        """Waits until the socket has bytes (spinning first for ``busy_poll``); False past ``deadline``."""
+        if self.busy_poll:
+            spin_until = time.monotonic() + self.busy_poll
+            sock, flags = self._sock, socket.MSG_PEEK | socket.MSG_DONTWAIT
+            while True:
+                try:
+                    sock.recv(1, flags)
+                    return True
+                except (BlockingIOError, InterruptedError):
+                    pass
+                now = time.monotonic()
+                if now >= spin_until or (deadline is not None and now >= deadline):
+                    break
+        if deadline is None:
+            return True  # a blocking recv sleeps in the kernel
+        ms = math.ceil(max(deadline - time.monotonic(), 0.0) * 1000)
+        return bool(self._poller.poll(ms))
+
+    def _read_one(self, deadline: float | None) -> bool:
+        """Reads (the rest of) one response and completes its request; False if ``deadline`` passed first
+        (what was read is kept: the next reader resumes there)."""
+        r, sock = self._reading, self._sock
+        while True:
+            view = r.view
+            while r.got < len(view):
+                try:
+                    n = sock.recv_into(view[r.got:], 0, socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    if not self._readable(deadline):
+                        return False
+                    if deadline is not None:
+                        continue
+                    n = sock.recv_into(view[r.got:])
+                if n == 0:
+                    if r.p is None and r.got == 0:
+                        raise ConnectionResetError("server closed the connection")
+                    raise ConnectionResetError(f"connection closed mid-frame ({r.got} of {len(view)} bytes)")
+                r.got += n
+            if r.p is None:
+                self._begin_body(r)
+                if len(r.view):
+                    continue
+            self._end_body(r)
+            return True
+
+    def _begin_body(self, r: _Reading) -> None:
+        """A response header is in: match it to the next request and aim the payload at its buffer."""
+        magic, _t, status, req_id, row_bytes, count = HEADER.unpack(r.head)
+        if magic != RESPONSE_MAGIC:
+            raise ConnectionError(f"bad response magic {magic!r}")
+        p = self._pending.popleft() if self._pending else None
+        if p is None or p.request_id != req_id:
+            raise ConnectionError(f"response to request {req_id} that is not next in line")
+        r.p, r.status = p, status
+        if status == Status.OK:
+            p.receiving = True
+            dest = p.out if not p.cancelled else np.empty(p.out.nbytes, np.uint8)
+            if count * row_bytes != dest.nbytes:
+                raise ConnectionError(f"response of {count}x{row_bytes} bytes for a {dest.nbytes}-byte buffer")
+            r.dest = memoryview(dest).cast("B")
+        else:
+            if count > 65536:
+                raise ConnectionError(f"error message of {count} bytes")
+            r.dest = memoryview(bytearray(count))
+        if self._seal_rx is None:
+            r.view = r.dest
+        else:  # ciphertext + tag land aside, then are opened into the destination
+            r.sealed = bytes(r.head)
+            n = len(r.dest) + TAG_BYTES
+            if len(self._scratch) < n:
+                self._scratch = bytearray(n)
+            r.view = memoryview(self._scratch)[:n]
+        r.got = 0
+
+    def _end_body(self, r: _Reading) -> None:
+        p, status, dest = r.p, r.status, r.dest
+        if self._seal_rx is not None:
+            n = len(dest)
+            self._seal_rx.open_into(r.sealed, r.view[:n], r.view[n:], dest)
+        r.header()
+        error = None
+        if status != Status.OK:
+            name = Status(status).name if status in Status._value2member_map_ else str(status)
+            error = RemoteError(name, bytes(dest).decode(errors="replace"))
+        with self._wake:  # atomic with _hand_over: a request is counted as asynchronous exactly until done
+            if not p.sync:
+                self._async -= 1
+            p.complete(error)
+        if status != Status.OK and status in FATAL:
+            raise ConnectionError(f"server closed the connection after {Status(status).name}")
+
+    def _broken(self, e: BaseException) -> None:
+        error = TransportError(f"tcp connection to {self.endpoint} lost: {e}")
+        p = self._reading.p
+        if p is not None and not p.done():
+            p.complete(error)
+        self._fail(error)
 
     def _abort(self, why: str) -> None:
-        """Breaks the connection: the receiver stops at once and fails what is pending."""
+        """Breaks the connection: the reader stops at once and fails what is pending."""
         log.warning("tcp connection to %s aborted: %s", self.endpoint, why)
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
@@ -196,6 +340,9 @@ class TcpTransport(ClientTransport):
             self._error = error if not self._closed else TransportError("transport closed")
         while self._pending:
             self._pending.popleft().complete(self._error)
+        with self._wake:
+            self._async = 0
+            self._wake.notify_all()
 
     def close(self) -> None:
         if self._closed:
@@ -205,6 +352,10 @@ class TcpTransport(ClientTransport):
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+        with self._wake:
+            self._wake.notify_all()
         self._rx.join(timeout=5)
+        with self._rx_lock:  # a caller reading sees the shutdown and stops
+            pass
         self._sock.close()
         self._fail(TransportError("transport closed"))
