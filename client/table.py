@@ -177,7 +177,7 @@ class RemoteTable:
         t0 = time.perf_counter()
         info = self.info
         if (type(row_ids) is np.ndarray and row_ids.dtype == _INT64 and type(out) is np.ndarray
-                and row_ids.size and row_ids.flags.c_contiguous):
+                and row_ids.size):
             # the common call, checked inline: int64 ids, a numpy buffer of the right shape
             if not in_range(row_ids, info.rows) or out.dtype != _UINT8 \
                     or out.shape != row_ids.shape + (info.row_bytes,) or not out.flags.c_contiguous \
