@@ -230,7 +230,7 @@ class Router(ClientTransport):
         self._metrics = metrics()
         self._next_dns = 0.0
         self._generation = 0  # bumped on every replica change: invalidates _local
-        self._local: dict[str, tuple] = {}  # table -> (generation, node, local rows or None)
+        self._local: dict[str, tuple] = {}  # table -> (generation, replica, node, local rows or None)
         self._primary: tuple | None = None  # (generation, node read first)
         self._rows_limit: dict[str, tuple] = {}  # mode -> (generation, most ids per request)
         self.last_error: BaseException | None = None
@@ -548,29 +548,43 @@ class Router(ClientTransport):
                 return r.node
         return None
 
-    def local_table(self, name: str):
-        """The rows of ``name`` as a local array when the replica read first maps them (shm) and the table
-        has one shard; None otherwise. The mapping stays valid while the array lives.
+    def reader(self, name: str) -> tuple:
+        """(replica, node, local rows or None) that reads ``name`` first, when one shard holds the whole
+        table and that replica's session is up; (None, None, None) otherwise.
 
-        On every gather: the answer is cached until a replica changes state (``_generation``)."""
+        On every gather: cached until a replica changes state (``_generation``), and never keeping a
+        closed node (or its mapping) alive."""
         hit = self._local.get(name)
-        if hit is not None and hit[0] == self._generation and (hit[1] is None or not hit[1].closed):
-            return hit[2]
-        generation, node, rows = self._generation, None, None
+        if hit is not None and hit[0] == self._generation and (hit[2] is None or not hit[2].closed):
+            return hit[1:]
+        generation, found = self._generation, (None, None, None)
         shards = self._shards.get(name)
         if shards is not None and len(shards) == 1:
             for r in shards[0].replicas:
                 node = r.node
                 if r.usable and node is not None and not node.closed:
                     transport = node._transport
-                    rows = None if transport is None else transport.local_table(r.tables[name].index)
+                    if transport is not None:
+                        found = (r, node, transport.local_table(r.tables[name].index))
                     break
-            else:
-                node = None
-        self._local[name] = (generation, node, rows)
+        self._local[name] = (generation, *found)
         if self._generation != generation:  # changed meanwhile: keep no mapping of a node now gone
             self._local.pop(name, None)
-        return rows
+        return found
+
+    def local_table(self, name: str):
+        """The rows of ``name`` as a local array when the replica read first maps them (shm) and the table
+        has one shard; None otherwise. The mapping stays valid while the array lives."""
+        return self.reader(name)[2]
+
+    def fail(self, replica: Replica, error: BaseException) -> None:
+        """A node failed a request sent straight to it (the table layer's direct path): down it goes,
+        as when a routed gather finds it failed, and the gather is re-issued through routing."""
+        self._set_down(replica, error)
+        shards = [s for ss in self._shards.values() for s in ss if replica in s.replicas]
+        if any(r.usable for s in shards for r in s.replicas if r is not replica):
+            self._metrics.failovers.inc()
+            log.info("%s failed (%s): re-issuing on another replica", replica.address, error)
 
     def request_rows(self, mode: str = "read") -> int | None:
         hit = self._rows_limit.get(mode)

@@ -10,23 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from tableserver.wire import in_range
+
 
 def is_torch(x) -> bool:
     return type(x).__module__.split(".")[0] == "torch"
-
-
-_umax = np.maximum.reduce  # the ufunc itself: ndarray.max adds a Python-level wrapper (~0.5 us)
-#: up to this many ids are range-checked as a Python list: a ufunc reduction's set-up touches enough
-#: memory that, with caches cold after a gather, it costs tens of microseconds for a handful of ids
-SMALL_IDS = 32
-
-
-def in_range(ids: np.ndarray, rows: int) -> bool:
-    """Whether every int64 id is in 0..rows-1: one pass (as uint64 a negative id is huge)."""
-    if ids.size <= SMALL_IDS:
-        values = ids.ravel().tolist()
-        return min(values) >= 0 and max(values) < rows
-    return int(_umax(ids.view(np.uint64), axis=None)) < rows
 
 
 def to_row_ids(row_ids, rows: int, table: str) -> tuple[np.ndarray, bool]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tableclient.errors import GatherTimeout
+from tableclient.errors import GatherTimeout, RemoteError, TableClientError
 from tableclient.metrics import GatherRecorder, metrics
 from tableclient.rowids import dedup, in_range, prepare_out, to_row_ids
 
@@ -149,9 +149,13 @@ class RemoteTable:
         """
         client = self._client
         if not client._closed:
-            local = client._router.local_table(self.info.name)
+            replica, node, local = client._router.reader(self.info.name)
             if local is not None:  # shm: the rows are mapped here; one bounds-safe take, no round trip
                 return self._gather_local(local, row_ids, out)
+            if node is not None and hedge_after is None and getattr(client, "hedge_after", None) is None:
+                result = self._gather_direct(replica, node, row_ids, out, timeout, mode)
+                if result is not None:
+                    return result
         handle = self._submit(row_ids, out, True, mode, hedge_after)
         try:
             return handle.wait(timeout)
@@ -202,6 +206,46 @@ class RemoteTable:
             recorder.count(n, n, n * self.info.row_bytes)
             local.take(flat_ids, axis=0, out=flat_out, mode="clip")
             recorder.observe(time.perf_counter() - t0)
+        return result
+
+    def _gather_direct(self, replica, node, row_ids, out, timeout, mode):
+        """A synchronous gather sent straight to the one node that holds the whole table (tcp, rdma):
+        no routing objects, the caller's thread reads the answer. None (nothing sent) when the gather
+        needs what only routing does -- dedup, several requests -- or when the node fails: routing then
+        marks it down and re-issues the gather on another replica."""
+        t0 = time.perf_counter()
+        info = self.info
+        transport = node._transport
+        if transport is None:
+            return None
+        mode = check_mode(mode) if mode is not None else self.mode
+        flat_ids, flat_out, result = self._checked(row_ids, out)
+        n = flat_ids.size
+        if n == 0:
+            return result
+        if n > self._request_rows(self._client._router, mode) or \
+                (transport.dedups and dedup(flat_ids)[1] is not None):
+            return None
+        try:
+            pending = transport.gather(replica.tables[info.name].index, flat_ids, flat_out, True, mode)
+        except (GatherTimeout, RemoteError) as e:
+            metrics().error(e)
+            raise
+        except TableClientError as e:
+            self._client._router.fail(replica, e)
+            return None
+        try:
+            pending.wait(timeout if timeout is not None else self._client._router.options.request_timeout)
+        except (GatherTimeout, RemoteError) as e:
+            pending.cancel()  # a barrier: its rows never land after this
+            metrics().error(e)
+            raise
+        except TableClientError as e:
+            pending.cancel()
+            self._client._router.fail(replica, e)
+            return None
+        recorder = self._instruments(transport.name, mode if mode in transport.modes else "read")
+        recorder.record(n, n, flat_out.nbytes, time.perf_counter() - t0)
         return result
 
     def gather_async(self, row_ids, out=None, mode: str | None = None,

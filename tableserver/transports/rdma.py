@@ -40,7 +40,7 @@ from tableserver.sessions import Session
 from tableserver.transports.base import ServerTransport
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.wire import (
-    PACK_ERROR, PACK_ERROR_MAGIC, PACK_REPLY_BYTES, PACK_REQUEST, PACK_REQUEST_MAGIC, ROW_ID_BYTES, Status,
+    PACK_ERROR, PACK_ERROR_MAGIC, PACK_REPLY_BYTES, PACK_REQUEST, PACK_REQUEST_MAGIC, ROW_ID_BYTES, Status, in_range,
 )
 
 log = logging.getLogger("tableserver.rdma")
@@ -398,7 +398,7 @@ class RdmaTransport(ServerTransport):
                 raise _Refuse(Status.UNKNOWN_TABLE, f"no table #{table_index}")
             table = self.tables[table_index]
             ids = raw[PACK_REQUEST.size:].view("<i8")
-            if count:
+            if not in_range(ids, table.rows):
                 lo, hi = int(ids.min()), int(ids.max())
                 if lo < 0 or hi >= table.rows:
                     raise _Refuse(Status.ROW_OUT_OF_RANGE, f"row id {lo if lo < 0 else hi} out of range for "

@@ -44,7 +44,7 @@ from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.seal import C2S, S2C, TAG_BYTES, BadTag, Direction, crypt_into, derive_key
 from tableserver.wire import (
     CLIENT_NONCE_BYTES, FATAL, HEADER, HEADER_BYTES, HELLO_BYTES, HELLO_SEALED, NONCE_BYTES, REQUEST_MAGIC,
-    SESSION_ID_BYTES, FrameType, Status, challenge_frame, response_header,
+    SESSION_ID_BYTES, FrameType, Status, challenge_frame, in_range, response_header,
 )
 
 log = logging.getLogger("tableserver.tcp")
@@ -406,12 +406,11 @@ class _TcpProtocol(Protocol):
             raise Refused(Status.UNKNOWN_TABLE, f"no table #{st.table}: the catalog has {len(tables)} tables")
         table = tables[st.table]
         ids = st.ids_buf[:st.count]
-        if ids.size:
+        if not in_range(ids, table.rows):
             lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= table.rows:
-                bad = lo if lo < 0 else hi
-                raise Refused(Status.ROW_OUT_OF_RANGE,
-                              f"row id {bad} out of range for table {table.name!r} (0..{table.rows - 1})")
+            bad = lo if lo < 0 else hi
+            raise Refused(Status.ROW_OUT_OF_RANGE,
+                          f"row id {bad} out of range for table {table.name!r} (0..{table.rows - 1})")
         return table
 
     def _pump(self, conn: Connection) -> bool:
@@ -424,7 +423,7 @@ class _TcpProtocol(Protocol):
                 table = self.t.tables[st.table]
                 n = min(st.count - st.next_row, max(1, CHUNK_BYTES // table.row_bytes))
                 rows = st.chunk(n, table.row_bytes)
-                np.take(table.data, st.ids_buf[st.next_row:st.next_row + n], axis=0, out=rows, mode="clip")
+                table.data.take(st.ids_buf[st.next_row:st.next_row + n], axis=0, out=rows, mode="clip")
                 st.next_row += n
                 view = memoryview(rows.reshape(-1))
                 if st.enc is not None:
