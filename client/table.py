@@ -210,9 +210,9 @@ class RemoteTable:
 
     def _gather_direct(self, replica, node, row_ids, out, timeout, mode):
         """A synchronous gather sent straight to the one node that holds the whole table (tcp, rdma):
-        no routing objects, the caller's thread reads the answer. None (nothing sent) when the gather
-        needs what only routing does -- dedup, several requests -- or when the node fails: routing then
-        marks it down and re-issues the gather on another replica."""
+        no routing objects, the caller's thread reads the answer, each distinct row fetched once when
+        dedup pays. None (nothing sent) when the gather needs several requests, or when the node fails:
+        routing then marks it down and re-issues the gather on another replica."""
         t0 = time.perf_counter()
         info = self.info
         transport = node._transport
@@ -223,11 +223,13 @@ class RemoteTable:
         n = flat_ids.size
         if n == 0:
             return result
-        if n > self._request_rows(self._client._router, mode) or \
-                (transport.dedups and dedup(flat_ids)[1] is not None):
+        unique, inverse = dedup(flat_ids) if transport.dedups else (flat_ids, None)
+        if unique.size > self._request_rows(self._client._router, mode):
             return None
+        # rows of repeated ids are fetched once into scratch, then expanded into place
+        dest = flat_out if inverse is None else np.empty((unique.size, info.row_bytes), np.uint8)
         try:
-            pending = transport.gather(replica.tables[info.name].index, flat_ids, flat_out, True, mode)
+            pending = transport.gather(replica.tables[info.name].index, unique, dest, True, mode)
         except (GatherTimeout, RemoteError) as e:
             metrics().error(e)
             raise
@@ -244,8 +246,10 @@ class RemoteTable:
             pending.cancel()
             self._client._router.fail(replica, e)
             return None
+        if inverse is not None:  # mode="clip": inverse indexes dest by construction
+            dest.take(inverse, axis=0, out=flat_out, mode="clip")
         recorder = self._instruments(transport.name, mode if mode in transport.modes else "read")
-        recorder.record(n, n, flat_out.nbytes, time.perf_counter() - t0)
+        recorder.record(n, unique.size, dest.nbytes, time.perf_counter() - t0)
         return result
 
     def gather_async(self, row_ids, out=None, mode: str | None = None,
