@@ -272,6 +272,7 @@ class TableServer:
                           time_to_serving_s=round(self.time_to_serving, 3), **endpoints))
         if cfg["ready_file"]:
             doc = dict(endpoints, pid=os.getpid(), tables=[t.name for t in self.tables],
+                       page_sizes={t.name: t.region.page_size for t in self.tables},
                        time_to_serving_s=self.time_to_serving)
             if self.token_file:
                 doc["token_file"] = self.token_file
