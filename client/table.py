@@ -174,32 +174,29 @@ class RemoteTable:
             raise
         return ids.reshape(-1), out_arr.reshape(-1, info.row_bytes), result
 
+    def _fast_checked(self, row_ids, out):
+        """``_checked`` for the common call -- int64 numpy ids, a numpy ``out`` of the right shape or
+        none -- inline (a handful of attribute checks and one ``in_range``); None for anything else,
+        bad ids included, which the general checks then take (and word the error)."""
+        if type(row_ids) is not np.ndarray or row_ids.dtype != _INT64 or not row_ids.size:
+            return None
+        info = self.info
+        if not in_range(row_ids, info.rows):
+            return None
+        want = row_ids.shape + (info.row_bytes,)
+        if out is None:
+            out = np.empty(want, np.uint8)
+        elif type(out) is not np.ndarray or out.dtype != _UINT8 or out.shape != want \
+                or not out.flags.c_contiguous or not out.flags.writeable:
+            return None
+        return np.ascontiguousarray(row_ids).reshape(-1), out.reshape(-1, info.row_bytes), out
+
     def _gather_local(self, local: np.ndarray, row_ids, out):
         """The shm fast path: checks, counters, one ``take`` (in range by the check; "clip" copies
         without a temporary), the latency. Nothing else runs per call; the counters go before the copy,
         while the caches still hold what the checks touched."""
         t0 = time.perf_counter()
-        info = self.info
-        if (type(row_ids) is np.ndarray and row_ids.dtype == _INT64 and type(out) is np.ndarray
-                and row_ids.size):
-            # the common call, checked inline: int64 ids, a numpy buffer of the right shape
-            if not in_range(row_ids, info.rows) or out.dtype != _UINT8 \
-                    or out.shape != row_ids.shape + (info.row_bytes,) or not out.flags.c_contiguous \
-                    or not out.flags.writeable:
-                return self._gather_local_checked(local, row_ids, out, t0)
-            flat_ids, flat_out, result = row_ids.reshape(-1), out.reshape(-1, info.row_bytes), out
-        else:
-            return self._gather_local_checked(local, row_ids, out, t0)
-        n = flat_ids.size
-        recorder = self._inst.get(("shm", "read")) or self._instruments("shm", "read")
-        recorder.count(n, n, n * info.row_bytes)
-        local.take(flat_ids, axis=0, out=flat_out, mode="clip")
-        recorder.observe(time.perf_counter() - t0)
-        return result
-
-    def _gather_local_checked(self, local: np.ndarray, row_ids, out, t0: float):
-        """The same for any other input (torch, other dtypes, no ``out``), and the errors with their message."""
-        flat_ids, flat_out, result = self._checked(row_ids, out)
+        flat_ids, flat_out, result = self._fast_checked(row_ids, out) or self._checked(row_ids, out)
         n = flat_ids.size
         if n:
             recorder = self._inst.get(("shm", "read")) or self._instruments("shm", "read")
@@ -219,12 +216,12 @@ class RemoteTable:
         if transport is None:
             return None
         mode = check_mode(mode) if mode is not None else self.mode
-        flat_ids, flat_out, result = self._checked(row_ids, out)
+        flat_ids, flat_out, result = self._fast_checked(row_ids, out) or self._checked(row_ids, out)
         n = flat_ids.size
         if n == 0:
             return result
         unique, inverse = dedup(flat_ids) if transport.dedups else (flat_ids, None)
-        if unique.size > self._request_rows(self._client._router, mode):
+        if unique.size > min(node.max_rows_per_request, transport.request_rows(mode) or 1 << 62):
             return None
         # rows of repeated ids are fetched once into scratch, then expanded into place
         dest = flat_out if inverse is None else np.empty((unique.size, info.row_bytes), np.uint8)

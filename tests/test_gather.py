@@ -209,3 +209,15 @@ def test_tcp_sync_and_async_gathers_from_many_threads(daemon, demo_local, busy_p
 def test_busy_poll_is_bounded():
     with pytest.raises(ValueError, match="busy_poll"):
         TableClient("127.0.0.1:1", busy_poll=1.0)
+
+
+def test_tcp_request_refused_before_sending_leaves_the_connection_usable(daemon, demo_local):
+    """A request the transport cannot send (a buffer numpy cannot hand to sendmsg) fails alone: it is not
+    left waiting in the connection's queue, so the next responses still match their requests."""
+    with TableClient(daemon.address, transport="tcp") as c:
+        table = c.table("engram.layer1")
+        ids = np.arange(0, 400, dtype=np.int64)
+        with pytest.raises((ValueError, BufferError, TypeError)):
+            c._node_transport().gather(0, ids[::2], np.empty((200, 264), np.uint8), True)
+        for _ in range(3):
+            np.testing.assert_array_equal(table.gather(ids[::-1]), demo_local[table.name][ids[::-1]])

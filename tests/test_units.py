@@ -60,6 +60,12 @@ def test_dedup():
     assert unique.tolist() == [3, 5, 9] and np.array_equal(unique[inverse], ids)
     same, inv = dedup(np.array([4, 1, 2]))
     assert inv is None and same.tolist() == [4, 1, 2]  # no duplicates: order kept, no copy
+    rng = np.random.default_rng(5)
+    uniform = rng.integers(0, 400_000_000, 12288)  # a real table's size: repeats too rare to pay
+    assert dedup(uniform)[1] is None
+    zipf = (rng.zipf(1.1, 12288) % 400_000_000).astype(np.int64)  # Zipf-heavy: each row fetched once
+    unique, inverse = dedup(zipf)
+    assert inverse is not None and unique.size < 0.7 * zipf.size and np.array_equal(unique[inverse], zipf)
 
 
 def _parse(argv):

@@ -167,6 +167,7 @@ class TcpTransport(ClientTransport):
                 raise self._error
             p = _TcpPending(out, next(self._ids), self, sync)
             self._pending.append(p)  # before sending: a reader may see the answer at once
+            sent = 0
             try:
                 header = request_header(FrameType.GATHER, p.request_id, table_index, ids.size)
                 if self._seal_tx is None:
@@ -181,6 +182,12 @@ class TcpTransport(ClientTransport):
             except OSError as e:
                 self._fail(TransportError(f"tcp connection to {self.endpoint} broke while sending: {e}"))
                 raise self._error from None
+            except BaseException:
+                if sent:  # half a frame is on the wire: the connection cannot be used any more
+                    self._fail(TransportError(f"tcp connection to {self.endpoint} abandoned mid-request"))
+                elif self._pending and self._pending[-1] is p:  # refused before a byte went out
+                    self._pending.pop()
+                raise
         if not sync:
             self._hand_over(p)
         return p
