@@ -11,7 +11,7 @@ Sections, 1,536 rows (one layer of a batch-64 decode step) and 12,288 rows of 26
 
 * back to back, paths interleaved in a rotating order, each path its own fresh random ids every
   iteration (rows cache-cold in a 2 GiB table: no path reads rows another one just cached), then one
-  fixed set of ids again and again (warm);
+  fixed set of ids again and again (warm); then each path alone (its own loop, cold rows);
 * with a 20 ms gap between steps (what a decode loop does between layers' gathers): p50/p99, tcp with
   busy-polling off and on (``busy_poll``: the reader spins up to 200 us before sleeping);
 * the client library's cost per call: a 1-row gather through it vs. the bare operation under it;
@@ -239,6 +239,12 @@ def main() -> int:
                         results[(warm, n, k)] = (p50, p99, rps)
                         say(f"{n:>6}  {k:<13}{p50 * 1e6:>9.0f}{p99 * 1e6:>9.0f}{rps:>13,.0f}{rps * 264 / 1e9:>7.2f}"
                             f"{rps / base:>14.2f}x")
+            say("\neach path alone (its own loop, nothing interleaved), cold rows, p50 us")
+            say(f"{'rows':>6}  " + "".join(f"{k:>14}" for k in paths))
+            for n in SIZES:
+                alone = {k: stats(interleaved({k: fn}, spec.rows, n, max(50, args.iters // 3))[k], n)[0]
+                         for k, fn in paths.items()}
+                say(f"{n:>6}  " + "".join(f"{v * 1e6:>14.0f}" for v in alone.values()))
             bulks.append(loopback_bandwidth())
             bulk = float(np.median(bulks))
             say(f"\nloopback bulk tcp (one 512 MiB stream, before, between and after the sections): "
