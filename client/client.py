@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 
 from tableclient.errors import TableClientError
+from tableclient.metrics import flush_deferred
 from tableclient.node import NodeOptions
 from tableclient.routing import Router, RoutingOptions
 from tableclient.table import GatherHandle, RemoteTable, TableInfo, check_mode
@@ -174,6 +175,7 @@ class TableClient:
             return
         self._closed = True
         self._router.close()
+        flush_deferred()
 
     def __enter__(self) -> "TableClient":
         return self

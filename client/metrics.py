@@ -20,9 +20,14 @@ before the first client is created.
 
 from __future__ import annotations
 
+import atexit
+import collections
 import os
 import threading
+import weakref
 from bisect import bisect_left
+
+import numpy as np
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
@@ -53,6 +58,7 @@ class ClientMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None, buckets: tuple[float, ...] | None = None):
         r = registry if registry is not None else REGISTRY
+        r.register(_FlushFirst())  # first: a collection applies deferred gathers before reading ours
         self.gather_latency = Histogram(
             "tableserver_client_gather_duration_seconds", "Time from issuing a gather to its rows being in "
             "place in the caller's buffer.", ["table", "layer", "transport", "mode"],
@@ -134,11 +140,14 @@ class GatherRecorder:
     tests/test_metrics.py checks that both export the same samples.
     """
 
-    __slots__ = ("latency", "rows", "unique_rows", "bytes", "_incs", "_sum", "_buckets", "_bounds")
+    __slots__ = ("latency", "rows", "unique_rows", "bytes", "_incs", "_sum", "_buckets", "_bounds", "_deferred",
+                 "__weakref__")
 
     def __init__(self, latency, rows, unique_rows, nbytes, direct: bool = True):
         self.latency, self.rows, self.unique_rows, self.bytes = latency, rows, unique_rows, nbytes
         self._incs = None
+        self._deferred: collections.deque = collections.deque()
+        _recorders.add(self)
         if direct:
             try:
                 incs = (rows._value.inc, unique_rows._value.inc, nbytes._value.inc)
@@ -171,6 +180,63 @@ class GatherRecorder:
     def record(self, rows: int, unique_rows: int, nbytes: int, seconds: float) -> None:
         self.count(rows, unique_rows, nbytes)
         self.observe(seconds)
+
+    def defer(self, rows: int, unique_rows: int, nbytes: int, seconds: float) -> None:
+        """``record``, applied later in a batch (one deque append on the gather's path): by ``flush``,
+        which every scrape of this process's registry, the client's maintenance tick (50 ms), close and
+        exit call; inline once MAX_DEFERRED gathers wait."""
+        deferred = self._deferred
+        deferred.append((rows, unique_rows, nbytes, seconds))
+        if len(deferred) >= MAX_DEFERRED:
+            self.flush()
+
+    def flush(self) -> None:
+        """Applies the deferred gathers: summed counters, latencies bucketed in one vectorized pass."""
+        items, pop = [], self._deferred.popleft
+        try:
+            while True:
+                items.append(pop())
+        except IndexError:
+            pass
+        if not items:
+            return
+        a = np.array(items, dtype=np.float64)
+        self.count(int(a[:, 0].sum()), int(a[:, 1].sum()), int(a[:, 2].sum()))
+        if self._incs is None:
+            for seconds in a[:, 3].tolist():
+                self.latency.observe(seconds)
+            return
+        self._sum(float(a[:, 3].sum()))
+        # side="left": the first bucket whose upper bound is >= the latency, as Histogram.observe picks it
+        which, counts = np.unique(np.searchsorted(self._bounds, a[:, 3], side="left"), return_counts=True)
+        for i, n in zip(which.tolist(), counts.tolist()):
+            self._buckets[i](n)
+
+
+#: deferred gathers one recorder holds before it applies them inline
+MAX_DEFERRED = 1024
+_recorders: "weakref.WeakSet[GatherRecorder]" = weakref.WeakSet()
+
+
+def flush_deferred() -> None:
+    """Applies every recorder's deferred gathers (called by scrapes, the routing tick, close, exit)."""
+    for recorder in list(_recorders):
+        recorder.flush()
+
+
+class _FlushFirst:
+    """A collector that yields nothing and, registered before the client's metrics, applies the
+    deferred gathers at the start of every collection of its registry: a scrape sees them all."""
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        flush_deferred()
+        return []
+
+
+atexit.register(flush_deferred)
 
 
 _lock = threading.Lock()

@@ -192,17 +192,16 @@ class RemoteTable:
         return np.ascontiguousarray(row_ids).reshape(-1), out.reshape(-1, info.row_bytes), out
 
     def _gather_local(self, local: np.ndarray, row_ids, out):
-        """The shm fast path: checks, counters, one ``take`` (in range by the check; "clip" copies
-        without a temporary), the latency. Nothing else runs per call; the counters go before the copy,
-        while the caches still hold what the checks touched."""
+        """The shm fast path: checks, one ``take`` (in range by the check; "clip" copies without a
+        temporary), and the metrics deferred (one deque append; applied in batches). Nothing else runs
+        per call."""
         t0 = time.perf_counter()
         flat_ids, flat_out, result = self._fast_checked(row_ids, out) or self._checked(row_ids, out)
         n = flat_ids.size
         if n:
-            recorder = self._inst.get(("shm", "read")) or self._instruments("shm", "read")
-            recorder.count(n, n, n * self.info.row_bytes)
             local.take(flat_ids, axis=0, out=flat_out, mode="clip")
-            recorder.observe(time.perf_counter() - t0)
+            recorder = self._inst.get(("shm", "read")) or self._instruments("shm", "read")
+            recorder.defer(n, n, n * self.info.row_bytes, time.perf_counter() - t0)
         return result
 
     def _gather_direct(self, replica, node, row_ids, out, timeout, mode):
@@ -246,7 +245,7 @@ class RemoteTable:
         if inverse is not None:  # mode="clip": inverse indexes dest by construction
             dest.take(inverse, axis=0, out=flat_out, mode="clip")
         recorder = self._instruments(transport.name, mode if mode in transport.modes else "read")
-        recorder.record(n, unique.size, dest.nbytes, time.perf_counter() - t0)
+        recorder.defer(n, unique.size, dest.nbytes, time.perf_counter() - t0)
         return result
 
     def gather_async(self, row_ids, out=None, mode: str | None = None,

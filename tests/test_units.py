@@ -216,6 +216,36 @@ def test_gather_recorder_direct_updates_export_what_the_public_api_does():
                for line in samples(fast_reg))
 
 
+def test_deferred_gathers_are_applied_by_the_next_scrape():
+    """The fast paths defer their metrics; a collection of the registry applies them first (so a scrape
+    sees every gather), bucketed exactly as one observe() per gather would."""
+    from prometheus_client import CollectorRegistry
+
+    from tableclient.metrics import MAX_DEFERRED, ClientMetrics, GatherRecorder
+
+    def recorder(registry):
+        m = ClientMetrics(registry)
+        return GatherRecorder(m.gather_latency.labels("t", "1", "shm", "read"), m.rows.labels("t", "1", "shm"),
+                              m.unique_rows.labels("t", "1", "shm"), m.bytes.labels("t", "1", "shm"))
+
+    now_reg, later_reg = CollectorRegistry(), CollectorRegistry()
+    now, later = recorder(now_reg), recorder(later_reg)
+    values = [2e-6, 2.5e-6, 4e-6, 1e-4, 0.3] + list(np.random.default_rng(1).exponential(1e-3, 2 * MAX_DEFERRED))
+    for i, seconds in enumerate(values):
+        now.record(i + 1, i, 264 * i, float(seconds))
+        later.defer(i + 1, i, 264 * i, float(seconds))
+    assert len(later._deferred) < MAX_DEFERRED  # applied inline once that many waited
+
+    def samples(registry):
+        return {(m.name, s.name, tuple(sorted(s.labels.items()))): s.value
+                for m in registry.collect() for s in m.samples if not s.name.endswith("_created")}
+
+    got, want = samples(later_reg), samples(now_reg)  # collecting applies what was still deferred
+    assert not later._deferred and got.keys() == want.keys()
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-9), key
+
+
 def test_flag_wakes_every_waiter_and_times_out():
     import threading
     import time
