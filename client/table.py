@@ -200,8 +200,7 @@ class RemoteTable:
         n = flat_ids.size
         if n:
             local.take(flat_ids, axis=0, out=flat_out, mode="clip")
-            recorder = self._inst.get(("shm", "read")) or self._instruments("shm", "read")
-            recorder.defer(n, n, n * self.info.row_bytes, time.perf_counter() - t0)
+            self._instruments("shm", "read").defer(n, n, n * self.info.row_bytes, time.perf_counter() - t0)
         return result
 
     def _gather_direct(self, replica, node, row_ids, out, timeout, mode):
@@ -263,25 +262,25 @@ class RemoteTable:
         if flat_ids.size == 0:
             return GatherHandle([], result)
         transport = self._client._data_transport()
-        latency = self._instruments(transport.name, mode if mode in transport.modes else "read")
+        recorder = self._instruments(transport.name, mode if mode in transport.modes else "read")
         try:
             if transport.dedups:
                 unique, inverse = dedup(flat_ids)
                 if inverse is not None:
-                    latency.count(flat_ids.size, unique.size, unique.size * info.row_bytes)
+                    recorder.count(flat_ids.size, unique.size, unique.size * info.row_bytes)
                     if transport.expands and unique.size <= self._request_rows(transport, mode):
                         # one request: the transport copies from its staging straight into out, expanded
                         pending = transport.gather(info.index, unique, flat_out, sync, mode, expand=inverse)
-                        return GatherHandle([pending], result, None, flat_ids.size, t0, latency)
+                        return GatherHandle([pending], result, None, flat_ids.size, t0, recorder)
                     scratch = np.empty((unique.size, info.row_bytes), dtype=np.uint8)
                     pendings = self._post(transport, unique, scratch, sync, mode, hedge_after)
                     # mode="clip": inverse indexes scratch by construction ("raise" copies through a temporary)
                     return GatherHandle(pendings, result,
                                         lambda: np.take(scratch, inverse, axis=0, out=flat_out, mode="clip"),
-                                        flat_ids.size, t0, latency)
-            latency.count(flat_ids.size, flat_ids.size, flat_out.nbytes)
+                                        flat_ids.size, t0, recorder)
+            recorder.count(flat_ids.size, flat_ids.size, flat_out.nbytes)
             return GatherHandle(self._post(transport, flat_ids, flat_out, sync, mode, hedge_after), result, None,
-                                flat_ids.size, t0, latency)
+                                flat_ids.size, t0, recorder)
         except Exception as e:
             metrics().error(e)
             raise

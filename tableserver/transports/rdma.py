@@ -400,9 +400,8 @@ class RdmaTransport(ServerTransport):
             ids = raw[PACK_REQUEST.size:].view("<i8")
             if not in_range(ids, table.rows):
                 lo, hi = int(ids.min()), int(ids.max())
-                if lo < 0 or hi >= table.rows:
-                    raise _Refuse(Status.ROW_OUT_OF_RANGE, f"row id {lo if lo < 0 else hi} out of range for "
-                                                           f"table {table.name!r} (0..{table.rows - 1})")
+                raise _Refuse(Status.ROW_OUT_OF_RANGE, f"row id {lo if lo < 0 else hi} out of range for "
+                                                       f"table {table.name!r} (0..{table.rows - 1})")
             start = time.perf_counter()
             nbytes = count * table.row_bytes
             rows = s.staging.array[:nbytes].reshape(count, table.row_bytes)

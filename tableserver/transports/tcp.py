@@ -212,7 +212,7 @@ class _State:
 
 
 def _readable_now(sock: socket.socket) -> bool:
-    """Whether bytes wait on ``sock`` (FIONREAD, no syscall on the data path beyond this ioctl)."""
+    """Whether bytes wait on ``sock`` (FIONREAD: one ioctl, cheaper than a recv that raises EAGAIN)."""
     try:
         return fcntl.ioctl(sock.fileno(), termios.FIONREAD, _FIONREAD_BUF) != _ZERO
     except OSError:
