@@ -95,11 +95,16 @@ def check_numa_hugepages(cfg: dict) -> Finding:
     mode = cfg.get("hugepages", "auto")
     if mode == "off":
         return Finding("hugepages", "ok", "not used (--hugepages off)")
-    if not nodes or not any(v for s in nodes.values() for v in s.values()):
-        status = "FAIL" if mode in ("1g", "2m") else "warn"
-        return Finding("hugepages", status, f"none free{' (' + text + ')' if text else ''}: tables use 4 KiB pages "
-                       "(slower random gathers); reserve them at boot (hugepagesz=1G hugepages=N) or per node "
-                       "(/sys/devices/system/node/nodeN/hugepages/.../nr_hugepages)")
+    size = {"1g": "1048576kB", "2m": "2048kB"}.get(mode)  # --hugepages 1g/2m: that size, not just any
+    if not any(v for s in nodes.values() for k, v in s.items() if size is None or k == size):
+        found = f" ({text})" if text else ""
+        reserve = ("reserve them at boot (hugepagesz=1G hugepages=N) or per node "
+                   "(/sys/devices/system/node/nodeN/hugepages/.../nr_hugepages)")
+        if size:
+            return Finding("hugepages", "FAIL", f"no {mode.upper()} hugepages free{found}: --hugepages {mode} "
+                           f"cannot load the tables; {reserve}, or pass --hugepages auto")
+        return Finding("hugepages", "warn", f"none free{found}: tables use 4 KiB pages (slower random gathers); "
+                       + reserve)
     return Finding("hugepages", "ok", text)
 
 
