@@ -17,9 +17,17 @@ Sections, 1,536 rows (one layer of a batch-64 decode step) and 12,288 rows of 26
 * the client library's cost per call: a 1-row gather through it vs. the bare operation under it;
 * dedup: uniform and Zipf(1.1) ids over tcp, the library's dedup decision vs. never deduplicating.
 
+Placement (``--placement split``, the default on 2+ CPUs): the servers (daemon, sealed daemon, minimal
+server, bulk sender) run on the last CPU(s) and the client (this process: in-process, shm, every client)
+on the others, as on a memory node whose cores are never the serving host's. Left to the scheduler
+(``--placement os``), a server thread lands on the client's CPU or not by luck, and on a VM the two
+differ by far more than any transport: here a 1-row loopback round trip is ~40 us with both on one vCPU
+and ~125 us across two (each cross-vCPU wake-up is an IPI the hypervisor delivers), so a ratio would
+measure which server the scheduler placed better.
+
 Prints each ratio an issue states its targets in, with met/MISSED, and writes bench/out/transports.txt.
 
-Usage: python bench/bench_transports.py [--gib 2] [--iters 300] [--server-pages 2m|4k]
+Usage: python bench/bench_transports.py [--gib 2] [--iters 300] [--server-pages 2m|4k] [--placement split|os]
 """
 
 from __future__ import annotations
@@ -57,6 +65,31 @@ def stats(samples: np.ndarray, rows: int) -> tuple[float, float, float]:
 
 
 # ----------------------------------------------------------------------------- floors
+#: CPUs of the servers and of the client under ``--placement split`` (None: wherever the scheduler puts them)
+SERVER_CPUS: set[int] | None = None
+CLIENT_CPUS: set[int] | None = None
+
+
+def split_cpus() -> tuple[set[int], set[int]] | None:
+    """(server CPUs, client CPUs): the last half of this process's CPUs serve; None with fewer than 2."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    half = len(cpus) // 2
+    return set(cpus[half:]), set(cpus[:half])
+
+
+def on_server_cpus() -> None:
+    """Moves the calling thread (and what it starts from now on) onto the servers' CPUs."""
+    if SERVER_CPUS is not None:
+        os.sched_setaffinity(0, SERVER_CPUS)
+
+
+def on_client_cpus() -> None:
+    if CLIENT_CPUS is not None:
+        os.sched_setaffinity(0, CLIENT_CPUS)
+
+
 def loopback_bandwidth(nbytes: int = 512 << 20, chunk: int = 4 << 20) -> float:
     """Bytes/s of one bulk tcp stream over loopback, sender in a thread (the kernel's copy cost)."""
     listener = socket.create_server(("127.0.0.1", 0))
@@ -64,6 +97,7 @@ def loopback_bandwidth(nbytes: int = 512 << 20, chunk: int = 4 << 20) -> float:
     buf = np.zeros(chunk, np.uint8)
 
     def send():
+        on_server_cpus()
         conn, _ = listener.accept()
         with conn:
             for _ in range(nbytes // chunk):
@@ -174,9 +208,15 @@ def main() -> int:
     ap.add_argument("--gap-iters", type=int, default=150, help="iterations of the 20 ms-gap section")
     ap.add_argument("--server-pages", choices=("2m", "4k"), default="2m",
                     help="server table memory: 2 MiB hugepages (reserved for the run, needs root) or 4 KiB pages")
+    ap.add_argument("--placement", choices=("split", "os"), default="split",
+                    help="split: servers on the last CPU(s), the client on the others (default); os: the scheduler's")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out",
                                                   "transports.txt"))
     args = ap.parse_args()
+    global SERVER_CPUS, CLIENT_CPUS
+    split = split_cpus() if args.placement == "split" else None
+    if split is not None:
+        SERVER_CPUS, CLIENT_CPUS = split
     path = bench_table(args.gib)
     spec = read_header(path).tables[0]
     print(f"loading the in-process copy ({spec.nbytes / 2**30:.2f} GiB) ...", flush=True)
@@ -189,6 +229,7 @@ def main() -> int:
         if not huge:
             say("note: no 2 MiB hugepages reserved (needs root): the server's tables sit on 4 KiB pages while numpy's\n"
                 "      in-process copy gets transparent hugepages, so shm pays TLB misses the baseline does not")
+        on_server_cpus()  # the servers started now inherit the servers' CPUs
         proc, ready = start_server(path, tmp, ["--hugepages", "2m" if huge else "off"])
         # a second server on the same table file seals its tcp rows (AES-256-GCM): what privacy costs
         sealed_dir = os.path.join(tmp, "sealed")
@@ -196,6 +237,7 @@ def main() -> int:
         sproc, sready = start_server(path, sealed_dir, ["--hugepages", "off", "--transports", "tcp",
                                                         "--data-encryption", "on", "--metrics-port", "off"])
         minimal = MinimalServer(local)
+        on_client_cpus()
         try:
             shm = TableClient(ready["control"], transport="shm")
             tcp = TableClient(ready["control"], transport="tcp")
@@ -226,6 +268,8 @@ def main() -> int:
             bulks = [loopback_bandwidth()]  # measured before each section and after: their median is the floor
             say(f"server on {'2 MiB hugepages' if huge else '4 KiB pages'}; {args.iters} iterations, paths "
                 f"interleaved; rows/s and ratios at the median (p50)")
+            say(f"placement: servers on CPU {sorted(SERVER_CPUS)}, client on CPU {sorted(CLIENT_CPUS)}"
+                if SERVER_CPUS else "placement: the scheduler's (--placement os, or a single CPU)")
             for label, warm in (("cold rows (fresh random ids)", False), ("warm rows (the same ids again)", True)):
                 if warm:
                     bulks.append(loopback_bandwidth())

@@ -101,9 +101,10 @@ def dedup(flat_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     n = flat_ids.size
     if n < 2:
         return flat_ids, None
-    sample = flat_ids if n <= DEDUP_SAMPLE else flat_ids[:: n // DEDUP_SAMPLE][:DEDUP_SAMPLE]
-    k = sample.size
-    repeats = k - len(set(sample.tolist()))
+    step = n // DEDUP_SAMPLE
+    sample = (flat_ids[: step * DEDUP_SAMPLE: step] if step > 1 else flat_ids[:DEDUP_SAMPLE]).tolist()
+    k = len(sample)
+    repeats = k - len(set(sample))
     if n <= DEDUP_SAMPLE:
         if not repeats:
             return flat_ids, None

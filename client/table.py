@@ -174,14 +174,16 @@ class RemoteTable:
             raise
         return ids.reshape(-1), out_arr.reshape(-1, info.row_bytes), result
 
-    def _fast_checked(self, row_ids, out):
+    def _fast_checked(self, row_ids, out, check_range: bool = True):
         """``_checked`` for the common call -- int64 numpy ids, a numpy ``out`` of the right shape or
         none -- inline (a handful of attribute checks and one ``in_range``); None for anything else,
-        bad ids included, which the general checks then take (and word the error)."""
+        bad ids included, which the general checks then take (and word the error).
+        ``check_range=False``: the server checks the ids (``server_checks_ids``); the caller words
+        its refusal with ``_checked``."""
         if type(row_ids) is not np.ndarray or row_ids.dtype != _INT64 or not row_ids.size:
             return None
         info = self.info
-        if not in_range(row_ids, info.rows):
+        if check_range and not in_range(row_ids, info.rows):
             return None
         want = row_ids.shape + (info.row_bytes,)
         if out is None:
@@ -189,14 +191,34 @@ class RemoteTable:
         elif type(out) is not np.ndarray or out.dtype != _UINT8 or out.shape != want \
                 or not out.flags.c_contiguous or not out.flags.writeable:
             return None
-        return np.ascontiguousarray(row_ids).reshape(-1), out.reshape(-1, info.row_bytes), out
+        return row_ids.ravel(), out.reshape(-1, info.row_bytes), out
 
     def _gather_local(self, local: np.ndarray, row_ids, out):
         """The shm fast path: checks, one ``take`` (in range by the check; "clip" copies without a
         temporary), and the metrics deferred (one deque append; applied in batches). Nothing else runs
-        per call."""
+        per call.
+
+        The common call (int64 numpy ids of any shape, a uint8 ``out`` of their shape or none) is
+        checked inline and taken with its own shapes: no reshape, no contiguity test (``take`` writes
+        a non-contiguous ``out`` correctly). Anything else, bad ids and a read-only ``out`` included,
+        goes through the general checks, which word the error."""
         t0 = time.perf_counter()
-        flat_ids, flat_out, result = self._fast_checked(row_ids, out) or self._checked(row_ids, out)
+        info = self.info
+        if type(row_ids) is np.ndarray and row_ids.dtype == _INT64 and row_ids.size \
+                and in_range(row_ids, info.rows):
+            want = row_ids.shape + (info.row_bytes,)
+            if out is None:
+                out = np.empty(want, np.uint8)
+            if type(out) is np.ndarray and out.dtype == _UINT8 and out.shape == want:
+                try:
+                    local.take(row_ids, axis=0, out=out, mode="clip")
+                except ValueError:  # a read-only out: the general checks say so
+                    pass
+                else:
+                    n = row_ids.size
+                    self._instruments("shm", "read").defer(n, n, n * info.row_bytes, time.perf_counter() - t0)
+                    return out
+        flat_ids, flat_out, result = self._checked(row_ids, out)
         n = flat_ids.size
         if n:
             local.take(flat_ids, axis=0, out=flat_out, mode="clip")
@@ -214,7 +236,9 @@ class RemoteTable:
         if transport is None:
             return None
         mode = check_mode(mode) if mode is not None else self.mode
-        flat_ids, flat_out, result = self._fast_checked(row_ids, out) or self._checked(row_ids, out)
+        server_checks = transport.server_checks_ids
+        flat_ids, flat_out, result = self._fast_checked(row_ids, out, not server_checks) \
+            or self._checked(row_ids, out)
         n = flat_ids.size
         if n == 0:
             return result
@@ -235,6 +259,8 @@ class RemoteTable:
             pending.wait(timeout if timeout is not None else self._client._router.options.request_timeout)
         except (GatherTimeout, RemoteError) as e:
             pending.cancel()  # a barrier: its rows never land after this
+            if server_checks and getattr(e, "status", None) == "ROW_OUT_OF_RANGE":
+                self._checked(row_ids, out)  # the server refused an id: the same ValueError as a local check
             metrics().error(e)
             raise
         except TableClientError as e:

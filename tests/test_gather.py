@@ -115,6 +115,26 @@ def test_more_rows_than_one_request(client, demo_local):
     np.testing.assert_array_equal(table.gather(ids), demo_local[table.name][ids])
 
 
+@pytest.mark.parametrize("bad", [10**12, -1, 2**63 - 1])
+@pytest.mark.parametrize("size", [1, 40, 3000])
+def test_bad_row_id_is_a_value_error_and_leaves_out_alone(client, demo_local, bad, size):
+    """On every path (the shm take, the tcp direct path whose server does the check, the routed async
+    path): a bad id anywhere in the batch raises ValueError naming it, ``out`` keeps its bytes, and the
+    next gather on the same connection is still bit-exact."""
+    table = client.table("engram.layer1")
+    rows = table.info.rows
+    ids = np.random.default_rng(size).integers(0, rows, size)
+    ids[size // 2] = bad
+    out = np.full((size, 264), 7, np.uint8)
+    with pytest.raises(ValueError, match=f"row id {bad} is (out of range|negative)"):
+        table.gather(ids, out=out)
+    with pytest.raises(ValueError, match=f"row id {bad} is"):
+        table.gather_async(ids.reshape(1, -1)).wait(EVENT_TIMEOUT)
+    assert (out == 7).all()
+    ids[size // 2] = rows - 1
+    np.testing.assert_array_equal(table.gather(ids, out=out), demo_local[table.name][ids])
+
+
 def test_zero_timeout_raises_or_returns(client):
     table = client.table("engram.layer14")
     h = table.gather_async(np.arange(60_000))
