@@ -11,10 +11,11 @@ response being read is resumable, so readers may take turns mid-frame.
   receiver thread and back (one thread wake-up less per gather).
 * Asynchronous gathers are read by the receiver thread, woken only when one is
   outstanding; a synchronous waiter that times out hands its request over to it.
-* ``busy_poll`` (seconds, default 0): a reader first spins on a non-blocking
-  ``recv`` this long before sleeping in the kernel, like polling an RDMA CQ:
-  no wake-up at all when the rows arrive within it, at the price of one core
-  spinning for up to ``busy_poll`` per wait (the bench reports both).
+* ``busy_poll`` (seconds, default 0): a reader first polls with non-blocking
+  ``recv``s, through the whole response, this long before sleeping in the
+  kernel, like polling an RDMA CQ: no wake-up at all when the rows arrive within
+  it, at the price of one core spinning for up to ``busy_poll`` per wait (the
+  bench reports both).
 
 Lifetime of an output buffer: it belongs to the request until its Pending
 completes. A cancelled request's late rows land in a scratch buffer instead.
@@ -235,20 +236,6 @@ class TcpTransport(ClientTransport):
                 except _BROKEN as e:
                     self._broken(e)
 
-    def _spin(self, deadline: float | None) -> None:
-        """``busy_poll``: spins on a non-blocking peek until bytes wait, ``busy_poll`` or ``deadline`` passes."""
-        spin_until = time.monotonic() + self.busy_poll
-        sock, flags = self._sock, socket.MSG_PEEK | socket.MSG_DONTWAIT
-        while True:
-            try:
-                sock.recv(1, flags)
-                return
-            except (BlockingIOError, InterruptedError):
-                pass
-            now = time.monotonic()
-            if now >= spin_until or (deadline is not None and now >= deadline):
-                return
-
     def _timeout(self, left: float | None) -> None:
         """Bounds how long the next blocking ``recv`` sleeps to about ``left`` seconds (None: no bound),
         with SO_RCVTIMEO: the socket itself stays blocking, so a ``recv`` is one system call, not a poll
@@ -277,24 +264,35 @@ class TcpTransport(ClientTransport):
 
         Each part (header, then body) is one blocking ``recv`` with MSG_WAITALL straight into its
         buffer, bounded by the time left (SO_RCVTIMEO): the thread sleeps in the kernel until the
-        part is in, with no Python between the packets of a large response."""
+        part is in, with no Python between the packets of a large response. With ``busy_poll`` the
+        reader first polls with non-blocking ``recv``s, the whole response included, for up to
+        ``busy_poll`` in all: rows that arrive within it wake no thread at all."""
         r, sock = self._reading, self._sock
+        spin_until = time.monotonic() + self.busy_poll if self.busy_poll else 0.0
         while True:
             view = r.view
             while r.got < len(view):
-                if self.busy_poll:
-                    self._spin(deadline)
-                if deadline is None:
-                    self._timeout(None)
+                if spin_until:
+                    now = time.monotonic()
+                    if now >= spin_until or (deadline is not None and now >= deadline):
+                        spin_until = 0.0  # spun long enough: sleep in the kernel from here
+                        continue
+                    try:
+                        n = sock.recv_into(view[r.got:], 0, socket.MSG_DONTWAIT)
+                    except (BlockingIOError, InterruptedError):
+                        continue
                 else:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        return False
-                    self._timeout(left)
-                try:
-                    n = sock.recv_into(view[r.got:], 0, socket.MSG_WAITALL)
-                except (BlockingIOError, InterruptedError):  # SO_RCVTIMEO passed with nothing read
-                    continue
+                    if deadline is None:
+                        self._timeout(None)
+                    else:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            return False
+                        self._timeout(left)
+                    try:
+                        n = sock.recv_into(view[r.got:], 0, socket.MSG_WAITALL)
+                    except (BlockingIOError, InterruptedError):  # SO_RCVTIMEO passed with nothing read
+                        continue
                 if n == 0:
                     if r.p is None and r.got == 0:
                         raise ConnectionResetError("server closed the connection")
