@@ -198,10 +198,10 @@ class RemoteTable:
         temporary), and the metrics deferred (one deque append; applied in batches). Nothing else runs
         per call.
 
-        The common call (int64 numpy ids of any shape, a uint8 ``out`` of their shape or none) is
-        checked inline and taken with its own shapes: no reshape, no contiguity test (``take`` writes
-        a non-contiguous ``out`` correctly). Anything else, bad ids and a read-only ``out`` included,
-        goes through the general checks, which word the error."""
+        The common call (int64 numpy ids of any shape, a C-contiguous uint8 ``out`` of their shape or
+        none) is checked inline and taken with its own shapes, no reshapes. Anything else, bad ids and
+        a read-only ``out`` included (``take`` refuses it before writing), goes through the general
+        checks, which word the error."""
         t0 = time.perf_counter()
         info = self.info
         if type(row_ids) is np.ndarray and row_ids.dtype == _INT64 and row_ids.size \
@@ -209,7 +209,7 @@ class RemoteTable:
             want = row_ids.shape + (info.row_bytes,)
             if out is None:
                 out = np.empty(want, np.uint8)
-            if type(out) is np.ndarray and out.dtype == _UINT8 and out.shape == want:
+            if type(out) is np.ndarray and out.dtype == _UINT8 and out.shape == want and out.flags.c_contiguous:
                 try:
                     local.take(row_ids, axis=0, out=out, mode="clip")
                 except ValueError:  # a read-only out: the general checks say so

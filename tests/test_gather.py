@@ -241,3 +241,18 @@ def test_tcp_request_refused_before_sending_leaves_the_connection_usable(daemon,
             c._node_transport().gather(0, ids[::2], np.empty((200, 264), np.uint8), True)
         for _ in range(3):
             np.testing.assert_array_equal(table.gather(ids[::-1]), demo_local[table.name][ids[::-1]])
+
+
+def test_out_must_be_contiguous_and_writable_on_every_transport(client):
+    """The same contract over shm (its inline fast path) and tcp: a strided or read-only ``out`` is a
+    ValueError naming the requirement, and nothing is written."""
+    table = client.table("engram.layer1")
+    ids = np.arange(10, dtype=np.int64)
+    strided = np.zeros((10, 528), np.uint8)[:, ::2]
+    with pytest.raises(ValueError, match="C-contiguous"):
+        table.gather(ids, out=strided)
+    frozen = np.zeros((10, 264), np.uint8)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="writable"):
+        table.gather(ids, out=frozen)
+    assert not strided.any() and not frozen.any()
