@@ -174,16 +174,14 @@ class RemoteTable:
             raise
         return ids.reshape(-1), out_arr.reshape(-1, info.row_bytes), result
 
-    def _fast_checked(self, row_ids, out, check_range: bool = True):
+    def _fast_checked(self, row_ids, out):
         """``_checked`` for the common call -- int64 numpy ids, a numpy ``out`` of the right shape or
         none -- inline (a handful of attribute checks and one ``in_range``); None for anything else,
-        bad ids included, which the general checks then take (and word the error).
-        ``check_range=False``: the server checks the ids (``server_checks_ids``); the caller words
-        its refusal with ``_checked``."""
+        bad ids included, which the general checks then take (and word the error)."""
         if type(row_ids) is not np.ndarray or row_ids.dtype != _INT64 or not row_ids.size:
             return None
         info = self.info
-        if check_range and not in_range(row_ids, info.rows):
+        if not in_range(row_ids, info.rows):
             return None
         want = row_ids.shape + (info.row_bytes,)
         if out is None:
@@ -236,9 +234,7 @@ class RemoteTable:
         if transport is None:
             return None
         mode = check_mode(mode) if mode is not None else self.mode
-        server_checks = transport.server_checks_ids
-        flat_ids, flat_out, result = self._fast_checked(row_ids, out, not server_checks) \
-            or self._checked(row_ids, out)
+        flat_ids, flat_out, result = self._fast_checked(row_ids, out) or self._checked(row_ids, out)
         n = flat_ids.size
         if n == 0:
             return result
@@ -259,8 +255,6 @@ class RemoteTable:
             pending.wait(timeout if timeout is not None else self._client._router.options.request_timeout)
         except (GatherTimeout, RemoteError) as e:
             pending.cancel()  # a barrier: its rows never land after this
-            if server_checks and getattr(e, "status", None) == "ROW_OUT_OF_RANGE":
-                self._checked(row_ids, out)  # the server refused an id: the same ValueError as a local check
             metrics().error(e)
             raise
         except TableClientError as e:

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -313,9 +314,10 @@ class _StallingPeer:
     """A tcp data port that answers one GATHER of 100 ids with half its rows, then stalls until
     ``release`` is set (and then sends the rest)."""
 
-    def __init__(self):
+    def __init__(self, answer: bool = True):
         import threading
 
+        self.answer = answer  # False: never answer the GATHER at all
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.sent_half, self.release = threading.Event(), threading.Event()
         self.thread = threading.Thread(target=self._peer, daemon=True)
@@ -334,6 +336,9 @@ class _StallingPeer:
             proof = server_proof(b"s" * 32, b"i" * 16, nonce, client_nonce)
             conn.sendall(response_header(FrameType.HELLO, Status.OK, 0, 0, 32) + proof)
             recv_exact(conn, memoryview(bytearray(HEADER_BYTES + 8 * 100)))  # GATHER of 100 ids
+            if not self.answer:
+                self.release.wait(30)
+                return
             conn.sendall(response_header(FrameType.GATHER, Status.OK, 1, 264, 100) + b"\x07" * (264 * 50))
             self.sent_half.set()
             self.release.wait(30)
@@ -394,3 +399,50 @@ def test_sync_gather_timed_out_mid_response_is_finished_by_the_receiver():
     assert (out == 7).all()
     peer.close()
     transport.close()
+
+
+def test_sync_wait_keeps_its_deadline_while_signals_arrive():
+    """A signal handler firing every 10 ms (a profiler's timer, say) does not stretch a synchronous wait
+    for a response that never begins: the reader polls to its deadline, which a signal does not restart."""
+    import signal
+
+    from tableclient import GatherTimeout
+
+    peer = _StallingPeer(answer=False)
+    transport = peer.transport()
+    ticks = []
+    previous = signal.signal(signal.SIGALRM, lambda *_: ticks.append(1))
+    signal.setitimer(signal.ITIMER_REAL, 0.01, 0.01)
+    try:
+        pending = transport.gather(0, np.arange(100, dtype=np.int64), np.zeros((100, 264), np.uint8), sync=True)
+        start = time.monotonic()
+        with pytest.raises(GatherTimeout):
+            pending.wait(0.3)
+        elapsed = time.monotonic() - start
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert len(ticks) >= 5  # the signals did arrive while it waited
+    assert elapsed < 5.0, elapsed  # bounded by its deadline (0.3 s), not by the signals
+    pending.cancel()
+    peer.close()
+    transport.close()
+
+
+def test_sync_wait_with_no_time_left_takes_rows_already_here(daemon, demo_local):
+    """``wait(0)`` on a synchronous gather whose rows have arrived returns them: bytes already in the
+    socket are read before the deadline is judged (a one-row answer arrives whole, in one segment)."""
+    import select as select_module
+
+    with TableClient(daemon.address, transport="tcp") as c:
+        transport = c._node_transport()
+        table = c.table("engram.layer1")
+        for row in (0, 4321, table.info.rows - 1):
+            ids = np.array([row], dtype=np.int64)
+            out = np.empty((1, 264), np.uint8)
+            pending = transport.gather(table.info.index, ids, out, sync=True)
+            poller = select_module.poll()
+            poller.register(transport._sock, select_module.POLLIN)
+            assert poller.poll(EVENT_TIMEOUT * 1000)  # the answer is here
+            pending.wait(0.0)  # no GatherTimeout: the reader takes it without waiting
+            np.testing.assert_array_equal(out, demo_local[table.name][ids])

@@ -114,11 +114,6 @@ class ClientTransport(abc.ABC):
     #: transport owns and are copied once, expanded, into ``out`` (no scratch buffer, no second copy)
     expands: bool = False
 
-    #: the server range-checks every id of a request before it reads a row, and refuses a bad one with
-    #: ROW_OUT_OF_RANGE (tcp): a synchronous gather may skip its own check and word the error when the
-    #: refusal comes back. False where a bad id would reach the memory (one-sided RDMA reads)
-    server_checks_ids: bool = False
-
     @abc.abstractmethod
     def gather(self, table_index: int, ids: np.ndarray, out: np.ndarray, sync: bool = False,
                mode: str = "read", expand: np.ndarray | None = None) -> Pending:

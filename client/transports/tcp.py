@@ -27,6 +27,8 @@ import collections
 import hmac
 import itertools
 import logging
+import math
+import select
 import socket
 import struct
 import threading
@@ -50,6 +52,10 @@ log = logging.getLogger("tableclient.tcp")
 CANCEL_GRACE_S = 1.0
 _BROKEN = (OSError, ValueError, BadTag)
 _TIMEVAL = struct.Struct("@ll")  # struct timeval for SO_RCVTIMEO
+#: mid-response, a blocking recv waits at most this long before the reader checks its deadline again
+#: (a signal restarts a recv with its full SO_RCVTIMEO: only a handler firing more often than this,
+#: while the server stalls mid-response, could stretch a wait past its deadline)
+RECV_SLICE_S = 0.25
 
 
 class _TcpPending(Pending):
@@ -95,7 +101,6 @@ class _Reading:
 class TcpTransport(ClientTransport):
     name = "tcp"
     dedups = True
-    server_checks_ids = True  # tableserver/transports/tcp.py: _check before any row is read
 
     def __init__(self, offer, session, catalog, connect_timeout: float = 10.0, busy_poll: float = 0.0):
         ep = offer.tcp
@@ -113,6 +118,8 @@ class TcpTransport(ClientTransport):
         self._hello(session.id, session.secret)
         sock.settimeout(None)
         self._rcvtimeo = -1.0  # SO_RCVTIMEO as last set (seconds, 0 = none)
+        self._poller = select.poll()
+        self._poller.register(sock, select.POLLIN)
         self._ids = itertools.count(1)
         self._pending: collections.deque[_TcpPending] = collections.deque()
         self._send_lock = threading.Lock()
@@ -236,21 +243,19 @@ class TcpTransport(ClientTransport):
                 except _BROKEN as e:
                     self._broken(e)
 
-    def _timeout(self, left: float | None) -> None:
-        """Bounds how long the next blocking ``recv`` sleeps to about ``left`` seconds (None: no bound),
-        with SO_RCVTIMEO: the socket itself stays blocking, so a ``recv`` is one system call, not a poll
-        and a read. The bound already set is kept while it lies between half of ``left`` and ``left``
-        + 5 % + 1 ms (one ``setsockopt`` saved on most gathers: each has about the same timeout; a
-        shorter bound only means one more turn of the caller's loop)."""
+    def _timeout(self, seconds: float | None) -> None:
+        """Bounds how long the next blocking ``recv`` sleeps (SO_RCVTIMEO; None: no bound). The bound
+        already set is kept while it lies within ``seconds`` + 1 ms and above half of it, so gathers
+        that share a timeout set it once. The kernel rounds it up to a scheduler tick."""
         current = self._rcvtimeo
-        if left is None:
+        if seconds is None:
             if current == 0.0:
                 return
             seconds = 0.0  # SO_RCVTIMEO 0: none
         else:
-            if 0.0 < current and left * 0.5 <= current <= left * 1.05 + 0.001:
+            if 0.0 < current and seconds * 0.5 <= current <= seconds + 0.001:
                 return
-            seconds = max(left, 1e-6)
+            seconds = max(seconds, 1e-6)
         whole = int(seconds)
         micros = int((seconds - whole) * 1e6)
         if seconds and not whole and not micros:
@@ -260,13 +265,15 @@ class TcpTransport(ClientTransport):
 
     def _read_one(self, deadline: float | None) -> bool:
         """Reads (the rest of) one response and completes its request; False if ``deadline`` passed first
-        (what was read is kept: the next reader resumes there).
+        (what was read is kept: the next reader resumes there; bytes already here are always taken).
 
-        Each part (header, then body) is one blocking ``recv`` with MSG_WAITALL straight into its
-        buffer, bounded by the time left (SO_RCVTIMEO): the thread sleeps in the kernel until the
-        part is in, with no Python between the packets of a large response. With ``busy_poll`` the
-        reader first polls with non-blocking ``recv``s, the whole response included, for up to
-        ``busy_poll`` in all: rows that arrive within it wake no thread at all."""
+        Waiting for a response to begin is a ``poll`` to the deadline (to the millisecond, and a signal
+        does not restart it), then a non-blocking ``recv``. Once it has begun, the rest of each part
+        (header, body) is one blocking ``recv`` with MSG_WAITALL straight into its buffer, in slices of
+        at most RECV_SLICE_S (SO_RCVTIMEO): the rows are flowing, and the thread sleeps in the kernel
+        until the part is in, with no Python between the packets of a large response. With
+        ``busy_poll`` the reader first polls with non-blocking ``recv``s, the whole response included,
+        for up to ``busy_poll`` in all: rows that arrive within it wake no thread at all."""
         r, sock = self._reading, self._sock
         spin_until = time.monotonic() + self.busy_poll if self.busy_poll else 0.0
         while True:
@@ -281,17 +288,25 @@ class TcpTransport(ClientTransport):
                         n = sock.recv_into(view[r.got:], 0, socket.MSG_DONTWAIT)
                     except (BlockingIOError, InterruptedError):
                         continue
+                elif deadline is None:
+                    self._timeout(None)
+                    n = sock.recv_into(view[r.got:], 0, socket.MSG_WAITALL)
                 else:
-                    if deadline is None:
-                        self._timeout(None)
-                    else:
-                        left = deadline - time.monotonic()
+                    left = deadline - time.monotonic()
+                    if left > 0 and (r.got or r.p is not None):  # mid-response
+                        self._timeout(min(left, RECV_SLICE_S))
+                        flags = socket.MSG_WAITALL
+                    else:  # before the response begins, or no time left: poll, then take what is here
+                        if not self._poller.poll(math.ceil(left * 1000) if left > 0 else 0):
+                            if time.monotonic() >= deadline:
+                                return False
+                            continue
+                        flags = socket.MSG_DONTWAIT
+                    try:
+                        n = sock.recv_into(view[r.got:], 0, flags)
+                    except (BlockingIOError, InterruptedError):  # the slice passed with nothing read
                         if left <= 0:
                             return False
-                        self._timeout(left)
-                    try:
-                        n = sock.recv_into(view[r.got:], 0, socket.MSG_WAITALL)
-                    except (BlockingIOError, InterruptedError):  # SO_RCVTIMEO passed with nothing read
                         continue
                 if n == 0:
                     if r.p is None and r.got == 0:
