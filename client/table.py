@@ -194,29 +194,9 @@ class RemoteTable:
     def _gather_local(self, local: np.ndarray, row_ids, out):
         """The shm fast path: checks, one ``take`` (in range by the check; "clip" copies without a
         temporary), and the metrics deferred (one deque append; applied in batches). Nothing else runs
-        per call.
-
-        The common call (int64 numpy ids of any shape, a C-contiguous uint8 ``out`` of their shape or
-        none) is checked inline and taken with its own shapes, no reshapes. Anything else, bad ids and
-        a read-only ``out`` included (``take`` refuses it before writing), goes through the general
-        checks, which word the error."""
+        per call."""
         t0 = time.perf_counter()
-        info = self.info
-        if type(row_ids) is np.ndarray and row_ids.dtype == _INT64 and row_ids.size \
-                and in_range(row_ids, info.rows):
-            want = row_ids.shape + (info.row_bytes,)
-            if out is None:
-                out = np.empty(want, np.uint8)
-            if type(out) is np.ndarray and out.dtype == _UINT8 and out.shape == want and out.flags.c_contiguous:
-                try:
-                    local.take(row_ids, axis=0, out=out, mode="clip")
-                except ValueError:  # a read-only out: the general checks say so
-                    pass
-                else:
-                    n = row_ids.size
-                    self._instruments("shm", "read").defer(n, n, n * info.row_bytes, time.perf_counter() - t0)
-                    return out
-        flat_ids, flat_out, result = self._checked(row_ids, out)
+        flat_ids, flat_out, result = self._fast_checked(row_ids, out) or self._checked(row_ids, out)
         n = flat_ids.size
         if n:
             local.take(flat_ids, axis=0, out=flat_out, mode="clip")
