@@ -230,7 +230,7 @@ class Router(ClientTransport):
         self._metrics = metrics()
         self._next_dns = 0.0
         self._generation = 0  # bumped on every replica change: invalidates _local
-        self._local: dict[str, tuple] = {}  # table -> (generation, replica, node, local rows or None)
+        self._local: dict[str, tuple] = {}  # table -> (generation, node, (replica, node, local rows or None))
         self._primary: tuple | None = None  # (generation, node read first)
         self._rows_limit: dict[str, tuple] = {}  # mode -> (generation, most ids per request)
         self.last_error: BaseException | None = None
@@ -518,6 +518,11 @@ class Router(ClientTransport):
         return node is None or node.data.dedups
 
     @property
+    def dedup_min_ids(self) -> int:
+        node = self._primary_node()
+        return node.data.dedup_min_ids if node is not None else 2
+
+    @property
     def modes(self) -> tuple:
         node = self._primary_node()
         return node.data.modes if node is not None else ("read",)
@@ -556,8 +561,8 @@ class Router(ClientTransport):
         On every gather: cached until a replica changes state (``_generation``), and never keeping a
         closed node (or its mapping) alive."""
         hit = self._local.get(name)
-        if hit is not None and hit[0] == self._generation and (hit[2] is None or not hit[2].closed):
-            return hit[1:]
+        if hit is not None and hit[0] == self._generation and (hit[1] is None or not hit[1]._closed):
+            return hit[2]  # the cached tuple itself: nothing built per gather
         generation, found = self._generation, (None, None, None)
         shards = self._shards.get(name)
         if shards is not None and len(shards) == 1:
@@ -568,7 +573,7 @@ class Router(ClientTransport):
                     if transport is not None:
                         found = (r, node, transport.local_table(r.tables[name].index))
                     break
-        self._local[name] = (generation, *found)
+        self._local[name] = (generation, found[1], found)
         if self._generation != generation:  # changed meanwhile: keep no mapping of a node now gone
             self._local.pop(name, None)
         return found

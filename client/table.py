@@ -130,6 +130,7 @@ class RemoteTable:
         self.info = info
         self.mode = check_mode(mode)
         self._inst: dict[tuple, tuple] = {}  # (transport, mode) -> metric children
+        self._shm_recorder = None  # the shm path's, once made (read on every shm gather)
 
     name = property(lambda self: self.info.name)
     rows = property(lambda self: self.info.rows)
@@ -186,21 +187,32 @@ class RemoteTable:
         want = row_ids.shape + (info.row_bytes,)
         if out is None:
             out = np.empty(want, np.uint8)
-        elif type(out) is not np.ndarray or out.dtype != _UINT8 or out.shape != want \
-                or not out.flags.c_contiguous or not out.flags.writeable:
-            return None
+        elif type(out) is not np.ndarray or out.dtype != _UINT8 or out.shape != want or not out.flags.carray:
+            return None  # carray: C-contiguous, aligned and writeable (one flags object, not two)
         return row_ids.ravel(), out.reshape(-1, info.row_bytes), out
 
     def _gather_local(self, local: np.ndarray, row_ids, out):
         """The shm fast path: checks, one ``take`` (in range by the check; "clip" copies without a
         temporary), and the metrics deferred (one deque append; applied in batches). Nothing else runs
-        per call."""
+        per call. The common call -- int64 numpy ids, a C-contiguous writeable uint8 ``out`` of shape
+        ``ids.shape + (row_bytes,)`` -- is checked inline and taken in its own shape (``take`` along
+        axis 0 maps ids of any shape to rows of that shape: no reshapes); anything else, bad ids
+        included, goes through the general checks, which word the error."""
         t0 = time.perf_counter()
-        flat_ids, flat_out, result = self._fast_checked(row_ids, out) or self._checked(row_ids, out)
-        n = flat_ids.size
+        info = self.info
+        if type(row_ids) is np.ndarray and row_ids.dtype == _INT64 and type(out) is np.ndarray \
+                and out.dtype == _UINT8 and out.shape == row_ids.shape + (info.row_bytes,) and out.flags.carray \
+                and row_ids.size and in_range(row_ids, info.rows):
+            ids, dest, result = row_ids, out, out
+        else:
+            ids, dest, result = self._fast_checked(row_ids, out) or self._checked(row_ids, out)
+        n = ids.size
         if n:
-            local.take(flat_ids, axis=0, out=flat_out, mode="clip")
-            self._instruments("shm", "read").defer(n, n, n * self.info.row_bytes, time.perf_counter() - t0)
+            local.take(ids, axis=0, out=dest, mode="clip")
+            recorder = self._shm_recorder
+            if recorder is None:
+                recorder = self._shm_recorder = self._instruments("shm", "read")
+            recorder.defer(n, n, dest.nbytes, time.perf_counter() - t0)
         return result
 
     def _gather_direct(self, replica, node, row_ids, out, timeout, mode):
@@ -218,7 +230,7 @@ class RemoteTable:
         n = flat_ids.size
         if n == 0:
             return result
-        unique, inverse = dedup(flat_ids) if transport.dedups else (flat_ids, None)
+        unique, inverse = dedup(flat_ids, transport.dedup_min_ids) if transport.dedups else (flat_ids, None)
         if unique.size > min(node.max_rows_per_request, transport.request_rows(mode) or 1 << 62):
             return None
         # rows of repeated ids are fetched once into scratch, then expanded into place
@@ -265,7 +277,7 @@ class RemoteTable:
         recorder = self._instruments(transport.name, mode if mode in transport.modes else "read")
         try:
             if transport.dedups:
-                unique, inverse = dedup(flat_ids)
+                unique, inverse = dedup(flat_ids, transport.dedup_min_ids)
                 if inverse is not None:
                     recorder.count(flat_ids.size, unique.size, unique.size * info.row_bytes)
                     if transport.expands and unique.size <= self._request_rows(transport, mode):

@@ -198,5 +198,5 @@ def in_range(ids: np.ndarray, rows: int) -> bool:
     if ids.size <= SMALL_IDS:
         values = ids.ravel().tolist()
         return not values or (min(values) >= 0 and max(values) < rows)
-    flat = ids.view(np.uint64).reshape(-1)
-    return int(flat[flat.argmax()]) < rows
+    flat = ids.view(np.uint64)
+    return flat.item(flat.argmax()) < rows  # argmax is a flat index for any shape; item() a Python int

@@ -93,6 +93,12 @@ def test_out_buffer_is_filled_in_place(client, demo_local):
         ids[0, :4] = ids[1, :4]  # duplicates take the dedup path
         assert table.gather(ids, out=out) is out and out.ctypes.data == address
         np.testing.assert_array_equal(out, demo_local[table.name][ids])
+    # every shape of ids, a 0-d id and an empty batch included, fills an ``out`` of ids.shape + (row_bytes,)
+    for shape in ((), (1,), (9,), (3, 5), (2, 4, 3), (2, 0, 4)):
+        ids = np.random.default_rng(7).integers(0, table.rows, size=shape)
+        out = np.zeros(shape + (264,), np.uint8)
+        assert table.gather(ids, out=out) is out
+        np.testing.assert_array_equal(out, demo_local[table.name][ids])
 
 
 def test_gather_many_in_order_and_async(client, demo_local):

@@ -149,8 +149,10 @@ def test_daemon_counts_gathers_sessions_grpc_codes_and_errors(fresh_daemon):
         assert value(during, "tableserver_sessions", transport="tcp") == 1
         assert value(during, "tableserver_control_sessions") == 1
     from tableclient.rowids import dedup
+    from tableclient.transports.tcp import TcpTransport
 
-    unique = dedup(ids.reshape(-1))[0].size  # what the client sent: rare duplicates are not worth a dedup
+    # what the client sent: 1,536 ids are below tcp's dedup minimum, and rare duplicates never pay
+    unique = dedup(ids.reshape(-1), TcpTransport.dedup_min_ids)[0].size
     after = scrape(metrics)
     assert value(after, "tableserver_gather_rows_total", table="engram.layer1", transport="tcp") == unique
     assert value(after, "tableserver_gather_bytes_total", table="engram.layer1") == unique * 264
@@ -237,8 +239,9 @@ with TableClient(address, transport=transport) as c:
         ids = rng.integers(0, 1000, (64, 24))   # many duplicates: dedup matters
         t.gather(ids)
         from tableclient.rowids import dedup
+        from tableclient.transports.tcp import TcpTransport
 
-        print(dedup(ids.reshape(-1))[0].size, flush=True)  # the rows it asked for
+        print(dedup(ids.reshape(-1), TcpTransport.dedup_min_ids)[0].size, flush=True)  # the rows it asked for
 """
 
 

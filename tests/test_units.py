@@ -174,8 +174,8 @@ def test_rdma_flags():
 
 
 def test_dedup_only_when_it_pays():
-    """Uniform random ids over a big table skip np.unique; Zipf-heavy batches are fetched once per row;
-    small batches are always deduplicated."""
+    """Uniform random ids over a big table skip the sort; Zipf-heavy batches are fetched once per row;
+    small batches are always deduplicated, unless under the transport's minimum."""
     rng = np.random.default_rng(0)
     uniform = rng.integers(0, 384_000_000, 12_288)
     same, inverse = dedup(uniform)
@@ -186,6 +186,27 @@ def test_dedup_only_when_it_pays():
     small = np.array([5, 1, 5, 2], np.int64)
     unique, inverse = dedup(small)
     assert list(unique) == [1, 2, 5] and np.array_equal(unique[inverse], small)
+    # below the transport's minimum nothing is deduplicated, Zipf-heavy or not
+    same, inverse = dedup(zipf[:1536], min_ids=4096)
+    assert same is not None and inverse is None and np.array_equal(same, zipf[:1536])
+    assert dedup(zipf[:4096], min_ids=4096)[1] is not None
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 64, 65, 1536, 12_288, 70_000])
+def test_unique_inverse_is_np_unique(n):
+    """The packed-key sort returns exactly np.unique's (unique, inverse), and falls back to np.unique for
+    ids that do not fit beside their position (negative, near 2**63) or are not int64."""
+    from tableclient.rowids import unique_inverse
+
+    rng = np.random.default_rng(n)
+    cases = [rng.integers(0, 5, n), rng.integers(0, 2**40, n), (rng.zipf(1.1, n) % 4_000_000).astype(np.int64),
+             np.full(n, 2**62), rng.integers(-5, 5, n), np.arange(n)[::-1].copy(), rng.integers(0, 9, n)[::1],
+             rng.integers(0, 1000, 2 * n)[::2], rng.integers(0, 7, n).astype(np.int32)]
+    for ids in cases:
+        unique, inverse = unique_inverse(ids)
+        want_unique, want_inverse = np.unique(ids, return_inverse=True)
+        assert unique.dtype == want_unique.dtype and np.array_equal(unique, want_unique)
+        assert np.array_equal(inverse, want_inverse.reshape(-1)) and np.array_equal(unique[inverse], ids)
 
 
 def test_gather_recorder_direct_updates_export_what_the_public_api_does():
@@ -264,3 +285,4 @@ def test_flag_wakes_every_waiter_and_times_out():
     for t in waiters:
         t.join(10)
     assert woken == [True] * 4 and flag.wait() and flag.wait(0) and flag.is_set()
+

@@ -106,6 +106,9 @@ class ClientTransport(abc.ABC):
     name: str = ""
     #: remote transports fetch each distinct row once; local ones gather directly
     dedups: bool = True
+    #: ... in batches of at least this many ids (below it, fetching the duplicates costs less than
+    #: sorting the ids and expanding the rows; ``rowids.dedup`` decides above it)
+    dedup_min_ids: int = 2
 
     #: gather modes this transport implements (rdma: one-sided "read" or owner-side "pack")
     modes: tuple = ("read",)
