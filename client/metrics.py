@@ -21,15 +21,12 @@ before the first client is created.
 from __future__ import annotations
 
 import atexit
-import collections
 import os
 import threading
-import weakref
-from bisect import bisect_left
-
-import numpy as np
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+from tableserver.recorder import FlushFirst, Recorder
 
 #: exponential latency buckets, 2 us .. ~0.5 s
 DEFAULT_BUCKETS = tuple(2e-6 * 2 ** k for k in range(19))
@@ -58,7 +55,7 @@ class ClientMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None, buckets: tuple[float, ...] | None = None):
         r = registry if registry is not None else REGISTRY
-        r.register(_FlushFirst())  # first: a collection applies deferred gathers before reading ours
+        r.register(_flush_first)  # first: a collection applies deferred gathers before reading ours
         self.gather_latency = Histogram(
             "tableserver_client_gather_duration_seconds", "Time from issuing a gather to its rows being in "
             "place in the caller's buffer.", ["table", "layer", "transport", "mode"],
@@ -131,109 +128,26 @@ def error_reason(exc: BaseException) -> str:
     return "transport" if isinstance(exc, (OSError, ConnectionError)) else "other"
 
 
-class GatherRecorder:
-    """The metric children of one (table, layer, transport, mode), updated together once per gather.
+class GatherRecorder(Recorder):
+    """The metric children of one (table, layer, transport, mode), updated together once per gather:
+    ``count(rows, unique_rows, nbytes)``, ``observe(seconds)``, ``record``/``defer`` both
+    (``tableserver.recorder.Recorder``; deferred gathers are applied by every scrape of this
+    process's registry, the client's maintenance tick (50 ms), close and exit)."""
 
-    ``count`` adds rows, distinct rows and bytes; ``observe`` one latency; ``record`` both. It calls
-    prometheus_client's value objects directly (one call per value instead of each public method's
-    checks: ~2 us less per gather) when the installed version has them, the public API otherwise;
-    tests/test_metrics.py checks that both export the same samples.
-    """
-
-    __slots__ = ("latency", "rows", "unique_rows", "bytes", "_incs", "_sum", "_buckets", "_bounds", "_deferred",
-                 "__weakref__")
+    __slots__ = ()
 
     def __init__(self, latency, rows, unique_rows, nbytes, direct: bool = True):
-        self.latency, self.rows, self.unique_rows, self.bytes = latency, rows, unique_rows, nbytes
-        self._incs = None
-        self._deferred: collections.deque = collections.deque()
-        _recorders.add(self)
-        if direct:
-            try:
-                incs = (rows._value.inc, unique_rows._value.inc, nbytes._value.inc)
-                buckets = [b.inc for b in latency._buckets]
-                bounds = [float(b) for b in latency._upper_bounds]
-                total = latency._sum.inc
-            except AttributeError:
-                return
-            if len(buckets) == len(bounds) and bounds[-1] == float("inf"):
-                self._incs, self._buckets, self._bounds, self._sum = incs, buckets, bounds, total
-
-    def count(self, rows: int, unique_rows: int, nbytes: int) -> None:
-        incs = self._incs
-        if incs is None:
-            self.rows.inc(rows)
-            self.unique_rows.inc(unique_rows)
-            self.bytes.inc(nbytes)
-        else:
-            incs[0](rows)
-            incs[1](unique_rows)
-            incs[2](nbytes)
-
-    def observe(self, seconds: float) -> None:
-        if self._incs is None:
-            self.latency.observe(seconds)
-        else:  # the first bucket whose upper bound is >= seconds, as Histogram.observe picks it
-            self._sum(seconds)
-            self._buckets[bisect_left(self._bounds, seconds)](1)
-
-    def record(self, rows: int, unique_rows: int, nbytes: int, seconds: float) -> None:
-        self.count(rows, unique_rows, nbytes)
-        self.observe(seconds)
-
-    def defer(self, rows: int, unique_rows: int, nbytes: int, seconds: float) -> None:
-        """``record``, applied later in a batch (one deque append on the gather's path): by ``flush``,
-        which every scrape of this process's registry, the client's maintenance tick (50 ms), close and
-        exit call; inline once MAX_DEFERRED gathers wait."""
-        deferred = self._deferred
-        deferred.append((rows, unique_rows, nbytes, seconds))
-        if len(deferred) >= MAX_DEFERRED:
-            self.flush()
-
-    def flush(self) -> None:
-        """Applies the deferred gathers: summed counters, latencies bucketed in one vectorized pass."""
-        items, pop = [], self._deferred.popleft
-        try:
-            while True:
-                items.append(pop())
-        except IndexError:
-            pass
-        if not items:
-            return
-        a = np.array(items, dtype=np.float64)
-        self.count(int(a[:, 0].sum()), int(a[:, 1].sum()), int(a[:, 2].sum()))
-        if self._incs is None:
-            for seconds in a[:, 3].tolist():
-                self.latency.observe(seconds)
-            return
-        self._sum(float(a[:, 3].sum()))
-        # side="left": the first bucket whose upper bound is >= the latency, as Histogram.observe picks it
-        which, counts = np.unique(np.searchsorted(self._bounds, a[:, 3], side="left"), return_counts=True)
-        for i, n in zip(which.tolist(), counts.tolist()):
-            self._buckets[i](n)
+        super().__init__(latency, rows, unique_rows, nbytes, direct=direct)
+        _flush_first.add(self)
 
 
-#: deferred gathers one recorder holds before it applies them inline
-MAX_DEFERRED = 1024
-_recorders: "weakref.WeakSet[GatherRecorder]" = weakref.WeakSet()
+#: every client recorder of this process, flushed by scrapes (registered first in the registry)
+_flush_first = FlushFirst()
 
 
 def flush_deferred() -> None:
     """Applies every recorder's deferred gathers (called by scrapes, the routing tick, close, exit)."""
-    for recorder in list(_recorders):
-        recorder.flush()
-
-
-class _FlushFirst:
-    """A collector that yields nothing and, registered before the client's metrics, applies the
-    deferred gathers at the start of every collection of its registry: a scrape sees them all."""
-
-    def describe(self):
-        return []
-
-    def collect(self):
-        flush_deferred()
-        return []
+    _flush_first.flush()
 
 
 atexit.register(flush_deferred)

@@ -29,6 +29,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 
 from tableserver import __version__
+from tableserver.recorder import FlushFirst, Recorder
 from tableserver.wire import Status
 
 #: exponential latency buckets, 2 us .. ~0.5 s (RDMA reads to a slow tcp path)
@@ -69,6 +70,8 @@ class ServerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
+        self._flush_first = FlushFirst()  # first: a collection applies deferred gathers before reading them
+        r.register(self._flush_first)
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
         GCCollector(registry=r)
@@ -110,10 +113,12 @@ class ServerMetrics:
         """Reads live state (tables, sessions, transports) from ``server`` at each scrape."""
         self._state.server = server
 
-    def gather_op(self, transport: str, op: str, table: str):
-        """(histogram child, rows counter child, bytes counter child), to be cached by the caller."""
-        return (self.gather_latency.labels(transport, op), self.gather_rows.labels(table, transport, op),
-                self.gather_bytes.labels(table, transport, op))
+    def gather_op(self, transport: str, op: str, table: str) -> Recorder:
+        """The recorder of (transport, op, table) -- ``defer(rows, bytes, seconds)`` per request, applied
+        by the next scrape -- to be cached by the caller (``labels()`` is too slow for every request)."""
+        return self._flush_first.add(Recorder(self.gather_latency.labels(transport, op),
+                                              self.gather_rows.labels(table, transport, op),
+                                              self.gather_bytes.labels(table, transport, op)))
 
     def error(self, reason: str) -> None:
         self.errors.labels(reason).inc()

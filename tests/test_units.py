@@ -242,7 +242,8 @@ def test_deferred_gathers_are_applied_by_the_next_scrape():
     sees every gather), bucketed exactly as one observe() per gather would."""
     from prometheus_client import CollectorRegistry
 
-    from tableclient.metrics import MAX_DEFERRED, ClientMetrics, GatherRecorder
+    from tableclient.metrics import ClientMetrics, GatherRecorder
+    from tableserver.recorder import MAX_DEFERRED
 
     def recorder(registry):
         m = ClientMetrics(registry)
@@ -286,3 +287,24 @@ def test_flag_wakes_every_waiter_and_times_out():
         t.join(10)
     assert woken == [True] * 4 and flag.wait() and flag.wait(0) and flag.is_set()
 
+
+def test_server_gather_metrics_are_deferred_and_applied_by_a_scrape():
+    """The daemon's per-request metrics (rows, bytes, latency) wait in a deque; collecting its registry
+    applies them first, equal to one observe per request."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from tableserver.metrics import ServerMetrics
+
+    def samples(m):  # {sample: value}; sums compare approximately (added in another order)
+        lines = [line.rsplit(" ", 1) for line in generate_latest(m.registry).decode().splitlines()
+                 if line.startswith("tableserver_gather_") and "_created" not in line]
+        return {name: float(value) for name, value in lines}
+
+    now, later = ServerMetrics(CollectorRegistry()), ServerMetrics(CollectorRegistry())
+    inst_now, inst_later = now.gather_op("tcp", "gather", "t"), later.gather_op("tcp", "gather", "t")
+    for i, seconds in enumerate(np.random.default_rng(2).exponential(1e-3, 3000).tolist()):
+        inst_now.record(i + 1, 264 * (i + 1), seconds)
+        inst_later.defer(i + 1, 264 * (i + 1), seconds)
+    assert inst_later._deferred  # some still waiting ...
+    assert samples(later) == pytest.approx(samples(now), rel=1e-12)  # ... applied by the scrape, bucket for bucket
+    assert samples(later)['tableserver_gather_rows_total{op="gather",table="t",transport="tcp"}'] == 3000 * 3001 / 2

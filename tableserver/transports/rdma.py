@@ -363,10 +363,8 @@ class RdmaTransport(ServerTransport):
         if wc.status != verbs().e.IBV_WC_SUCCESS:
             raise RuntimeError(f"pack reply failed with status {wc.status}")
         if table_index is not None:
-            latency, nrows, nbytes_total = self._instruments(table_index)
-            latency.observe(time.perf_counter() - started)
-            nrows.inc(count)
-            nbytes_total.inc(count * self.tables[table_index].row_bytes)
+            self._instruments(table_index).defer(count, count * self.tables[table_index].row_bytes,
+                                                 time.perf_counter() - started)
 
     def _qp_of(self, s: _SessionQPs, qp_num: int):
         for qp, info in zip(s.qps, s.infos):

@@ -464,10 +464,8 @@ class _TcpProtocol(Protocol):
         st: _State = conn.state
         st.sending = False
         if st.ftype == FrameType.GATHER and st.count and not st.closing:
-            latency, nrows, nbytes = self.t._instruments(st.table)
-            latency.observe(time.perf_counter() - st.started)
-            nrows.inc(st.count)
-            nbytes.inc(st.count * self.t.tables[st.table].row_bytes)
+            self.t._instruments(st.table).defer(st.count, st.count * self.t.tables[st.table].row_bytes,
+                                                time.perf_counter() - st.started)
         if st.closing:
             try:  # the error frame is out: half-close, then drain what the peer still sends
                 conn.sock.shutdown(socket.SHUT_WR)
