@@ -1,8 +1,10 @@
 """tableclient: the thin client of tableserver, for serving processes.
 
-    from tableclient import TableClient
+    from tableclient import TableClient, rows_buffer
     with TableClient("memnode:7070") as client:
         rows = client.table("engram.layer1").gather(row_ids)   # uint8 [..., row_bytes]
+        out = rows_buffer(row_ids.shape, 264)  # a buffer to reuse, placed so tcp's copies into it are fast
+        client.table("engram.layer1").gather(row_ids, out=out)
 
 Depends on grpcio, protobuf and numpy; torch is optional (tensors in, tensors
 out) and pyverbs is only imported by the rdma transport.
@@ -13,8 +15,9 @@ from tableclient.errors import (
     AuthError, ConnectError, GatherTimeout, RemoteError, TableClientError, TransportError,
 )
 from tableclient.table import GatherHandle, RemoteTable, TableInfo
+from tableserver.buffers import rows_buffer
 
 __all__ = [
     "TableClient", "RemoteTable", "GatherHandle", "TableInfo", "TableClientError", "ConnectError",
-    "AuthError", "TransportError", "RemoteError", "GatherTimeout",
+    "AuthError", "TransportError", "RemoteError", "GatherTimeout", "rows_buffer",
 ]

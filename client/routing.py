@@ -52,6 +52,7 @@ from tableclient.metrics import flush_deferred, metrics
 from tableclient.node import NodeOptions, NodeSession, fetch_catalog
 from tableclient.table import TableInfo
 from tableclient.transports.base import ClientTransport, Pending
+from tableserver.buffers import rows_buffer
 
 log = logging.getLogger("tableclient.routing")
 
@@ -614,7 +615,7 @@ class Router(ClientTransport):
             which = np.searchsorted(self._bounds[name], ids, side="right")
             order = np.argsort(which, kind="stable")
             counts = np.bincount(which, minlength=len(shards))
-            scratch = np.empty_like(out)
+            scratch = rows_buffer(out.shape[:-1], out.shape[-1])
             ordered = ids[order]
             parts, start = [], 0
             for shard, n in zip(shards, counts):
@@ -641,7 +642,8 @@ class Router(ClientTransport):
                 node = self._session(r)
                 if node is None:
                     continue
-                buf = part.out if not any(a.buf is part.out for a in part.attempts) else np.empty_like(part.out)
+                buf = part.out if not any(a.buf is part.out for a in part.attempts) \
+                    else rows_buffer(part.out.shape[:-1], part.out.shape[-1])
                 try:
                     pending = node.data.gather(r.tables[routed.name].index, part.ids, buf, sync, routed.mode)
                 except RemoteError:

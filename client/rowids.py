@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tableserver.buffers import rows_buffer
 from tableserver.wire import in_range
 
 
@@ -59,7 +60,7 @@ def prepare_out(out, shape: tuple, row_bytes: int, torch_in: bool):
     """(numpy view to fill, object to return) for an ``out`` argument (or None)."""
     want = tuple(shape) + (row_bytes,)
     if out is None:
-        arr = np.empty(want, dtype=np.uint8)
+        arr = rows_buffer(shape, row_bytes)  # placed so a socket's copy into it does not 4K-alias
         if torch_in:
             import torch
 

@@ -31,6 +31,7 @@ import numpy as np
 
 from tableclient.errors import TableClientError
 from tableclient.metrics import metrics
+from tableserver.buffers import pinned_rows_buffer, rows_buffer
 
 log = logging.getLogger("tableclient.step")
 
@@ -116,11 +117,12 @@ class EngramStep:
         self.staging, self._staging_np = {}, {}
         for p in self.plans:  # allocated once: these addresses never change
             shape = (max_tokens, rows_per_token, self.tables[p.layer].row_bytes)
+            # placed half a page off alignment: a socket's copy into them does not 4K-alias (buffers.py)
             if self._torch is not None:
-                buf = self._torch.empty(shape, dtype=self._torch.uint8, pin_memory=pin)
+                buf = pinned_rows_buffer(self._torch, shape[:-1], shape[-1], pin)
                 self.staging[p.layer], self._staging_np[p.layer] = buf, buf.numpy()
             else:
-                buf = np.empty(shape, np.uint8)
+                buf = rows_buffer(shape[:-1], shape[-1])
                 self.staging[p.layer] = self._staging_np[p.layer] = buf
         self.device_rows, self._events, self._stream = {}, {}, None
         if device is not None:
@@ -246,7 +248,7 @@ class EngramStep:
         """
         table = self.tables[layer]
         ids = np.asarray(row_ids)
-        out = np.empty((*ids.shape, table.row_bytes), np.uint8)
+        out = rows_buffer(ids.shape, table.row_bytes)
         try:
             table.gather(ids, out=out, timeout=self.timeout)  # cancelled on failure
         except (TableClientError, TimeoutError, OSError) as e:

@@ -17,6 +17,7 @@ import numpy as np
 from tableclient.errors import GatherTimeout, RemoteError, TableClientError
 from tableclient.metrics import GatherRecorder, metrics
 from tableclient.rowids import dedup, in_range, prepare_out, to_row_ids
+from tableserver.buffers import rows_buffer
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,7 @@ class RemoteTable:
             return None
         want = row_ids.shape + (info.row_bytes,)
         if out is None:
-            out = np.empty(want, np.uint8)
+            out = rows_buffer(row_ids.shape, info.row_bytes)
         elif type(out) is not np.ndarray or out.dtype != _UINT8 or out.shape != want or not out.flags.carray:
             return None  # carray: C-contiguous, aligned and writeable (one flags object, not two)
         return row_ids.ravel(), out.reshape(-1, info.row_bytes), out
@@ -234,7 +235,7 @@ class RemoteTable:
         if unique.size > min(node.max_rows_per_request, transport.request_rows(mode) or 1 << 62):
             return None
         # rows of repeated ids are fetched once into scratch, then expanded into place
-        dest = flat_out if inverse is None else np.empty((unique.size, info.row_bytes), np.uint8)
+        dest = flat_out if inverse is None else rows_buffer(unique.size, info.row_bytes)
         try:
             pending = transport.gather(replica.tables[info.name].index, unique, dest, True, mode)
         except (GatherTimeout, RemoteError) as e:
@@ -284,7 +285,7 @@ class RemoteTable:
                         # one request: the transport copies from its staging straight into out, expanded
                         pending = transport.gather(info.index, unique, flat_out, sync, mode, expand=inverse)
                         return GatherHandle([pending], result, None, flat_ids.size, t0, recorder)
-                    scratch = np.empty((unique.size, info.row_bytes), dtype=np.uint8)
+                    scratch = rows_buffer(unique.size, info.row_bytes)
                     pendings = self._post(transport, unique, scratch, sync, mode, hedge_after)
                     # mode="clip": inverse indexes scratch by construction ("raise" copies through a temporary)
                     return GatherHandle(pendings, result,

@@ -1,0 +1,48 @@
+"""Buffers a socket copies rows into or out of, placed half a page off page alignment.
+
+The kernel copies a tcp payload between the caller's buffer and its own socket pages, which start at
+(or near) a page boundary. When the user buffer starts at the same offset within a 4 KiB page -- the
+first 64 bytes of a page, as every large ``malloc``/``np.empty`` (an mmap, offset 16) and every
+page-aligned pinned buffer does -- each load of the copy aliases a store a few bytes before it (the
+CPU matches addresses on their low 12 bits: "4K aliasing") and the copy stalls. Measured on this
+project's 2-vCPU VM (AMD EPYC), 1,536 rows of 264 B over loopback: the daemon's send buffer at page
+offset 0 or 16 made a gather 1.5-1.7x the minimal request/response, at 64, 1,296 or 2,048 1.2x; the
+receiving ``out`` at offset 16 instead of 2,048 made the minimal request/response itself 40-70 % slower
+(bench/bench_transports.py measures with such buffers). Half a page is as far as an offset gets from
+the kernel's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+PAGE = 4096
+#: where in its page a copy buffer starts
+OFFSET = PAGE // 2
+
+
+def copy_buffer(nbytes: int) -> np.ndarray:
+    """A 1-D uint8 array of ``nbytes`` that starts OFFSET bytes into a page (a view into one
+    allocation a page larger)."""
+    raw = np.empty(nbytes + PAGE, dtype=np.uint8)
+    start = (OFFSET - raw.ctypes.data) % PAGE
+    return raw[start:start + nbytes]
+
+
+def rows_buffer(shape, row_bytes: int) -> np.ndarray:
+    """An uninitialised uint8 ``[*shape, row_bytes]`` array for gathered rows, placed like
+    ``copy_buffer``: pass it as ``out`` to gathers over tcp."""
+    shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+    return copy_buffer(math.prod(shape) * int(row_bytes)).reshape(*shape, int(row_bytes))
+
+
+def pinned_rows_buffer(torch, shape, row_bytes: int, pin: bool):
+    """``rows_buffer`` as a torch uint8 tensor, in pinned memory when ``pin`` (a view into one
+    allocation a page larger, which keeps it alive)."""
+    shape = tuple(int(s) for s in shape) + (int(row_bytes),)
+    n = math.prod(shape)
+    raw = torch.empty(n + PAGE, dtype=torch.uint8, pin_memory=pin)
+    start = (OFFSET - raw.data_ptr()) % PAGE
+    return raw[start:start + n].view(shape)
