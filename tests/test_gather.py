@@ -84,6 +84,20 @@ def test_torch_in_torch_out(client, demo_local):
     np.testing.assert_array_equal(out.numpy(), demo_local[table.name][ids.numpy()])
 
 
+def test_rows_the_library_allocates_start_half_a_page_in(client):
+    """Without ``out`` the rows land in a buffer placed like tableserver.buffers.copy_buffer (a socket's
+    copy into it does not 4K-alias), with or without duplicates, as numpy or torch."""
+    from tableserver.buffers import OFFSET, PAGE
+
+    table = client.table("engram.layer1")
+    for ids in (np.arange(1536) * 7, np.zeros((64, 24), np.int64)):
+        rows = table.gather(ids)
+        assert rows.shape == ids.shape + (264,) and rows.ctypes.data % PAGE == OFFSET
+    torch = pytest.importorskip("torch")
+    rows = table.gather(torch.arange(100))
+    assert isinstance(rows, torch.Tensor) and rows.data_ptr() % PAGE == OFFSET
+
+
 def test_out_buffer_is_filled_in_place(client, demo_local):
     table = client.table("engram.layer14")
     out = np.zeros((64, 24, 264), np.uint8)

@@ -308,3 +308,22 @@ def test_server_gather_metrics_are_deferred_and_applied_by_a_scrape():
     assert inst_later._deferred  # some still waiting ...
     assert samples(later) == pytest.approx(samples(now), rel=1e-12)  # ... applied by the scrape, bucket for bucket
     assert samples(later)['tableserver_gather_rows_total{op="gather",table="t",transport="tcp"}'] == 3000 * 3001 / 2
+
+
+def test_copy_buffers_start_half_a_page_in():
+    """Buffers a socket copies rows into or out of start OFFSET bytes into a page (no 4K aliasing with
+    the kernel's page-aligned socket pages), whatever their size and shape; pinned ones too."""
+    from tableserver.buffers import OFFSET, PAGE, copy_buffer, pinned_rows_buffer, rows_buffer
+
+    for n in (1, 264, 405_504, 5 << 20):
+        b = copy_buffer(n)
+        assert b.size == n and b.dtype == np.uint8 and b.ctypes.data % PAGE == OFFSET
+        assert b.flags.c_contiguous and b.flags.writeable
+    assert copy_buffer(0).size == 0
+    for shape, want in (((64, 24), (64, 24, 264)), (1536, (1536, 264)), ((), (264,))):
+        r = rows_buffer(shape, 264)
+        assert r.shape == want and r.ctypes.data % PAGE == OFFSET and r.flags.c_contiguous
+    torch = pytest.importorskip("torch")
+    t = pinned_rows_buffer(torch, (8, 24), 264, pin=False)
+    assert tuple(t.shape) == (8, 24, 264) and t.data_ptr() % PAGE == OFFSET and t.is_contiguous()
+    assert t.numpy().ctypes.data == t.data_ptr()
