@@ -38,6 +38,7 @@ import numpy as np
 
 from tableclient.errors import AuthError, ConnectError, RemoteError, TransportError
 from tableclient.transports.base import ClientTransport, Pending
+from tableserver.buffers import copy_buffer
 from tableserver.seal import C2S, S2C, TAG_BYTES, BadTag, Direction, derive_key
 from tableserver.wire import (
     FATAL, HEADER, HEADER_BYTES, HELLO_SEALED, RESPONSE_MAGIC, FrameType, HandshakeRefused, Status, hello_frame,
@@ -117,7 +118,7 @@ class TcpTransport(ClientTransport):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = sock
         self._seal_tx = self._seal_rx = None  # seal.Direction each way when the server seals this connection
-        self._scratch = bytearray(0)
+        self._scratch = copy_buffer(0)  # a sealed response as received (placed: no 4K aliasing)
         self._hello(session.id, session.secret)
         sock.settimeout(None)
         self._rcvtimeo = -1.0  # SO_RCVTIMEO as last set (seconds, 0 = none)
@@ -348,7 +349,7 @@ class TcpTransport(ClientTransport):
             r.sealed = bytes(r.head)
             n = len(r.dest) + TAG_BYTES
             if len(self._scratch) < n:
-                self._scratch = bytearray(n)
+                self._scratch = copy_buffer(n)
             r.view = memoryview(self._scratch)[:n]
         r.got = 0
 

@@ -193,8 +193,8 @@ class _State:
         self.error: Refused | None = None  # a refusal decided from the header alone
         self.rx = self.tx = None  # seal.Direction each way once the connection is sealed
         self.enc = None  # the encryptor of the response being sent
-        self.cipher_buf = bytearray(0)  # a sealed request's payload + tag as received
-        self.sealed_buf = bytearray(0)  # an encrypted chunk of rows
+        self.cipher_buf = copy_buffer(0)  # a sealed request's payload + tag as received
+        self.sealed_buf = copy_buffer(0)  # an encrypted chunk of rows
         self.client_nonce = b""
 
     def expect_header(self) -> None:
@@ -319,7 +319,7 @@ class _TcpProtocol(Protocol):
             if st.rx is not None:  # sealed: ciphertext + tag land aside, then decrypt into the id buffer
                 st.need += TAG_BYTES
                 if len(st.cipher_buf) < st.need:
-                    st.cipher_buf = bytearray(st.need)
+                    st.cipher_buf = copy_buffer(st.need)
                 st.target = memoryview(st.cipher_buf)
             else:
                 st.target = memoryview(st.ids(count)).cast("B")
@@ -429,12 +429,12 @@ class _TcpProtocol(Protocol):
                 view = memoryview(rows.reshape(-1))
                 if st.enc is not None:
                     if len(st.sealed_buf) < len(view) + 15 + TAG_BYTES:
-                        st.sealed_buf = bytearray(max(len(view), CHUNK_BYTES) + 15 + TAG_BYTES)
+                        st.sealed_buf = copy_buffer(max(len(view), CHUNK_BYTES) + 15 + TAG_BYTES)
                     crypt_into(st.enc, view, memoryview(st.sealed_buf)[:len(view) + 15])
                     view = memoryview(st.sealed_buf)[:len(view)]
                     if st.next_row == st.count:  # the last chunk carries the tag
                         st.enc.finalize()
-                        st.sealed_buf[len(view):len(view) + TAG_BYTES] = st.enc.tag
+                        memoryview(st.sealed_buf)[len(view):len(view) + TAG_BYTES] = st.enc.tag
                         view = memoryview(st.sealed_buf)[:len(view) + TAG_BYTES]
                         st.enc = None
                 st.parts.append(view)
