@@ -105,6 +105,24 @@ class ClientMetrics:
             self.errors.labels(reason)
         self.reconnects.inc(0)
         self.session_losses.inc(0)
+        self._recorders: dict[tuple, GatherRecorder] = {}
+        self._recorders_lock = threading.Lock()
+
+    def recorder(self, table: str, layer: str, transport: str, mode: str) -> "GatherRecorder":
+        """The one recorder of these label values, for the process's life: every RemoteTable of the
+        table shares it, so gathers deferred through a table object that is dropped right after
+        (``client.table(name).gather(ids)``) are still applied."""
+        key = (table, layer, transport, mode)
+        recorder = self._recorders.get(key)
+        if recorder is None:
+            with self._recorders_lock:
+                recorder = self._recorders.get(key)
+                if recorder is None:
+                    recorder = self._recorders[key] = GatherRecorder(
+                        self.gather_latency.labels(table, layer, transport, mode),
+                        self.rows.labels(table, layer, transport), self.unique_rows.labels(table, layer, transport),
+                        self.bytes.labels(table, layer, transport))
+        return recorder
 
     def error(self, exc: BaseException) -> None:
         self.errors.labels(error_reason(exc)).inc()

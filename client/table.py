@@ -301,11 +301,9 @@ class RemoteTable:
     def _instruments(self, transport: str, mode: str) -> GatherRecorder:
         """The metrics of (transport, mode), made once per table (labels() costs microseconds)."""
         inst = self._inst.get((transport, mode))
-        if inst is None:
-            m, name, layer = metrics(), self.info.name, str(self.info.layer)
-            inst = self._inst[(transport, mode)] = GatherRecorder(
-                m.gather_latency.labels(name, layer, transport, mode), m.rows.labels(name, layer, transport),
-                m.unique_rows.labels(name, layer, transport), m.bytes.labels(name, layer, transport))
+        if inst is None:  # the process-wide recorder of these labels (a race makes the same one twice)
+            inst = self._inst[(transport, mode)] = metrics().recorder(self.info.name, str(self.info.layer),
+                                                                      transport, mode)
         return inst
 
     def _request_rows(self, transport, mode: str) -> int:

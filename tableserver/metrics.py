@@ -20,6 +20,7 @@ import asyncio
 import inspect
 import platform
 import socket
+import threading
 import time
 
 import grpc
@@ -72,6 +73,8 @@ class ServerMetrics:
         r = self.registry
         self._flush_first = FlushFirst()  # first: a collection applies deferred gathers before reading them
         r.register(self._flush_first)
+        self._recorders: dict[tuple, Recorder] = {}
+        self._recorders_lock = threading.Lock()
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
         GCCollector(registry=r)
@@ -115,10 +118,17 @@ class ServerMetrics:
 
     def gather_op(self, transport: str, op: str, table: str) -> Recorder:
         """The recorder of (transport, op, table) -- ``defer(rows, bytes, seconds)`` per request, applied
-        by the next scrape -- to be cached by the caller (``labels()`` is too slow for every request)."""
-        return self._flush_first.add(Recorder(self.gather_latency.labels(transport, op),
-                                              self.gather_rows.labels(table, transport, op),
-                                              self.gather_bytes.labels(table, transport, op)))
+        by the next scrape -- to be cached by the caller (``labels()`` is too slow for every request).
+        One per label values for the daemon's life, held here: a transport closing never drops
+        requests it deferred."""
+        key = (transport, op, table)
+        with self._recorders_lock:
+            recorder = self._recorders.get(key)
+            if recorder is None:
+                recorder = self._recorders[key] = self._flush_first.add(Recorder(
+                    self.gather_latency.labels(transport, op), self.gather_rows.labels(table, transport, op),
+                    self.gather_bytes.labels(table, transport, op)))
+        return recorder
 
     def error(self, reason: str) -> None:
         self.errors.labels(reason).inc()
@@ -133,6 +143,7 @@ class ServerMetrics:
     def serve(self, host: str, port: int, tls_cert: str = "", tls_key: str = "") -> int:
         """Starts the /metrics HTTP endpoint (the daemon's own process only); returns the bound port."""
         server, thread = start_metrics_server(host, port, self.registry, tls_cert, tls_key,
+                                              before_scrape=self._flush_first.flush,
                                               probes={"/readyz": self._ready, "/livez": self._live})
         self._http = (server, thread)
         return server.server_port
@@ -319,11 +330,14 @@ def _code_of(context, error) -> str:
     return "UNKNOWN"
 
 
-def start_metrics_server(host: str, port: int, registry, tls_cert: str = "", tls_key: str = "", probes=None):
+def start_metrics_server(host: str, port: int, registry, tls_cert: str = "", tls_key: str = "", probes=None,
+                         before_scrape=None):
     """prometheus-client's WSGI exporter, bounded: at most HTTP_MAX_REQUESTS connections are served at
     once (more are closed at once), each must send its request within HTTP_TIMEOUT_S, and with a cert
     and key it speaks HTTPS (the TLS handshake runs on the request's thread, under the same timeout).
-    ``probes`` maps paths (/readyz, /livez) to ``() -> (ok, text)``: 200 or 503 with the text, no table data."""
+    ``probes`` maps paths (/readyz, /livez) to ``() -> (ok, text)``: 200 or 503 with the text, no table data.
+    ``before_scrape`` runs before every /metrics answer, filtered ones (``?name[]=``) included, which
+    collect only the named metrics and so skip a registry's flush-first collector."""
     import ssl
     import threading
     from wsgiref.simple_server import make_server
@@ -368,6 +382,8 @@ def start_metrics_server(host: str, port: int, registry, tls_cert: str = "", tls
     def app(environ, start_response):
         probe = (probes or {}).get(environ.get("PATH_INFO", ""))
         if probe is None:
+            if before_scrape is not None:
+                before_scrape()
             return metrics_app(environ, start_response)
         ok, text = probe()
         start_response("200 OK" if ok else "503 Service Unavailable",

@@ -16,6 +16,7 @@ tests/test_units.py checks that both export the same samples.
 from __future__ import annotations
 
 import collections
+import threading
 import weakref
 from bisect import bisect_left
 
@@ -28,12 +29,14 @@ MAX_DEFERRED = 1024
 class Recorder:
     """One latency histogram child and N counter children: ``defer(*amounts, seconds)`` per gather."""
 
-    __slots__ = ("latency", "counters", "_incs", "_sum", "_buckets", "_bounds", "_deferred", "__weakref__")
+    __slots__ = ("latency", "counters", "_incs", "_sum", "_buckets", "_bounds", "_deferred", "_applying",
+                 "__weakref__")
 
     def __init__(self, latency, *counters, direct: bool = True):
         self.latency, self.counters = latency, counters
         self._incs = None
         self._deferred: collections.deque = collections.deque()
+        self._applying = threading.Lock()  # held by a flush from popping to applied (defer never takes it)
         if direct:
             try:
                 incs = tuple(c._value.inc for c in counters)
@@ -75,15 +78,26 @@ class Recorder:
 
     def flush(self) -> None:
         """Applies the deferred gathers: summed counters, latencies bucketed in one vectorized pass.
-        Safe from any thread: each deferred gather is popped, so applied, once."""
-        items, pop = [], self._deferred.popleft
-        try:
-            while True:
-                items.append(pop())
-        except IndexError:
+        Safe from any thread: each deferred gather is popped, so applied, once, and a flush returns only
+        once every gather deferred before it was applied (a second flush waits for one in progress)."""
+        with self._applying:
+            items, pop = [], self._deferred.popleft
+            try:
+                while True:
+                    items.append(pop())
+            except IndexError:
+                pass
+            if items:
+                self._apply(items)
+
+    def __del__(self):
+        try:  # a recorder dropped with gathers still deferred applies them first
+            if self._deferred:
+                self.flush()
+        except Exception:
             pass
-        if not items:
-            return
+
+    def _apply(self, items: list) -> None:
         a = np.array(items, dtype=np.float64)
         self.count(*(int(total) for total in a[:, :-1].sum(axis=0).tolist()))
         seconds = a[:, -1]

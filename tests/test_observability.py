@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import grpc
 import numpy as np
@@ -145,6 +146,17 @@ def test_daemon_counts_gathers_sessions_grpc_codes_and_errors(fresh_daemon):
     with TableClient(address, transport="tcp") as c:
         ids = rng.integers(0, 50_000, (64, 24))
         c.table("engram.layer1").gather(ids)
+        # a filtered scrape (?name[]=) collects only the named metric, not the registry's flush-first
+        # collector: it must still see the request the server deferred (the first scrape since it)
+        deadline = time.monotonic() + EVENT_TIMEOUT
+        while True:
+            with urllib.request.urlopen(f"http://{metrics}/metrics?name[]=tableserver_gather_rows_total",
+                                        timeout=EVENT_TIMEOUT) as r:
+                filtered = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+            if value(filtered, "tableserver_gather_rows_total") or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert value(filtered, "tableserver_gather_rows_total", table="engram.layer1", transport="tcp") == 64 * 24
         during = scrape(metrics)
         assert value(during, "tableserver_sessions", transport="tcp") == 1
         assert value(during, "tableserver_control_sessions") == 1
@@ -236,7 +248,7 @@ rng = np.random.default_rng(seed)
 with TableClient(address, transport=transport) as c:
     t = c.table("engram.layer1")
     for _ in range(10):
-        ids = rng.integers(0, 1000, (64, 24))   # many duplicates: dedup matters
+        ids = rng.integers(0, 1000, (256, 24))  # 6,144 ids, many duplicates: above tcp's dedup minimum
         t.gather(ids)
         from tableclient.rowids import dedup
         from tableclient.transports.tcp import TcpTransport
@@ -263,7 +275,8 @@ def test_two_client_processes_in_multiprocess_mode_aggregate(daemon, tmp_path):
     multiprocess.MultiProcessCollector(registry, path=str(mp_dir))
     families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
     lab = dict(table="engram.layer1", layer="1", transport="tcp")
-    assert value(families, "tableserver_client_rows_total", **lab) == 20 * 64 * 24
+    assert value(families, "tableserver_client_rows_total", **lab) == 20 * 256 * 24
+    assert sum(uniques) < 20 * 256 * 24  # each row fetched once: the dedup path ran
     assert value(families, "tableserver_client_unique_rows_total", **lab) == sum(uniques)
     assert value(families, "tableserver_client_read_bytes_total", **lab) == sum(uniques) * 264
     assert value(families, "tableserver_client_gather_duration_seconds",
@@ -328,6 +341,23 @@ def test_step_api_counts_waits_misses_and_windows(daemon):
     assert get("tableserver_client_layer_waits_total", layer="14") - waits0 == 3
     assert get("tableserver_client_deadline_misses_total", layer="14") - misses0 == 3
     assert get("tableserver_client_layer_window_seconds", layer="1") == 3600.0
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_gathers_through_a_table_object_dropped_at_once_are_counted(daemon, transport):
+    """``client.table(name).gather(ids)`` makes a RemoteTable that dies with the statement; the fast
+    paths defer their metrics, and those of a dropped table object must still be applied."""
+    import gc
+
+    from prometheus_client import REGISTRY
+
+    labels = {"table": "engram.layer1", "layer": "1", "transport": transport}
+    before = REGISTRY.get_sample_value("tableserver_client_rows_total", labels) or 0.0
+    with TableClient(daemon.address, transport=transport) as c:
+        for _ in range(5):
+            c.table("engram.layer1").gather(np.arange(100))
+        gc.collect()
+        assert REGISTRY.get_sample_value("tableserver_client_rows_total", labels) - before == 500
 
 
 def test_client_counts_refused_row_ids(daemon):

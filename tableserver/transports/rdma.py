@@ -128,7 +128,7 @@ class RdmaTransport(ServerTransport):
         self._packer: threading.Thread | None = None
         self._closed = False
         self._ratelog = RateLimitedLog(log)
-        self._inst: dict[int, tuple] = {}
+        self._inst: dict = {}  # table index -> its Recorder
         self.register_seconds = 0.0
 
     # ---------------------------------------------------------------- lifecycle

@@ -114,7 +114,7 @@ class TcpTransport(ServerTransport):
         self._sock: socket.socket | None = None
         self._loop: ConnectionLoop | None = None
         self._closed = False
-        self._inst: dict[int, tuple] = {}
+        self._inst: dict = {}  # table index -> its Recorder
 
     # -- lifecycle
     def bind(self) -> None:
