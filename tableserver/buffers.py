@@ -21,11 +21,16 @@ import numpy as np
 PAGE = 4096
 #: where in its page a copy buffer starts
 OFFSET = PAGE // 2
+#: smaller buffers are plain ``np.empty`` arrays: their copies are too short to stall for long, and a
+#: page more for each would cost callers that keep many small results
+PLACE_MIN = 16 << 10
 
 
 def copy_buffer(nbytes: int) -> np.ndarray:
-    """A 1-D uint8 array of ``nbytes`` that starts OFFSET bytes into a page (a view into one
-    allocation a page larger)."""
+    """A 1-D uint8 array of ``nbytes``; from PLACE_MIN bytes on it starts OFFSET bytes into a page (a
+    view into one allocation a page larger: its ``base`` is that allocation)."""
+    if nbytes < PLACE_MIN:
+        return np.empty(nbytes, dtype=np.uint8)
     raw = np.empty(nbytes + PAGE, dtype=np.uint8)
     start = (OFFSET - raw.ctypes.data) % PAGE
     return raw[start:start + nbytes]
@@ -40,9 +45,12 @@ def rows_buffer(shape, row_bytes: int) -> np.ndarray:
 
 def pinned_rows_buffer(torch, shape, row_bytes: int, pin: bool):
     """``rows_buffer`` as a torch uint8 tensor, in pinned memory when ``pin`` (a view into one
-    allocation a page larger, which keeps it alive)."""
+    allocation a page larger, which keeps it alive). Left unplaced where the page more would push a
+    pinned allocation past a power of two (torch's host allocator rounds up to one: it would double)."""
     shape = tuple(int(s) for s in shape) + (int(row_bytes),)
     n = math.prod(shape)
+    if n < PLACE_MIN or (pin and (n - 1).bit_length() != (n + PAGE - 1).bit_length()):
+        return torch.empty(shape, dtype=torch.uint8, pin_memory=pin)
     raw = torch.empty(n + PAGE, dtype=torch.uint8, pin_memory=pin)
     start = (OFFSET - raw.data_ptr()) % PAGE
     return raw[start:start + n].view(shape)

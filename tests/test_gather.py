@@ -94,8 +94,10 @@ def test_rows_the_library_allocates_start_half_a_page_in(client):
         rows = table.gather(ids)
         assert rows.shape == ids.shape + (264,) and rows.ctypes.data % PAGE == OFFSET
     torch = pytest.importorskip("torch")
-    rows = table.gather(torch.arange(100))
+    rows = table.gather(torch.arange(200))
     assert isinstance(rows, torch.Tensor) and rows.data_ptr() % PAGE == OFFSET
+    few = table.gather(np.arange(3))  # a few rows: a plain array, no page more
+    assert few.base is None or few.base.nbytes == few.nbytes
 
 
 def test_out_buffer_is_filled_in_place(client, demo_local):

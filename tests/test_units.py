@@ -200,8 +200,11 @@ def test_unique_inverse_is_np_unique(n):
 
     rng = np.random.default_rng(n)
     cases = [rng.integers(0, 5, n), rng.integers(0, 2**40, n), (rng.zipf(1.1, n) % 4_000_000).astype(np.int64),
-             np.full(n, 2**62), rng.integers(-5, 5, n), np.arange(n)[::-1].copy(), rng.integers(0, 9, n)[::1],
+             np.full(n, 2**62), rng.integers(-5, 5, n), np.arange(n)[::-1].copy(),
              rng.integers(0, 1000, 2 * n)[::2], rng.integers(0, 7, n).astype(np.int32)]
+    bits = max(1, (n - 1).bit_length())  # the packing boundary: the largest id that fits, the first that does not
+    for top in (2 ** (63 - bits) - 1, 2 ** (63 - bits)):
+        cases.append(np.where(rng.integers(0, 2, n) == 1, top, rng.integers(0, 50, n)).astype(np.int64))
     for ids in cases:
         unique, inverse = unique_inverse(ids)
         want_unique, want_inverse = np.unique(ids, return_inverse=True)
@@ -315,15 +318,41 @@ def test_copy_buffers_start_half_a_page_in():
     the kernel's page-aligned socket pages), whatever their size and shape; pinned ones too."""
     from tableserver.buffers import OFFSET, PAGE, copy_buffer, pinned_rows_buffer, rows_buffer
 
-    for n in (1, 264, 405_504, 5 << 20):
+    from tableserver.buffers import PLACE_MIN
+
+    for n in (PLACE_MIN, 405_504, 5 << 20):
         b = copy_buffer(n)
         assert b.size == n and b.dtype == np.uint8 and b.ctypes.data % PAGE == OFFSET
         assert b.flags.c_contiguous and b.flags.writeable
-    assert copy_buffer(0).size == 0
+    for n in (0, 1, 264, PLACE_MIN - 1):  # small ones are plain arrays: no page more each
+        b = copy_buffer(n)
+        assert b.size == n and b.flags.owndata
     for shape, want in (((64, 24), (64, 24, 264)), (1536, (1536, 264)), ((), (264,))):
         r = rows_buffer(shape, 264)
-        assert r.shape == want and r.ctypes.data % PAGE == OFFSET and r.flags.c_contiguous
+        assert r.shape == want and r.flags.c_contiguous and (r.ctypes.data % PAGE == OFFSET or r.nbytes < PLACE_MIN)
     torch = pytest.importorskip("torch")
     t = pinned_rows_buffer(torch, (8, 24), 264, pin=False)
     assert tuple(t.shape) == (8, 24, 264) and t.data_ptr() % PAGE == OFFSET and t.is_contiguous()
     assert t.numpy().ctypes.data == t.data_ptr()
+
+
+def test_a_flush_waits_for_one_in_progress():
+    """Two flushes at once (a scrape and a worker's inline flush): the second returns only after the
+    first has applied what it popped, so a scrape never reads a count still in flight."""
+    import threading
+
+    from prometheus_client import CollectorRegistry
+
+    from tableserver.metrics import ServerMetrics
+
+    recorder = ServerMetrics(CollectorRegistry()).gather_op("tcp", "gather", "t")
+    recorder.defer(1, 264, 1e-4)
+    recorder._applying.acquire()  # a flush in progress, stopped between popping and applying
+    second = threading.Thread(target=recorder.flush)
+    second.start()
+    second.join(0.2)
+    assert second.is_alive()  # waits for the first ...
+    recorder._applying.release()
+    second.join(30)
+    assert not second.is_alive() and not recorder._deferred  # ... then applies what it found
+    assert recorder.counters[0]._value.get() == 1
