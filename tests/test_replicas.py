@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import EVENT_TIMEOUT, local_tables, start_daemon, wait_for
+from tests_helpers import freeze
 from tableclient import ConnectError, TableClient
 from tableserver.demo import DemoTable, write_demo_file
 
@@ -202,7 +203,13 @@ def test_hedged_read_wins_over_a_frozen_primary(three, v1):
     from prometheus_client import REGISTRY
 
     local = local_tables(v1)
-    won = REGISTRY.get_sample_value("tableserver_client_hedges_total", {"outcome": "won"}) or 0
+    def counts():
+        return {k: REGISTRY.get_sample_value(name, labels) or 0 for k, name, labels in (
+            ("won", "tableserver_client_hedges_total", {"outcome": "won"}),
+            ("issued", "tableserver_client_hedges_total", {"outcome": "issued"}),
+            ("failovers", "tableserver_client_failovers_total", {}))}
+
+    won = counts()["won"]
     with TableClient(",".join(d.address for d in three), transport="tcp", client_id="hedge",
                      liveness_timeout=60.0) as c:  # only the hedge can save these gathers
         # the replica this client reads first (rendezvous), once its session is up: a client may start on
@@ -211,7 +218,7 @@ def test_hedged_read_wins_over_a_frozen_primary(three, v1):
         wait_for(lambda: c._router.primary("engram.layer1").address == first, "the first replica's session")
         primary = next(d for d in three if d.address == first)
         ids = np.arange(0, 30_000, 7)
-        os.kill(primary.proc.pid, signal.SIGSTOP)
+        freeze(primary.proc.pid)  # every thread stopped before the gather: none can still answer it
         try:
             t0 = time.monotonic()
             rows = c.table("engram.layer1").gather(ids, timeout=EVENT_TIMEOUT, hedge_after=0.02)
@@ -220,7 +227,8 @@ def test_hedged_read_wins_over_a_frozen_primary(three, v1):
             assert elapsed < 10, elapsed  # not held up by the frozen primary (the liveness check is at 60 s)
         finally:
             os.kill(primary.proc.pid, signal.SIGCONT)
-    assert REGISTRY.get_sample_value("tableserver_client_hedges_total", {"outcome": "won"}) >= won + 1
+        state = c._router.describe()
+    assert counts()["won"] >= won + 1, (counts(), first, state)
 
 
 def test_two_shards_times_two_replicas(tmp_path, v1):
