@@ -231,6 +231,11 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out",
                                                   "transports.txt"))
     args = ap.parse_args()
+    for flag in ("iters", "paired_iters", "gap_iters"):
+        if getattr(args, flag) < 10:
+            ap.error(f"--{flag.replace('_', '-')} must be at least 10 (a p50 of fewer rounds says little)")
+    if args.gib <= 0:
+        ap.error("--gib must be a positive table size in GiB, e.g. --gib 1")
     global SERVER_CPUS, CLIENT_CPUS
     split = split_cpus() if args.placement == "split" else None
     if split is not None:
