@@ -192,7 +192,8 @@ def _worker(address: str, transport: str, stop_file: str, batch: int, pace_s: fl
         rows = {p.layer: client.tables[p.table].rows for p in plans}
         steps = 0
         while not os.path.exists(stop_file):
-            # Zipf-like reuse: a hot set shared by steps, so dedup and the unique-row ratio mean something
+            # Zipf-like reuse: a hot set shared by steps, so the unique-row ratio means something (over tcp,
+            # batches under its dedup minimum -- 4,096 ids; these are 1,536 -- fetch their duplicates)
             ids = {layer: np.where(rng.random((batch, 24)) < 0.3, rng.integers(0, 512, (batch, 24)),
                                    rng.integers(0, n, (batch, 24))) for layer, n in rows.items()}
             step.begin_step(ids)
