@@ -130,7 +130,7 @@ class RemoteTable:
         self._client = client
         self.info = info
         self.mode = check_mode(mode)
-        self._inst: dict[tuple, tuple] = {}  # (transport, mode) -> metric children
+        self._inst: dict[tuple, GatherRecorder] = {}  # (transport, mode) -> the process-wide recorder
         self._shm_recorder = None  # the shm path's, once made (read on every shm gather)
 
     name = property(lambda self: self.info.name)
@@ -299,7 +299,8 @@ class RemoteTable:
             raise
 
     def _instruments(self, transport: str, mode: str) -> GatherRecorder:
-        """The metrics of (transport, mode), made once per table (labels() costs microseconds)."""
+        """The recorder of (transport, mode): the process's one for these labels, looked up once per
+        table object (labels() costs microseconds)."""
         inst = self._inst.get((transport, mode))
         if inst is None:  # the process-wide recorder of these labels (a race makes the same one twice)
             inst = self._inst[(transport, mode)] = metrics().recorder(self.info.name, str(self.info.layer),

@@ -39,8 +39,16 @@ def copy_buffer(nbytes: int) -> np.ndarray:
 def rows_buffer(shape, row_bytes: int) -> np.ndarray:
     """An uninitialised uint8 ``[*shape, row_bytes]`` array for gathered rows, placed like
     ``copy_buffer``: pass it as ``out`` to gathers over tcp."""
-    shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
-    return copy_buffer(math.prod(shape) * int(row_bytes)).reshape(*shape, int(row_bytes))
+    try:
+        shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+        row_bytes = int(row_bytes)
+    except (TypeError, ValueError):
+        raise ValueError(f"rows_buffer needs a shape of ints and an int row size, got {shape!r}, "
+                         f"{row_bytes!r}") from None
+    if any(s < 0 for s in shape) or row_bytes <= 0:
+        raise ValueError(f"rows_buffer needs a shape of sizes >= 0 and row_bytes > 0 (a table's row size, e.g. "
+                         f"264), got {shape!r}, {row_bytes!r}")
+    return copy_buffer(math.prod(shape) * row_bytes).reshape(*shape, row_bytes)
 
 
 def pinned_rows_buffer(torch, shape, row_bytes: int, pin: bool):

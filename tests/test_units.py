@@ -330,6 +330,9 @@ def test_copy_buffers_start_half_a_page_in():
     for shape, want in (((64, 24), (64, 24, 264)), (1536, (1536, 264)), ((), (264,))):
         r = rows_buffer(shape, 264)
         assert r.shape == want and r.flags.c_contiguous and (r.ctypes.data % PAGE == OFFSET or r.nbytes < PLACE_MIN)
+    for shape, row_bytes in ((-1, 264), ((2, 3), 0), ((2, "x"), 264)):
+        with pytest.raises(ValueError, match="rows_buffer needs"):
+            rows_buffer(shape, row_bytes)
     torch = pytest.importorskip("torch")
     t = pinned_rows_buffer(torch, (8, 24), 264, pin=False)
     assert tuple(t.shape) == (8, 24, 264) and t.data_ptr() % PAGE == OFFSET and t.is_contiguous()
