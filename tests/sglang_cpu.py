@@ -4,17 +4,19 @@ Import this module before anything imports sglang. PyPI's torchvision wheels are
 compiled ops cannot load beside a CPU torch, and ``torchvision/_meta_registrations.py`` then registers
 fake kernels for two ops whose schemas were never defined, so ``import torchvision`` (which SGLang's
 layers import, for their multimodal preprocessing) fails. Defining the two schemas lets the pure-Python
-parts of torchvision import; nothing here calls them. Inside a real SGLang deployment (CUDA torch and
-its matching torchvision) none of this is needed.
+parts of torchvision import; nothing here calls them. With a CUDA (or ROCm) build of torch, as in a real
+SGLang deployment with its matching torchvision, nothing is defined: torchvision's own ops load, and
+defining their schemas first would make that load abort the process.
 """
 
 from __future__ import annotations
 
 import torch
 
-_lib = torch.library.Library("torchvision", "FRAGMENT")
-for _op in ("nms", "qnms"):
-    try:
-        _lib.define(f"{_op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    except RuntimeError:
-        pass  # already defined (a torchvision whose ops loaded)
+if torch.version.cuda is None and torch.version.hip is None:  # a CPU build: PyPI's torchvision ops cannot load
+    _lib = torch.library.Library("torchvision", "FRAGMENT")
+    for _op in ("nms", "qnms"):
+        try:
+            _lib.define(f"{_op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        except RuntimeError:
+            pass  # already defined (a torchvision whose ops loaded)
