@@ -15,6 +15,14 @@ every layer's rows land in a **persistent staging buffer allocated once**
 (pinned when CUDA is there) and, optionally, a persistent device tensor: no
 allocation per step, same addresses every step.
 
+With a device, a layer whose rows this process maps (shm) is gathered in
+``begin_step`` itself and its host-to-device copy is queued right there, on the
+step's side stream: by the time the layer waits, its rows are usually on the
+GPU already. Every copy into the device tensors is ordered after the work
+queued on the caller's stream before it (the previous step's readers of those
+tensors), and ``begin_step`` refills the staging only once the previous step's
+copies out of it have finished.
+
 Each ``wait`` records when the rows arrived relative to the layer's window.
 Failure policy per deployment: ``fail`` raises, ``zeros`` serves zero rows
 (counted), ``fallback`` re-gathers through another client (e.g. tcp, or a
@@ -125,6 +133,7 @@ class EngramStep:
                 buf = rows_buffer(shape[:-1], shape[-1])
                 self.staging[p.layer] = self._staging_np[p.layer] = buf
         self.device_rows, self._events, self._stream = {}, {}, None
+        self._copied: dict = {}  # layer -> this step's copy to the device is queued (begin_step or a wait)
         if device is not None:
             torch = self._torch
             self._stream = torch.cuda.Stream(device=device)
@@ -146,6 +155,8 @@ class EngramStep:
         in the staging buffers this step fills.
         """
         self.abandon()
+        if self._copied:
+            self._copies_done()
         self._t0 = time.perf_counter()
         self._handles, self.issue_order, self._ids = {}, [], {}
         sizes = set()
@@ -164,6 +175,8 @@ class EngramStep:
                     # handing it to a worker (a wake-up) while this thread races on to the next layer
                     self.tables[p.layer]._gather_local(local, ids, out)
                     self._handles[p.layer] = _Done()
+                    if self._stream is not None:  # and on its way to the GPU while the next layer is issued
+                        self._copy_to_device(p.layer, t)
                 else:
                     self._handles[p.layer] = self.tables[p.layer].gather_async(ids, out=out,
                                                                                hedge_after=self._hedge_after(p))
@@ -213,16 +226,36 @@ class EngramStep:
         return self.staging[layer][: self._tokens]
 
     def wait_to_device(self, layer: int):
-        """(device tensor view, CUDA event): rows copied on a side stream into the persistent device tensor."""
+        """(device tensor view, CUDA event): the layer's rows copied on the step's side stream into its
+        persistent device tensor; make the reading stream wait on the event (``stream.wait_event``).
+
+        A layer gathered in ``begin_step`` (shm) had its copy queued there already: this only records
+        the wait. Otherwise the copy is queued now, after the rows arrived (and after the failure
+        policy filled them, if the gather failed)."""
         if self._stream is None:
             raise RuntimeError("EngramStep was built without device=")
-        rows = self.wait(layer)
+        queued = self._copied.get(layer, False)
+        self.wait(layer)
+        if not queued:
+            self._copy_to_device(layer, self._tokens)
+        return self.device_rows[layer][: self._tokens], self._events[layer]
+
+    def _copy_to_device(self, layer: int, tokens: int) -> None:
+        """Queues the copy of ``tokens`` staged rows of ``layer`` to its device tensor on the side stream,
+        after the work already queued on the caller's stream (which may still read the device tensor)."""
         torch = self._torch
-        dev = self.device_rows[layer][: self._tokens]
-        with torch.cuda.stream(self._stream):
-            dev.copy_(rows, non_blocking=True)
-            self._events[layer].record(self._stream)
-        return dev, self._events[layer]
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(stream.device))  # the caller's stream, before switching
+        with torch.cuda.stream(stream):
+            self.device_rows[layer][:tokens].copy_(self.staging[layer][:tokens], non_blocking=True)
+            self._events[layer].record(stream)
+        self._copied[layer] = True
+
+    def _copies_done(self) -> None:
+        """Blocks until the previous step's copies out of the staging buffers finished (before refilling)."""
+        for layer in self._copied:
+            self._events[layer].synchronize()
+        self._copied = {}
 
     # -------------------------------------------------------------- helpers
     def _hedge_after(self, plan: LayerPlan) -> float | None:

@@ -128,3 +128,40 @@ def test_cuda_staging_and_graph_capture_of_the_copy(daemon, demo_local):
             graph.replay()
             torch.cuda.synchronize()
             np.testing.assert_array_equal(step.device_rows[14].cpu().numpy(), demo_local["engram.layer14"][ids[14]])
+
+
+@requires_cuda
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_device_copies_wait_for_readers_and_staging_waits_for_copies(daemon, demo_local, transport):
+    """Over shm, layer 1 (gathered in begin_step) is already on its way to the GPU when begin_step returns.
+    A step's copy into the device tensors waits for the work queued before it on the caller's stream (a
+    reader of the previous step's rows), and the next begin_step refills the staging only once the copy
+    out of it finished: the GPU is held busy for ~0.1 s on the caller's stream to make both races real."""
+    expect = demo_local["engram.layer1"]
+    with TableClient(daemon.address, transport=transport) as c:
+        step = EngramStep(c, PLANS, max_tokens=64, device="cuda")
+        rng = np.random.default_rng(4)
+        a, b, cc = _ids(rng), _ids(rng), _ids(rng)
+        step.begin_step(a)
+        assert step._copied.get(1, False) == (transport == "shm"), step._copied
+        dev, event = step.wait_to_device(1)
+        step.wait(14)
+        torch.cuda.current_stream().wait_event(event)
+        held_a = dev.clone()  # on the caller's stream, after a's copy
+        torch.cuda._sleep(200_000_000)  # the caller's stream stays busy, then reads a's rows again
+        reread_a = dev.clone()
+        step.begin_step(b)  # b's copy must wait for both reads of a's rows
+        dev_b, event_b = step.wait_to_device(1)
+        torch.cuda.current_stream().wait_event(event_b)
+        held_b = dev_b.clone()
+        step.wait(14)
+        torch.cuda._sleep(200_000_000)
+        step.begin_step(cc)  # over shm: refills the staging only after b's copy (queued behind the sleep)
+        dev_c, event_c = step.wait_to_device(1)
+        step.wait(14)
+        event_c.synchronize()
+        torch.cuda.synchronize()
+        np.testing.assert_array_equal(held_a.cpu().numpy(), expect[a[1]])
+        np.testing.assert_array_equal(reread_a.cpu().numpy(), expect[a[1]])
+        np.testing.assert_array_equal(held_b.cpu().numpy(), expect[b[1]])
+        np.testing.assert_array_equal(dev_c.cpu().numpy(), expect[cc[1]])
