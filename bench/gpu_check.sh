@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU-side checks in one run, for a machine with a CUDA GPU and a CUDA build of torch (CI has none, so
+# these tests skip there): the CUDA tests (pinned step staging, its copy in a CUDA graph, the plugin inside
+# SGLang 0.5.23 on the GPU) and bench/bench_gpu.py.
+#
+#   bash bench/gpu_check.sh [OUT_DIR]          (default bench/out)
+#
+# WHEELS=DIR first installs every wheel in DIR (pip --no-index --no-deps --target), for a GPU machine with
+# no package index: this project's wheel (`pip wheel --no-deps .`), sglang==0.5.23 and the packages of
+# tests/requirements-sglang.txt that the machine's Python lacks. SGLang 0.5.23's CUDA code paths import
+# sglang-kernel 0.4.10 and sgl-deep-gemm at load time (compiled for the torch 2.14.1 it pins): without
+# them its Engram modules cannot load on a GPU, and the SGLang tests here fail at collection or setup.
+set -u
+out=${1:-bench/out}
+mkdir -p "$out"
+if [ -n "${WHEELS:-}" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu-site \
+        "$WHEELS"/*.whl || { echo "gpu_check: installing the wheels in $WHEELS failed" >&2; exit 1; }
+    export PYTHONPATH=/tmp/gpu-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONUNBUFFERED=1
+python3 -c 'import torch, numpy, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "numpy",
+numpy.__version__, "cuda", torch.cuda.is_available() and torch.cuda.get_device_name())' || exit 1
+rc=0
+# the step API's CUDA tests on their own: a collection error in the SGLang modules must not stop them
+timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_step.py 2>&1 | tee "$out/gpu_tests.log"
+[ "${PIPESTATUS[0]}" = 0 ] || rc=1
+timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_sglang_gpu.py \
+    tests/test_sglang_plugin.py 2>&1 | tee -a "$out/gpu_tests.log"
+[ "${PIPESTATUS[0]}" = 0 ] || rc=1
+timeout "${BENCH_TIMEOUT:-240}" python3 bench/bench_gpu.py --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench_gpu.log"
+[ "${PIPESTATUS[0]}" = 0 ] || rc=1
+exit $rc
