@@ -263,7 +263,30 @@ class RemoteTable:
     def gather_async(self, row_ids, out=None, mode: str | None = None,
                      hedge_after: float | None = None) -> GatherHandle:
         """Starts a gather and returns at once; ``handle.wait()`` returns the rows."""
+        client = self._client
+        if not client._closed:
+            replica, node, local = client._router.reader(self.info.name)
+            if local is not None and node._transport is not None:
+                return self._gather_local_async(replica, node._transport, row_ids, out, mode)
         return self._submit(row_ids, out, False, mode, hedge_after)
+
+    def _gather_local_async(self, replica, transport, row_ids, out, mode: str | None) -> GatherHandle:
+        """The shm path of ``gather_async``: the checks, then one take queued on the transport's copy
+        thread (or run by the first ``wait``, whichever comes first). No routing: nothing to fail over
+        or hedge in a local copy, as in ``gather``'s shm path. Counted now, latency observed at the wait."""
+        t0 = time.perf_counter()
+        if mode is not None:
+            check_mode(mode)
+        ids, dest, result = self._fast_checked(row_ids, out) or self._checked(row_ids, out)
+        n = ids.size
+        if n == 0:
+            return GatherHandle([], result)
+        recorder = self._shm_recorder
+        if recorder is None:
+            recorder = self._shm_recorder = self._instruments("shm", "read")
+        recorder.count(n, n, dest.nbytes)
+        pending = transport.gather(replica.tables[self.info.name].index, ids, dest, False, "read")
+        return GatherHandle([pending], result, None, n, t0, recorder)
 
     def _submit(self, row_ids, out, sync: bool, mode: str | None, hedge_after: float | None = None) -> GatherHandle:
         t0 = time.perf_counter()
