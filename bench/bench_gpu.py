@@ -53,7 +53,7 @@ def pct(a, q) -> float:
 
 def copy_section(torch, reps: int) -> list[str]:
     """H2D copy of n staged rows from three kinds of host memory: GPU time (events) and caller's time."""
-    lines = [f"{'rows':>7}{'host memory':>22}{'GPU us p50':>12}{'GB/s':>7}{'copy+sync us p50':>18}{'p99':>8}"]
+    lines = [f"{'rows':>7}  {'host memory':<30}{'GPU us p50':>12}{'GB/s':>7}{'copy+sync us p50':>18}{'p99':>8}"]
     stream = torch.cuda.Stream()
     for n in (24, 1536, 12288):
         dev = torch.empty((n, ROW), dtype=torch.uint8, device="cuda")
@@ -81,10 +81,10 @@ def copy_section(torch, reps: int) -> list[str]:
         for name in sources:
             g = pct(gpu[name], 50)
             where = f" (offset {sources[name].data_ptr() % PAGE})" if name.startswith("pinned") else ""
-            lines.append(f"{n:>7}{name + where:>22}{g * 1e6:>12.1f}{n * ROW / g / 1e9:>7.1f}"
+            lines.append(f"{n:>7}  {name + where:<30}{g * 1e6:>12.1f}{n * ROW / g / 1e9:>7.1f}"
                          f"{pct(host[name], 50) * 1e6:>18.1f}{pct(host[name], 99) * 1e6:>8.1f}")
         ratio = pct(gpu["pinned, placed"], 50) / pct(gpu["pinned, page-aligned"], 50)
-        lines.append(f"{'':>7}placed / page-aligned (GPU time): {ratio:.2f}x")
+        lines.append(f"{'':>7}  placed / page-aligned (GPU time): {ratio:.2f}x")
     return lines
 
 
