@@ -18,10 +18,13 @@ allocation per step, same addresses every step.
 With a device, a layer whose rows this process maps (shm) is gathered in
 ``begin_step`` itself and its host-to-device copy is queued right there, on the
 step's side stream: by the time the layer waits, its rows are usually on the
-GPU already. Every copy into the device tensors is ordered after the work
-queued on the caller's stream before it (the previous step's readers of those
-tensors), and ``begin_step`` refills the staging only once the previous step's
-copies out of it have finished.
+GPU already. Every copy into the device tensors is ordered after the work that
+was queued on the calling thread's current stream when ``begin_step`` ran (the
+previous step's readers of those tensors: call it from the forward's thread and
+stream), and nothing later, so a late layer's copy does not wait for this step's
+earlier layers. ``begin_step`` refills the staging only once the previous step's
+copies out of it (``wait_to_device``'s, and any event handed to ``fence``, e.g. of
+a captured copy of your own) have finished.
 
 Each ``wait`` records when the rows arrived relative to the layer's window.
 Failure policy per deployment: ``fail`` raises, ``zeros`` serves zero rows
@@ -132,11 +135,13 @@ class EngramStep:
             else:
                 buf = rows_buffer(shape[:-1], shape[-1])
                 self.staging[p.layer] = self._staging_np[p.layer] = buf
-        self.device_rows, self._events, self._stream = {}, {}, None
+        self.device_rows, self._events, self._stream, self._readers = {}, {}, None, None
         self._copied: dict = {}  # layer -> this step's copy to the device is queued (begin_step or a wait)
+        self._fences: list = []  # events of other reads of the staging (fence), waited for by begin_step
         if device is not None:
             torch = self._torch
             self._stream = torch.cuda.Stream(device=device)
+            self._readers = torch.cuda.Event()  # recorded on the caller's stream at each begin_step
             for p in self.plans:
                 shape = self.staging[p.layer].shape
                 self.device_rows[p.layer] = torch.empty(shape, dtype=torch.uint8, device=device)
@@ -155,9 +160,11 @@ class EngramStep:
         in the staging buffers this step fills.
         """
         self.abandon()
-        if self._copied:
+        if self._copied or self._fences:
             self._copies_done()
         self._t0 = time.perf_counter()
+        if self._stream is not None:  # what the previous step queued, its readers of the device rows included
+            self._readers.record(self._torch.cuda.current_stream(self._stream.device))
         self._handles, self.issue_order, self._ids = {}, [], {}
         sizes = set()
         for p in self.plans:
@@ -231,7 +238,10 @@ class EngramStep:
 
         A layer gathered in ``begin_step`` (shm) had its copy queued there already: this only records
         the wait. Otherwise the copy is queued now, after the rows arrived (and after the failure
-        policy filled them, if the gather failed)."""
+        policy filled them, if the gather failed). Either way it waits on the GPU only for the work
+        queued before ``begin_step``. Call it outside CUDA graph capture: to replay the copy in a graph,
+        capture your own ``device_rows[layer].copy_(staging[layer])`` and hand each replay's event to
+        ``fence``."""
         if self._stream is None:
             raise RuntimeError("EngramStep was built without device=")
         queued = self._copied.get(layer, False)
@@ -240,22 +250,31 @@ class EngramStep:
             self._copy_to_device(layer, self._tokens)
         return self.device_rows[layer][: self._tokens], self._events[layer]
 
+    def fence(self, event) -> None:
+        """``event`` (anything with ``synchronize()``, e.g. a CUDA event recorded after your own copy
+        out of the staging) marks a read of this step's staging: the next ``begin_step`` waits for it
+        before refilling the buffers."""
+        self._fences.append(event)
+
     def _copy_to_device(self, layer: int, tokens: int) -> None:
         """Queues the copy of ``tokens`` staged rows of ``layer`` to its device tensor on the side stream,
-        after the work already queued on the caller's stream (which may still read the device tensor)."""
-        torch = self._torch
+        after the work queued on the caller's stream before ``begin_step`` (the previous step's readers
+        of the device tensor) and nothing later."""
         stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream(stream.device))  # the caller's stream, before switching
-        with torch.cuda.stream(stream):
+        stream.wait_event(self._readers)
+        with self._torch.cuda.stream(stream):
             self.device_rows[layer][:tokens].copy_(self.staging[layer][:tokens], non_blocking=True)
             self._events[layer].record(stream)
         self._copied[layer] = True
 
     def _copies_done(self) -> None:
-        """Blocks until the previous step's copies out of the staging buffers finished (before refilling)."""
+        """Blocks until the previous step's reads of the staging buffers finished (before refilling)."""
         for layer in self._copied:
             self._events[layer].synchronize()
         self._copied = {}
+        fences, self._fences = self._fences, []
+        for event in fences:
+            event.synchronize()
 
     # -------------------------------------------------------------- helpers
     def _hedge_after(self, plan: LayerPlan) -> float | None:

@@ -265,15 +265,18 @@ class RemoteTable:
         """Starts a gather and returns at once; ``handle.wait()`` returns the rows."""
         client = self._client
         if not client._closed:
-            replica, node, local = client._router.reader(self.info.name)
-            if local is not None and node._transport is not None:
-                return self._gather_local_async(replica, node._transport, row_ids, out, mode)
+            _, node, local = client._router.reader(self.info.name)
+            # the shm transport's copy thread, read once (a close may clear node._transport meanwhile)
+            take_async = getattr(node._transport, "take_async", None) if local is not None else None
+            if take_async is not None:
+                return self._gather_local_async(take_async, local, row_ids, out, mode)
         return self._submit(row_ids, out, False, mode, hedge_after)
 
-    def _gather_local_async(self, replica, transport, row_ids, out, mode: str | None) -> GatherHandle:
-        """The shm path of ``gather_async``: the checks, then one take queued on the transport's copy
-        thread (or run by the first ``wait``, whichever comes first). No routing: nothing to fail over
-        or hedge in a local copy, as in ``gather``'s shm path. Counted now, latency observed at the wait."""
+    def _gather_local_async(self, take_async, local: np.ndarray, row_ids, out, mode: str | None) -> GatherHandle:
+        """The shm path of ``gather_async``: the checks, then one take from the mapped rows queued on the
+        transport's copy thread (or run by the first ``wait``, whichever comes first; ``local`` keeps
+        the mapping alive even if the node closes meanwhile). No routing: nothing to fail over or hedge
+        in a local copy, as in ``gather``'s shm path. Counted now, latency observed at the wait."""
         t0 = time.perf_counter()
         if mode is not None:
             check_mode(mode)
@@ -285,8 +288,7 @@ class RemoteTable:
         if recorder is None:
             recorder = self._shm_recorder = self._instruments("shm", "read")
         recorder.count(n, n, dest.nbytes)
-        pending = transport.gather(replica.tables[self.info.name].index, ids, dest, False, "read")
-        return GatherHandle([pending], result, None, n, t0, recorder)
+        return GatherHandle([take_async(local, ids, dest)], result, None, n, t0, recorder)
 
     def _submit(self, row_ids, out, sync: bool, mode: str | None, hedge_after: float | None = None) -> GatherHandle:
         t0 = time.perf_counter()

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import EVENT_TIMEOUT
-from tableclient import GatherTimeout, TableClient
+from tableclient import GatherTimeout, TableClient, TableClientError
 
 TRANSPORTS = ["shm", "tcp"]
 
@@ -155,6 +155,23 @@ def test_bad_row_id_is_a_value_error_and_leaves_out_alone(client, demo_local, ba
     assert (out == 7).all()
     ids[size // 2] = rows - 1
     np.testing.assert_array_equal(table.gather(ids, out=out), demo_local[table.name][ids])
+
+
+def test_shm_gather_async_survives_the_client_closing_before_the_wait(daemon, demo_local):
+    """gather_async over shm queues a take on the transport's copy thread; a client closed before the
+    wait still delivers those rows (the queued copy runs at close or at the wait, from a mapping the
+    handle keeps alive), and a gather issued after the close is refused."""
+    table_name = "engram.layer14"
+    rng = np.random.default_rng(12)
+    ids = [rng.integers(0, demo_local[table_name].shape[0], 5000) for _ in range(8)]
+    c = TableClient(daemon.address, transport="shm")
+    table = c.table(table_name)
+    handles = [table.gather_async(i) for i in ids]
+    c.close()
+    for i, h in zip(ids, handles):
+        np.testing.assert_array_equal(h.wait(timeout=EVENT_TIMEOUT), demo_local[table_name][i])
+    with pytest.raises(TableClientError, match="closed"):
+        table.gather_async(ids[0]).wait(timeout=EVENT_TIMEOUT)
 
 
 def test_zero_timeout_raises_or_returns(client):

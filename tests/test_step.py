@@ -38,6 +38,34 @@ def test_order_fixed_buffers_and_bit_exact_rows(daemon, demo_local, transport):
         assert step.summary()[1]["steps"] == 3
 
 
+def test_fenced_reads_of_the_staging_are_waited_for_once(daemon):
+    """Events handed to fence() (a caller's own copy out of the staging) are synchronized by the next
+    begin_step, before it refills the buffers, and only by that one."""
+    class Event:
+        def __init__(self):
+            self.synced = 0
+
+        def synchronize(self):
+            self.synced += 1
+
+    with TableClient(daemon.address, transport="shm") as c:
+        step = EngramStep(c, PLANS, max_tokens=8, pin=False)
+        rng = np.random.default_rng(5)
+        step.begin_step(_ids(rng, 8))
+        step.wait(1)
+        step.wait(14)
+        first, second = Event(), Event()
+        step.fence(first)
+        step.fence(second)
+        assert first.synced == second.synced == 0
+        step.begin_step(_ids(rng, 8))
+        assert first.synced == second.synced == 1
+        step.wait(1)
+        step.wait(14)
+        step.begin_step(_ids(rng, 8))
+        assert first.synced == second.synced == 1
+
+
 def test_deadline_accounting(daemon):
     with TableClient(daemon.address, transport="tcp") as c:
         plans = [LayerPlan(1, "engram.layer1", 0.0), LayerPlan(14, "engram.layer14", 3600.0)]
@@ -165,3 +193,25 @@ def test_device_copies_wait_for_readers_and_staging_waits_for_copies(daemon, dem
         np.testing.assert_array_equal(reread_a.cpu().numpy(), expect[a[1]])
         np.testing.assert_array_equal(held_b.cpu().numpy(), expect[b[1]])
         np.testing.assert_array_equal(dev_c.cpu().numpy(), expect[cc[1]])
+
+
+@requires_cuda
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_late_layers_copy_does_not_wait_for_the_steps_earlier_layers(daemon, demo_local, transport):
+    """Layer 14's copy (queued by wait_to_device, after layers 0..13 were queued on the caller's stream)
+    waits only for what was queued before begin_step: it completes while a long kernel queued after
+    begin_step still runs. Ordered by GPU timestamps (timing events), not by the host's clock."""
+    with TableClient(daemon.address, transport=transport) as c:
+        step = EngramStep(c, PLANS, max_tokens=64, device="cuda")
+        ids = _ids(np.random.default_rng(6))
+        step.begin_step(ids)
+        start, end, copied = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        start.record()
+        torch.cuda._sleep(1_000_000_000)  # "layers 0..13": ~0.5 s of one kernel on the caller's stream
+        end.record()
+        step.wait_to_device(1)
+        dev, _ = step.wait_to_device(14)
+        copied.record(step._stream)
+        torch.cuda.synchronize()
+        assert start.elapsed_time(copied) < start.elapsed_time(end), "layer 14's copy waited for the kernel"
+        np.testing.assert_array_equal(dev.cpu().numpy(), demo_local["engram.layer14"][ids[14]])

@@ -159,8 +159,16 @@ class ShmTransport(ClientTransport):
         if sync:  # the caller waits at once: a thread handoff would only add latency
             np.take(self._tables[table_index], ids, axis=0, out=out, mode="clip")
             return DONE
-        job = _Copy((self._tables[table_index], ids, out))
+        return self.take_async(self._tables[table_index], ids, out)
+
+    def take_async(self, rows: np.ndarray, ids: np.ndarray, out: np.ndarray) -> Pending:
+        """``rows.take(ids, out=out)`` on the copy thread, or by the first ``wait`` if that comes first.
+        ``rows`` is a view of one of this transport's mappings (it keeps the mapping alive, so a
+        transport closed meanwhile still serves it: the copy then runs at the wait)."""
+        job = _Copy((rows, ids, out))
         with self._ready:
+            if self._closed:
+                return job  # no copy thread any more: wait() runs it
             if self._worker is None:
                 self._worker = threading.Thread(target=self._work, name="tableclient-shm", daemon=True)
                 self._worker.start()
