@@ -188,6 +188,11 @@ def main() -> int:
         batches = [int(b) for b in args.batches.split(",")]
     except ValueError:
         ap.error(f"--batches {args.batches!r}: give batch sizes as integers, e.g. 1,64,512")
+    if min(batches) < 1:
+        ap.error(f"--batches {args.batches!r}: every batch size must be at least 1")
+    unknown = [t for t in args.transports.split(",") if t and t not in ("shm", "tcp", "rdma")]
+    if unknown:
+        ap.error(f"--transports {args.transports!r}: unknown {', '.join(unknown)} (use shm, tcp or rdma)")
     try:
         import torch
     except ImportError:

@@ -254,6 +254,9 @@ class EngramStep:
         """``event`` (anything with ``synchronize()``, e.g. a CUDA event recorded after your own copy
         out of the staging) marks a read of this step's staging: the next ``begin_step`` waits for it
         before refilling the buffers."""
+        if not callable(getattr(event, "synchronize", None)):
+            raise TypeError(f"fence() needs an event with synchronize() (e.g. torch.cuda.Event), got "
+                            f"{type(event).__name__}")
         self._fences.append(event)
 
     def _copy_to_device(self, layer: int, tokens: int) -> None:

@@ -210,10 +210,7 @@ class RemoteTable:
         n = ids.size
         if n:
             local.take(ids, axis=0, out=dest, mode="clip")
-            recorder = self._shm_recorder
-            if recorder is None:
-                recorder = self._shm_recorder = self._instruments("shm", "read")
-            recorder.defer(n, n, dest.nbytes, time.perf_counter() - t0)
+            (self._shm_recorder or self._shm_instruments()).defer(n, n, dest.nbytes, time.perf_counter() - t0)
         return result
 
     def _gather_direct(self, replica, node, row_ids, out, timeout, mode):
@@ -284,9 +281,7 @@ class RemoteTable:
         n = ids.size
         if n == 0:
             return GatherHandle([], result)
-        recorder = self._shm_recorder
-        if recorder is None:
-            recorder = self._shm_recorder = self._instruments("shm", "read")
+        recorder = self._shm_recorder or self._shm_instruments()
         recorder.count(n, n, dest.nbytes)
         return GatherHandle([take_async(local, ids, dest)], result, None, n, t0, recorder)
 
@@ -322,6 +317,11 @@ class RemoteTable:
         except Exception as e:
             metrics().error(e)
             raise
+
+    def _shm_instruments(self) -> GatherRecorder:
+        """The shm paths' recorder, made once and kept in ``_shm_recorder`` (read on every shm gather)."""
+        self._shm_recorder = self._instruments("shm", "read")
+        return self._shm_recorder
 
     def _instruments(self, transport: str, mode: str) -> GatherRecorder:
         """The recorder of (transport, mode): the process's one for these labels, looked up once per

@@ -55,6 +55,8 @@ def test_fenced_reads_of_the_staging_are_waited_for_once(daemon):
         step.wait(1)
         step.wait(14)
         first, second = Event(), Event()
+        with pytest.raises(TypeError, match="synchronize"):
+            step.fence(object())  # refused at once, not at the next begin_step
         step.fence(first)
         step.fence(second)
         assert first.synced == second.synced == 0
