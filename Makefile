@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 
 .PHONY: demo test test-fast bench replay observe proto clean
 
-$(BASE): setup.cfg pyproject.toml
+$(BASE): setup.cfg pyproject.toml setup.py tableserver/_take.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -e .
 	touch $@

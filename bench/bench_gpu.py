@@ -12,8 +12,8 @@ Needs a CUDA GPU (exits 2 without one). Three sections, each measured in one run
 2. **Layer-1 rows on the device**, per decode step (the replay's traffic, hashed with the real Engram
    algorithm): ``begin_step`` issues both layers at step start, ``wait_to_device(1)`` copies layer 1's
    rows on the step's side stream, and the step ends for layer 1 when that copy's event completes.
-   Against it, in random order each step: the bare in-process path, ``np.take(mode="clip")`` from a
-   private copy of the table into pinned memory, then the same copy and event. Layer 1 is due 0.3 ms
+   Against it, in random order each step: the bare in-process path, ``tableserver.take`` (native where
+   built, else ``np.take(mode="clip")``) from a private copy of the table into pinned memory, then the same copy and event. Layer 1 is due 0.3 ms
    after step start.
 3. **A CUDA graph of the copy** (what a captured decode step replays) against the eager copy.
 
@@ -43,6 +43,7 @@ from tableserver.buffers import OFFSET, PAGE, pinned_rows_buffer  # noqa: E402
 from tableserver.demo import DEFAULT_ROWS  # noqa: E402
 from tableserver.demo_run import WINDOWS_S, ensure_demo_file, start_server  # noqa: E402
 from tableserver.tablefile import read_header  # noqa: E402
+from tableserver.take import NATIVE, take  # noqa: E402
 
 ROW = 264
 
@@ -117,7 +118,7 @@ def step_section(torch, client, name: str, hasher, local1: np.ndarray, batch: in
     def run_bare(ids) -> float:
         flat = ids[1].reshape(-1)
         t0 = time.perf_counter()
-        np.take(local1, flat, axis=0, out=bare_np[:flat.size], mode="clip")
+        take(local1, flat, bare_np[:flat.size])
         with torch.cuda.stream(stream):
             bare_dev[:flat.size].copy_(bare_host[:flat.size], non_blocking=True)
             event.record(stream)
@@ -214,7 +215,7 @@ def main() -> int:
     local1 = np.array(mm[s1.offset:s1.offset + s1.nbytes]).reshape(s1.rows, s1.row_bytes)
     nbytes = sum(s.nbytes for s in header.tables)
     lines += ["", f"2. layer-1 rows on the device after step start ({args.steps} steps; due at "
-              f"{WINDOWS_S[1] * 1e6:.0f} us); bare = np.take(mode=\"clip\") from a private copy into pinned "
+              f"{WINDOWS_S[1] * 1e6:.0f} us); bare = {'native take' if NATIVE else 'np.take(mode=clip)'} from a private copy into pinned "
               "memory + the same copy",
               f"{'transport':<10}{'batch':>6}{'rows':>7}{'step p50 us':>13}{'p99':>8}{'issued p50':>12}"
               f"{'bare p50':>10}{'p99':>8}{'p50 ratio':>11}{'in window p50/p99':>19}"]

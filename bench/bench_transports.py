@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
 """Gathers against the machine's own floors, side by side in one run: in-process numpy, shm, tcp, sealed tcp.
 
-Fair baselines: the in-process gather is ``np.take(..., out=, mode="clip")`` (``mode="raise"`` copies
-through a temporary and flatters every ratio against it). In the same run it also measures the floors a
-transport cannot beat: a contiguous memcpy of the same bytes, loopback bulk tcp bandwidth, and a minimal
-request/response -- a separate one-thread Python server process (like the daemon) that receives the ids,
-``np.take``s the rows and ``sendall``s them over loopback to a client reading in its own thread.
+Fair baselines: the in-process gather is the fastest one this machine has -- ``tableserver.take``, the
+native prefetching gather every transport runs, where it was built (numpy's ``np.take(..., out=,
+mode="clip")`` otherwise; ``mode="raise"`` copies through a temporary and would flatter every ratio). In the
+same run it also measures the floors a transport cannot beat: a contiguous memcpy of the same bytes,
+loopback bulk tcp bandwidth, and a minimal request/response -- a separate one-thread Python server process
+(like the daemon) that receives the ids, takes the rows with the same gather and ``sendall``s them over
+loopback to a client reading in its own thread. The paired section also runs ``np.take`` on shm's own
+mapping: what the native gather gains over numpy's.
 
 Sections, 1,536 rows (one layer of a batch-64 decode step) and 12,288 rows of 264 B:
 
@@ -13,7 +16,8 @@ Sections, 1,536 rows (one layer of a batch-64 decode step) and 12,288 rows of 26
   iteration (rows cache-cold in a 2 GiB table: no path reads rows another one just cached), then one
   fixed set of ids again and again (warm); then each path alone (its own loop, cold rows);
 * paired: each target's paths by themselves, interleaved for ``--paired-iters`` rounds (1,000): in-process,
-  the bare take from shm's own mapping ("same pages") and shm; then the minimal request/response and tcp.
+  the bare take from shm's own mapping ("same pages"), ``np.take`` from it, and shm; then the minimal
+  request/response and tcp.
   The shm and tcp targets are judged here -- with six paths interleaved, the other paths' sockets and
   server wake-ups land between them and 300 rounds leave their p50s a few percent apart by chance --
   and the interleaved-with-everything ratios are printed beside them. shm is judged against the faster
@@ -21,7 +25,8 @@ Sections, 1,536 rows (one layer of a batch-64 decode step) and 12,288 rows of 26
   up to 25 % apart in some runs and alike in others on this VM (where the host backs each region), so
   only "same pages" isolates what the library costs;
 * with a 20 ms gap between steps (what a decode loop does between layers' gathers): p50/p99, tcp with
-  busy-polling off and on (``busy_poll``: the reader spins up to 200 us before sleeping);
+  busy-polling off and on (``busy_poll``: the reader spins up to 200 us before sleeping); then in-process
+  and shm again with the CPU busy through the gap (a worker spinning in a CUDA sync) instead of idle;
 * the client library's cost per call: a 1-row gather through it vs. the bare operation under it;
 * dedup: uniform and Zipf(1.1) ids over tcp, 12,288 and 49,152 of them, the library's dedup decision vs.
   never deduplicating.
@@ -57,6 +62,7 @@ from tableclient import TableClient, rows_buffer
 from tableserver.buffers import copy_buffer
 from tableserver.demo_run import start_server
 from tableserver.tablefile import read_header
+from tableserver.take import NATIVE, take
 
 SIZES = (1536, 12288)
 GAP_S = 0.020
@@ -132,7 +138,7 @@ def loopback_bandwidth(nbytes: int = 512 << 20, chunk: int = 4 << 20) -> float:
 
 
 class MinimalServer:
-    """The least a tcp gather can be in Python: one thread, recv the ids, np.take, sendall the rows."""
+    """The least a tcp gather can be in Python: one thread, recv the ids, take the rows, sendall them."""
 
     def __init__(self, table: np.ndarray):
         self.table = table
@@ -156,7 +162,7 @@ class MinimalServer:
                 if rows_buf.size < n * row_bytes:
                     rows_buf = copy_buffer(n * row_bytes)
                 rows = rows_buf[:n * row_bytes].reshape(n, row_bytes)
-                np.take(self.table, ids, axis=0, out=rows, mode="clip")
+                take(self.table, ids, rows)  # the fastest gather here, as the daemon's
                 conn.sendall(rows)
 
     def client(self):
@@ -181,7 +187,15 @@ def _recv_exact(sock, view) -> bool:
 
 
 # ----------------------------------------------------------------------------- runs
-def interleaved(paths: dict, rows: int, n: int, iters: int, gap: float = 0.0, warm: bool = False) -> dict:
+def spin(seconds: float) -> None:
+    """The CPU busy for ``seconds`` (a serving worker spinning in a CUDA sync between steps)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def interleaved(paths: dict, rows: int, n: int, iters: int, gap: float = 0.0, warm: bool = False,
+                busy: bool = False) -> dict:
     rng = np.random.default_rng(n)
     out = rows_buffer(n, 264)  # every path fills the same buffer, placed as tableclient places its own
     times = {k: np.empty(iters) for k in paths}
@@ -196,7 +210,7 @@ def interleaved(paths: dict, rows: int, n: int, iters: int, gap: float = 0.0, wa
             ids = fixed if warm else rng.integers(0, rows, n)
             fn = paths[k]
             if gap:
-                time.sleep(gap)
+                (spin if busy else time.sleep)(gap)
             start = time.perf_counter()
             fn(ids, out)
             if i >= 10:
@@ -282,7 +296,7 @@ def main() -> int:
                 np.copyto(out.reshape(-1), flat[: out.size])
 
             paths = {
-                "in-process": lambda ids, out: np.take(local, ids, axis=0, out=out, mode="clip"),
+                "in-process": lambda ids, out: take(local, ids, out),
                 "memcpy": memcpy,
                 "min req/resp": floor_gather,
                 "shm": lambda ids, out: t_shm.gather(ids, out=out),
@@ -292,6 +306,8 @@ def main() -> int:
             bulks = [loopback_bandwidth()]  # measured before each section and after: their median is the floor
             say(f"server on {'2 MiB hugepages' if huge else '4 KiB pages'}; {args.iters} iterations, paths "
                 f"interleaved; rows/s and ratios at the median (p50)")
+            say(f"row gather (in-process, shm, the daemon, the minimal server): "
+                f"{'native (tableserver._take)' if NATIVE else 'numpy np.take (tableserver._take not built)'}")
             say(f"placement: servers on CPU {sorted(SERVER_CPUS)}, client on CPU {sorted(CLIENT_CPUS)}"
                 if SERVER_CPUS else "placement: the scheduler's (--placement os, or a single CPU)")
             for label, warm in (("cold rows (fresh random ids)", False), ("warm rows (the same ids again)", True)):
@@ -319,7 +335,8 @@ def main() -> int:
             mapped = shm._router.local_table("bench")
             pairs = {
                 "shm": {"in-process": paths["in-process"],
-                        "same pages": lambda ids, out: mapped.take(ids, axis=0, out=out, mode="clip"),
+                        "same pages": lambda ids, out: take(mapped, ids, out),
+                        "np.take": lambda ids, out: mapped.take(ids, axis=0, out=out, mode="clip"),
                         "shm": paths["shm"]},
                 "tcp": {"min req/resp": paths["min req/resp"], "tcp": paths["tcp"]},
             }
@@ -347,6 +364,13 @@ def main() -> int:
                 p50, p99, _ = stats(v, 1536)
                 results[("gap", k)] = (p50, p99)
                 say(f"{k:<13}{p50 * 1e6:>9.0f}{p99 * 1e6:>9.0f}")
+            busy = interleaved({k: paths[k] for k in ("in-process", "shm")}, spec.rows, 1536, args.gap_iters,
+                               gap=GAP_S, busy=True)
+            say("the same with the CPU busy through the gap (spinning, as a worker in a CUDA sync):")
+            for k, v in busy.items():
+                p50, p99, _ = stats(v, 1536)
+                results[("busy gap", k)] = (p50, p99)
+                say(f"{k:<13}{p50 * 1e6:>9.0f}{p99 * 1e6:>9.0f}")
             say("\nclient library cost per call, back to back (median of interleaved calls): the gather "
                 "through the library vs the bare operation under it")
             tcp_node = tcp._node_transport()
@@ -356,7 +380,7 @@ def main() -> int:
                 pairs = {
                     "shm: gather vs take from the mapping": (
                         lambda ids: t_shm.gather(ids, out=out),
-                        lambda ids: mapped.take(ids, axis=0, out=out, mode="clip")),
+                        lambda ids: take(mapped, ids, out)),
                     "tcp: gather vs the transport alone": (
                         lambda ids: t_tcp.gather(ids, out=out),
                         lambda ids: tcp_node.gather(0, ids, out, True).wait()),
@@ -409,7 +433,8 @@ def main() -> int:
         say(f"  shm >= 0.95x in-process at {n:,} rows: {r:.2f}x  [{'met' if r >= 0.95 else 'MISSED'}] (paired, against "
             f"the faster in-process take: its own copy {pair['in-process'] / pair['shm']:.2f}x, the same pages "
             f"{pair['same pages'] / pair['shm']:.2f}x; interleaved with every path, own copy: "
-            f"{results[(False, n, 'shm')][2] / results[(False, n, 'in-process')][2]:.2f}x)")
+            f"{results[(False, n, 'shm')][2] / results[(False, n, 'in-process')][2]:.2f}x; against np.take from "
+            f"the same pages: {pair['np.take'] / pair['shm']:.2f}x)")
     pair = results[("paired", 1536)]
     r = pair["tcp"] / pair["min req/resp"]
     alone = results[("alone", 1536)]
@@ -424,7 +449,9 @@ def main() -> int:
         f"{results[(False, 12288, 'tcp')][2] * 264 / bulk:.2f}x; the minimal request/response, paired: "
         f"{floor_bw / bulk:.2f}x)")
     gp99 = results[("gap", "shm")][1]
-    say(f"  20 ms gaps, 1,536 rows over shm: p99 {gp99 * 1e6:.0f} us <= 300 us  [{'met' if gp99 <= 300e-6 else 'MISSED'}]; "
+    say(f"  20 ms gaps, 1,536 rows over shm: p99 {gp99 * 1e6:.0f} us <= 300 us  [{'met' if gp99 <= 300e-6 else 'MISSED'}] "
+        f"(in-process p99 {results[('gap', 'in-process')][1] * 1e6:.0f} us; CPU busy through the gap: shm "
+        f"{results[('busy gap', 'shm')][1] * 1e6:.0f}, in-process {results[('busy gap', 'in-process')][1] * 1e6:.0f} us); "
         f"tcp p50/p99 {results[('gap', 'tcp')][0] * 1e6:.0f}/{results[('gap', 'tcp')][1] * 1e6:.0f} us without "
         f"busy-polling, {results[('gap', 'tcp busy-poll')][0] * 1e6:.0f}/{results[('gap', 'tcp busy-poll')][1] * 1e6:.0f}"
         f" us with (up to {BUSY_POLL_S * 1e6:.0f} us of one core spinning per gather)")

@@ -6,7 +6,8 @@
 #   bash bench/gpu_check.sh [OUT_DIR]          (default bench/out)
 #
 # WHEELS=DIR first installs every wheel in DIR (pip --no-index --no-deps --target), for a GPU machine with
-# no package index: this project's wheel (`pip wheel --no-deps .`), sglang==0.5.23 and the packages of
+# no package index: this project's wheel (`TABLESERVER_BUILD_NATIVE=0 pip wheel --no-deps .`: pure, for any
+# Python; the repo's own tableserver then runs numpy's take), sglang==0.5.23 and the packages of
 # tests/requirements-sglang.txt that the machine's Python lacks. SGLang 0.5.23's CUDA code paths import
 # sglang-kernel 0.4.10 and sgl-deep-gemm at load time (compiled for the torch 2.14.1 it pins): without
 # them its Engram modules cannot load on a GPU, and the SGLang tests here fail at collection or setup.

@@ -18,6 +18,7 @@ from tableclient.errors import GatherTimeout, RemoteError, TableClientError
 from tableclient.metrics import GatherRecorder, metrics
 from tableclient.rowids import dedup, in_range, prepare_out, to_row_ids
 from tableserver.buffers import rows_buffer
+from tableserver.take import native_take, take
 
 
 @dataclass(frozen=True)
@@ -193,13 +194,22 @@ class RemoteTable:
         return row_ids.ravel(), out.reshape(-1, info.row_bytes), out
 
     def _gather_local(self, local: np.ndarray, row_ids, out):
-        """The shm fast path: checks, one ``take`` (in range by the check; "clip" copies without a
-        temporary), and the metrics deferred (one deque append; applied in batches). Nothing else runs
-        per call. The common call -- int64 numpy ids, a C-contiguous writeable uint8 ``out`` of shape
-        ``ids.shape + (row_bytes,)`` -- is checked inline and taken in its own shape (``take`` along
-        axis 0 maps ids of any shape to rows of that shape: no reshapes); anything else, bad ids
-        included, goes through the general checks, which word the error."""
+        """The shm fast path: checks, one ``take`` (``tableserver.take``), and the metrics deferred (one
+        deque append; applied in batches). Nothing else runs per call. The common call -- int64 numpy
+        ids, a C-contiguous writeable uint8 ``out`` of shape ``ids.shape + (row_bytes,)`` -- is one
+        native call that checks all of that and the ids itself (numpy's path: checked inline, then
+        taken), in the ids' own shape (``take`` along axis 0 maps ids of any shape to rows of that
+        shape: no reshapes); anything else, bad ids included, goes through the general checks, which
+        word the error."""
         t0 = time.perf_counter()
+        if native_take is not None and type(row_ids) is np.ndarray and type(out) is np.ndarray:
+            try:
+                n = native_take(local, row_ids, out)
+            except (TypeError, ValueError, BufferError):
+                n = -1  # not the common call: the checks below take it
+            if n > 0:
+                (self._shm_recorder or self._shm_instruments()).defer(n, n, out.nbytes, time.perf_counter() - t0)
+                return out
         info = self.info
         if type(row_ids) is np.ndarray and row_ids.dtype == _INT64 and type(out) is np.ndarray \
                 and out.dtype == _UINT8 and out.shape == row_ids.shape + (info.row_bytes,) and out.flags.carray \
@@ -209,7 +219,7 @@ class RemoteTable:
             ids, dest, result = self._fast_checked(row_ids, out) or self._checked(row_ids, out)
         n = ids.size
         if n:
-            local.take(ids, axis=0, out=dest, mode="clip")
+            take(local, ids, dest)  # in range by the checks
             (self._shm_recorder or self._shm_instruments()).defer(n, n, dest.nbytes, time.perf_counter() - t0)
         return result
 
@@ -251,8 +261,8 @@ class RemoteTable:
             pending.cancel()
             self._client._router.fail(replica, e)
             return None
-        if inverse is not None:  # mode="clip": inverse indexes dest by construction
-            dest.take(inverse, axis=0, out=flat_out, mode="clip")
+        if inverse is not None:  # inverse indexes dest by construction
+            take(dest, inverse, flat_out)
         recorder = self._instruments(transport.name, mode if mode in transport.modes else "read")
         recorder.defer(n, unique.size, dest.nbytes, time.perf_counter() - t0)
         return result
@@ -307,9 +317,8 @@ class RemoteTable:
                         return GatherHandle([pending], result, None, flat_ids.size, t0, recorder)
                     scratch = rows_buffer(unique.size, info.row_bytes)
                     pendings = self._post(transport, unique, scratch, sync, mode, hedge_after)
-                    # mode="clip": inverse indexes scratch by construction ("raise" copies through a temporary)
-                    return GatherHandle(pendings, result,
-                                        lambda: np.take(scratch, inverse, axis=0, out=flat_out, mode="clip"),
+                    # inverse indexes scratch by construction
+                    return GatherHandle(pendings, result, lambda: take(scratch, inverse, flat_out),
                                         flat_ids.size, t0, recorder)
             recorder.count(flat_ids.size, flat_ids.size, flat_out.nbytes)
             return GatherHandle(self._post(transport, flat_ids, flat_out, sync, mode, hedge_after), result, None,

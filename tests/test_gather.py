@@ -14,11 +14,22 @@ from tableclient import GatherTimeout, TableClient, TableClientError
 TRANSPORTS = ["shm", "tcp"]
 
 
-@pytest.fixture(scope="module", params=TRANSPORTS)
+@pytest.fixture(scope="module", params=TRANSPORTS + ["shm, numpy take"])
 def client(request, daemon):
-    with TableClient(daemon.address, transport=request.param) as c:
-        assert c.transport == request.param
-        yield c
+    """Each transport; shm once more with numpy's take (what runs where the native one was not built)."""
+    transport = request.param.split(",")[0]
+    with pytest.MonkeyPatch.context() as mp:
+        if request.param.endswith("numpy take"):
+            import tableclient.table
+            import tableclient.transports.shm
+            import tableserver.take
+
+            mp.setattr(tableclient.table, "native_take", None)
+            mp.setattr(tableclient.table, "take", tableserver.take.numpy_take)
+            mp.setattr(tableclient.transports.shm, "take", tableserver.take.numpy_take)
+        with TableClient(daemon.address, transport=transport) as c:
+            assert c.transport == transport
+            yield c
 
 
 def test_catalog_matches_file(client, demo_file, demo_local):

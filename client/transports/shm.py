@@ -25,6 +25,7 @@ import threading
 import numpy as np
 
 from tableclient.errors import AuthError, ConnectError, TransportUnavailable
+from tableserver.take import take
 from tableclient.transports.base import DONE, ClientTransport, Pending
 from tableserver.wire import (
     HEADER, HEADER_BYTES, RESPONSE_MAGIC, HandshakeRefused, Status, hello_frame, parse_challenge, server_proof,
@@ -55,8 +56,7 @@ class _Copy(Pending):
         try:
             if not self.cancelled:
                 src, ids, out = self._args
-                # ids were range-checked by the caller; clip keeps even a bad id inside the mapping.
-                np.take(src, ids, axis=0, out=out, mode="clip")
+                take(src, ids, out)  # ids were range-checked by the caller; take checks (and clamps) again
             self._args = None
             self.complete()
         except BaseException as e:  # surfaces in wait()
@@ -157,7 +157,7 @@ class ShmTransport(ClientTransport):
     def gather(self, table_index: int, ids: np.ndarray, out: np.ndarray, sync: bool = False,
                mode: str = "read", expand=None) -> Pending:
         if sync:  # the caller waits at once: a thread handoff would only add latency
-            np.take(self._tables[table_index], ids, axis=0, out=out, mode="clip")
+            take(self._tables[table_index], ids, out)  # checked by the caller; take checks again
             return DONE
         return self.take_async(self._tables[table_index], ids, out)
 

@@ -43,6 +43,7 @@ from tableserver.transports.connections import (
 )
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.seal import C2S, S2C, TAG_BYTES, BadTag, Direction, crypt_into, derive_key
+from tableserver.take import take
 from tableserver.wire import (
     CLIENT_NONCE_BYTES, FATAL, HEADER, HEADER_BYTES, HELLO_BYTES, HELLO_SEALED, NONCE_BYTES, REQUEST_MAGIC,
     SESSION_ID_BYTES, FrameType, Status, challenge_frame, in_range, response_header,
@@ -424,7 +425,7 @@ class _TcpProtocol(Protocol):
                 table = self.t.tables[st.table]
                 n = min(st.count - st.next_row, max(1, CHUNK_BYTES // table.row_bytes))
                 rows = st.chunk(n, table.row_bytes)
-                table.data.take(st.ids_buf[st.next_row:st.next_row + n], axis=0, out=rows, mode="clip")
+                take(table.data, st.ids_buf[st.next_row:st.next_row + n], rows)  # checked in _check
                 st.next_row += n
                 view = memoryview(rows.reshape(-1))
                 if st.enc is not None:

@@ -1,0 +1,13 @@
+"""Metadata lives in setup.cfg; this adds the one optional C extension (tableserver/take.py says why).
+
+``optional=True``: without a C compiler or Python's headers the package installs all the same and
+``tableserver.take`` runs numpy's gather (``tableserver.take.NATIVE`` is then False).
+``TABLESERVER_BUILD_NATIVE=0`` leaves it out on purpose: a pure wheel, for another Python version.
+"""
+
+import os
+
+from setuptools import Extension, setup
+
+native = [Extension("tableserver._take", ["tableserver/_take.c"], optional=True, extra_compile_args=["-O2"])]
+setup(ext_modules=[] if os.environ.get("TABLESERVER_BUILD_NATIVE") == "0" else native)

@@ -1,0 +1,120 @@
+"""``tableserver.take``: the native row gather and numpy's, bit-exact against plain indexing, and the
+native one's refusals (anything it does not take goes to numpy's path, never to a wrong copy)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import tableserver.take as take_module
+from tableserver.take import native_take, numpy_take, take
+
+ROWS, ROW_BYTES = 1000, 264
+TABLE = np.random.default_rng(0).integers(0, 256, (ROWS, ROW_BYTES), dtype=np.uint8)
+needs_native = pytest.mark.skipif(native_take is None, reason="native take off: not built (no C compiler at install) or TABLESERVER_NATIVE_TAKE=0")
+TAKES = [pytest.param(numpy_take, id="numpy"), pytest.param(native_take, id="native", marks=needs_native),
+         pytest.param(take, id="take")]
+
+
+def test_native_built_where_required():
+    """CI (.ci/run) installs a compiler and sets TABLESERVER_REQUIRE_NATIVE=1: the extension must build."""
+    if os.environ.get("TABLESERVER_REQUIRE_NATIVE") == "1":
+        assert take_module.NATIVE, "tableserver._take did not build: install gcc and python3-dev, then pip install -e ."
+
+
+@pytest.mark.parametrize("fn", TAKES)
+@pytest.mark.parametrize("shape", [(), (1,), (24,), (1536,), (3, 7), (2, 3, 4), (0,), (4, 0)])
+def test_bit_exact_any_shape(fn, shape):
+    ids = np.random.default_rng(len(shape)).integers(0, ROWS, shape)
+    ids.reshape(-1)[:1] = ROWS - 1  # the last row too
+    out = np.full(shape + (ROW_BYTES,), 7, np.uint8)
+    assert fn(TABLE, ids, out) == ids.size
+    np.testing.assert_array_equal(out, TABLE[ids])
+
+
+@pytest.mark.parametrize("fn", TAKES)
+@pytest.mark.parametrize("bad", [ROWS, ROWS + 5, -1, -(1 << 63), (1 << 63) - 1])
+def test_bad_id_copies_nothing(fn, bad):
+    ids = np.arange(40, dtype=np.int64)
+    ids[[17, 30]] = bad
+    out = np.full((40, ROW_BYTES), 7, np.uint8)
+    pos = fn(TABLE, ids, out)
+    assert pos < 0 and ids[-1 - pos] == bad
+    assert (out == 7).all()  # nothing copied
+
+
+@needs_native
+def test_native_reports_the_first_bad_position():
+    ids = np.arange(100, dtype=np.int64)
+    ids[[41, 77]] = -3, ROWS
+    assert native_take(TABLE, ids, np.empty((100, ROW_BYTES), np.uint8)) == -42
+
+
+@needs_native
+@pytest.mark.parametrize("ids, out, error", [
+    (np.arange(4, dtype=np.int32), np.empty((4, ROW_BYTES), np.uint8), TypeError),  # not int64
+    (np.arange(4, dtype=np.uint64), np.empty((4, ROW_BYTES), np.uint8), TypeError),
+    (np.arange(4).astype(">i8"), np.empty((4, ROW_BYTES), np.uint8), TypeError),  # byte-swapped
+    (np.arange(4.0), np.empty((4, ROW_BYTES), np.uint8), TypeError),
+    (np.arange(8)[::2], np.empty((4, ROW_BYTES), np.uint8), (TypeError, ValueError, BufferError)),  # strided
+    (np.zeros(40, np.uint8)[4:36].view(np.int64), np.empty((4, ROW_BYTES), np.uint8), TypeError),  # unaligned
+    (np.arange(4), np.empty((4, ROW_BYTES), np.int8), ValueError),  # out not uint8
+    (np.arange(4), np.empty((4, ROW_BYTES + 1), np.uint8), ValueError),  # wrong row size
+    (np.arange(4), np.empty((5, ROW_BYTES), np.uint8), ValueError),
+    (np.arange(4), np.empty((1, 4, ROW_BYTES), np.uint8), ValueError),  # wrong ndim
+    (np.arange(4), np.empty((ROW_BYTES, 4), np.uint8).T, (TypeError, ValueError, BufferError)),  # not C-contiguous
+])
+def test_native_refuses_what_it_does_not_take(ids, out, error):
+    with pytest.raises(error):
+        native_take(TABLE, ids, out)
+
+
+@needs_native
+def test_native_refuses_read_only_and_overlapping_buffers():
+    out = np.empty((4, ROW_BYTES), np.uint8)
+    out.flags.writeable = False
+    with pytest.raises((TypeError, ValueError, BufferError)):
+        native_take(TABLE, np.arange(4), out)
+    raw = np.zeros(4 * ROW_BYTES + 64, np.uint8)  # ids living inside out: the copy would rewrite them
+    ids = raw[:32].view(np.int64)
+    with pytest.raises(ValueError, match="overlaps"):
+        native_take(TABLE, ids, raw[:4 * ROW_BYTES].reshape(4, ROW_BYTES))
+    table = np.zeros((10, ROW_BYTES), np.uint8)  # out inside the table
+    with pytest.raises(ValueError, match="overlaps"):
+        native_take(table, np.arange(2), table[5:7])
+    with pytest.raises(TypeError):
+        native_take(TABLE.reshape(-1), np.arange(2), np.empty((2, ROW_BYTES), np.uint8))  # table not 2-D
+    with pytest.raises(TypeError):
+        native_take(TABLE, np.arange(2))
+
+
+def test_take_falls_back_to_numpy_for_what_native_refuses():
+    ids = np.arange(8)[::2]  # strided: native refuses, numpy takes it
+    out = np.empty((4, ROW_BYTES), np.uint8)
+    assert take(TABLE, ids, out) == 4
+    np.testing.assert_array_equal(out, TABLE[ids])
+
+
+@needs_native
+def test_native_reads_from_a_read_only_mapping_past_4_gib_offsets():
+    """Offsets past 2^32 bytes: a sparse file mapped read-only, rows written at both ends."""
+    import mmap
+    import tempfile
+
+    rows = (5 << 30) // ROW_BYTES
+    with tempfile.TemporaryFile(dir="/var/tmp") as f:
+        f.truncate(rows * ROW_BYTES)
+        ids = np.array([rows - 1, 3, (1 << 32) // ROW_BYTES, rows - 2], np.int64)
+        for i in ids:
+            f.seek(int(i) * ROW_BYTES)
+            f.write(TABLE[int(i) % ROWS].tobytes())
+        f.flush()
+        with mmap.mmap(f.fileno(), rows * ROW_BYTES, prot=mmap.PROT_READ) as mm:
+            table = np.frombuffer(mm, np.uint8).reshape(rows, ROW_BYTES)
+            out = np.empty((4, ROW_BYTES), np.uint8)
+            assert native_take(table, ids, out) == 4
+            np.testing.assert_array_equal(out, TABLE[ids % ROWS])
+            assert native_take(table, np.array([rows], np.int64), out[:1]) == -1
+            del table
