@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from tableserver.buffers import rows_buffer
-from tableserver.wire import in_range
+from tableserver.take import in_range
 
 
 def is_torch(x) -> bool:

@@ -1,4 +1,6 @@
-/* tableserver._take: the row gather every path runs (see tableserver/take.py).
+/* tableserver._take: the row gather every path runs, and the id check (see tableserver/take.py).
+ *
+ * check(row_ids, rows) -> -1 when every id is in 0..rows-1, else the flat position of the first that is not
  *
  * take(table, row_ids, out) -> int
  *   table:   a C-contiguous 2-D buffer of bytes, (rows, row_bytes); read-only is fine
@@ -46,6 +48,21 @@ static int overlap(const Py_buffer *a, const Py_buffer *b)
 {
     const char *a0 = a->buf, *b0 = b->buf;
     return a->len && b->len && a0 < b0 + b->len && b0 < a0 + a->len;
+}
+
+/* -1 when every id is in 0..rows-1, else the position of the first that is not: one branch-free pass
+ * (a negative id is huge as uint64), a second only to find the position */
+static Py_ssize_t first_bad(const int64_t *ids, Py_ssize_t n, uint64_t rows)
+{
+    uint64_t bad = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        bad |= (uint64_t)ids[i] >= rows;
+    if (!bad)
+        return -1;
+    Py_ssize_t i = 0;
+    while ((uint64_t)ids[i] < rows)
+        i++;
+    return i;
 }
 
 static inline void prefetch_row(const char *row, size_t row_bytes, size_t lines)
@@ -121,14 +138,9 @@ static PyObject *take(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_ssize_t n = ib.len / 8;
         uint64_t rows = (uint64_t)tb.shape[0];
         size_t row_bytes = (size_t)tb.shape[1];
-        uint64_t bad = 0;
-        for (Py_ssize_t i = 0; i < n; i++) /* one branch-free pass: a negative id is huge as uint64 */
-            bad |= (uint64_t)ids[i] >= rows;
-        if (bad) {
-            Py_ssize_t i = 0;
-            while ((uint64_t)ids[i] < rows)
-                i++;
-            result = PyLong_FromSsize_t(-1 - i);
+        Py_ssize_t bad = first_bad(ids, n, rows);
+        if (bad >= 0) {
+            result = PyLong_FromSsize_t(-1 - bad);
             goto done;
         }
         if ((size_t)n * row_bytes >= NOGIL_BYTES) {
@@ -147,7 +159,35 @@ done:
     return result;
 }
 
+static PyObject *check(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer ib;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "check(row_ids, rows) takes 2 arguments");
+        return NULL;
+    }
+    long long rows = PyLong_AsLongLong(args[1]);
+    if (rows == -1 && PyErr_Occurred())
+        return NULL;
+    if (rows < 0) {
+        PyErr_SetString(PyExc_ValueError, "rows must be >= 0");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[0], &ib, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return NULL;
+    if (!is_int64(&ib) || ((uintptr_t)ib.buf & 7)) {
+        PyBuffer_Release(&ib);
+        PyErr_SetString(PyExc_TypeError, "row_ids must be aligned native int64");
+        return NULL;
+    }
+    Py_ssize_t pos = first_bad(ib.buf, ib.len / 8, (uint64_t)rows);
+    PyBuffer_Release(&ib);
+    return PyLong_FromSsize_t(pos);
+}
+
 static PyMethodDef methods[] = {
+    {"check", (PyCFunction)(void (*)(void))check, METH_FASTCALL,
+     "check(row_ids, rows) -> -1 when every id is in 0..rows-1, else the flat position of the first that is not"},
     {"take", (PyCFunction)(void (*)(void))take, METH_FASTCALL,
      "take(table, row_ids, out) -> rows copied, or -1 - the position of an id outside the table "
      "(nothing copied)"},

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import tableserver.take as take_module
-from tableserver.take import native_take, numpy_take, take
+from tableserver.take import in_range, native_check, native_take, numpy_take, take
 
 ROWS, ROW_BYTES = 1000, 264
 TABLE = np.random.default_rng(0).integers(0, 256, (ROWS, ROW_BYTES), dtype=np.uint8)
@@ -118,3 +118,36 @@ def test_native_reads_from_a_read_only_mapping_past_4_gib_offsets():
             np.testing.assert_array_equal(out, TABLE[ids % ROWS])
             assert native_take(table, np.array([rows], np.int64), out[:1]) == -1
             del table
+
+
+CHECKS = [pytest.param(None, id="numpy"), pytest.param(native_check, id="native", marks=needs_native)]
+
+
+@pytest.mark.parametrize("native", CHECKS)
+@pytest.mark.parametrize("n", [0, 1, 8, 9, 1536])
+def test_in_range_both_paths(native, n, monkeypatch):
+    monkeypatch.setattr(take_module, "native_check", native)
+    ids = np.random.default_rng(n).integers(0, ROWS, n)
+    assert in_range(ids, ROWS) and in_range(ids.reshape(1, -1), ROWS)
+    if n:
+        for bad in (ROWS, -1, -(1 << 63), (1 << 63) - 1):
+            wrong = ids.copy()
+            wrong[n // 2] = bad
+            assert not in_range(wrong, ROWS)
+        assert not in_range(ids, 0)
+        assert in_range(ids[::2], ROWS)  # strided: numpy's path either way
+
+
+@needs_native
+def test_native_check_positions_and_refusals():
+    ids = np.arange(50, dtype=np.int64)
+    assert native_check(ids, 50) == -1 and native_check(ids, 49) == 49 and native_check(ids, 0) == 0
+    ids[[7, 9]] = -1
+    assert native_check(ids, 50) == 7
+    assert native_check(np.zeros((0,), np.int64), 0) == -1
+    with pytest.raises(ValueError):
+        native_check(ids, -1)
+    with pytest.raises(TypeError):
+        native_check(ids.astype(np.int32), 50)
+    with pytest.raises((TypeError, ValueError, BufferError)):
+        native_check(ids[::2], 50)

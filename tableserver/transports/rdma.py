@@ -37,11 +37,11 @@ import numpy as np
 from tableserver.logs import RateLimitedLog
 from tableserver.rdma import Device, QpInfo, RdmaUnavailable, RegisteredBuffer, connect_rc_qp, create_rc_qp, verbs
 from tableserver.sessions import Session
-from tableserver.take import take
+from tableserver.take import in_range, take
 from tableserver.transports.base import ServerTransport
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.wire import (
-    PACK_ERROR, PACK_ERROR_MAGIC, PACK_REPLY_BYTES, PACK_REQUEST, PACK_REQUEST_MAGIC, ROW_ID_BYTES, Status, in_range,
+    PACK_ERROR, PACK_ERROR_MAGIC, PACK_REPLY_BYTES, PACK_REQUEST, PACK_REQUEST_MAGIC, ROW_ID_BYTES, Status,
 )
 
 log = logging.getLogger("tableserver.rdma")

@@ -43,10 +43,10 @@ from tableserver.transports.connections import (
 )
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.seal import C2S, S2C, TAG_BYTES, BadTag, Direction, crypt_into, derive_key
-from tableserver.take import take
+from tableserver.take import in_range, take
 from tableserver.wire import (
     CLIENT_NONCE_BYTES, FATAL, HEADER, HEADER_BYTES, HELLO_BYTES, HELLO_SEALED, NONCE_BYTES, REQUEST_MAGIC,
-    SESSION_ID_BYTES, FrameType, Status, challenge_frame, in_range, response_header,
+    SESSION_ID_BYTES, FrameType, Status, challenge_frame, response_header,
 )
 
 log = logging.getLogger("tableserver.tcp")
