@@ -203,6 +203,8 @@ class RemoteTable:
         word the error."""
         t0 = time.perf_counter()
         if native_take is not None and type(row_ids) is np.ndarray and type(out) is np.ndarray:
+            if not row_ids.flags.c_contiguous:  # one layer's slice of a step's [T, layers, 24] ids: compact it
+                row_ids = np.ascontiguousarray(row_ids)
             try:
                 n = native_take(local, row_ids, out)
             except (TypeError, ValueError, BufferError):

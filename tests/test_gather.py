@@ -58,6 +58,20 @@ def test_random_ids_bit_exact(client, demo_local, name):
         np.testing.assert_array_equal(rows, local[ids])
 
 
+def test_one_layers_slice_of_step_ids(client, demo_local):
+    """A layer's ids as the hasher hands them out: a strided view ``ids[:, i]`` of ``[T, layers, 24]``,
+    into a caller's ``out`` (the shm fast path compacts it once) and into one the library allocates."""
+    table = client.table("engram.layer1")
+    step_ids = np.random.default_rng(5).integers(0, table.rows, size=(64, 2, 24))
+    for i in range(2):
+        ids = step_ids[:, i]
+        assert not ids.flags.c_contiguous
+        out = np.empty(ids.shape + (table.row_bytes,), np.uint8)
+        assert table.gather(ids, out=out) is out
+        np.testing.assert_array_equal(out, demo_local[table.name][ids])
+        np.testing.assert_array_equal(table.gather(ids), demo_local[table.name][ids])
+
+
 def test_first_last_duplicates_empty(client, demo_local):
     table = client.table("engram.layer14")
     local = demo_local[table.name]
