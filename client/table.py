@@ -150,11 +150,21 @@ class RemoteTable:
         On an error or timeout the gather is cancelled: rows arriving later never touch ``out``.
         ``hedge_after``: with replicas, re-issue on another one if still missing after this long.
         """
+        t0 = time.perf_counter()
         client = self._client
         if not client._closed:
             replica, node, local = client._router.reader(self.info.name)
             if local is not None:  # shm: the rows are mapped here; one bounds-safe take, no round trip
-                return self._gather_local(local, row_ids, out)
+                if native_take is not None and type(row_ids) is np.ndarray and type(out) is np.ndarray:
+                    try:  # the common call (int64 ids, a uint8 out of their shape): the native take checks it all
+                        n = native_take(local, row_ids, out)
+                    except (TypeError, ValueError, BufferError):
+                        n = -1  # anything else: _gather_local's checks take it
+                    if n > 0:
+                        (self._shm_recorder or self._shm_instruments()).defer(n, n, out.nbytes,
+                                                                              time.perf_counter() - t0)
+                        return out
+                return self._gather_local(local, row_ids, out, t0)
             if node is not None and hedge_after is None and getattr(client, "hedge_after", None) is None:
                 result = self._gather_direct(replica, node, row_ids, out, timeout, mode)
                 if result is not None:
@@ -193,25 +203,18 @@ class RemoteTable:
             return None  # carray: C-contiguous, aligned and writeable (one flags object, not two)
         return row_ids.ravel(), out.reshape(-1, info.row_bytes), out
 
-    def _gather_local(self, local: np.ndarray, row_ids, out):
-        """The shm fast path: checks, one ``take`` (``tableserver.take``), and the metrics deferred (one
-        deque append; applied in batches). Nothing else runs per call. The common call -- int64 numpy
-        ids, a C-contiguous writeable uint8 ``out`` of shape ``ids.shape + (row_bytes,)`` -- is one
-        native call that checks all of that and the ids itself (numpy's path: checked inline, then
-        taken), in the ids' own shape (``take`` along axis 0 maps ids of any shape to rows of that
-        shape: no reshapes); anything else, bad ids included, goes through the general checks, which
-        word the error."""
-        t0 = time.perf_counter()
-        if native_take is not None and type(row_ids) is np.ndarray and type(out) is np.ndarray:
-            if not row_ids.flags.c_contiguous:  # one layer's slice of a step's [T, layers, 24] ids: compact it
-                row_ids = np.ascontiguousarray(row_ids)
-            try:
-                n = native_take(local, row_ids, out)
-            except (TypeError, ValueError, BufferError):
-                n = -1  # not the common call: the checks below take it
-            if n > 0:
-                (self._shm_recorder or self._shm_instruments()).defer(n, n, out.nbytes, time.perf_counter() - t0)
-                return out
+    def _gather_local(self, local: np.ndarray, row_ids, out, t0: float | None = None):
+        """The shm path: checks, one ``take`` (``tableserver.take``), and the metrics deferred (one deque
+        append; applied in batches). Nothing else runs per call. ``gather`` first tries the common call
+        -- int64 numpy ids, a C-contiguous writeable uint8 ``out`` of shape ``ids.shape + (row_bytes,)``
+        -- as one native take, which checks all of that and the ids itself; everything else comes here:
+        strided ids are compacted once, the common call is checked inline and taken in its own shape
+        (``take`` along axis 0 maps ids of any shape to rows of that shape: no reshapes), and anything
+        else, bad ids included, goes through the general checks, which word the error."""
+        if t0 is None:
+            t0 = time.perf_counter()
+        if type(row_ids) is np.ndarray and not row_ids.flags.c_contiguous:
+            row_ids = np.ascontiguousarray(row_ids)  # one layer's slice of a step's [T, layers, 24] ids
         info = self.info
         if type(row_ids) is np.ndarray and row_ids.dtype == _INT64 and type(out) is np.ndarray \
                 and out.dtype == _UINT8 and out.shape == row_ids.shape + (info.row_bytes,) and out.flags.carray \
