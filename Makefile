@@ -52,4 +52,4 @@ proto: $(DEV)
 		proto/tableserver/v1/tableserver.proto
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info tableserver/_take*.so

@@ -430,7 +430,7 @@ def main() -> int:
         pair = results[("paired", n)]
         best = min(pair["in-process"], pair["same pages"])  # the faster in-process take is the baseline
         r = best / pair["shm"]
-        say(f"  shm >= 0.95x in-process at {n:,} rows: {r:.2f}x  [{'met' if r >= 0.95 else 'MISSED'}] (paired, against "
+        say(f"  shm >= 0.95x in-process at {n:,} rows: {r:.3f}x  [{'met' if r >= 0.95 else 'MISSED'}] (paired, against "
             f"the faster in-process take: its own copy {pair['in-process'] / pair['shm']:.2f}x, the same pages "
             f"{pair['same pages'] / pair['shm']:.2f}x; interleaved with every path, own copy: "
             f"{results[(False, n, 'shm')][2] / results[(False, n, 'in-process')][2]:.2f}x; against np.take from "

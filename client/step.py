@@ -179,11 +179,8 @@ class EngramStep:
                 local = self._local(p.layer) if not self.issue_order else None
                 if local is not None:
                     # the shortest window's rows are mapped here (shm): one copy now, in this thread, beats
-                    # handing it to a worker (a wake-up) while this thread races on to the next layer;
-                    # a layer's slice of [T, layers, 24] ids is compacted first, for gather's native path
-                    if type(ids) is np.ndarray and not ids.flags.c_contiguous:
-                        ids = np.ascontiguousarray(ids)
-                    self.tables[p.layer].gather(ids, out=out)
+                    # handing it to a worker (a wake-up) while this thread races on to the next layer
+                    self.tables[p.layer]._gather_local(local, ids, out)
                     self._handles[p.layer] = _Done()
                     if self._stream is not None:  # and on its way to the GPU while the next layer is issued
                         self._copy_to_device(p.layer, t)

@@ -18,7 +18,7 @@ from tableclient.errors import GatherTimeout, RemoteError, TableClientError
 from tableclient.metrics import GatherRecorder, metrics
 from tableclient.rowids import dedup, in_range, prepare_out, to_row_ids
 from tableserver.buffers import rows_buffer
-from tableserver.take import native_take, take
+from tableserver.take import native_take, take_checked
 
 
 @dataclass(frozen=True)
@@ -224,7 +224,7 @@ class RemoteTable:
             ids, dest, result = self._fast_checked(row_ids, out) or self._checked(row_ids, out)
         n = ids.size
         if n:
-            take(local, ids, dest)  # in range by the checks
+            take_checked(local, ids, dest)  # in range by the checks (ValueError if changed since)
             (self._shm_recorder or self._shm_instruments()).defer(n, n, dest.nbytes, time.perf_counter() - t0)
         return result
 
@@ -267,7 +267,7 @@ class RemoteTable:
             self._client._router.fail(replica, e)
             return None
         if inverse is not None:  # inverse indexes dest by construction
-            take(dest, inverse, flat_out)
+            take_checked(dest, inverse, flat_out)
         recorder = self._instruments(transport.name, mode if mode in transport.modes else "read")
         recorder.defer(n, unique.size, dest.nbytes, time.perf_counter() - t0)
         return result
@@ -323,7 +323,7 @@ class RemoteTable:
                     scratch = rows_buffer(unique.size, info.row_bytes)
                     pendings = self._post(transport, unique, scratch, sync, mode, hedge_after)
                     # inverse indexes scratch by construction
-                    return GatherHandle(pendings, result, lambda: take(scratch, inverse, flat_out),
+                    return GatherHandle(pendings, result, lambda: take_checked(scratch, inverse, flat_out),
                                         flat_ids.size, t0, recorder)
             recorder.count(flat_ids.size, flat_ids.size, flat_out.nbytes)
             return GatherHandle(self._post(transport, flat_ids, flat_out, sync, mode, hedge_after), result, None,

@@ -59,10 +59,10 @@ static Py_ssize_t first_bad(const int64_t *ids, Py_ssize_t n, uint64_t rows)
         bad |= (uint64_t)ids[i] >= rows;
     if (!bad)
         return -1;
-    Py_ssize_t i = 0;
-    while ((uint64_t)ids[i] < rows)
+    Py_ssize_t i = 0; /* bounded: another thread may have changed the ids since the first pass */
+    while (i < n && (uint64_t)ids[i] < rows)
         i++;
-    return i;
+    return i < n ? i : -1;
 }
 
 static inline void prefetch_row(const char *row, size_t row_bytes, size_t lines)

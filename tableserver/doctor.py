@@ -293,14 +293,19 @@ def link(pkg_dir: str, purelib: str, link_dir: str):
 
 
 def check_native_take() -> Finding:
-    """Whether the native row gather (``tableserver._take``, tableserver/take.py) was built; found without
-    importing it (the doctor needs nothing but the standard library)."""
+    """Whether the native row gather (``tableserver._take``, tableserver/take.py) was built and loads (it
+    needs nothing but Python itself, as the doctor does)."""
+    import importlib
     import importlib.util
 
+    fix = "install a C compiler and Python's headers (Debian: apt install gcc python3-dev), then reinstall tableserver"
     if importlib.util.find_spec("tableserver._take") is None:
-        return Finding("native take", "warn", "not built: gathers run numpy's take (1.2-1.35x slower on random "
-                       "rows); install a C compiler and Python's headers (Debian: apt install gcc python3-dev), "
-                       "then reinstall tableserver")
+        return Finding("native take", "warn", f"not built: gathers run numpy's take (1.2-1.35x slower on random "
+                       f"rows); {fix}")
+    try:
+        importlib.import_module("tableserver._take")
+    except ImportError as e:
+        return Finding("native take", "warn", f"built but does not load ({e}): gathers run numpy's take; {fix}")
     if os.environ.get("TABLESERVER_NATIVE_TAKE", "1") == "0":
         return Finding("native take", "warn", "built but off (TABLESERVER_NATIVE_TAKE=0): unset it to use it")
     return Finding("native take", "ok", "tableserver._take: bounds-checked, prefetching row gather")

@@ -4,7 +4,8 @@ out)``, the row gather every path runs.
 ``take`` copies ``table[row_ids]`` into ``out`` (shape ``row_ids.shape + (row_bytes,)``) and returns the
 number of rows, or ``-1 - position`` of an id outside ``0..rows-1`` -- and then copies nothing. The shm
 client's gathers, the tcp server's chunks, rdma's packed rows and dedup's expansion all use it.
-``in_range`` is the check before any request is sent or served.
+``in_range`` is the check before any request is sent or served; ``take_checked`` is ``take`` for ids
+checked before, which raises if they changed since.
 
 Both are native (``tableserver/_take.c``, built with the package where a C compiler is present) or numpy:
 
@@ -53,8 +54,8 @@ def in_range(ids: np.ndarray, rows: int) -> bool:
     if native_check is not None:
         try:
             return native_check(ids, rows) < 0
-        except (TypeError, ValueError, BufferError):
-            pass  # not C-contiguous aligned int64: numpy's path
+        except (TypeError, ValueError, BufferError, OverflowError):
+            pass  # not C-contiguous aligned int64 (or rows >= 2**63): numpy's path
     if ids.size <= SMALL_IDS:
         values = ids.ravel().tolist()
         return not values or (min(values) >= 0 and max(values) < rows)
@@ -68,6 +69,8 @@ def numpy_take(table: np.ndarray, row_ids, out) -> int:
     if ids.size and not in_range(ids, table.shape[0]):
         flat = ids.reshape(-1).view(np.uint64)
         return -1 - int(np.argmax(flat >= table.shape[0]))
+    if np.may_share_memory(ids, out):
+        ids = ids.copy()  # ids inside out: the copy would overwrite ids it has yet to read
     table.take(ids, axis=0, out=out, mode="clip")
     return ids.size
 
@@ -81,3 +84,16 @@ def _native_or_numpy(table: np.ndarray, row_ids, out) -> int:
 
 
 take = _native_or_numpy if NATIVE else numpy_take
+
+
+def take_checked(table: np.ndarray, row_ids, out) -> int:
+    """``take`` for ids checked before: one that has left the table since -- another thread changed the
+    ids meanwhile -- raises ValueError, where ``take`` would leave ``out`` unwritten and say so only in
+    its return value."""
+    n = take(table, row_ids, out)
+    if n < 0:
+        pos = -1 - n
+        raise ValueError(f"row id {int(np.asarray(row_ids).reshape(-1)[pos])} at position {pos} is outside "
+                         f"0..{table.shape[0] - 1}: the ids changed after they were checked (leave row_ids "
+                         f"alone until the gather is done)")
+    return n

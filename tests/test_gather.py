@@ -21,12 +21,11 @@ def client(request, daemon):
     with pytest.MonkeyPatch.context() as mp:
         if request.param.endswith("numpy take"):
             import tableclient.table
-            import tableclient.transports.shm
             import tableserver.take
 
             mp.setattr(tableclient.table, "native_take", None)
-            mp.setattr(tableclient.table, "take", tableserver.take.numpy_take)
-            mp.setattr(tableclient.transports.shm, "take", tableserver.take.numpy_take)
+            mp.setattr(tableserver.take, "native_check", None)
+            mp.setattr(tableserver.take, "take", tableserver.take.numpy_take)
         with TableClient(daemon.address, transport=transport) as c:
             assert c.transport == transport
             yield c

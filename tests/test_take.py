@@ -151,3 +151,37 @@ def test_native_check_positions_and_refusals():
         native_check(ids.astype(np.int32), 50)
     with pytest.raises((TypeError, ValueError, BufferError)):
         native_check(ids[::2], 50)
+
+
+def test_take_checked_raises_for_ids_changed_after_their_check():
+    """Callers that checked the ids before (the shm copy thread, the servers) never report success for a
+    gather that copied nothing: an id that has left the table since raises, naming it."""
+    from tableclient.transports.shm import _Copy
+    from tableserver.take import take_checked
+
+    out = np.full((3, ROW_BYTES), 7, np.uint8)
+    with pytest.raises(ValueError, match=r"row id 1000 at position 1 .*changed after they were checked"):
+        take_checked(TABLE, np.array([1, ROWS, 2]), out)
+    assert (out == 7).all()
+    ids = np.array([4, 5, 6])
+    copy = _Copy((TABLE, ids, out))  # an async shm take, queued after the caller's check
+    ids[1] = ROWS + 3  # the caller changes its ids before the copy runs
+    with pytest.raises(ValueError, match="changed after they were checked"):
+        copy.wait(5)
+    assert (out == 7).all()
+
+
+def test_numpy_take_with_ids_inside_out():
+    raw = np.zeros(4 * ROW_BYTES, np.uint8)
+    ids = raw[:32].view(np.int64)
+    ids[:] = [3, 1, 4, 1]
+    want = TABLE[ids.copy()]
+    assert numpy_take(TABLE, ids, raw.reshape(4, ROW_BYTES)) == 4
+    np.testing.assert_array_equal(raw.reshape(4, ROW_BYTES), want)
+
+
+@pytest.mark.parametrize("native", CHECKS)
+def test_in_range_with_a_row_count_past_int64(native, monkeypatch):
+    """No table has 2**63 rows, but a count that large is answered, not an OverflowError."""
+    monkeypatch.setattr(take_module, "native_check", native)
+    assert in_range(np.arange(20), 1 << 63) and not in_range(np.array([-1] * 20), 1 << 63)

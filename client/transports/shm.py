@@ -25,7 +25,7 @@ import threading
 import numpy as np
 
 from tableclient.errors import AuthError, ConnectError, TransportUnavailable
-from tableserver.take import take
+from tableserver.take import take_checked
 from tableclient.transports.base import DONE, ClientTransport, Pending
 from tableserver.wire import (
     HEADER, HEADER_BYTES, RESPONSE_MAGIC, HandshakeRefused, Status, hello_frame, parse_challenge, server_proof,
@@ -56,7 +56,7 @@ class _Copy(Pending):
         try:
             if not self.cancelled:
                 src, ids, out = self._args
-                take(src, ids, out)  # ids were range-checked by the caller; take checks (and clamps) again
+                take_checked(src, ids, out)  # checked by the caller; ValueError if the ids changed since
             self._args = None
             self.complete()
         except BaseException as e:  # surfaces in wait()
@@ -157,7 +157,7 @@ class ShmTransport(ClientTransport):
     def gather(self, table_index: int, ids: np.ndarray, out: np.ndarray, sync: bool = False,
                mode: str = "read", expand=None) -> Pending:
         if sync:  # the caller waits at once: a thread handoff would only add latency
-            take(self._tables[table_index], ids, out)  # checked by the caller; take checks again
+            take_checked(self._tables[table_index], ids, out)  # checked by the caller; again here
             return DONE
         return self.take_async(self._tables[table_index], ids, out)
 

@@ -37,7 +37,7 @@ import numpy as np
 from tableserver.logs import RateLimitedLog
 from tableserver.rdma import Device, QpInfo, RdmaUnavailable, RegisteredBuffer, connect_rc_qp, create_rc_qp, verbs
 from tableserver.sessions import Session
-from tableserver.take import in_range, take
+from tableserver.take import in_range, take_checked
 from tableserver.transports.base import ServerTransport
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.wire import (
@@ -404,7 +404,7 @@ class RdmaTransport(ServerTransport):
             start = time.perf_counter()
             nbytes = count * table.row_bytes
             rows = s.staging.array[:nbytes].reshape(count, table.row_bytes)
-            take(table.data, ids, rows)  # checked above
+            take_checked(table.data, ids, rows)  # checked above
             sge = v.wr.SGE(s.staging.addr, nbytes, s.staging.mr.lkey)
             wr = v.wr.SendWR(wr_id=1 << 40, opcode=e.IBV_WR_RDMA_WRITE_WITH_IMM, num_sge=1, sg=[sge],
                              imm_data=request_id, send_flags=e.IBV_SEND_SIGNALED)

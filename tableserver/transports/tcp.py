@@ -43,7 +43,7 @@ from tableserver.transports.connections import (
 )
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.seal import C2S, S2C, TAG_BYTES, BadTag, Direction, crypt_into, derive_key
-from tableserver.take import in_range, take
+from tableserver.take import in_range, take_checked
 from tableserver.wire import (
     CLIENT_NONCE_BYTES, FATAL, HEADER, HEADER_BYTES, HELLO_BYTES, HELLO_SEALED, NONCE_BYTES, REQUEST_MAGIC,
     SESSION_ID_BYTES, FrameType, Status, challenge_frame, response_header,
@@ -425,7 +425,7 @@ class _TcpProtocol(Protocol):
                 table = self.t.tables[st.table]
                 n = min(st.count - st.next_row, max(1, CHUNK_BYTES // table.row_bytes))
                 rows = st.chunk(n, table.row_bytes)
-                take(table.data, st.ids_buf[st.next_row:st.next_row + n], rows)  # checked in _check
+                take_checked(table.data, st.ids_buf[st.next_row:st.next_row + n], rows)  # checked in _check
                 st.next_row += n
                 view = memoryview(rows.reshape(-1))
                 if st.enc is not None:
