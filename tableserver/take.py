@@ -11,10 +11,10 @@ Both are native (``tableserver/_take.c``, built with the package where a C compi
 
 * native: one C pass checks the ids, then a copy loop that prefetches 16 rows ahead. A random gather
   is bound by memory latency, and ``np.take`` leaves the next rows' misses to the CPU: the prefetching
-  loop measured 1.14-1.31x ``np.take(mode="clip")`` at 1,536 and 12,288 rows of 264 B on this
+  loop measured 1.14-1.37x ``np.take(mode="clip")`` at 1,536 and 12,288 rows of 264 B on this
   project's VM. A check costs no numpy calls either: the daemon's check of 1,536 ids between two
-  gathers (caches cold) took 13-15 us through numpy. Any buffer the native code does not take (dtype,
-  shape, contiguity, overlap: TypeError or ValueError) goes to numpy's path.
+  gathers (caches cold) took 13-15 us through numpy, 5-7 natively. Any buffer the native code does
+  not take (dtype, shape, contiguity, overlap: TypeError or ValueError) goes to numpy's path.
 * numpy (no compiler at install, or ``TABLESERVER_NATIVE_TAKE=0``): ``in_range`` views the ids as
   uint64 (a negative id is huge) and takes one ``argmax``; ``take`` is ``in_range``, then
   ``np.take(mode="clip")`` -- "clip" copies without a temporary, and never reads outside the table even
