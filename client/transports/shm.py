@@ -25,8 +25,8 @@ import threading
 import numpy as np
 
 from tableclient.errors import AuthError, ConnectError, TransportUnavailable
-from tableserver.take import take_checked
 from tableclient.transports.base import DONE, ClientTransport, Pending
+from tableserver.take import take_checked
 from tableserver.wire import (
     HEADER, HEADER_BYTES, RESPONSE_MAGIC, HandshakeRefused, Status, hello_frame, parse_challenge, server_proof,
 )
