@@ -10,6 +10,10 @@
  * Otherwise copies table[row_ids] into out and returns the number of rows. Buffers that do not fit
  * (dtype, shape, contiguity, overlap) raise TypeError or ValueError: callers then take numpy's path.
  *
+ * unique(row_ids, unique_out, inverse_out, mult) -> k
+ *   each id once, in first-occurrence order, in unique_out[:k], and inverse_out[i] = the position of row_ids[i]
+ *   there: one hashing pass where np.unique sorts (dedup of a batch's repeated ids, client/rowids.py).
+ *
  * Why native: numpy's take copies one row per iteration and leaves the next rows' cache misses to the
  * CPU; prefetching PREFETCH_ROWS rows ahead keeps several misses in flight (a random gather is bound
  * by memory latency), and the id check costs a pass in C instead of Python calls. Each id is clamped
@@ -185,7 +189,116 @@ static PyObject *check(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromSsize_t(pos);
 }
 
+/* Each id once: open addressing, linear probing, at least twice as many slots as ids (a power of two), so a
+ * probe ends after ~1.5 slots on average. The hash is multiply-shift with the caller's random odd
+ * multiplier (universal: no fixed set of ids collides for every process). Returns the unique count. */
+struct slot {
+    int64_t id;
+    int64_t at; /* its position in unique_out, -1 while the slot is empty */
+};
+
+static Py_ssize_t unique_ids(const int64_t *ids, Py_ssize_t n, uint64_t mult, struct slot *slots, int bits,
+                             int64_t *unique_out, int64_t *inverse_out)
+{
+    uint64_t mask = ((uint64_t)1 << bits) - 1;
+    Py_ssize_t k = 0;
+    memset(slots, 0xff, sizeof(struct slot) << bits);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t id = ids[i];
+        uint64_t h = ((uint64_t)id * mult) >> (64 - bits);
+        for (;;) {
+            struct slot *s = &slots[h];
+            if (s->at < 0) {
+                s->id = id;
+                s->at = k;
+                unique_out[k] = id;
+                inverse_out[i] = k++;
+                break;
+            }
+            if (s->id == id) {
+                inverse_out[i] = s->at;
+                break;
+            }
+            h = (h + 1) & mask;
+        }
+    }
+    return k;
+}
+
+static PyObject *unique(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer ib, ub, vb;
+    PyObject *result = NULL;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "unique(row_ids, unique_out, inverse_out, mult) takes 4 arguments");
+        return NULL;
+    }
+    unsigned long long mult = PyLong_AsUnsignedLongLongMask(args[3]);
+    if (mult == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    if (PyObject_GetBuffer(args[0], &ib, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[1], &ub, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&ib);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[2], &vb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&ub);
+        PyBuffer_Release(&ib);
+        return NULL;
+    }
+    if (!is_int64(&ib) || !is_int64(&ub) || !is_int64(&vb) || (((uintptr_t)ib.buf | (uintptr_t)ub.buf |
+                                                                  (uintptr_t)vb.buf) & 7)) {
+        PyErr_SetString(PyExc_TypeError, "row_ids, unique_out and inverse_out must be aligned native int64");
+        goto done;
+    }
+    Py_ssize_t n = ib.len / 8;
+    if (ub.len / 8 < n || vb.len / 8 < n) {
+        PyErr_SetString(PyExc_ValueError, "unique_out and inverse_out must hold as many ids as row_ids");
+        goto done;
+    }
+    if (overlap(&ib, &ub) || overlap(&ib, &vb) || overlap(&ub, &vb)) {
+        PyErr_SetString(PyExc_ValueError, "row_ids, unique_out and inverse_out must not overlap");
+        goto done;
+    }
+    if (n == 0) {
+        result = PyLong_FromSsize_t(0);
+        goto done;
+    }
+    if (n > ((Py_ssize_t)1 << 40)) {
+        PyErr_SetString(PyExc_ValueError, "too many row ids for one dedup");
+        goto done;
+    }
+    int bits = 1;
+    while (((Py_ssize_t)1 << bits) < 2 * n)
+        bits++;
+    struct slot *slots = PyMem_RawMalloc(sizeof(struct slot) << bits);
+    if (slots == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t k;
+    mult |= 1;
+    if (n >= 4096) {
+        Py_BEGIN_ALLOW_THREADS
+        k = unique_ids(ib.buf, n, mult, slots, bits, ub.buf, vb.buf);
+        Py_END_ALLOW_THREADS
+    } else {
+        k = unique_ids(ib.buf, n, mult, slots, bits, ub.buf, vb.buf);
+    }
+    PyMem_RawFree(slots);
+    result = PyLong_FromSsize_t(k);
+done:
+    PyBuffer_Release(&vb);
+    PyBuffer_Release(&ub);
+    PyBuffer_Release(&ib);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"unique", (PyCFunction)(void (*)(void))unique, METH_FASTCALL,
+     "unique(row_ids, unique_out, inverse_out, mult) -> k: each id once, in first-occurrence order, in "
+     "unique_out[:k]; inverse_out[i] is row_ids[i]'s position there (hashed with the odd multiplier mult)"},
     {"check", (PyCFunction)(void (*)(void))check, METH_FASTCALL,
      "check(row_ids, rows) -> -1 when every id is in 0..rows-1, else the flat position of the first that is not"},
     {"take", (PyCFunction)(void (*)(void))take, METH_FASTCALL,

@@ -20,6 +20,9 @@ Both are native (``tableserver/_take.c``, built with the package where a C compi
   ``np.take(mode="clip")`` -- "clip" copies without a temporary, and never reads outside the table even
   for ids changed meanwhile.
 
+The same extension has dedup's pass (``native_unique``, used by ``tableclient.rowids.unique_inverse``):
+each id once in first-occurrence order by hashing, where numpy sorts.
+
 ``NATIVE`` says which one runs; ``tableserver doctor`` and the benches print it.
 """
 
@@ -30,12 +33,12 @@ import os
 import numpy as np
 
 try:
-    from tableserver._take import check as native_check, take as native_take
+    from tableserver._take import check as native_check, take as native_take, unique as native_unique
 except ImportError:  # built without a C compiler: numpy's path
-    native_check = native_take = None
+    native_check = native_take = native_unique = None
 
 if os.environ.get("TABLESERVER_NATIVE_TAKE", "1") == "0":
-    native_check = native_take = None
+    native_check = native_take = native_unique = None
 
 #: whether ``take`` and ``in_range`` are native
 NATIVE = native_take is not None

@@ -57,7 +57,7 @@ def test_out_buffer_checks():
 def test_dedup():
     ids = np.array([5, 3, 5, 9, 3])
     unique, inverse = dedup(ids)
-    assert unique.tolist() == [3, 5, 9] and np.array_equal(unique[inverse], ids)
+    assert sorted(unique.tolist()) == [3, 5, 9] and np.array_equal(unique[inverse], ids)
     same, inv = dedup(np.array([4, 1, 2]))
     assert inv is None and same.tolist() == [4, 1, 2]  # no duplicates: order kept, no copy
     rng = np.random.default_rng(5)
@@ -185,19 +185,14 @@ def test_dedup_only_when_it_pays():
     assert unique.size < 0.6 * zipf.size and np.array_equal(unique[inverse], zipf)
     small = np.array([5, 1, 5, 2], np.int64)
     unique, inverse = dedup(small)
-    assert list(unique) == [1, 2, 5] and np.array_equal(unique[inverse], small)
+    assert sorted(unique.tolist()) == [1, 2, 5] and np.array_equal(unique[inverse], small)
     # below the transport's minimum nothing is deduplicated, Zipf-heavy or not
     same, inverse = dedup(zipf[:1536], min_ids=4096)
     assert same is not None and inverse is None and np.array_equal(same, zipf[:1536])
     assert dedup(zipf[:4096], min_ids=4096)[1] is not None
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 64, 65, 1536, 12_288, 70_000])
-def test_unique_inverse_is_np_unique(n):
-    """The packed-key sort returns exactly np.unique's (unique, inverse), and falls back to np.unique for
-    ids that do not fit beside their position (negative, near 2**63) or are not int64."""
-    from tableclient.rowids import unique_inverse
-
+def _unique_cases(n):
     rng = np.random.default_rng(n)
     cases = [rng.integers(0, 5, n), rng.integers(0, 2**40, n), (rng.zipf(1.1, n) % 4_000_000).astype(np.int64),
              np.full(n, 2**62), rng.integers(-5, 5, n), np.arange(n)[::-1].copy(),
@@ -205,11 +200,65 @@ def test_unique_inverse_is_np_unique(n):
     bits = max(1, (n - 1).bit_length())  # the packing boundary: the largest id that fits, the first that does not
     for top in (2 ** (63 - bits) - 1, 2 ** (63 - bits)):
         cases.append(np.where(rng.integers(0, 2, n) == 1, top, rng.integers(0, 50, n)).astype(np.int64))
-    for ids in cases:
-        unique, inverse = unique_inverse(ids)
+    # extremes of int64, and ids spaced by a power of two (what a multiply-shift hash keeps apart worst)
+    cases.append(np.where(rng.integers(0, 2, n) == 1, np.iinfo(np.int64).min, np.iinfo(np.int64).max))
+    cases.append(rng.integers(0, 64, n) << 40)
+    return cases
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 64, 65, 1536, 12_288, 70_000])
+def test_sorted_unique_inverse_is_np_unique(n):
+    """numpy's path: the packed-key sort returns exactly np.unique's (unique, inverse), and falls back to
+    np.unique for ids that do not fit beside their position (negative, near 2**63) or are not int64."""
+    from tableclient.rowids import sorted_unique_inverse
+
+    for ids in _unique_cases(n):
+        unique, inverse = sorted_unique_inverse(ids)
         want_unique, want_inverse = np.unique(ids, return_inverse=True)
         assert unique.dtype == want_unique.dtype and np.array_equal(unique, want_unique)
         assert np.array_equal(inverse, want_inverse.reshape(-1)) and np.array_equal(unique[inverse], ids)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 64, 65, 1536, 12_288, 70_000])
+def test_unique_inverse_has_each_id_once_in_first_occurrence_order(n):
+    """The native hashing pass (numpy's sort where it is not built): each id exactly once, inverse maps
+    back to every id, and natively the order is first occurrence."""
+    from tableclient.rowids import unique_inverse
+    from tableserver.take import native_unique
+
+    for ids in _unique_cases(n):
+        unique, inverse = unique_inverse(ids)
+        assert np.array_equal(np.sort(unique), np.unique(ids)) and np.array_equal(unique[inverse], ids)
+        assert inverse.dtype == np.intp and inverse.shape == (ids.size,)
+        if native_unique is not None and ids.dtype == np.int64:
+            _, first = np.unique(ids, return_index=True)
+            assert np.array_equal(unique, ids[np.sort(first)])  # first-occurrence order
+
+
+def test_native_unique_refuses_buffers_it_cannot_fill():
+    """Wrong dtypes, short or overlapping outputs raise (unique_inverse then takes the sort); any
+    multiplier works, even an even one (made odd), and 0 ids give 0."""
+    from tableserver.take import native_unique
+
+    if native_unique is None:
+        pytest.skip("native take off: not built (no C compiler at install) or TABLESERVER_NATIVE_TAKE=0")
+    ids = np.array([7, 7, 1], np.int64)
+    u, v = np.empty(3, np.int64), np.empty(3, np.int64)
+    with pytest.raises(TypeError):
+        native_unique(ids.astype(np.int32), u, v, 3)
+    with pytest.raises(TypeError):
+        native_unique(ids, u.astype(np.float64), v, 3)
+    with pytest.raises(ValueError, match="as many"):
+        native_unique(ids, u[:2], v, 3)
+    with pytest.raises(ValueError, match="overlap"):
+        native_unique(ids, ids, v, 3)
+    ro = np.empty(3, np.int64)
+    ro.flags.writeable = False
+    with pytest.raises((BufferError, TypeError, ValueError)):
+        native_unique(ids, ro, v, 3)
+    for mult in (0, 2, 2**64 - 1):
+        assert native_unique(ids, u, v, mult) == 2 and u[:2].tolist() == [7, 1] and v.tolist() == [0, 0, 1]
+    assert native_unique(np.empty(0, np.int64), u, v, 3) == 0
 
 
 def test_gather_recorder_direct_updates_export_what_the_public_api_does():
