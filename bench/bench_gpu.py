@@ -213,14 +213,15 @@ def main() -> int:
     mm = np.memmap(path, dtype=np.uint8, mode="r")
     s1 = next(s for s in header.tables if s.layer == 1)
     local1 = np.array(mm[s1.offset:s1.offset + s1.nbytes]).reshape(s1.rows, s1.row_bytes)
-    nbytes = sum(s.nbytes for s in header.tables)
+    sizes = [s.nbytes for s in header.tables]
     lines += ["", f"2. layer-1 rows on the device after step start ({args.steps} steps; due at "
               f"{WINDOWS_S[1] * 1e6:.0f} us); bare = {'native take' if NATIVE else 'np.take(mode=clip)'} from a private copy into pinned "
               "memory + the same copy",
               f"{'transport':<10}{'batch':>6}{'rows':>7}{'step p50 us':>13}{'p99':>8}{'issued p50':>12}"
               f"{'bare p50':>10}{'p99':>8}{'p50 ratio':>11}{'in window p50/p99':>19}"]
-    with tempfile.TemporaryDirectory() as tmp, Hugepages(nbytes) as huge:
-        proc, ready = start_server(path, tmp, ["--hugepages", "2m" if huge else "off"])
+    pages = Hugepages(sizes, "1g")
+    with tempfile.TemporaryDirectory() as tmp, pages:
+        proc, ready = start_server(path, tmp, ["--hugepages", pages.flag])
         try:
             for name in [t for t in args.transports.split(",") if t]:
                 if name not in ready:
@@ -240,7 +241,7 @@ def main() -> int:
         finally:
             proc.terminate()
             proc.wait(30)
-    lines.append(f"server tables on {'2 MiB hugepages' if huge else '4 KiB pages'}; issued = begin_step returned "
+    lines.append(f"server tables on {pages.label}; issued = begin_step returned "
                  "(both layers' gathers issued; over shm layer 1's rows gathered and their copy queued)")
     lines += ["", "3. CUDA graph of the staged copy", *graph_section(torch, args.reps)]
     report = "\n".join(lines)

@@ -20,28 +20,58 @@ def bench_table(gib: float) -> str:
     return path
 
 
-HUGEPAGES = "/sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages"
+HUGEPAGES = "/sys/kernel/mm/hugepages/hugepages-{kb}kB/nr_hugepages"
+PAGE_BYTES = {"1g": 1 << 30, "2m": 2 << 20}
+PAGE_LABELS = {"1g": "1 GiB hugepages", "2m": "2 MiB hugepages", "4k": "4 KiB pages"}
 
 
 class Hugepages:
-    """Reserves 2 MiB hugepages for the server while the bench runs (root), as production would."""
+    """Reserves hugepages for the server while the bench runs (root), as production would.
 
-    def __init__(self, nbytes: int):
-        self.need = nbytes // (2 << 20) + 8
-        self.before = None
+    ``nbytes``: the table's size, or a list of each table's (every table starts on a page of its own).
+    ``prefer="1g"``: 1 GiB pages where the kernel can still find that much contiguous memory, else 2 MiB
+    ones; ``"2m"``: 2 MiB pages only. ``kind`` then says what was reserved ("1g", "2m", or "4k" for
+    none), ``label`` says it in words, and ``flag`` is the daemon's ``--hugepages`` value for it.
+    Entering returns whether any were reserved; leaving gives back what was added."""
+
+    def __init__(self, nbytes, prefer: str = "2m"):
+        self.sizes = [nbytes] if isinstance(nbytes, int) else list(nbytes)  # bytes per table (each its pages)
+        self.order = {"1g": ("1g", "2m"), "2m": ("2m",)}[prefer] if sum(self.sizes) else ()
+        self.kind = "4k"
+        self._restore: tuple[str, int] | None = None
+
+    @property
+    def label(self) -> str:
+        return PAGE_LABELS[self.kind]
+
+    @property
+    def flag(self) -> str:
+        return "off" if self.kind == "4k" else self.kind
 
     def __enter__(self) -> bool:
-        try:
-            with open(HUGEPAGES) as f:
-                self.before = int(f.read())
-            with open(HUGEPAGES, "w") as f:
-                f.write(str(self.before + self.need))
-            with open(HUGEPAGES) as f:
-                return int(f.read()) >= self.before + self.need
-        except OSError:
-            return False
+        for kind in self.order:
+            page = PAGE_BYTES[kind]
+            need = sum(-(-size // page) for size in self.sizes) + (8 if kind == "2m" else 0)
+            path = HUGEPAGES.format(kb=page >> 10)
+            try:
+                with open(path) as f:
+                    before = int(f.read())
+                with open(path, "w") as f:
+                    f.write(str(before + need))
+                with open(path) as f:
+                    got = int(f.read())
+            except OSError:
+                continue
+            if got >= before + need:
+                self.kind, self._restore = kind, (path, before)
+                return True
+            with open(path, "w") as f:  # only part of it (no contiguous memory left): give it back
+                f.write(str(before))
+        return False
 
     def __exit__(self, *exc) -> None:
-        if self.before is not None:
-            with open(HUGEPAGES, "w") as f:
-                f.write(str(self.before))
+        if self._restore is not None:
+            path, before = self._restore
+            with open(path, "w") as f:
+                f.write(str(before))
+            self._restore = None

@@ -215,7 +215,8 @@ def main() -> int:
     ap.add_argument("--transports", default="", help="default: every transport the server offers here")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "out"))
     ap.add_argument("--no-hugepages", dest="hugepages", action="store_false",
-                    help="serve from 4 KiB pages (default: reserve 2 MiB hugepages for the run when root)")
+                    help="serve from 4 KiB pages (default: reserve hugepages for the run when root: 1 GiB ones, "
+                         "or 2 MiB where the kernel cannot find 1 GiB of contiguous memory)")
     ap.add_argument("--placement-batch", type=int, default=0,
                     help="batch size placement.toml is written for (default: the largest of --batches)")
     args = ap.parse_args()
@@ -235,20 +236,19 @@ def main() -> int:
              for s in read_header(path).tables}
     lines, cdf = [], {}
     rng = np.random.default_rng(7)
-    nbytes = sum(s.nbytes for s in read_header(path).tables)
-    with tempfile.TemporaryDirectory() as tmp, Hugepages(nbytes if args.hugepages else 0) as huge:
-        # production memory nodes keep tables on hugepages (deploy/, README): reserve 2 MiB pages for the
-        # run when we may (root), so shm reads the same kind of memory as the in-process copy (THP)
-        huge = huge and args.hugepages
-        proc, ready = start_server(path, tmp, ["--hugepages", "2m" if huge else "off"])
+    pages = Hugepages([s.nbytes for s in read_header(path).tables] if args.hugepages else 0, "1g")
+    with tempfile.TemporaryDirectory() as tmp, pages:
+        # production memory nodes keep tables on hugepages (deploy/, README): reserve them for the run when
+        # we may (root), so shm reads memory at least as fast as the in-process copy's (THP)
+        proc, ready = start_server(path, tmp, ["--hugepages", pages.flag])
         try:
             offered = [t for t in ("rdma", "shm", "tcp") if t in ready]
             transports = [t for t in args.transports.split(",") if t] or offered
             plans = [LayerPlan(1, "engram.layer1", WINDOWS_S[1]), LayerPlan(14, "engram.layer14", WINDOWS_S[14])]
             lines.append(f"replay: {args.steps} decode steps per configuration, windows layer 1 "
                          f"{WINDOWS_S[1] * 1e3:.1f} ms / layer 14 {WINDOWS_S[14] * 1e3:.1f} ms, transports "
-                         f"{', '.join(transports)}, server tables on {'2 MiB hugepages' if huge else '4 KiB pages'}"
-                         + ("" if huge else " (no hugepages reserved: run as root for production-like memory)")
+                         f"{', '.join(transports)}, server tables on {pages.label}"
+                         + ("" if pages.kind != "4k" else " (no hugepages reserved: run as root for production-like memory)")
                          + "\n")
             lines.append(f"{'transport':<10}{'batch':>6}{'rows/layer':>11}{'R1 p50 us':>11}{'bare p50':>9}"
                          f"{'R1 p99 us':>11}{'R14 p99 us':>11}{'pred stall us':>14}{'meas stall us':>14}{'error':>9}"
