@@ -207,14 +207,24 @@ class RemoteTable:
         """The shm path: checks, one ``take`` (``tableserver.take``), and the metrics deferred (one deque
         append; applied in batches). Nothing else runs per call. ``gather`` first tries the common call
         -- int64 numpy ids, a C-contiguous writeable uint8 ``out`` of shape ``ids.shape + (row_bytes,)``
-        -- as one native take, which checks all of that and the ids itself; everything else comes here:
-        strided ids are compacted once, the common call is checked inline and taken in its own shape
-        (``take`` along axis 0 maps ids of any shape to rows of that shape: no reshapes), and anything
-        else, bad ids included, goes through the general checks, which word the error."""
+        -- as one native take, which checks all of that and the ids itself; everything else comes here,
+        as does EngramStep's shm layer: strided ids are compacted once and the common call is again one
+        native take; without the extension it is checked inline and taken in its own shape (``take``
+        along axis 0 maps ids of any shape to rows of that shape: no reshapes), and anything else, bad
+        ids included, goes through the general checks, which word the error."""
         if t0 is None:
             t0 = time.perf_counter()
-        if type(row_ids) is np.ndarray and not row_ids.flags.c_contiguous:
-            row_ids = np.ascontiguousarray(row_ids)  # one layer's slice of a step's [T, layers, 24] ids
+        if type(row_ids) is np.ndarray:
+            if not row_ids.flags.c_contiguous:
+                row_ids = np.ascontiguousarray(row_ids)  # one layer's slice of a step's [T, layers, 24] ids
+            if native_take is not None and type(out) is np.ndarray:
+                try:  # the common call, as in gather: the native take checks it all
+                    n = native_take(local, row_ids, out)
+                except (TypeError, ValueError, BufferError):
+                    n = -1
+                if n > 0:
+                    (self._shm_recorder or self._shm_instruments()).defer(n, n, out.nbytes, time.perf_counter() - t0)
+                    return out
         info = self.info
         if type(row_ids) is np.ndarray and row_ids.dtype == _INT64 and type(out) is np.ndarray \
                 and out.dtype == _UINT8 and out.shape == row_ids.shape + (info.row_bytes,) and out.flags.carray \

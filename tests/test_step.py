@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import signal
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import EVENT_TIMEOUT
+from conftest import EVENT_TIMEOUT, wait_for
 from tableclient import TableClient, TableClientError
 from tableclient.step import EngramStep, LayerPlan
 
@@ -217,3 +218,29 @@ def test_a_late_layers_copy_does_not_wait_for_the_steps_earlier_layers(daemon, d
         torch.cuda.synchronize()
         assert start.elapsed_time(copied) < start.elapsed_time(end), "layer 14's copy waited for the kernel"
         np.testing.assert_array_equal(dev.cpu().numpy(), demo_local["engram.layer14"][ids[14]])
+
+
+def test_a_step_does_not_keep_a_dead_nodes_tables_mapped(fresh_daemon, demo_local):
+    """EngramStep remembers each layer's mapping between steps (weakly): once the memory node dies, the
+    client releases its table memory without another step, and the next step fails cleanly instead
+    of reading the old mapping."""
+    d = fresh_daemon()
+    c = TableClient(d.address, transport="shm")
+    maps = lambda: [ln for ln in open(f"/proc/{os.getpid()}/maps") if "tableserver:" in ln]  # noqa: E731
+    try:
+        step = EngramStep(c, PLANS, max_tokens=8, timeout=EVENT_TIMEOUT)
+        rng = np.random.default_rng(4)
+        for _ in range(2):  # the second step reads the remembered mapping
+            ids = _ids(rng, 8)
+            step.begin_step(ids)
+            np.testing.assert_array_equal(np.asarray(step.wait(1)), demo_local["engram.layer1"][ids[1]])
+            step.wait(14)
+        assert step._locals[1] is not None and step._locals[1][3] is not None  # layer 1 mapped, remembered
+        assert maps()
+        d.stop(signal.SIGKILL)
+        wait_for(lambda: not maps(), "the mapping of the dead server's tables to be released")
+        step.begin_step(_ids(rng, 8))
+        with pytest.raises(TableClientError):
+            step.wait(1)
+    finally:
+        c.close()
