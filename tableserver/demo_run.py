@@ -121,11 +121,16 @@ def page_note(page_sizes: dict) -> str:
     smallest = min(page_sizes.values(), default=0)
     if not smallest:
         return ""
+    if smallest >= 1 << 30:
+        return "tables on 1 GiB hugepages"
     if smallest >= 2 << 20:
-        return f"tables on {smallest >> 20} MiB hugepages"
+        return (f"tables on {smallest >> 20} MiB hugepages (1 GiB pages, as production uses, shorten the tail of a "
+                "gather after an idle gap:\nreserve them at boot with hugepagesz=1G hugepages=N, or now with echo N > "
+                "/sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages)")
     return ("tables on 4 KiB pages: random row gathers run at ~0.6-0.8x their hugepage speed (TLB misses); for the\n"
-            "production setup reserve them first: echo N > /sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages\n"
-            "(N = table bytes / 2 MiB, plus a few), then the server picks them (--hugepages auto)")
+            "production setup reserve hugepages first -- 1 GiB ones at boot (hugepagesz=1G hugepages=N), or 2 MiB ones\n"
+            "now: echo N > /sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages (N = table bytes / 2 MiB, plus a\n"
+            "few) -- then the server picks them (--hugepages auto)")
 
 
 def run_demo(rows: int | None = None, steps: int = 200, batch: int = 64, transports=("shm", "tcp"),
