@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 import sys
 
@@ -35,7 +36,7 @@ class Hugepages:
     Entering returns whether any were reserved; leaving gives back what was added."""
 
     def __init__(self, nbytes, prefer: str = "2m"):
-        self.sizes = [nbytes] if isinstance(nbytes, int) else list(nbytes)  # bytes per table (each its pages)
+        self.sizes = [int(nbytes)] if isinstance(nbytes, numbers.Integral) else [int(n) for n in nbytes]
         self.order = {"1g": ("1g", "2m"), "2m": ("2m",)}[prefer] if sum(self.sizes) else ()
         self.kind = "4k"
         self._restore: tuple[str, int] | None = None
@@ -51,27 +52,42 @@ class Hugepages:
     def __enter__(self) -> bool:
         for kind in self.order:
             page = PAGE_BYTES[kind]
-            need = sum(-(-size // page) for size in self.sizes) + (8 if kind == "2m" else 0)
+            # every table takes at least one page (the daemon maps an empty one as one byte)
+            need = sum(max(1, -(-size // page)) for size in self.sizes) + (8 if kind == "2m" else 0)
             path = HUGEPAGES.format(kb=page >> 10)
             try:
                 with open(path) as f:
                     before = int(f.read())
+            except OSError:
+                continue  # no such page size here, or not root
+            try:
                 with open(path, "w") as f:
                     f.write(str(before + need))
                 with open(path) as f:
                     got = int(f.read())
+                if got >= before + need:
+                    self.kind, self._restore = kind, (path, before)
+                    return True
             except OSError:
-                continue
-            if got >= before + need:
-                self.kind, self._restore = kind, (path, before)
-                return True
-            with open(path, "w") as f:  # only part of it (no contiguous memory left): give it back
-                f.write(str(before))
+                pass
+            except BaseException:  # Ctrl-C while the kernel gathers 1 GiB pages: give them back first
+                _give_back(path, before)
+                raise
+            _give_back(path, before)  # only part of it (no contiguous memory left), or a failed write
         return False
 
     def __exit__(self, *exc) -> None:
         if self._restore is not None:
             path, before = self._restore
-            with open(path, "w") as f:
-                f.write(str(before))
             self._restore = None
+            _give_back(path, before)
+
+
+def _give_back(path: str, before: int) -> None:
+    """Puts the hugepage count back to what it was before the bench reserved any."""
+    try:
+        with open(path, "w") as f:
+            f.write(str(before))
+    except OSError as e:
+        print(f"warning: could not give back the hugepages reserved for the bench ({e}): "
+              f"echo {before} > {path}", file=sys.stderr)

@@ -155,7 +155,8 @@ class RemoteTable:
         if not client._closed:
             replica, node, local = client._router.reader(self.info.name)
             if local is not None:  # shm: the rows are mapped here; one bounds-safe take, no round trip
-                if native_take is not None and type(row_ids) is np.ndarray and type(out) is np.ndarray:
+                tried = native_take is not None and type(row_ids) is np.ndarray and type(out) is np.ndarray
+                if tried:
                     try:  # the common call (int64 ids, a uint8 out of their shape): the native take checks it all
                         n = native_take(local, row_ids, out)
                     except (TypeError, ValueError, BufferError):
@@ -164,7 +165,7 @@ class RemoteTable:
                         (self._shm_recorder or self._shm_instruments()).defer(n, n, out.nbytes,
                                                                               time.perf_counter() - t0)
                         return out
-                return self._gather_local(local, row_ids, out, t0)
+                return self._gather_local(local, row_ids, out, t0, tried)
             if node is not None and hedge_after is None and getattr(client, "hedge_after", None) is None:
                 result = self._gather_direct(replica, node, row_ids, out, timeout, mode)
                 if result is not None:
@@ -203,7 +204,7 @@ class RemoteTable:
             return None  # carray: C-contiguous, aligned and writeable (one flags object, not two)
         return row_ids.ravel(), out.reshape(-1, info.row_bytes), out
 
-    def _gather_local(self, local: np.ndarray, row_ids, out, t0: float | None = None):
+    def _gather_local(self, local: np.ndarray, row_ids, out, t0: float | None = None, tried: bool = False):
         """The shm path: checks, one ``take`` (``tableserver.take``), and the metrics deferred (one deque
         append; applied in batches). Nothing else runs per call. ``gather`` first tries the common call
         -- int64 numpy ids, a C-contiguous writeable uint8 ``out`` of shape ``ids.shape + (row_bytes,)``
@@ -211,13 +212,15 @@ class RemoteTable:
         as does EngramStep's shm layer: strided ids are compacted once and the common call is again one
         native take; without the extension it is checked inline and taken in its own shape (``take``
         along axis 0 maps ids of any shape to rows of that shape: no reshapes), and anything else, bad
-        ids included, goes through the general checks, which word the error."""
+        ids included, goes through the general checks, which word the error. ``tried``: ``gather``
+        already tried these ids natively."""
         if t0 is None:
             t0 = time.perf_counter()
         if type(row_ids) is np.ndarray:
             if not row_ids.flags.c_contiguous:
                 row_ids = np.ascontiguousarray(row_ids)  # one layer's slice of a step's [T, layers, 24] ids
-            if native_take is not None and type(out) is np.ndarray:
+                tried = False
+            if native_take is not None and type(out) is np.ndarray and not tried:
                 try:  # the common call, as in gather: the native take checks it all
                     n = native_take(local, row_ids, out)
                 except (TypeError, ValueError, BufferError):

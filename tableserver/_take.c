@@ -13,6 +13,8 @@
  * unique(row_ids, unique_out, inverse_out, mult) -> k
  *   each id once, in first-occurrence order, in unique_out[:k], and inverse_out[i] = the position of row_ids[i]
  *   there: one hashing pass where np.unique sorts (dedup of a batch's repeated ids, client/rowids.py).
+ *   All three int64; outputs at least as long as the ids. MemoryError when its table (16 bytes a slot,
+ *   >= 2 slots an id) cannot be allocated.
  *
  * Why native: numpy's take copies one row per iteration and leaves the next rows' cache misses to the
  * CPU; prefetching PREFETCH_ROWS rows ahead keeps several misses in flight (a random gather is bound
@@ -96,25 +98,40 @@ static void copy_rows(const char *table, uint64_t rows, size_t row_bytes, const 
     }
 }
 
+/* The first n arguments' buffers, each with its flags; on failure those already taken are released. */
+static int get_buffers(PyObject *const *args, Py_buffer *bufs, const int *flags, int n)
+{
+    for (int i = 0; i < n; i++) {
+        if (PyObject_GetBuffer(args[i], &bufs[i], flags[i]) < 0) {
+            while (i--)
+                PyBuffer_Release(&bufs[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static void release_buffers(Py_buffer *bufs, int n)
+{
+    while (n--)
+        PyBuffer_Release(&bufs[n]);
+}
+
+#define IDS_FLAGS (PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
+#define OUT_FLAGS (PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE)
+
 static PyObject *take(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    Py_buffer tb, ib, ob;
+    static const int flags[3] = {PyBUF_C_CONTIGUOUS, IDS_FLAGS, OUT_FLAGS};
+    Py_buffer bufs[3], tb, ib, ob;
     PyObject *result = NULL;
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "take(table, row_ids, out) takes 3 arguments");
         return NULL;
     }
-    if (PyObject_GetBuffer(args[0], &tb, PyBUF_C_CONTIGUOUS) < 0)
+    if (get_buffers(args, bufs, flags, 3) < 0)
         return NULL;
-    if (PyObject_GetBuffer(args[1], &ib, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        PyBuffer_Release(&tb);
-        return NULL;
-    }
-    if (PyObject_GetBuffer(args[2], &ob, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0) {
-        PyBuffer_Release(&ib);
-        PyBuffer_Release(&tb);
-        return NULL;
-    }
+    tb = bufs[0], ib = bufs[1], ob = bufs[2];
     if (tb.ndim != 2 || tb.itemsize != 1 || tb.shape[1] <= 0) {
         PyErr_SetString(PyExc_TypeError, "table must be a 2-D buffer of bytes (rows, row_bytes)");
         goto done;
@@ -157,9 +174,7 @@ static PyObject *take(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         result = PyLong_FromSsize_t(n);
     }
 done:
-    PyBuffer_Release(&ob);
-    PyBuffer_Release(&ib);
-    PyBuffer_Release(&tb);
+    release_buffers(bufs, 3);
     return result;
 }
 
@@ -227,7 +242,8 @@ static Py_ssize_t unique_ids(const int64_t *ids, Py_ssize_t n, uint64_t mult, st
 
 static PyObject *unique(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    Py_buffer ib, ub, vb;
+    static const int flags[3] = {IDS_FLAGS, OUT_FLAGS, OUT_FLAGS};
+    Py_buffer bufs[3], ib, ub, vb;
     PyObject *result = NULL;
     if (nargs != 4) {
         PyErr_SetString(PyExc_TypeError, "unique(row_ids, unique_out, inverse_out, mult) takes 4 arguments");
@@ -236,24 +252,15 @@ static PyObject *unique(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     unsigned long long mult = PyLong_AsUnsignedLongLongMask(args[3]);
     if (mult == (unsigned long long)-1 && PyErr_Occurred())
         return NULL;
-    if (PyObject_GetBuffer(args[0], &ib, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+    if (get_buffers(args, bufs, flags, 3) < 0)
         return NULL;
-    if (PyObject_GetBuffer(args[1], &ub, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0) {
-        PyBuffer_Release(&ib);
-        return NULL;
-    }
-    if (PyObject_GetBuffer(args[2], &vb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0) {
-        PyBuffer_Release(&ub);
-        PyBuffer_Release(&ib);
-        return NULL;
-    }
-    if (!is_int64(&ib) || !is_int64(&ub) || !is_int64(&vb) || (((uintptr_t)ib.buf | (uintptr_t)ub.buf |
-                                                                  (uintptr_t)vb.buf) & 7)) {
+    ib = bufs[0], ub = bufs[1], vb = bufs[2];
+    if (!is_int64(&ib) || !is_int64(&ub) || !is_int64(&vb) ||
+        (((uintptr_t)ib.buf | (uintptr_t)ub.buf | (uintptr_t)vb.buf) & 7)) {
         PyErr_SetString(PyExc_TypeError, "row_ids, unique_out and inverse_out must be aligned native int64");
         goto done;
     }
-    Py_ssize_t n = ib.len / 8;
-    if (ub.len / 8 < n || vb.len / 8 < n) {
+    if (ub.len < ib.len || vb.len < ib.len) {
         PyErr_SetString(PyExc_ValueError, "unique_out and inverse_out must hold as many ids as row_ids");
         goto done;
     }
@@ -261,37 +268,38 @@ static PyObject *unique(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "row_ids, unique_out and inverse_out must not overlap");
         goto done;
     }
-    if (n == 0) {
-        result = PyLong_FromSsize_t(0);
-        goto done;
+    {
+        Py_ssize_t n = ib.len / 8, k;
+        int bits = 1;
+        while (((uint64_t)1 << bits) < 2 * (uint64_t)n)
+            bits++;
+        /* slots of 16 bytes, 2**bits of them: refuse what size_t cannot count (32-bit) or is absurd */
+        if (bits > 40 || (uint64_t)bits + 4 >= 8 * sizeof(size_t)) {
+            PyErr_SetString(PyExc_ValueError, "too many row ids for one dedup");
+            goto done;
+        }
+        if (n == 0) {
+            result = PyLong_FromSsize_t(0);
+            goto done;
+        }
+        struct slot *slots = PyMem_RawMalloc(sizeof(struct slot) << bits);
+        if (slots == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        mult |= 1;
+        if (n >= 4096) {
+            Py_BEGIN_ALLOW_THREADS
+            k = unique_ids(ib.buf, n, mult, slots, bits, ub.buf, vb.buf);
+            Py_END_ALLOW_THREADS
+        } else {
+            k = unique_ids(ib.buf, n, mult, slots, bits, ub.buf, vb.buf);
+        }
+        PyMem_RawFree(slots);
+        result = PyLong_FromSsize_t(k);
     }
-    if (n > ((Py_ssize_t)1 << 40)) {
-        PyErr_SetString(PyExc_ValueError, "too many row ids for one dedup");
-        goto done;
-    }
-    int bits = 1;
-    while (((Py_ssize_t)1 << bits) < 2 * n)
-        bits++;
-    struct slot *slots = PyMem_RawMalloc(sizeof(struct slot) << bits);
-    if (slots == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    Py_ssize_t k;
-    mult |= 1;
-    if (n >= 4096) {
-        Py_BEGIN_ALLOW_THREADS
-        k = unique_ids(ib.buf, n, mult, slots, bits, ub.buf, vb.buf);
-        Py_END_ALLOW_THREADS
-    } else {
-        k = unique_ids(ib.buf, n, mult, slots, bits, ub.buf, vb.buf);
-    }
-    PyMem_RawFree(slots);
-    result = PyLong_FromSsize_t(k);
 done:
-    PyBuffer_Release(&vb);
-    PyBuffer_Release(&ub);
-    PyBuffer_Release(&ib);
+    release_buffers(bufs, 3);
     return result;
 }
 
