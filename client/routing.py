@@ -12,9 +12,13 @@ layer): validation, dedup and request splitting stay where they are.
   first it sees (or the one given) with the total rows and row size; a node
   whose table differs is refused (and counted), never read from.
 * **Shards**: each node holds rows ``[row_lo, row_lo + rows)`` of each table;
-  nodes with the same range are replicas of that shard. The ranges of every
-  table must tile it. A gather is split by shard with one vectorized sort,
-  each part fetched from its shard, and the rows scattered back in order.
+  nodes with the same range are replicas of that shard. The client's shard map
+  (:mod:`tableclient.shardmap`) is rebuilt from the catalogs on every change of
+  a replica and checked (sorted, non-overlapping, covering the table) before
+  use; at start the ranges must tile every table. A gather is split by shard
+  with one vectorized sort, each part fetched from a replica whose current
+  catalog still holds all of its rows, and the rows scattered back in order;
+  ids no live node holds fail the gather with a ConnectError naming them.
 * **Replica choice**: rendezvous (highest-random-weight) hashing of the
   client id and the node id orders each shard's replicas per client: clients
   spread evenly, and only the clients of a node that fails move. The first
@@ -42,7 +46,6 @@ import os
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -50,6 +53,7 @@ import numpy as np
 from tableclient.errors import ConnectError, GatherTimeout, RemoteError, TableClientError, TransportError
 from tableclient.metrics import flush_deferred, metrics
 from tableclient.node import NodeOptions, NodeSession, fetch_catalog
+from tableclient.shardmap import Shard, ShardMap, build, holds, local_ids
 from tableclient.table import TableInfo
 from tableclient.transports.base import ClientTransport, Pending
 from tableserver.buffers import rows_buffer
@@ -134,13 +138,6 @@ class Replica:
         return f"Replica({self.address}, {self.state})"
 
 
-@dataclass
-class Shard:
-    lo: int
-    hi: int
-    replicas: list  # [Replica], this client's rendezvous order
-
-
 class _Attempt:
     __slots__ = ("replica", "pending", "buf", "hedge")
 
@@ -180,10 +177,11 @@ class RoutedPending(Pending):
     def wait(self, timeout: float | None = None) -> None:
         if self._event.is_set():
             return super().wait(0)
-        deadline = time.monotonic() + (timeout if timeout is not None else self.router.options.request_timeout)
+        bound = timeout if timeout is not None else self.router.options.request_timeout
+        deadline = time.monotonic() + bound
         try:
             for part in self.parts:
-                self.router._finish_part(self, part, deadline)
+                self.router._finish_part(self, part, deadline, bound)
         except GatherTimeout:
             raise  # still in flight: the caller may wait again or cancel
         except BaseException as e:
@@ -221,10 +219,9 @@ class Router(ClientTransport):
         self.replicas: dict[str, Replica] = {}
         self.tables: dict[str, TableInfo] = {}
         self.infos: list[TableInfo] = []
-        self._shards: dict[str, list[Shard]] = {}
-        self._bounds: dict[str, np.ndarray] = {}
+        self._maps: dict[str, ShardMap] = {}  # table -> its shard map, replaced whole on every change
         self._closed = threading.Event()
-        self._pool = ThreadPoolExecutor(4, thread_name_prefix="tableclient-router")
+        self._dns_busy = False  # a re-resolution is running
         self._hedges: list = []
         self._hedge_seq = itertools.count()
         self._hedge_cv = threading.Condition()
@@ -253,7 +250,7 @@ class Router(ClientTransport):
         self._next_dns = time.monotonic() + self.options.dns_refresh
         for a in addresses:
             self.replicas[a] = Replica(a)
-        found = list(self._pool.map(self._probe, list(self.replicas.values())))
+        found = self._probe_all(list(self.replicas.values()))
         for replica, result in zip(list(self.replicas.values()), found):  # in the order given: the first pins
             if isinstance(result, BaseException):
                 self._set_down(replica, result)
@@ -266,11 +263,11 @@ class Router(ClientTransport):
                 raise found[0]
             raise ConnectError(f"no tableserver of {self.address} is usable ({errors or first.error})")
         self._rebuild()
-        gaps = self._gaps()
+        gaps = "; ".join(filter(None, (m.describe_holes() for m in self._maps.values())))
         if gaps:
             raise ConnectError(f"{self.address}: {gaps}: start the nodes holding those rows or fix the address")
-        for shards in self._shards.values():  # every shard's primary connects now, or the client fails
-            for shard in shards:
+        for m in list(self._maps.values()):  # every shard's primary connects now, or the client fails
+            for shard in m.shards:
                 errors = []
                 for r in [r for r in shard.replicas if r.usable]:
                     if self._session(r, errors) is not None:
@@ -281,6 +278,22 @@ class Router(ClientTransport):
                     raise ConnectError(f"no session with any node of {self.address}: "
                                        + "; ".join(f"{e}" for e in errors))
                 self._warm(shard)
+
+    def _probe_all(self, replicas: list) -> list:
+        """Every replica's catalog or error, fetched at once (one thread each: a slow node delays no other;
+        each fetch ends within connect_timeout)."""
+        found: list = [None] * len(replicas)
+
+        def probe(i: int) -> None:
+            found[i] = self._probe(replicas[i])
+
+        threads = [threading.Thread(target=probe, args=(i,), name="tableclient-probe", daemon=True)
+                   for i in range(len(replicas))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return found
 
     def _probe(self, replica: Replica):
         try:
@@ -301,7 +314,11 @@ class Router(ClientTransport):
                 elif pin != ident:
                     return self._refuse(replica, t, pin)
             replica.node_id = server.node_id or replica.address
+            layout = {t.name: (t.row_lo, t.rows) for t in infos}
+            changed = layout != {t.name: (t.row_lo, t.rows) for t in replica.tables.values()}
             replica.tables = {t.name: t for t in infos}
+            if changed and self.tables:  # another layout (or a first one): every map is rebuilt before use
+                self._rebuild()
             was = replica.state
             replica.state = "up" if replica.node is not None and not replica.node.closed else "idle"
             replica.failures, replica.error = 0, ""
@@ -324,42 +341,34 @@ class Router(ClientTransport):
         return False
 
     def _rebuild(self) -> None:
-        """Shard maps from the usable replicas' catalogs (the router's own table indices stay stable)."""
+        """Shard maps from the catalogs of every replica not refused (the router's own table indices
+        stay stable). Each map is checked when built (tableclient.shardmap) and replaces the old one
+        whole; rows no replica holds any more become holes, which gathers refuse by name."""
         with self._lock:
-            ranges: dict[str, dict[tuple, list]] = {}
+            held: dict[str, list] = {name: [] for name in self.tables}
             for r in self.replicas.values():
                 if r.state == "refused":
                     continue
                 for t in r.tables.values():
-                    ranges.setdefault(t.name, {}).setdefault((t.row_lo, t.row_lo + t.rows), []).append(r)
-            for name, by_range in ranges.items():
+                    held.setdefault(t.name, []).append((t.row_lo, t.row_lo + t.rows, r))
+            cid = self.options.client_id
+
+            def order(replicas):
+                return sorted(replicas, key=lambda r: rendezvous_score(cid, r.node_id), reverse=True)
+
+            for name, ranges in held.items():
                 if name not in self.tables:
-                    t = next(iter(by_range.values()))[0].tables[name]
+                    t = ranges[0][2].tables[name]
                     info = replace(t, index=len(self.infos), rows=t.total_rows, row_lo=0,
                                    nbytes=t.total_rows * t.row_bytes)
                     self.tables[name] = info
                     self.infos.append(info)
-                cid = self.options.client_id
-                shards = [Shard(lo, hi, sorted(rs, key=lambda r: rendezvous_score(cid, r.node_id), reverse=True))
-                          for (lo, hi), rs in sorted(by_range.items()) if hi > lo]
-                self._shards[name] = shards
-                self._bounds[name] = np.array([s.hi for s in shards], np.int64)
+                self._maps[name] = build(name, self.tables[name].rows, ranges, order)
             self._invalidate()
 
-    def _gaps(self) -> str:
-        """What no usable replica covers: '' when every table is tiled by shards."""
-        problems = []
-        for name, info in self.tables.items():
-            shards = self._shards.get(name, [])
-            pos = 0
-            for s in shards:
-                if s.lo != pos:
-                    problems.append(f"rows {pos}..{s.lo - 1} of {name!r} are on no node" if s.lo > pos else
-                                    f"{name!r} has overlapping ranges at row {s.lo}")
-                pos = max(pos, s.hi)
-            if pos != info.rows:
-                problems.append(f"rows {pos}..{info.rows - 1} of {name!r} are on no node")
-        return "; ".join(problems)
+    def shards(self, name: str) -> list[Shard]:
+        """The segments of table ``name`` as routed now (rows, replicas in this client's order)."""
+        return list(self._maps[name].shards)
 
     # ------------------------------------------------------------------ sessions
     def _session(self, replica: Replica, errors: list | None = None) -> NodeSession | None:
@@ -410,11 +419,19 @@ class Router(ClientTransport):
                     self._session(r)
                 elif not r.busy:
                     r.busy = True
-                    self._pool.submit(self._background, self._session, r)
+                    self._spawn(self._session, r)
+
+    def _spawn(self, fn, replica) -> None:
+        """Runs ``fn(replica)`` (a connect or a catalog fetch) on a thread of its own: at most one per
+        replica (``busy``, set by the caller), so a node that answers slowly or never holds up no other
+        node's reconnect."""
+        threading.Thread(target=self._background, args=(fn, replica), name="tableclient-connect",
+                         daemon=True).start()
 
     def _background(self, fn, replica) -> None:
         try:
-            fn(replica)
+            if not self._closed.is_set():
+                fn(replica)
         finally:
             replica.busy = False
 
@@ -469,12 +486,13 @@ class Router(ClientTransport):
                                                f"{node.silent_for():.1f} s: frozen or unreachable"))
             elif r.state in ("down", "refused", "new") and now >= r.retry_at and not r.busy:
                 r.busy = True
-                self._pool.submit(self._background, self._retry, r)
-        if self.dns and now >= self._next_dns:
+                self._spawn(self._retry, r)
+        if self.dns and now >= self._next_dns and not self._dns_busy:
             self._next_dns = now + self.options.dns_refresh
-            self._pool.submit(self._refresh_dns)
+            self._dns_busy = True
+            threading.Thread(target=self._refresh_dns, name="tableclient-dns", daemon=True).start()
         with self._lock:
-            shards = [s for ss in self._shards.values() for s in ss]
+            shards = [s for m in self._maps.values() for s in m.shards]
         for s in shards:
             self._warm(s)
 
@@ -492,6 +510,8 @@ class Router(ClientTransport):
         except ConnectError as e:
             log.warning("%s", e)
             return
+        finally:
+            self._dns_busy = False
         with self._lock:
             known = set(self.replicas)
             for a in sorted(current - known):
@@ -538,8 +558,8 @@ class Router(ClientTransport):
         return node
 
     def _find_primary(self) -> NodeSession | None:
-        for shards in self._shards.values():
-            for s in shards:
+        for m in list(self._maps.values()):
+            for s in m.shards:
                 for r in s.replicas:
                     node = r.node
                     if r.usable and node is not None and not node.closed:
@@ -550,7 +570,7 @@ class Router(ClientTransport):
         """The session this client reads ``name`` (default: any table) from now."""
         if name is None:
             return self._primary_node()
-        for r in self._shards[name][0].replicas:
+        for r in self._maps[name].shards[0].replicas:
             if r.usable and r.node is not None and not r.node.closed:
                 return r.node
         return None
@@ -565,14 +585,15 @@ class Router(ClientTransport):
         if hit is not None and hit[0] == self._generation and (hit[1] is None or not hit[1]._closed):
             return hit[2]  # the cached tuple itself: nothing built per gather
         generation, found = self._generation, (None, None, None)
-        shards = self._shards.get(name)
-        if shards is not None and len(shards) == 1:
-            for r in shards[0].replicas:
-                node = r.node
+        m = self._maps.get(name)
+        whole = m.whole() if m is not None else None
+        if whole is not None:
+            for r in whole.replicas:
+                node, info = r.node, r.tables.get(name)
                 if r.usable and node is not None and not node.closed:
                     transport = node._transport
-                    if transport is not None:
-                        found = (r, node, transport.local_table(r.tables[name].index))
+                    if transport is not None and holds(info, whole) and info.row_lo == 0:
+                        found = (r, node, transport.local_table(info.index))
                     break
         self._local[name] = (generation, found[1], found)
         if self._generation != generation:  # changed meanwhile: keep no mapping of a node now gone
@@ -588,7 +609,7 @@ class Router(ClientTransport):
         """A node failed a request sent straight to it (the table layer's direct path): down it goes,
         as when a routed gather finds it failed, and the gather is re-issued through routing."""
         self._set_down(replica, error)
-        shards = [s for ss in self._shards.values() for s in ss if replica in s.replicas]
+        shards = [s for m in list(self._maps.values()) for s in m.shards if replica in s.replicas]
         if any(r.usable for s in shards for r in s.replicas if r is not replica):
             self._metrics.failovers.inc()
             log.info("%s failed (%s): re-issuing on another replica", replica.address, error)
@@ -607,22 +628,14 @@ class Router(ClientTransport):
     def gather(self, table_index: int, ids: np.ndarray, out: np.ndarray, sync: bool = False, mode: str = "read",
                expand=None, hedge_after: float | None = None) -> Pending:
         name = self.infos[table_index].name
-        shards = self._shards[name]
+        m = self._maps[name]  # one map for the whole gather: a rebuild meanwhile replaces it, never edits it
         hedge_at = None if hedge_after is None else time.monotonic() + hedge_after
-        if len(shards) == 1:
-            parts, order, scratch = [_Part(shards[0], ids, out, hedge_at)], None, None
-        else:  # one stable sort by shard; each shard's ids become one contiguous slice
-            which = np.searchsorted(self._bounds[name], ids, side="right")
-            order = np.argsort(which, kind="stable")
-            counts = np.bincount(which, minlength=len(shards))
+        if len(m.shards) == 1:
+            parts, order, scratch = [_Part(m.shards[0], ids, out, hedge_at)], None, None
+        else:  # one stable sort by shard; each shard's ids become one contiguous slice of scratch
+            order, ordered, split = m.split(ids)
             scratch = rows_buffer(out.shape[:-1], out.shape[-1])
-            ordered = ids[order]
-            parts, start = [], 0
-            for shard, n in zip(shards, counts):
-                if n:
-                    parts.append(_Part(shard, ordered[start:start + n] - shard.lo, scratch[start:start + n],
-                                       hedge_at))
-                start += n
+            parts = [_Part(shard, ordered[a:b], scratch[a:b], hedge_at) for shard, a, b in split]
         routed = RoutedPending(self, name, parts, out, order, scratch, mode)
         one = len(parts) == 1 and hedge_at is None
         for part in parts:
@@ -636,16 +649,21 @@ class Router(ClientTransport):
         """Sends the part to the first usable replica not tried yet (a hedge: not the one in flight)."""
         while True:
             busy = {a.replica for a in part.attempts if a.pending is not None}
+            moved = False
             for r in part.shard.replicas:
                 if r in part.tried or r in busy or not r.usable:
                     continue
                 node = self._session(r)
                 if node is None:
                     continue
+                info = r.tables.get(routed.name)  # its catalog as of this session (a restart may change it)
+                if not holds(info, part.shard):
+                    moved = True  # it no longer holds these rows: never sent a request it would misread
+                    continue
                 buf = part.out if not any(a.buf is part.out for a in part.attempts) \
                     else rows_buffer(part.out.shape[:-1], part.out.shape[-1])
                 try:
-                    pending = node.data.gather(r.tables[routed.name].index, part.ids, buf, sync, routed.mode)
+                    pending = node.data.gather(info.index, local_ids(part.ids, info), buf, sync, routed.mode)
                 except RemoteError:
                     raise
                 except _NODE_FAILURES as e:
@@ -655,6 +673,12 @@ class Router(ClientTransport):
                 attempt = _Attempt(r, pending, buf, hedge)
                 part.attempts.append(attempt)
                 return attempt
+            if moved:  # the layout changed since the gather was split: the segment holding them now, if one does
+                shard = self._holding(routed.name, part.ids)
+                if shard is None or shard is part.shard:
+                    return None
+                part.shard = shard
+                continue
             if wait_until is None or hedge:
                 return None
             # every replica failed or is down: wait for one to come back, up to the caller's deadline
@@ -667,7 +691,7 @@ class Router(ClientTransport):
                     return None
                 self._changed.wait(min(remaining, 0.1))
 
-    def _finish_part(self, routed: RoutedPending, part: _Part, deadline: float) -> None:
+    def _finish_part(self, routed: RoutedPending, part: _Part, deadline: float, bound: float) -> None:
         while not part.done:
             with routed.lock:
                 live = [a for a in part.attempts if a.pending is not None]
@@ -678,7 +702,7 @@ class Router(ClientTransport):
                 continue
             now = time.monotonic()
             if now >= deadline:
-                raise GatherTimeout(f"gather of {part.ids.size} rows of {routed.name!r} not complete by its deadline")
+                raise GatherTimeout(f"gather of {part.ids.size} rows of {routed.name!r} not complete after {bound:g} s")
             if len(live) == 1 and (part.hedge_at is None or now < part.hedge_at):
                 until = deadline if part.hedge_at is None else min(deadline, part.hedge_at)
                 slice_s = max(until - now, 0.0)
@@ -717,7 +741,26 @@ class Router(ClientTransport):
         if winner.hedge:
             self._metrics.hedges.labels("won").inc()
 
+    def _holding(self, name: str, ids: np.ndarray) -> Shard | None:
+        """The segment of the current map that holds every id of ``ids`` (a part's), if one does."""
+        m = self._maps.get(name)
+        if m is None or not ids.size:
+            return None
+        lo, hi = int(ids.min()), int(ids.max())
+        shard = m.shards[int(np.searchsorted(m.bounds, lo, side="right"))]
+        return shard if shard.replicas and hi < shard.hi else None
+
     def _unreachable(self, name: str, part: _Part) -> str:
+        m = self._maps.get(name)
+        lo, hi = (int(part.ids.min()), int(part.ids.max())) if part.ids.size else (part.shard.lo, part.shard.lo)
+        holes = [s for s in (m.holes if m is not None else []) if s.lo <= hi and lo < s.hi]
+        if not part.shard.replicas or holes:
+            where = ", ".join(f"{s.lo}..{s.hi - 1}" for s in holes) or f"{part.shard.lo}..{part.shard.hi - 1}"
+            return (f"rows {where} of {name!r} are on no node (the nodes' row ranges changed): start the node "
+                    "holding them, or restart the others with row ranges that cover the table")
+        if any(r.usable and not holds(r.tables.get(name), part.shard) for r in part.shard.replicas):
+            return (f"rows {lo}..{hi} of {name!r} moved to other nodes while the gather was in flight (the nodes' "
+                    "row ranges changed): gather them again")
         states = ", ".join(f"{r.address} {r.state}{': ' + r.error if r.error else ''}" for r in part.shard.replicas)
         return (f"no replica of rows {part.shard.lo}..{part.shard.hi - 1} of {name!r} is up ({states}); "
                 "the client reconnects in the background")
@@ -774,4 +817,4 @@ class Router(ClientTransport):
                 r.node = None
         for node in nodes:
             node.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+

@@ -214,7 +214,7 @@ def test_hedged_read_wins_over_a_frozen_primary(three, v1):
                      liveness_timeout=60.0) as c:  # only the hedge can save these gathers
         # the replica this client reads first (rendezvous), once its session is up: a client may start on
         # another one while the first one's session is still opening, and move back to it after
-        first = c._router._shards["engram.layer1"][0].replicas[0].address
+        first = c._router.shards("engram.layer1")[0].replicas[0].address
         wait_for(lambda: c._router.primary("engram.layer1").address == first, "the first replica's session")
         primary = next(d for d in three if d.address == first)
         ids = np.arange(0, 30_000, 7)
@@ -247,9 +247,53 @@ def test_two_shards_times_two_replicas(tmp_path, v1):
             edge = np.array([0, 14_999, 15_000, 29_999, 15_000, 0])  # both sides of the shard boundary, twice
             np.testing.assert_array_equal(c.table("engram.layer1").gather(edge), local["engram.layer1"][edge])
             for k in range(2):  # one node of each shard dies
-                victim = c._router._shards["engram.layer1"][k].replicas[0]
+                victim = c._router.shards("engram.layer1")[k].replicas[0]
                 next(d for d in nodes if d.address == victim.address).stop(signal.SIGKILL)
             check(c, local, rng)
     finally:
         for d in nodes:
             d.stop()
+
+
+@pytest.fixture(scope="module")
+def one_table(tmp_path_factory):
+    return write_demo_file(str(tmp_path_factory.mktemp("one") / "one.bin"), [DemoTable("t", 20_000, 264, 1)], seed=3)
+
+
+def test_a_shard_that_restarts_with_another_range_never_yields_an_unwritten_row(tmp_path, one_table):
+    """Before: b restarted with rows 10000:15000 of 0:20000 (same checksum, so re-admitted), the router's
+    rebuilt map no longer tiled the table, ids >= 15000 fell past the last shard and the caller got
+    unwritten scratch memory as their rows, with no error. Now they fail naming the rows no node holds,
+    the others stay bit-exact, and overlapping or nested layouts are routed to nodes holding the rows."""
+    local = local_tables(one_table)["t"]
+    port_b = free_port_block()
+    a = node(tmp_path, "a", one_table, None, "--rows", "0:10000")
+    b = node(tmp_path, "b", one_table, port_b, "--rows", "10000:20000")
+    every = np.arange(20_000)
+    with TableClient(f"{a.address},{b.address}", transport="tcp") as c:
+        t = c.table("t")
+        np.testing.assert_array_equal(t.gather(every, timeout=EVENT_TIMEOUT), local)
+
+        def restart_b(rows: str, name: str):
+            nonlocal b
+            b.stop(signal.SIGKILL)
+            wait_for(lambda: c.replicas()[b.address]["state"] == "down", "the client to notice b's loss")
+            b = node(tmp_path, name, one_table, port_b, "--rows", rows)
+            wait_for(lambda: c.replicas()[b.address]["state"] == "up", lambda: f"b to be back: {c.replicas()}")
+
+        restart_b("10000:15000", "b2")
+        with pytest.raises(ConnectError, match=r"rows 15000\.\.19999 of 't' are on no node"):
+            t.gather(np.array([3, 12_000, 19_999]), timeout=EVENT_TIMEOUT)
+        with pytest.raises(ConnectError, match=r"rows 15000\.\.19999 of 't' are on no node"):
+            t.gather_async(every).wait(EVENT_TIMEOUT)
+        held = np.arange(15_000)
+        np.testing.assert_array_equal(t.gather(held, timeout=EVENT_TIMEOUT), local[held])
+
+        restart_b("5000:20000", "b3")  # overlapping a's range: 5000..9999 on both
+        np.testing.assert_array_equal(t.gather(every, timeout=EVENT_TIMEOUT), local)
+        restart_b("0:20000", "b4")  # a's range nested in b's
+        ids = np.random.default_rng(7).integers(0, 20_000, 5000)
+        np.testing.assert_array_equal(t.gather(ids, timeout=EVENT_TIMEOUT), local[ids])
+        np.testing.assert_array_equal(t.gather(every, timeout=EVENT_TIMEOUT), local)
+    a.stop()
+    b.stop()
