@@ -47,8 +47,30 @@ NATIVE = native_take is not None
 SMALL_IDS = 8
 
 
+_INT64 = np.dtype(np.int64)
+
+
+def _other_ints(ids) -> np.ndarray | None:
+    """``ids`` as an array when they are integers other than native int64 (another width, unsigned,
+    the other byte order), None for native int64; TypeError for anything but integers."""
+    arr = ids if isinstance(ids, np.ndarray) else np.asarray(ids)
+    if arr.dtype == _INT64:
+        return None
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"row ids must be integers, got {arr.dtype}")
+    return arr
+
+
+def _bad_positions(arr: np.ndarray, rows: int) -> np.ndarray:
+    """Which ids of any integer dtype lie outside 0..rows-1 (compared as numbers, in their own dtype's
+    byte order and width: nothing is reinterpreted)."""
+    return (arr < 0) | (arr >= rows) if arr.dtype.kind == "i" else arr >= rows
+
+
 def in_range(ids: np.ndarray, rows: int) -> bool:
-    """Whether every int64 id is in 0..rows-1, in one pass (viewed as uint64 a negative id is huge).
+    """Whether every id is in 0..rows-1. Native int64 ids take one pass (viewed as uint64 a negative id
+    is huge); integers of another width, signedness or byte order are compared as the numbers they
+    are; anything else is a TypeError.
     Both sides use it: the client before sending (or reading a mapping), the server before gathering.
 
     numpy's path: ``argmax`` rather than ``max``, which skips the ufunc reduction machinery, whose
@@ -59,6 +81,9 @@ def in_range(ids: np.ndarray, rows: int) -> bool:
             return native_check(ids, rows) < 0
         except (TypeError, ValueError, BufferError, OverflowError):
             pass  # not C-contiguous aligned int64 (or rows >= 2**63): numpy's path
+    other = _other_ints(ids)
+    if other is not None:
+        return not other.size or not _bad_positions(other, rows).any()
     if ids.size <= SMALL_IDS:
         values = ids.ravel().tolist()
         return not values or (min(values) >= 0 and max(values) < rows)
@@ -67,11 +92,17 @@ def in_range(ids: np.ndarray, rows: int) -> bool:
 
 
 def numpy_take(table: np.ndarray, row_ids, out) -> int:
-    """``take`` in numpy: any array-like ids numpy can index with (the checks before it saw to that)."""
+    """``take`` in numpy: integer ids of any dtype, shape and byte order (others: TypeError)."""
     ids = np.asarray(row_ids)
-    if ids.size and not in_range(ids, table.shape[0]):
+    other = _other_ints(ids)
+    rows = table.shape[0]
+    if other is not None:
+        if ids.size and _bad_positions(other, rows).any():
+            return -1 - int(np.argmax(_bad_positions(other, rows).reshape(-1)))
+        ids = other.astype(_INT64)  # every id is in 0..rows-1: the cast keeps each one's value
+    elif ids.size and not in_range(ids, rows):
         flat = ids.reshape(-1).view(np.uint64)
-        return -1 - int(np.argmax(flat >= table.shape[0]))
+        return -1 - int(np.argmax(flat >= rows))
     if np.may_share_memory(ids, out):
         ids = ids.copy()  # ids inside out: the copy would overwrite ids it has yet to read
     table.take(ids, axis=0, out=out, mode="clip")
@@ -90,9 +121,12 @@ take = _native_or_numpy if NATIVE else numpy_take
 
 
 def take_checked(table: np.ndarray, row_ids, out) -> int:
-    """``take`` for ids checked before: one that has left the table since -- another thread changed the
-    ids meanwhile -- raises ValueError, where ``take`` would leave ``out`` unwritten and say so only in
-    its return value."""
+    """``take`` for ids checked before: an id found outside the table when ``take`` checks them --
+    another thread changed the ids after the caller's check -- raises ValueError, where ``take`` would
+    leave ``out`` unwritten and say so only in its return value. Ids changed while the rows are being
+    copied are not detected: the copy stays memory-safe (each id is clamped to the table where it is
+    read), but the rows of such ids are whatever rows the clamped ids name, so leave row_ids alone
+    until the gather is done."""
     n = take(table, row_ids, out)
     if n < 0:
         pos = -1 - n

@@ -185,3 +185,29 @@ def test_in_range_with_a_row_count_past_int64(native, monkeypatch):
     """No table has 2**63 rows, but a count that large is answered, not an OverflowError."""
     monkeypatch.setattr(take_module, "native_check", native)
     assert in_range(np.arange(20), 1 << 63) and not in_range(np.array([-1] * 20), 1 << 63)
+
+
+@pytest.mark.parametrize("fn", [pytest.param(numpy_take, id="numpy"), pytest.param(take, id="take")])
+@pytest.mark.parametrize("dtype", [">i8", ">i4", "<i4", "i2", ">i2", "i1", "u1", "u2", ">u8", "u8"])
+def test_ids_of_any_integer_dtype_and_byte_order_are_the_rows_they_name(fn, dtype):
+    """Before: numpy's path viewed every id array as uint64, so big-endian ids named byte-swapped rows and
+    int8/int16 ids were read 8 bytes at a time -- wrong rows, no error. Now they are compared and taken
+    as the numbers they are; a bad one is found and nothing is copied."""
+    top = min(ROWS, np.iinfo(np.dtype(dtype)).max + 1)
+    ids = np.array([0, 1, top - 1, 7, top // 2] * 5, dtype=dtype)
+    out = np.full(ids.shape + (ROW_BYTES,), 9, np.uint8)
+    assert in_range(ids, top) and fn(TABLE, ids, out) == ids.size
+    np.testing.assert_array_equal(out, TABLE[ids.astype(np.int64)])
+    if np.dtype(dtype).kind == "i":
+        ids[3] = -1
+        out[:] = 9
+        assert not in_range(ids, top) and fn(TABLE, ids, out) == -1 - 3 and (out == 9).all()
+    assert not in_range(np.array([5, 300], ">i2"), 256) and in_range(np.array([5, 255], ">i2"), 256)
+
+
+@pytest.mark.parametrize("ids", [np.array([1.0, 2.0]), np.array([True, False]), np.array(["1"])])
+def test_ids_that_are_not_integers_are_refused(ids):
+    with pytest.raises(TypeError, match="row ids must be integers"):
+        in_range(ids, 10)
+    with pytest.raises(TypeError, match="row ids must be integers"):
+        numpy_take(TABLE, ids, np.empty(ids.shape + (ROW_BYTES,), np.uint8))
