@@ -28,12 +28,18 @@ import grpc
 
 from tableclient.errors import AuthError, ConnectError, TableClientError, TransportUnavailable
 from tableclient.metrics import metrics
-from tableclient.table import TableInfo
+from tableclient.table import TableInfo, check_catalog
 from tableclient.transports import AUTO_ORDER, KNOWN, transport_class
 from tableclient.transports.shm import local_host_id
 
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.v1 import tableserver_pb2_grpc as pb_grpc
+from tableserver.wire import SECRET_BYTES, SESSION_ID_BYTES
+
+#: the longest session lease a client accepts (a server's own bound on --lease-seconds is lower)
+MAX_LEASE_S = 86400.0
+#: offers of one session looked at (a server offers one per transport asked for)
+MAX_OFFERS = 16
 
 log = logging.getLogger("tableclient")
 
@@ -99,23 +105,43 @@ def rpc_error(address: str, e: grpc.RpcError) -> TableClientError:
     return ConnectError(f"tableserver at {address}: {code.name}: {details}")
 
 
-def fetch_catalog(address: str, o: NodeOptions, channel=None):
-    """(ServerInfo, [TableInfo]) of the server at ``address`` (one GetCatalog call)."""
+def fetch_catalog(address: str, o: NodeOptions, channel=None, timeout: float | None = None):
+    """(ServerInfo, [TableInfo]) of the server at ``address`` (one GetCatalog call, within ``timeout``
+    seconds, default ``connect_timeout``); ConnectError for a catalog no tableserver sends."""
     own = channel is None
     channel = channel or make_channel(address, o)
     try:
-        catalog = pb_grpc.TableServiceStub(channel).GetCatalog(pb.GetCatalogRequest(), timeout=o.connect_timeout,
-                                                                metadata=o.metadata())
+        catalog = pb_grpc.TableServiceStub(channel).GetCatalog(
+            pb.GetCatalogRequest(), timeout=max(o.connect_timeout if timeout is None else timeout, 0.001),
+            metadata=o.metadata())
     except grpc.RpcError as e:
         raise rpc_error(address, e) from None
     finally:
         if own:
             channel.close()
-    return catalog.server, [TableInfo.from_proto(t) for t in catalog.tables]
+    try:
+        return catalog.server, check_catalog([TableInfo.from_proto(t) for t in catalog.tables])
+    except ValueError as e:
+        raise ConnectError(f"tableserver at {address} sent a bad catalog ({e}): not a tableserver, or a "
+                           "broken one; fix or remove that address") from None
+
+
+def _session_info(address: str, resp) -> SessionInfo:
+    """The session the server granted, checked: ConnectError for values no tableserver sends."""
+    lease = resp.lease_seconds
+    if len(resp.session_id) != SESSION_ID_BYTES or len(resp.secret) != SECRET_BYTES \
+            or not 0.0 < lease <= MAX_LEASE_S:
+        raise ConnectError(f"tableserver at {address} granted a malformed session (id of {len(resp.session_id)} "
+                           f"bytes, secret of {len(resp.secret)}, lease {lease!r} s): not a tableserver of this "
+                           "version")
+    return SessionInfo(resp.session_id, resp.secret, lease, resp.max_rows_per_request)
 
 
 class NodeSession:
-    """A session with the tableserver at ``address``: catalog, data transport, keepalive."""
+    """A session with the tableserver at ``address``: catalog, data transport, keepalive.
+
+    Opening it -- catalog, session, keepalive bound, data transport handshake -- ends within one
+    deadline, ``connect_timeout`` seconds from the start, however the server paces its answers."""
 
     def __init__(self, address: str, options: NodeOptions, on_lost=None):
         o = options
@@ -134,11 +160,12 @@ class NodeSession:
         self.session: SessionInfo | None = None
         self.error: BaseException | None = None  # why the session was lost, once it was
         self.last_heard = time.monotonic()
+        self._deadline = time.monotonic() + o.connect_timeout  # the whole open: every step below
         self._channel = make_channel(address, o)
         self._metrics = metrics()
         try:
             self._stub = pb_grpc.TableServiceStub(self._channel)
-            self.server, self.infos = fetch_catalog(address, o, self._channel)
+            self.server, self.infos = fetch_catalog(address, o, self._channel, self._left())
             self.tables: dict[str, TableInfo] = {t.name: t for t in self.infos}
             self._connect(o.transport, o.client_name)
         except BaseException as e:
@@ -151,9 +178,18 @@ class NodeSession:
         self._counted = self.transport
 
     # ----------------------------------------------------------- connecting
+    def _left(self) -> float:
+        """Seconds left of the open's deadline; ConnectError once it has passed."""
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise ConnectError(f"tableserver at {self.address} did not complete the session set-up within "
+                               f"connect_timeout={self.options.connect_timeout:g} s: check the server or raise "
+                               "connect_timeout")
+        return left
+
     def _call(self, method, request, timeout: float | None = None):
         try:
-            return method(request, timeout=timeout or self.options.connect_timeout, metadata=self._metadata)
+            return method(request, timeout=timeout or self._left(), metadata=self._metadata)
         except grpc.RpcError as e:
             raise rpc_error(self.address, e) from None
 
@@ -163,7 +199,7 @@ class NodeSession:
             if self.server.host_id != local_host_id():
                 wanted.remove("shm")  # another host: do not even ask for it
             wanted = [t for t in wanted if t in self.server.transports] or wanted
-        reasons = []
+        reasons, skipped = [], 0
         prepared = None
         if "rdma" in wanted:  # the handshake carries our QPs, so they exist before the session
             try:
@@ -178,25 +214,34 @@ class NodeSession:
                 client_name=client_name or f"tableclient/{os.path.basename(sys.argv[0] or 'python')}",
                 hostname=socket.gethostname(), host_id=local_host_id(), pid=os.getpid(), transports=wanted,
                 rdma=prepared.params() if prepared is not None else None))
-            self.session = SessionInfo(resp.session_id, resp.secret, resp.lease_seconds, resp.max_rows_per_request)
+            self.session = _session_info(self.address, resp)
             self._start_keepalive()
-            for offer in resp.offers:
+            for offer in resp.offers[:MAX_OFFERS]:
+                if offer.name not in wanted:  # not asked for (or unknown to this client): never tried
+                    skipped += 1
+                    continue
                 extra = dict(prepared=prepared) if offer.name == "rdma" else {}
                 if offer.name == "tcp":
                     extra = dict(busy_poll=self.options.busy_poll)
                 try:
                     self._transport = transport_class(offer.name)(offer, self.session, self.infos,
-                                                                  self.options.connect_timeout, **extra)
+                                                                  self._left(), **extra)
                     break
                 except TransportUnavailable as e:
                     reasons.append(f"{offer.name}: {e}")
-                    if offer.name == "rdma":
-                        prepared.close()
-                        prepared = None
+                except TableClientError:
+                    raise
+                except Exception as e:  # an offer this client cannot use as sent: the next one, never a crash
+                    reasons.append(f"{offer.name}: malformed offer ({type(e).__name__}: {e})")
+                if offer.name == "rdma" and prepared is not None:
+                    prepared.close()
+                    prepared = None
         finally:
             if prepared is not None and (self._transport is None or self._transport.name != "rdma"):
                 prepared.close()
         if self._transport is None:
+            if skipped:
+                reasons.append(f"{skipped} offer(s) of transports not asked for, skipped")
             raise ConnectError(f"no usable transport to {self.address} ({'; '.join(reasons) or 'none offered'})")
         log.debug("session %s with %s uses %s", self.session.id.hex()[:12], self.address, self._transport.name)
 
@@ -235,7 +280,7 @@ class NodeSession:
 
         self._keepalive_thread = threading.Thread(target=run, name="tableclient-keepalive", daemon=True)
         self._keepalive_thread.start()
-        if not bound.wait(self.options.connect_timeout):
+        if not bound.wait(self._left()):
             raise ConnectError(f"tableserver at {self.address} did not answer the session keepalive within "
                                f"{self.options.connect_timeout:g} s: raise connect_timeout or check the server")
         if not answered.is_set():

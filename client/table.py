@@ -38,13 +38,41 @@ class TableInfo:
 
     @classmethod
     def from_proto(cls, t) -> "TableInfo":
+        """The table as a catalog entry describes it; ValueError (naming the field) for values no
+        tableserver sends: every number the client computes with stays in int64."""
+        total = t.total_rows or t.rows
+        if not t.name or len(t.name) > MAX_NAME_CHARS:
+            raise ValueError(f"table {t.index}: a name of {len(t.name)} characters (1..{MAX_NAME_CHARS})")
+        if t.row_bytes <= 0:
+            raise ValueError(f"table {t.name[:64]!r}: rows of {t.row_bytes} bytes")
+        if not (0 <= t.row_lo and t.row_lo + t.rows <= total and total * t.row_bytes < 1 << 63):
+            raise ValueError(f"table {t.name[:64]!r}: rows {t.row_lo}..{t.row_lo + t.rows} of {total} rows of "
+                             f"{t.row_bytes} B")
+        if t.nbytes != t.rows * t.row_bytes or len(t.shape) > 8 or len(t.dtype) > MAX_NAME_CHARS \
+                or len(t.checksum) > MAX_NAME_CHARS:
+            raise ValueError(f"table {t.name[:64]!r}: nbytes, shape, dtype or checksum out of bounds")
         return cls(index=t.index, name=t.name, rows=t.rows, row_bytes=t.row_bytes, dtype=t.dtype,
                    shape=tuple(t.shape), layer=t.layer, version=t.version, checksum=t.checksum, nbytes=t.nbytes,
-                   total_rows=t.total_rows or t.rows, row_lo=t.row_lo)
+                   total_rows=total, row_lo=t.row_lo)
 
     @property
     def row_hi(self) -> int:
         return self.row_lo + self.rows
+
+
+#: bounds of a catalog a client accepts (a table file's own limits are lower)
+MAX_TABLES = 4096
+MAX_NAME_CHARS = 256
+
+
+def check_catalog(infos: list[TableInfo]) -> list[TableInfo]:
+    """``infos`` when every table has its own index and name and there are at most MAX_TABLES; else
+    ValueError."""
+    if len(infos) > MAX_TABLES:
+        raise ValueError(f"{len(infos)} tables (at most {MAX_TABLES})")
+    if len({t.index for t in infos}) != len(infos) or len({t.name for t in infos}) != len(infos):
+        raise ValueError("two tables share an index or a name")
+    return infos
 
 
 class GatherHandle:
@@ -83,7 +111,11 @@ class GatherHandle:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0 and not p.done():
                         raise GatherTimeout(f"gather of {self.rows} rows not complete after {timeout * 1e3:.3f} ms")
-                    p.wait(max(remaining, 0.0))
+                    try:
+                        p.wait(max(remaining, 0.0))
+                    except GatherTimeout:  # worded with the caller's bound, not what was left of it
+                        raise GatherTimeout(f"gather of {self.rows} rows not complete after {timeout * 1e3:.3f} "
+                                            "ms") from None
         except Exception as e:
             if self._latency is not None:
                 metrics().error(e)

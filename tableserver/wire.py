@@ -31,6 +31,7 @@ from __future__ import annotations
 import enum
 import socket
 import struct
+import time
 
 HEADER = struct.Struct("<4sHHQII")
 HEADER_BYTES = HEADER.size
@@ -119,16 +120,21 @@ def parse_challenge(frame: bytes) -> bytes:
     return body
 
 
-def recv_challenge(sock: socket.socket) -> bytes:
-    """Reads the CHALLENGE a stream connection starts with; its nonce."""
+#: the longest error message a handshake frame may carry (a BUSY or refusal reason)
+MAX_HANDSHAKE_MESSAGE = 4096
+
+
+def recv_challenge(sock: socket.socket, deadline: float | None = None) -> bytes:
+    """Reads the CHALLENGE a stream connection starts with (by ``deadline``, time.monotonic(), when
+    given: socket.timeout after it); its nonce."""
     head = bytearray(HEADER_BYTES)
-    if not recv_exact(sock, memoryview(head)):
+    if not recv_exact(sock, memoryview(head), deadline):
         raise ConnectionResetError("the server closed the connection before its CHALLENGE")
     count = HEADER.unpack(head)[5]
-    if count > 4096:
+    if count > MAX_HANDSHAKE_MESSAGE:
         raise ValueError("the server did not open with a CHALLENGE frame: not a tableserver data port?")
     body = bytearray(count)
-    if count and not recv_exact(sock, memoryview(body)):
+    if count and not recv_exact(sock, memoryview(body), deadline):
         raise ConnectionResetError("the server closed the connection during its CHALLENGE")
     return parse_challenge(bytes(head + body))
 
@@ -141,10 +147,22 @@ def response_header(frame: int, status: Status, request_id: int, row_bytes: int,
     return HEADER.pack(RESPONSE_MAGIC, frame, status, request_id, row_bytes, count)
 
 
-def recv_exact(sock: socket.socket, view: memoryview) -> bool:
-    """Fills ``view`` from ``sock``. False on a clean EOF before the first byte."""
+def _arm(sock: socket.socket, deadline: float | None) -> None:
+    """Bounds the next blocking call on ``sock`` by what is left until ``deadline`` (socket.timeout
+    once it has passed): a peer that dribbles bytes cannot stretch a bounded exchange."""
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise socket.timeout("deadline passed")
+        sock.settimeout(left)
+
+
+def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> bool:
+    """Fills ``view`` from ``sock`` (all of it by ``deadline`` when given). False on a clean EOF
+    before the first byte."""
     pos, n = 0, len(view)
     while pos < n:
+        _arm(sock, deadline)
         got = sock.recv_into(view[pos:], n - pos)
         if got == 0:
             if pos == 0:
@@ -154,10 +172,11 @@ def recv_exact(sock: socket.socket, view: memoryview) -> bool:
     return True
 
 
-def send_all(sock: socket.socket, parts: list) -> None:
-    """sendmsg of several buffers, looping over partial sends."""
+def send_all(sock: socket.socket, parts: list, deadline: float | None = None) -> None:
+    """sendmsg of several buffers, looping over partial sends (all sent by ``deadline`` when given)."""
     views = [memoryview(p).cast("B") for p in parts if len(p)]
     while views:
+        _arm(sock, deadline)
         sent = sock.sendmsg(views)
         while views and sent >= len(views[0]):
             sent -= len(views[0])

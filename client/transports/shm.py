@@ -15,12 +15,14 @@ the GIL): the first layer never waits behind the others.
 from __future__ import annotations
 
 import collections
+import fcntl
 import hmac
 import json
 import mmap
 import os
 import socket
 import threading
+import time
 
 import numpy as np
 
@@ -38,6 +40,53 @@ def local_host_id() -> str:
             return f.read().strip()
     except OSError:
         return socket.gethostname()
+
+
+#: the largest handshake reply read (the table list of a catalog of MAX_TABLES is far smaller)
+MAX_REPLY_BYTES = 1 << 20
+#: what the server seals every table memfd with (tableserver/transports/shm.py checks it at start):
+#: without SHRINK a server could truncate the file under the mapping and kill this process with SIGBUS
+REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
+
+
+def _table_entries(reply, catalog, path: str) -> list:
+    """[(TableInfo, mapping size)] of the reply's table list, each matching the catalog; ConnectError
+    for anything else."""
+    by_index = {t.index: t for t in catalog}
+    out, seen = [], set()
+    doc = reply.get("tables") if isinstance(reply, dict) else None
+    if not isinstance(doc, list) or len(doc) != len(catalog):
+        raise ConnectError(f"shm handshake on {path}: a table list no tableserver sends")
+    for entry in doc:
+        fields = [entry.get(k) if isinstance(entry, dict) else None for k in ("index", "rows", "row_bytes", "size")]
+        if not all(type(v) is int for v in fields):
+            raise ConnectError(f"shm handshake on {path}: a table entry no tableserver sends")
+        index, rows, row_bytes, size = fields
+        info = by_index.get(index)
+        if info is None or index in seen or (info.rows, info.row_bytes) != (rows, row_bytes) \
+                or not info.rows * info.row_bytes <= size < 1 << 62:
+            raise ConnectError(f"shm table {str(entry.get('name'))[:64]!r} (index {index}) does not match the "
+                               "catalog")
+        seen.add(index)
+        out.append((info, size))
+    return out
+
+
+def check_mappable(fd: int, size: int, name: str) -> None:
+    """TransportUnavailable unless ``fd`` is a memfd sealed as the real server seals table memory
+    (never shrinking, growing or written) and at least ``size`` bytes long: only then can its mapping
+    never fault (SIGBUS) or change under a gather."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        length = os.fstat(fd).st_size
+    except OSError as e:
+        raise TransportUnavailable(f"table {name!r}: the descriptor sent is no sealed memfd ({e.strerror})") \
+            from None
+    if seals & REQUIRED_SEALS != REQUIRED_SEALS:
+        raise TransportUnavailable(f"table {name!r}: memory not sealed against shrinking and writes (seals "
+                                   f"{seals:#x}): not mapped")
+    if length < size:
+        raise TransportUnavailable(f"table {name!r}: {length} bytes sent for {size}: not mapped")
 
 
 class _Copy(Pending):
@@ -85,6 +134,7 @@ class ShmTransport(ClientTransport):
         if ep.host_id != local_host_id():
             raise TransportUnavailable("the server runs on another host")
         self.path = ep.socket_path
+        self._deadline = time.monotonic() + connect_timeout  # connect and handshake, all of it
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         sock.settimeout(connect_timeout)
         try:
@@ -106,43 +156,61 @@ class ShmTransport(ClientTransport):
             raise
         sock.settimeout(None)
 
+    def _left(self) -> float:
+        """Arms the socket with what is left of the handshake's deadline (socket.timeout once passed)."""
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise socket.timeout("the handshake's deadline passed")
+        self._sock.settimeout(left)
+        return left
+
     def _handshake(self, session, catalog) -> None:
         try:
+            self._left()
             nonce = parse_challenge(self._sock.recv(4096))
+            frame, client_nonce = hello_frame(session.id, session.secret, nonce, request_id=1)
+            self._left()
+            self._sock.send(frame)
+            self._left()
+            msg, fds, _flags, _addr = socket.recv_fds(self._sock, MAX_REPLY_BYTES, len(catalog) + 16)
         except HandshakeRefused as e:
             raise ConnectError(f"shm socket {self.path} refused the connection: {e}") from None
+        except socket.timeout:
+            raise ConnectError(f"shm handshake on {self.path} did not complete within connect_timeout") from None
         except ValueError as e:
             raise ConnectError(f"shm handshake on {self.path} failed: {e}") from None
-        frame, client_nonce = hello_frame(session.id, session.secret, nonce, request_id=1)
-        self._sock.send(frame)
-        msg, fds, _flags, _addr = socket.recv_fds(self._sock, 1 << 22, len(catalog) + 16)
+        except OSError as e:
+            raise ConnectError(f"shm handshake on {self.path} failed: {e.strerror or e}") from None
         try:
             if len(msg) < HEADER_BYTES:
                 raise ConnectError(f"shm handshake on {self.path} failed: server closed the connection")
             magic, _t, status, _rid, _rb, count = HEADER.unpack_from(msg)
             body = msg[HEADER_BYTES:HEADER_BYTES + count]
             if magic != RESPONSE_MAGIC or status != Status.OK:
-                text = body.decode(errors="replace")
+                text = body.decode(errors="replace")[:1024]
                 if status == Status.UNAUTHENTICATED:
                     raise AuthError(f"shm socket {self.path} refused the session: {text}")
                 raise ConnectError(f"shm handshake on {self.path} failed: {text}")
-            reply = json.loads(body)
-            proof = server_proof(session.secret, session.id, nonce, client_nonce)
-            if not hmac.compare_digest(bytes.fromhex(reply.get("proof", "")), proof):
+            try:
+                reply = json.loads(body)
+                proof_hex = reply["proof"]
+                ok = isinstance(proof_hex, str) and hmac.compare_digest(
+                    bytes.fromhex(proof_hex), server_proof(session.secret, session.id, nonce, client_nonce))
+            except (ValueError, TypeError, KeyError, RecursionError):
+                raise ConnectError(f"shm handshake on {self.path}: a reply no tableserver sends") from None
+            if not ok:
                 raise AuthError(f"shm socket {self.path} could not prove it holds the session secret: not the "
                                 "server that opened this session")
-            doc = reply["tables"]
-            if len(fds) != len(doc):
-                raise ConnectError(f"shm handshake: {len(doc)} tables but {len(fds)} descriptors")
-            by_index = {t.index: t for t in catalog}
-            for entry, fd in zip(doc, fds):
-                info = by_index.get(entry["index"])
-                if info is None or (info.rows, info.row_bytes) != (entry["rows"], entry["row_bytes"]):
-                    raise ConnectError(f"shm table {entry['name']!r} does not match the catalog")
+            entries = _table_entries(reply, catalog, self.path)
+            if len(fds) != len(entries):
+                raise ConnectError(f"shm handshake on {self.path}: {len(entries)} tables but {len(fds)} "
+                                   "descriptors")
+            for (info, size), fd in zip(entries, fds):
+                check_mappable(fd, size, info.name)  # sealed, and as large as it says: nothing to SIGBUS us
                 # MAP_POPULATE builds this process's page tables now, so no gather
                 # pays a first-touch fault (hugepage-backed tables make this cheap).
                 flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if self.populate else 0)
-                mm = mmap.mmap(fd, entry["size"], flags=flags, prot=mmap.PROT_READ)
+                mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
                 self._maps.append(mm)
                 nbytes = info.rows * info.row_bytes
                 self._tables[info.index] = np.frombuffer(mm, np.uint8, count=nbytes).reshape(info.rows,

@@ -36,13 +36,13 @@ import time
 
 import numpy as np
 
-from tableclient.errors import AuthError, ConnectError, RemoteError, TransportError
+from tableclient.errors import AuthError, ConnectError, GatherTimeout, RemoteError, TransportError
 from tableclient.transports.base import ClientTransport, Pending
 from tableserver.buffers import copy_buffer
 from tableserver.seal import C2S, S2C, TAG_BYTES, BadTag, Direction, derive_key
 from tableserver.wire import (
-    FATAL, HEADER, HEADER_BYTES, HELLO_SEALED, RESPONSE_MAGIC, FrameType, HandshakeRefused, Status, hello_frame,
-    recv_challenge, recv_exact, request_header, send_all, server_proof,
+    FATAL, HEADER, HEADER_BYTES, HELLO_SEALED, MAC_BYTES, MAX_HANDSHAKE_MESSAGE, RESPONSE_MAGIC, FrameType,
+    HandshakeRefused, Status, hello_frame, recv_challenge, recv_exact, request_header, send_all, server_proof,
 )
 
 log = logging.getLogger("tableclient.tcp")
@@ -73,7 +73,8 @@ class _TcpPending(Pending):
     def wait(self, timeout: float | None = None) -> None:
         if self.sync and not self._event.is_set():
             self.transport._read_for(self, timeout)
-            timeout = 0.0 if timeout is not None else None
+            if not self._event.is_set() and timeout is not None:
+                raise GatherTimeout(f"gather not complete after {timeout:.6f} s")
         super().wait(timeout)
 
     def cancel(self) -> None:
@@ -110,6 +111,9 @@ class TcpTransport(ClientTransport):
         ep = offer.tcp
         self.endpoint = f"{ep.host}:{ep.port}"
         self.busy_poll = max(0.0, float(busy_poll))
+        deadline = time.monotonic() + connect_timeout  # connect and handshake, all of it
+        if not ep.host or len(ep.host) > 255 or not 0 < ep.port < 65536:
+            raise ConnectError(f"tcp offer {ep.host[:64]!r}:{ep.port}: not an address (not a tableserver?)")
         try:
             sock = socket.create_connection((ep.host, ep.port), timeout=connect_timeout)
         except OSError as e:
@@ -119,7 +123,7 @@ class TcpTransport(ClientTransport):
         self._sock = sock
         self._seal_tx = self._seal_rx = None  # seal.Direction each way when the server seals this connection
         self._scratch = copy_buffer(0)  # a sealed response as received (placed: no 4K aliasing)
-        self._hello(session.id, session.secret)
+        self._hello(session.id, session.secret, deadline, connect_timeout)
         sock.settimeout(None)
         self._rcvtimeo = -1.0  # SO_RCVTIMEO as last set (seconds, 0 = none)
         self._poller = select.poll()
@@ -136,25 +140,31 @@ class TcpTransport(ClientTransport):
         self._rx = threading.Thread(target=self._receive_loop, name="tableclient-tcp-rx", daemon=True)
         self._rx.start()
 
-    def _hello(self, session_id: bytes, secret: bytes) -> None:
-        """Challenge-response: the secret never crosses the wire, and the server proves it holds it too."""
+    def _hello(self, session_id: bytes, secret: bytes, deadline: float, timeout: float) -> None:
+        """Challenge-response: the secret never crosses the wire, and the server proves it holds it too.
+        All of it by ``deadline``, however the server paces its bytes; its reply is read only up to the
+        size a tableserver sends (the proof, or a short refusal)."""
         status, msg, flags = Status.OK, b"", 0
         try:
-            nonce = recv_challenge(self._sock)
+            nonce = recv_challenge(self._sock, deadline)
             frame, client_nonce = hello_frame(session_id, secret, nonce)
-            send_all(self._sock, [frame])
+            send_all(self._sock, [frame], deadline)
             head = bytearray(HEADER_BYTES)
-            if not recv_exact(self._sock, memoryview(head)):
+            if not recv_exact(self._sock, memoryview(head), deadline):
                 raise ConnectionResetError("server closed the connection")
             magic, _t, status, _rid, flags, count = HEADER.unpack(head)
-            if magic != RESPONSE_MAGIC or count > 65536:
-                raise ValueError("not a tableserver response")
+            if magic != RESPONSE_MAGIC or count > (MAC_BYTES if status == Status.OK else MAX_HANDSHAKE_MESSAGE):
+                raise ValueError(f"not a tableserver response (a HELLO reply of {count} bytes)")
             msg = bytearray(count)
             if count:
-                recv_exact(self._sock, memoryview(msg))
+                recv_exact(self._sock, memoryview(msg), deadline)
         except HandshakeRefused as e:
             self._sock.close()
             raise ConnectError(f"tcp data port {self.endpoint} refused the connection: {e}") from None
+        except socket.timeout:
+            self._sock.close()
+            raise ConnectError(f"tcp handshake with {self.endpoint} did not complete within {timeout:g} s "
+                               "(connect_timeout): the server is overloaded or not a tableserver") from None
         except (OSError, ValueError) as e:
             self._sock.close()
             raise ConnectError(f"tcp handshake with {self.endpoint} failed: {e}") from None
@@ -329,9 +339,10 @@ class TcpTransport(ClientTransport):
         magic, _t, status, req_id, row_bytes, count = HEADER.unpack(r.head)
         if magic != RESPONSE_MAGIC:
             raise ConnectionError(f"bad response magic {magic!r}")
-        p = self._pending.popleft() if self._pending else None
-        if p is None or p.request_id != req_id:
+        p = self._pending[0] if self._pending else None
+        if p is None or p.request_id != req_id:  # left in line: the connection's failure completes it
             raise ConnectionError(f"response to request {req_id} that is not next in line")
+        self._pending.popleft()
         r.p, r.status = p, status
         if status == Status.OK:
             p.receiving = True
