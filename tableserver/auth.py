@@ -1,7 +1,10 @@
 """Control-plane security: TLS credentials and bearer-token authentication.
 
 TLS: a server certificate and key, and optionally a client CA, in which case
-clients must present a certificate it signed (mutual TLS). Token: when one is
+clients must present a certificate it signed (mutual TLS). A server refuses
+to start on a certificate that has expired or is not yet valid (every
+certificate in the --tls-cert file is checked), rather than serve one that
+every client rejects. Token: when one is
 configured every RPC except the gRPC health service must carry
 ``authorization: Bearer <token>``; data transports then admit only sessions
 opened by such authenticated calls (they check the per-session secret).
@@ -9,6 +12,7 @@ opened by such authenticated calls (they check the per-session secret).
 
 from __future__ import annotations
 
+import datetime
 import hmac
 
 import grpc
@@ -18,12 +22,19 @@ from tableserver.errors import ConfigError
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 
 
+#: the largest key, certificate, CA or token file read (a PEM chain is a few KiB)
+MAX_FILE_BYTES = 1 << 20
+
+
 def _read(path: str, what: str) -> bytes:
     try:
         with open(path, "rb") as f:
-            return f.read()
+            data = f.read(MAX_FILE_BYTES + 1)
     except OSError as e:
         raise ConfigError(f"cannot read {what} {path} ({e.strerror}): fix the path") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise ConfigError(f"{what} {path} is larger than {MAX_FILE_BYTES >> 20} MiB: pass the right file")
+    return data
 
 
 def server_credentials(cert: str, key: str, client_ca: str | None) -> grpc.ServerCredentials:
@@ -32,8 +43,31 @@ def server_credentials(cert: str, key: str, client_ca: str | None) -> grpc.Serve
     if client_ca and not cert:
         raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS runs over TLS)")
     ca = _read(client_ca, "TLS client CA") if client_ca else None
-    return grpc.ssl_server_credentials([( _read(key, "TLS key"), _read(cert, "TLS certificate"))],
+    chain = _read(cert, "TLS certificate")
+    check_validity(cert, chain)
+    return grpc.ssl_server_credentials([(_read(key, "TLS key"), chain)],
                                        root_certificates=ca, require_client_auth=ca is not None)
+
+
+def check_validity(path: str, pem: bytes, now: datetime.datetime | None = None) -> None:
+    """ConfigError unless every certificate in ``pem`` (the file ``path``) is valid at ``now``."""
+    from cryptography import x509
+
+    try:
+        certs = x509.load_pem_x509_certificates(pem)
+    except ValueError as e:
+        raise ConfigError(f"TLS certificate {path} holds no PEM certificate ({e}): fix --tls-cert") from None
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    for c in certs:
+        subject = c.subject.rfc4514_string() or "(no subject)"
+        after, before = c.not_valid_after_utc, c.not_valid_before_utc
+        if now > after:
+            raise ConfigError(f"TLS certificate {path} ({subject}) expired: notAfter {after:%Y-%m-%d %H:%M:%S} UTC; "
+                              "renew it and pass the new one to --tls-cert")
+        if now < before:
+            raise ConfigError(f"TLS certificate {path} ({subject}) is not valid yet: notBefore "
+                              f"{before:%Y-%m-%d %H:%M:%S} UTC; check this host's clock or reissue it")
+
 
 
 def load_token(token: str | None, token_file: str | None) -> str | None:

@@ -4,12 +4,23 @@ Runs on grpc.aio so that each client's long-lived KeepAlive stream costs no
 thread. Health (``grpc.health.v1``) reports NOT_SERVING until every table is
 pinned and every transport is serving, SERVING after, and NOT_SERVING again
 from the moment a graceful shutdown begins. gRPC never carries row data.
+
+What one client network may ask is bounded: clients are grouped by network
+prefix (:func:`peer_key`: /24 for IPv4, /64 for IPv6 by default, IPv4-mapped
+IPv6 as IPv4, every Unix-socket peer as one), and each prefix has its own
+session cap, session-open token bucket and GetCatalog token bucket, so many
+source addresses of one network cannot take what an honest client needs. The
+catalog is built once, when the tables are in (it never changes after).
 """
 
 from __future__ import annotations
 
+import functools
+import ipaddress
 import logging
 import socket
+import time
+import urllib.parse
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -33,23 +44,40 @@ MAX_NAME_BYTES = 256
 
 
 def _peer_host(peer: str) -> str:
-    """``ipv4:1.2.3.4:5678`` / ``ipv6:[::1]:5678`` / ``unix:...`` -> the host part (the rate-limit key)."""
+    """``ipv4:1.2.3.4:5678`` / ``ipv6:[::1]:5678`` / ``unix:...`` -> the host part (for a unix peer: its kind)."""
     kind, _, rest = peer.partition(":")
     if kind in ("ipv4", "ipv6"):
-        return rest.rsplit(":", 1)[0]
-    return peer
+        return urllib.parse.unquote(rest).rsplit(":", 1)[0].strip("[]")
+    return kind
+
+
+def peer_key(peer: str, prefix_v4: int = 24, prefix_v6: int = 64) -> str:
+    """The client network a gRPC peer address belongs to, the key of every per-peer limit:
+    ``ipv4:10.1.2.3:5678`` -> ``10.1.2.0/24``, ``ipv6:[2001:db8::5]:80`` -> ``2001:db8::/64``,
+    ``ipv6:[::ffff:10.1.2.3]:80`` -> ``10.1.2.0/24``; every ``unix:`` peer -> ``unix``."""
+    return _prefix(_peer_host(peer), prefix_v4, prefix_v6)
+
+
+@functools.lru_cache(maxsize=4096)
+def _prefix(host: str, prefix_v4: int, prefix_v6: int) -> str:
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])  # an IPv6 zone (fe80::1%eth0) is not part of the net
+    except ValueError:
+        return host  # unix, unix-abstract, ...: one key per kind
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    bits = prefix_v4 if ip.version == 4 else prefix_v6
+    return str(ipaddress.ip_network(f"{ip}/{bits}", strict=False))
 
 
 class OpenRate:
-    """Token bucket per peer host: session opens per second, with a burst."""
+    """Token bucket per client network (a :func:`peer_key`): calls per second, with a burst."""
 
     def __init__(self, per_second: float, burst: int, max_peers: int = 65536):
         self.rate, self.burst, self.max_peers = per_second, burst, max_peers
         self._buckets: dict[str, tuple[float, float]] = {}
 
     def allow(self, peer: str, now: float | None = None) -> bool:
-        import time
-
         if self.rate <= 0:
             return True
         now = time.monotonic() if now is None else now
@@ -69,7 +97,8 @@ class ServerState:
 
     def __init__(self, sessions: SessionRegistry, transports: dict, max_rows: int, host_id: str, metrics=None,
                  node_id: str = "", open_rate: OpenRate | None = None, max_sessions: int = 4096,
-                 max_sessions_per_peer: int = 512):
+                 max_sessions_per_peer: int = 512, catalog_rate: OpenRate | None = None,
+                 peer_prefixes: tuple[int, int] = (24, 64)):
         self.sessions = sessions
         self.metrics = metrics
         self.transports = transports  # name -> ServerTransport, in server preference order
@@ -78,9 +107,15 @@ class ServerState:
         self.host_id = host_id
         self.node_id = node_id or socket.gethostname()
         self.open_rate = open_rate or OpenRate(20.0, 100)
+        self.catalog_rate = catalog_rate or OpenRate(50.0, 200)
         self.max_sessions, self.max_sessions_per_peer = max_sessions, max_sessions_per_peer
+        self.peer_prefixes = peer_prefixes
         self.ready = False
         self.unready_reason = "tables are still loading"
+        self._catalog: pb.Catalog | None = None
+
+    def peer_key(self, peer: str) -> str:
+        return peer_key(peer, *self.peer_prefixes)
 
     def server_info(self) -> pb.ServerInfo:
         return pb.ServerInfo(version=__version__, hostname=socket.gethostname(), host_id=self.host_id,
@@ -88,6 +123,12 @@ class ServerState:
                              node_id=self.node_id)
 
     def catalog(self) -> pb.Catalog:
+        """The catalog reply, built on first use: the tables and transports are fixed once serving."""
+        if self._catalog is None:
+            self._catalog = self._build_catalog()
+        return self._catalog
+
+    def _build_catalog(self) -> pb.Catalog:
         tables = [pb.TableInfo(index=t.index, name=t.name, rows=t.rows, row_bytes=t.row_bytes,
                                dtype=t.spec.dtype, shape=list(t.spec.logical_shape), layer=t.spec.layer,
                                version=t.spec.version, checksum=t.checksum, nbytes=t.nbytes,
@@ -107,7 +148,16 @@ class TableService(pb_grpc.TableServiceServicer):
 
     async def GetCatalog(self, request, context):
         await self._require_ready(context)
-        return self.state.catalog()
+        state = self.state
+        peer = state.peer_key(context.peer())
+        if not state.catalog_rate.allow(peer):
+            if state.metrics is not None:
+                state.metrics.error("rate_limited")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"too many catalog requests from {peer}: at most {state.catalog_rate.rate:g}/s "
+                                f"per network prefix (burst {state.catalog_rate.burst}); retry later, or raise "
+                                "--catalog-rate")
+        return state.catalog()
 
     async def OpenSession(self, request, context):
         await self._require_ready(context)
@@ -118,22 +168,26 @@ class TableService(pb_grpc.TableServiceServicer):
         if len(request.client_name.encode()) > MAX_NAME_BYTES or len(request.hostname.encode()) > MAX_NAME_BYTES:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"client_name and hostname are limited to {MAX_NAME_BYTES} bytes")
-        peer = _peer_host(context.peer())
+        peer = state.peer_key(context.peer())
         if not state.open_rate.allow(peer):
             if state.metrics is not None:
-                state.metrics.errors.labels("rate_limited").inc()
+                state.metrics.error("rate_limited")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"too many sessions opened from {peer}: at most {state.open_rate.rate:g}/s "
-                                f"(burst {state.open_rate.burst}); retry later")
-        open_now = state.sessions.sessions()
-        if len(open_now) >= state.max_sessions or \
-                sum(1 for s in open_now if _peer_host(s.peer) == peer) >= state.max_sessions_per_peer:
+                                f"per network prefix (burst {state.open_rate.burst}); retry later")
+        if len(state.sessions) >= state.max_sessions:
             if state.metrics is not None:
-                state.metrics.errors.labels("too_many_sessions").inc()
+                state.metrics.error("too_many_sessions")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"session limit reached ({state.max_sessions} in all, "
-                                f"{state.max_sessions_per_peer} per peer): close idle clients or raise "
-                                "--max-sessions / --max-sessions-per-peer")
+                                f"session limit reached ({state.max_sessions} open in all): close idle clients "
+                                "or raise --max-sessions")
+        if state.sessions.count(peer) >= state.max_sessions_per_peer:
+            if state.metrics is not None:
+                state.metrics.error("too_many_sessions")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"session limit reached for {peer} ({state.max_sessions_per_peer} open from that "
+                                "network prefix): close idle clients, or raise --max-sessions-per-peer (or "
+                                "--peer-prefix-v4/-v6)")
         wanted = list(dict.fromkeys(request.transports)) or list(state.transports)
         unknown = [t for t in wanted if t not in KNOWN and t != "rdma"]
         if unknown:
@@ -145,7 +199,8 @@ class TableService(pb_grpc.TableServiceServicer):
                                 f"none of the requested transports ({', '.join(wanted)}) is enabled on this "
                                 f"server (enabled: {', '.join(state.transports)})")
         session = state.sessions.open(client_name=request.client_name, hostname=request.hostname,
-                                      pid=request.pid, peer=context.peer(), transports=tuple(granted))
+                                      pid=request.pid, peer=context.peer(), peer_key=peer,
+                                      transports=tuple(granted))
         if state.metrics is not None:
             state.metrics.sessions_opened.inc()
         try:
@@ -164,6 +219,7 @@ class TableService(pb_grpc.TableServiceServicer):
         try:
             async for req in request_iterator:
                 session_id = session_id or req.session_id
+                # the first renew binds the session to this stream (no bind deadline any more)
                 if req.session_id != session_id or not sessions.renew(session_id):
                     await context.abort(grpc.StatusCode.NOT_FOUND,
                                         "session expired or closed: open a new session")

@@ -30,6 +30,7 @@ import sys
 import sysconfig
 from dataclasses import dataclass
 
+from tableserver.atomic import write_atomic
 from tableserver.errors import TableServerError
 
 LINK_DIR_NAME = "tableserver-pyverbs"
@@ -268,14 +269,8 @@ def link(pkg_dir: str, purelib: str, link_dir: str):
     had_pth = os.path.exists(pth)
     try:
         os.makedirs(link_dir, exist_ok=True)
-        tmp = target + ".tmp"
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-        os.symlink(pkg_dir, tmp)
-        os.replace(tmp, target)
-        with open(pth + ".tmp", "w") as f:
-            f.write(link_dir + "\n")
-        os.replace(pth + ".tmp", pth)
+        _symlink_atomic(pkg_dir, target)
+        write_atomic(pth, link_dir + "\n")  # O_EXCL|O_NOFOLLOW temp: a planted symlink is not followed
     except OSError as e:
         raise DoctorError(f"cannot link pyverbs into {purelib} ({e.strerror}): run it in a virtual environment "
                           "you can write to") from None
@@ -284,12 +279,32 @@ def link(pkg_dir: str, purelib: str, link_dir: str):
         if old_target is None:
             os.unlink(target)
         else:
-            os.symlink(old_target, target + ".tmp")
-            os.replace(target + ".tmp", target)
+            _symlink_atomic(old_target, target)
         if not had_pth:
             os.unlink(pth)
 
     return undo
+
+
+def _symlink_atomic(source: str, path: str) -> None:
+    """Points the symlink ``path`` at ``source``: made under an unpredictable name (symlink() never follows
+    or replaces what is there), renamed into place."""
+    import secrets
+
+    directory, base = os.path.split(os.path.abspath(path))
+    for _ in range(100):
+        tmp = os.path.join(directory, f".{base}.{secrets.token_hex(8)}.tmp")
+        try:
+            os.symlink(source, tmp)
+        except FileExistsError:
+            continue
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        return
+    raise DoctorError(f"cannot create a temporary link next to {path}")
 
 
 def check_native_take() -> Finding:

@@ -41,7 +41,7 @@ GRPC_BUCKETS = tuple(50e-6 * 2 ** k for k in range(18))
 #: error reasons (the label values of tableserver_errors_total), all exported from the start
 ERROR_REASONS = ("bad_row_ids", "unknown_table", "too_many_rows", "bad_frame", "auth", "session_closed",
                  "qp_error", "disconnect", "internal", "rate_limited", "too_many_sessions", "busy", "accept",
-                 "handshake_timeout", "handshake_evicted")
+                 "handshake_timeout", "handshake_evicted", "send_timeout")
 #: the /metrics endpoint: concurrent requests served, and how long one may take to send its request
 HTTP_MAX_REQUESTS = 8
 HTTP_TIMEOUT_S = 5.0
@@ -52,14 +52,14 @@ STATUS_REASON = {Status.ROW_OUT_OF_RANGE: "bad_row_ids", Status.UNKNOWN_TABLE: "
                  Status.UNAUTHENTICATED: "auth", Status.SESSION_CLOSED: "session_closed",
                  Status.INTERNAL: "internal", Status.BUSY: "busy"}
 #: why sessions end (label values of tableserver_sessions_ended_total)
-END_REASONS = ("closed", "disconnected", "lease_expired", "shutdown", "setup_failed")
+END_REASONS = ("closed", "disconnected", "lease_expired", "unbound", "shutdown", "setup_failed")
 
 
 def end_reason(text: str) -> str:
     """Maps a session's free-text close reason to a low-cardinality label value."""
     text = text.lower()
-    for key, value in (("lease", "lease_expired"), ("keepalive", "disconnected"), ("shutting down", "shutdown"),
-                       ("setup failed", "setup_failed")):
+    for key, value in (("lease", "lease_expired"), ("never bound", "unbound"), ("keepalive", "disconnected"),
+                       ("shutting down", "shutdown"), ("setup failed", "setup_failed")):
         if key in text:
             return value
     return "closed"

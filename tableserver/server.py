@@ -62,8 +62,6 @@ class TableServer:
         self.token = load_token(cfg["auth_token"], cfg["auth_token_file"])
         self.credentials = (server_credentials(cfg["tls_cert"], cfg["tls_key"], cfg["tls_client_ca"])
                             if cfg["tls_cert"] or cfg["tls_key"] or cfg["tls_client_ca"] else None)
-        if cfg["max_rows_per_request"] < 1:
-            raise ConfigError("--max-rows-per-request must be at least 1")
         self.shard, self.rows = parse_row_range(cfg.get("shard", ""), cfg.get("rows", ""))
         self.metrics_host = cfg.get("metrics_host") or "127.0.0.1"
         self.metrics_tls = bool(cfg.get("metrics_tls"))
@@ -91,16 +89,18 @@ class TableServer:
             loop.add_signal_handler(sig, self.request_stop, sig)
         cfg = self.cfg
         beat = asyncio.create_task(self._beat())
-        self.sessions = SessionRegistry(cfg["lease_seconds"])
+        self.sessions = SessionRegistry(cfg["lease_seconds"], bind_timeout=cfg.get("session_bind_timeout", 10.0))
         self.sessions.add_listener(self.metrics.session_ended)
         grpc_server = None
         try:
-            rate = cfg.get("session_open_rate", 20.0)
+            rate, catalog = cfg.get("session_open_rate", 20.0), cfg.get("catalog_rate", 50.0)
             self.state = ServerState(self.sessions, self.transports, cfg["max_rows_per_request"], host_id(),
                                      self.metrics, node_id=cfg.get("node_id", ""),
                                      open_rate=OpenRate(rate, max(1, int(rate * 5))),
+                                     catalog_rate=OpenRate(catalog, max(1, int(catalog * 4))),
                                      max_sessions=cfg.get("max_sessions", 4096),
-                                     max_sessions_per_peer=cfg.get("max_sessions_per_peer", 512))
+                                     max_sessions_per_peer=cfg.get("max_sessions_per_peer", 512),
+                                     peer_prefixes=(cfg.get("peer_prefix_v4", 24), cfg.get("peer_prefix_v6", 64)))
             self._generate_token_if_exposed()
             # metrics first: it also counts the calls the token check refuses
             interceptors = [MetricsInterceptor(self.metrics)] + ([TokenAuthInterceptor(self.token)]
@@ -316,16 +316,9 @@ def sd_notify(message: str) -> None:
 
 
 def _write_atomic(path: str, text: str, mode: int | None = None) -> None:
-    from tableserver.tablefile import create_temp
+    from tableserver.atomic import write_atomic
 
-    fd, tmp = create_temp(path, 0o644 if mode is None else mode)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        _remove(tmp)
-        raise
+    write_atomic(path, text, 0o644 if mode is None else mode)
 
 
 def _remove(path: str) -> None:

@@ -3,9 +3,15 @@
 A session is opened over gRPC (authenticated there) and gets a random id and
 secret; data transports admit a connection only with both. A session ends when
 the client closes it, when its KeepAlive stream ends (the client process died
-or disconnected), or when its lease lapses without a ping. Ending a session
-calls every release listener (the transports drop its connections and QPs)
-exactly once, outside the registry lock.
+or disconnected), when its lease lapses without a ping, or when its client has
+not bound a KeepAlive stream to it (its first ping renews it) within the bind
+timeout: a flood of opens without keepalives cannot hold sessions for a whole
+lease. Ending a session calls every release listener (the transports drop its
+connections and QPs) exactly once, outside the registry lock.
+
+Each session carries the key of the client network it came from
+(``peer_key``); the registry counts open sessions per key, for the per-peer
+cap.
 """
 
 from __future__ import annotations
@@ -31,9 +37,11 @@ class Session:
     hostname: str = ""
     pid: int = 0
     peer: str = ""
+    peer_key: str = ""  # the client's network prefix (control.peer_key)
     transports: tuple[str, ...] = ()
     created: float = field(default_factory=time.monotonic)
     deadline: float = 0.0
+    bound: bool = False  # a KeepAlive stream has renewed it
     closed: bool = False
     close_reason: str = ""
 
@@ -43,9 +51,13 @@ class Session:
 
 
 class SessionRegistry:
-    def __init__(self, lease_seconds: float = 15.0, reap_interval: float = 0.5):
+    def __init__(self, lease_seconds: float = 15.0, reap_interval: float = 0.5, bind_timeout: float | None = None):
+        """``bind_timeout``: seconds a session may stay without a KeepAlive stream (None: only the lease
+        bounds it; the daemon passes --session-bind-timeout)."""
         self.lease_seconds = lease_seconds
+        self.bind_timeout = bind_timeout
         self._sessions: dict[bytes, Session] = {}
+        self._per_key: dict[str, int] = {}
         self._lock = threading.Lock()
         self._listeners: list[Callable[[Session], None]] = []
         self._stop = threading.Event()
@@ -62,6 +74,7 @@ class SessionRegistry:
         s.deadline = time.monotonic() + self.lease_seconds
         with self._lock:
             self._sessions[s.id] = s
+            self._per_key[s.peer_key] = self._per_key.get(s.peer_key, 0) + 1
         log.info("session %s opened (transports %s)", s.label, ",".join(s.transports))
         return s
 
@@ -86,19 +99,30 @@ class SessionRegistry:
         return s, server_proof(s.secret, sid, server_nonce, client_nonce)
 
     def renew(self, session_id: bytes) -> bool:
+        """A keepalive ping: extends the lease and marks the session bound to its stream."""
         with self._lock:
             s = self._sessions.get(session_id)
             if s is None or s.closed:
                 return False
             s.deadline = time.monotonic() + self.lease_seconds
+            s.bound = True
             return True
 
-    def close(self, session_id: bytes, reason: str = "closed by client") -> bool:
+    def count(self, peer_key: str) -> int:
+        """Open sessions from the client network ``peer_key``."""
         with self._lock:
-            s = self._sessions.pop(session_id, None)
-            if s is None:
+            return self._per_key.get(peer_key, 0)
+
+    def close(self, session_id: bytes, reason: str = "closed by client", _unless=None) -> bool:
+        with self._lock:
+            s = self._sessions.get(session_id)
+            if s is None or (_unless is not None and _unless(s)):  # the reaper's reason went away meanwhile
                 return False
+            del self._sessions[session_id]
             s.closed, s.close_reason = True, reason
+            left = self._per_key.pop(s.peer_key) - 1
+            if left:
+                self._per_key[s.peer_key] = left
         log.info("session %s ended: %s", s.label, reason)
         for fn in self._listeners:
             try:
@@ -120,8 +144,15 @@ class SessionRegistry:
             now = time.monotonic()
             with self._lock:
                 expired = [s.id for s in self._sessions.values() if s.deadline < now]
+                unbound = [] if self.bind_timeout is None else [
+                    s.id for s in self._sessions.values()
+                    if not s.bound and s.created < now - self.bind_timeout and s.deadline >= now]
             for sid in expired:
-                self.close(sid, f"lease of {self.lease_seconds:g} s lapsed without a keepalive")
+                self.close(sid, f"lease of {self.lease_seconds:g} s lapsed without a keepalive",
+                           _unless=lambda s: s.deadline >= time.monotonic())
+            for sid in unbound:
+                self.close(sid, f"never bound a keepalive stream within {self.bind_timeout:g} s of opening "
+                                "(a client must start KeepAlive right after OpenSession)", _unless=lambda s: s.bound)
 
     def close_all(self, reason: str = "server shutting down") -> None:
         self._stop.set()

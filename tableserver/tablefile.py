@@ -38,6 +38,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from tableserver.atomic import create_temp  # noqa: F401 (public here too)
 from tableserver.errors import ChecksumError, TableFileError
 
 MAGIC = b"TBLSRV01"
@@ -458,21 +459,6 @@ class TableFileWriter:
             self.commit()
         else:
             self.abort()
-
-
-def create_temp(path: str, mode: int = 0o644) -> tuple[int, str]:
-    """(fd, name) of a new, unpredictable file next to ``path``, created with O_EXCL|O_NOFOLLOW: a file or
-    symlink planted at a temp name is never followed or overwritten. Published with os.replace."""
-    import secrets
-
-    directory, base = os.path.split(os.path.abspath(path))
-    for _ in range(100):
-        tmp = os.path.join(directory, f".{base}.{secrets.token_hex(8)}.tmp")
-        try:
-            return os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode), tmp
-        except FileExistsError:
-            continue
-    raise TableFileError(f"cannot create a temporary file next to {path}")
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:

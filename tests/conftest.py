@@ -28,6 +28,9 @@ IN_GUEST = os.environ.get("TABLESERVER_IN_GUEST") == "1"
 EVENT_TIMEOUT = float(os.environ.get("TABLESERVER_TEST_EVENT_TIMEOUT", "600"))
 #: Session lease of the test daemons: far longer than a starved client's keepalive can be late.
 TEST_LEASE = "120"
+#: How long the test daemons keep a session that never binds a keepalive stream: tests open raw
+#: sessions without one (tests_helpers.open_raw_session) and must not lose them on a busy machine.
+TEST_BIND_TIMEOUT = "3600"
 
 # tests/rdma needs a verbs device: it runs inside the Soft-RoCE guest (tests/test_rdma_guest.py
 # boots it), never directly on the host, where it would only skip.
@@ -109,7 +112,8 @@ def start_daemon(workdir: str, *args, env=None, wait: bool = True, timeout: floa
     log = open(os.path.join(workdir, "server.log"), "w")
     cmd = [*prefix, sys.executable, "-m", "tableserver", "serve", "--listen", "127.0.0.1:0", "--ready-file", ready,
            "--progress", "never", "--shm-socket", os.path.join(workdir, "shm.sock"), "--lease-seconds", TEST_LEASE,
-           *args]  # a later flag wins: a test may pass its own --lease-seconds
+           "--session-bind-timeout", TEST_BIND_TIMEOUT,
+           *args]  # a later flag wins: a test may pass its own --lease-seconds, --session-bind-timeout
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     d = Daemon(proc, workdir)
     if not wait:

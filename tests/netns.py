@@ -157,7 +157,7 @@ class Cluster:
         proc = self.hosts.popen(name, [sys.executable, "-m", "tableserver", "serve", "--tables", table, "--listen",
                                        f"{self.hosts.ip(name)}:{PORT}", "--transports", "tcp", "--node-id", name,
                                        "--ready-file", ready, "--progress", "never", "--metrics-port", "off",
-                                       "--lease-seconds", "120", *flags], stdout=log, stderr=log, cwd=ROOT)
+                                       "--lease-seconds", "120", "--session-bind-timeout", "3600", *flags], stdout=log, stderr=log, cwd=ROOT)
         self.nodes[name] = proc
         wait_for(lambda: os.path.exists(ready) or proc.poll() is not None, f"{name} to serve")
         assert proc.poll() is None, open(os.path.join(self.workdir, f"{name}.log")).read()[-3000:]

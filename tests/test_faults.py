@@ -132,7 +132,7 @@ def test_port_in_use(tmp_path, demo_file):
 
 
 def test_bad_flags_exit_2(demo_file):
-    assert_one_line_error(run_cli("--tables", demo_file, "--lease-seconds", "soon"), "expected a positive number",
+    assert_one_line_error(run_cli("--tables", demo_file, "--lease-seconds", "soon"), "expected a number in 0.1..86400",
                           code=2)
     assert_one_line_error(run_cli("--tables", demo_file, "--transports", "carrier-pigeon"),
                           "unknown transport 'carrier-pigeon'", code=2)

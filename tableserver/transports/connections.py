@@ -16,8 +16,10 @@ Every limit is written here once, for every transport:
   itself out while a real client, which answers the challenge in
   microseconds, gets in.
 * **idle timeout** (off by default: a session's lease already bounds how long
-  its connections live) and a **send timeout**: a peer that stops reading its
-  response is dropped.
+  its connections live) and a **send timeout**: a response not wholly sent
+  within ``send_timeout`` of when its sending began drops the connection (a
+  peer that reads a byte now and then cannot hold it and its buffers).
+  A Protocol marks a response in flight with ``conn.send_since``.
 * **connection caps**: ``max_connections`` in all (the default fits the fd
   limit), ``max_per_session`` per session.
 * **accept errors** (EMFILE, ENFILE, ENOBUFS, ENOMEM, ...): back off 50 ms..1 s,
@@ -42,6 +44,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from tableserver.config import option
 from tableserver.logs import RateLimitedLog
 
 log = logging.getLogger("tableserver.connections")
@@ -59,11 +62,11 @@ _EVENTS = {READ: select.EPOLLIN | _ONESHOT, WRITE: select.EPOLLOUT | _ONESHOT}
 
 def default_max_connections(transports: int = 2) -> int:
     """Connections one transport may hold so all of them fit under RLIMIT_NOFILE (with room for tables,
-    gRPC and metrics)."""
+    gRPC and metrics), within --max-connections' range."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         soft = 1 << 20
-    return max(16, min(65536, (soft - 128) // max(1, transports)))
+    return max(16, min(option("max_connections").hi, (soft - 128) // max(1, transports)))
 
 
 @dataclass
@@ -92,7 +95,7 @@ class Refused(Exception):
 class Connection:
     """One accepted socket and its protocol state (``state``, owned by the Protocol)."""
 
-    __slots__ = ("sock", "fd", "peer", "session", "opened", "last_active", "state", "evicted")
+    __slots__ = ("sock", "fd", "peer", "session", "opened", "last_active", "state", "evicted", "send_since")
 
     def __init__(self, sock: socket.socket, peer: str):
         self.sock = sock
@@ -102,6 +105,7 @@ class Connection:
         self.opened = self.last_active = time.monotonic()
         self.state = None
         self.evicted = False
+        self.send_since = 0.0  # monotonic time the response being sent began sending (0: none)
 
     def shutdown(self) -> None:
         """Wakes whichever worker owns or will get this connection; it drops it (only a worker closes)."""
@@ -414,19 +418,19 @@ class ConnectionLoop:
                     self._ep.modify(self._listen_fd, select.EPOLLIN | _ONESHOT)
                 except (OSError, ValueError):
                     pass
-            expired = []
+            expired, slow = [], []
             with self._lock:
                 for conn in self._handshakes.values():  # oldest first
                     if now - conn.opened < limits.handshake_timeout:
                         break
                     expired.append(conn)
-                if limits.idle_timeout or limits.send_timeout:
-                    for conn in self._conns.values():
-                        idle = now - conn.last_active
-                        if conn.session is not None and limits.idle_timeout and idle > limits.idle_timeout:
-                            expired.append(conn)
-                        elif getattr(conn.state, "sending", False) and idle > limits.send_timeout:
-                            expired.append(conn)
+                for conn in self._conns.values():
+                    since = conn.send_since
+                    if since and now - since > limits.send_timeout:
+                        slow.append(conn)
+                    elif conn.session is not None and limits.idle_timeout and \
+                            now - conn.last_active > limits.idle_timeout:
+                        expired.append(conn)
             for conn in expired:
                 if conn.session is None:
                     if self.metrics is not None:
@@ -435,6 +439,14 @@ class ConnectionLoop:
                                        conn.peer, limits.handshake_timeout)
                 with self._lock:
                     self._handshakes.pop(conn.fd, None)
+                conn.shutdown()
+            for conn in slow:
+                conn.send_since = 0.0  # counted once; the worker that gets the shutdown drops it
+                if self.metrics is not None:
+                    self.metrics.error("send_timeout")
+                self._ratelog.warning("send-timeout", "%s %s: a response not taken within %g s of its start "
+                                      "(--send-timeout); dropped the connection", self.name, conn.peer,
+                                      limits.send_timeout)
                 conn.shutdown()
 
 
@@ -447,4 +459,6 @@ def wait_writable(sock: socket.socket, timeout: float) -> bool:
 
 
 def cpu_workers() -> int:
-    return max(2, min(32, 2 * (os.cpu_count() or 1)))
+    """--data-threads 0: 2 per core, within the option's range."""
+    bounds = option("data_threads")
+    return max(bounds.lo, min(bounds.hi, 2 * (os.cpu_count() or 1)))

@@ -3,6 +3,8 @@
 Connections live in the shared connection layer (transports/connections.py):
 a fixed pool of workers on one epoll set, no thread per connection, every
 limit (handshake deadline, caps, send timeout, accept back-off) written there.
+A response marks ``conn.send_since`` when it starts sending and clears it once
+wholly sent: the send timeout bounds the whole response, not each partial send.
 A connection opens with the server's CHALLENGE; the client answers with a
 HELLO that proves it holds its session secret without sending it.
 
@@ -370,6 +372,7 @@ class _TcpProtocol(Protocol):
             st.closing = e.status in FATAL
         st.error = None
         st.sending = True
+        conn.send_since = time.monotonic()  # the send timeout bounds the whole response from here
         st.chunk_busy = False
         st.expect_header()
 
@@ -465,6 +468,7 @@ class _TcpProtocol(Protocol):
     def _finish(self, conn: Connection) -> None:
         st: _State = conn.state
         st.sending = False
+        conn.send_since = 0.0
         if st.ftype == FrameType.GATHER and st.count and not st.closing:
             self.t._instruments(st.table).defer(st.count, st.count * self.t.tables[st.table].row_bytes,
                                                 time.perf_counter() - st.started)
@@ -478,7 +482,9 @@ class _TcpProtocol(Protocol):
         """After a fatal error: read and drop the peer's bytes until it closes (closing with unread input
         makes the kernel send RST, which can destroy the error frame in flight); the send timeout bounds it."""
         st: _State = conn.state
-        st.sending = True  # so the send timeout closes a peer that never hangs up
+        st.sending = True
+        if not conn.send_since:  # so the send timeout closes a peer that never hangs up
+            conn.send_since = time.monotonic()
         for _ in range(16):
             try:
                 chunk = conn.sock.recv(65536)
