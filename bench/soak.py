@@ -3,10 +3,11 @@
 flood client attacks the same server; every row is checked against the table file.
 
 The run has two halves of equal length: quiet, then with the flood. The flood process does what
-issue 12 found harmful: it keeps ~1,000 idle tcp connections and ~500 idle shm connections open
-(reconnecting as the server evicts them), sends garbage frames, opens sessions as fast as the rate
-limit lets it, and holds a slow-reading connection with a big pending response. The server runs
-under LimitNOFILE=1024, as the shipped systemd unit had it.
+issues 12 and 24 found harmful: it keeps ~1,000 idle tcp connections and ~500 idle shm connections
+open (reconnecting as the server evicts them), sends garbage frames, opens sessions as fast as the
+rate limit lets it, holds a slow-reading connection with a big pending response, floods OpenSession
+with sessions that never bind a keepalive stream, and keeps 64 GetCatalog calls in flight at all
+times. The server runs under LimitNOFILE=1024, as the shipped systemd unit had it.
 
 Reports: rows checked, mismatches (must be 0), failed gathers, victims' p50/p99 per transport
 without and with the flood (goal: p99 within 2x), and the server's fds, threads and RSS before,
@@ -79,10 +80,36 @@ def flood(address: str, tcp: tuple, shm_path: str, t_start: float, t_end: float,
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 8192), hard))
     while time.time() < t_start:
         time.sleep(0.01)
-    counts = {"tcp_conns": 0, "shm_conns": 0, "garbage": 0, "sessions_tried": 0, "slow_readers": 0}
+    counts = {"tcp_conns": 0, "shm_conns": 0, "garbage": 0, "sessions_tried": 0, "slow_readers": 0,
+              "unbound_sessions": 0, "unbound_refused": 0, "catalogs": 0, "catalogs_refused": 0}
     held_tcp, held_shm, slow = [], [], []
     channel = grpc.insecure_channel(address)
     stub = pb_grpc.TableServiceStub(channel)
+    import threading
+
+    def rpc_flood(call, request, ok_key: str, refused_key: str, in_flight: int) -> None:
+        """Keeps ``in_flight`` calls outstanding until the end (each a session or a catalog nobody uses)."""
+        ch = grpc.insecure_channel(address)
+        method = getattr(pb_grpc.TableServiceStub(ch), call)
+        live = []
+        while time.time() < t_end:
+            while len(live) < in_flight:
+                live.append(method.future(request, timeout=5))
+            done = [f for f in live if f.done()]
+            for f in done:
+                live.remove(f)
+                counts[ok_key if f.exception() is None else refused_key] += 1
+            time.sleep(0.001)
+        for f in live:
+            f.cancel()
+        ch.close()
+
+    floods = [threading.Thread(target=rpc_flood, args=("OpenSession", pb.OpenSessionRequest(
+                  client_name="unbound", transports=["tcp"]), "unbound_sessions", "unbound_refused", 8)),
+              threading.Thread(target=rpc_flood, args=("GetCatalog", pb.GetCatalogRequest(), "catalogs",
+                                                       "catalogs_refused", 64))]
+    for t in floods:
+        t.start()
     while time.time() < t_end:
         try:  # idle connections that never say HELLO
             for _ in range(20):
@@ -117,6 +144,8 @@ def flood(address: str, tcp: tuple, shm_path: str, t_start: float, t_end: float,
                 counts["slow_readers"] += 1
         except (grpc.RpcError, OSError, ValueError):
             pass
+    for t in floods:
+        t.join()
     for s in held_tcp + held_shm + slow:
         s.close()
     channel.close()
