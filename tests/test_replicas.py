@@ -267,33 +267,35 @@ def test_a_shard_that_restarts_with_another_range_never_yields_an_unwritten_row(
     the others stay bit-exact, and overlapping or nested layouts are routed to nodes holding the rows."""
     local = local_tables(one_table)["t"]
     port_b = free_port_block()
-    a = node(tmp_path, "a", one_table, None, "--rows", "0:10000")
-    b = node(tmp_path, "b", one_table, port_b, "--rows", "10000:20000")
+    started = [node(tmp_path, "a", one_table, None, "--rows", "0:10000"),
+               node(tmp_path, "b", one_table, port_b, "--rows", "10000:20000")]
     every = np.arange(20_000)
-    with TableClient(f"{a.address},{b.address}", transport="tcp") as c:
-        t = c.table("t")
-        np.testing.assert_array_equal(t.gather(every, timeout=EVENT_TIMEOUT), local)
+    try:
+        with TableClient(",".join(d.address for d in started), transport="tcp") as c:
+            t = c.table("t")
+            np.testing.assert_array_equal(t.gather(every, timeout=EVENT_TIMEOUT), local)
 
-        def restart_b(rows: str, name: str):
-            nonlocal b
-            b.stop(signal.SIGKILL)
-            wait_for(lambda: c.replicas()[b.address]["state"] == "down", "the client to notice b's loss")
-            b = node(tmp_path, name, one_table, port_b, "--rows", rows)
-            wait_for(lambda: c.replicas()[b.address]["state"] == "up", lambda: f"b to be back: {c.replicas()}")
+            def restart_b(rows: str, name: str):
+                b = started[-1]
+                b.stop(signal.SIGKILL)
+                wait_for(lambda: c.replicas()[b.address]["state"] == "down", "the client to notice b's loss")
+                started.append(node(tmp_path, name, one_table, port_b, "--rows", rows))
+                wait_for(lambda: c.replicas()[b.address]["state"] == "up", lambda: f"b to be back: {c.replicas()}")
 
-        restart_b("10000:15000", "b2")
-        with pytest.raises(ConnectError, match=r"rows 15000\.\.19999 of 't' are on no node"):
-            t.gather(np.array([3, 12_000, 19_999]), timeout=EVENT_TIMEOUT)
-        with pytest.raises(ConnectError, match=r"rows 15000\.\.19999 of 't' are on no node"):
-            t.gather_async(every).wait(EVENT_TIMEOUT)
-        held = np.arange(15_000)
-        np.testing.assert_array_equal(t.gather(held, timeout=EVENT_TIMEOUT), local[held])
+            restart_b("10000:15000", "b2")
+            with pytest.raises(ConnectError, match=r"rows 15000\.\.19999 of 't' are on no node"):
+                t.gather(np.array([3, 12_000, 19_999]), timeout=EVENT_TIMEOUT)
+            with pytest.raises(ConnectError, match=r"rows 15000\.\.19999 of 't' are on no node"):
+                t.gather_async(every).wait(EVENT_TIMEOUT)
+            held = np.arange(15_000)
+            np.testing.assert_array_equal(t.gather(held, timeout=EVENT_TIMEOUT), local[held])
 
-        restart_b("5000:20000", "b3")  # overlapping a's range: 5000..9999 on both
-        np.testing.assert_array_equal(t.gather(every, timeout=EVENT_TIMEOUT), local)
-        restart_b("0:20000", "b4")  # a's range nested in b's
-        ids = np.random.default_rng(7).integers(0, 20_000, 5000)
-        np.testing.assert_array_equal(t.gather(ids, timeout=EVENT_TIMEOUT), local[ids])
-        np.testing.assert_array_equal(t.gather(every, timeout=EVENT_TIMEOUT), local)
-    a.stop()
-    b.stop()
+            restart_b("5000:20000", "b3")  # overlapping a's range: 5000..9999 on both
+            np.testing.assert_array_equal(t.gather(every, timeout=EVENT_TIMEOUT), local)
+            restart_b("0:20000", "b4")  # a's range nested in b's
+            ids = np.random.default_rng(7).integers(0, 20_000, 5000)
+            np.testing.assert_array_equal(t.gather(ids, timeout=EVENT_TIMEOUT), local[ids])
+            np.testing.assert_array_equal(t.gather(every, timeout=EVENT_TIMEOUT), local)
+    finally:
+        for d in started:
+            d.stop()
