@@ -146,17 +146,21 @@ class TableService(pb_grpc.TableServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"{self.state.unready_reason}: retry when health reports SERVING")
 
+    async def _exhausted(self, context, reason: str, message: str) -> None:
+        """Refuses the call with RESOURCE_EXHAUSTED (counted under ``reason``)."""
+        if self.state.metrics is not None:
+            self.state.metrics.error(reason)
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+
     async def GetCatalog(self, request, context):
         await self._require_ready(context)
         state = self.state
         peer = state.peer_key(context.peer())
         if not state.catalog_rate.allow(peer):
-            if state.metrics is not None:
-                state.metrics.error("rate_limited")
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"too many catalog requests from {peer}: at most {state.catalog_rate.rate:g}/s "
-                                f"per network prefix (burst {state.catalog_rate.burst}); retry later, or raise "
-                                "--catalog-rate")
+            await self._exhausted(context, "rate_limited",
+                                  f"too many catalog requests from {peer}: at most {state.catalog_rate.rate:g}/s "
+                                  f"per network prefix (burst {state.catalog_rate.burst}); retry later, or raise "
+                                  "--catalog-rate")
         return state.catalog()
 
     async def OpenSession(self, request, context):
@@ -170,24 +174,18 @@ class TableService(pb_grpc.TableServiceServicer):
                                 f"client_name and hostname are limited to {MAX_NAME_BYTES} bytes")
         peer = state.peer_key(context.peer())
         if not state.open_rate.allow(peer):
-            if state.metrics is not None:
-                state.metrics.error("rate_limited")
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"too many sessions opened from {peer}: at most {state.open_rate.rate:g}/s "
-                                f"per network prefix (burst {state.open_rate.burst}); retry later")
+            await self._exhausted(context, "rate_limited",
+                                  f"too many sessions opened from {peer}: at most {state.open_rate.rate:g}/s "
+                                  f"per network prefix (burst {state.open_rate.burst}); retry later")
         if len(state.sessions) >= state.max_sessions:
-            if state.metrics is not None:
-                state.metrics.error("too_many_sessions")
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"session limit reached ({state.max_sessions} open in all): close idle clients "
-                                "or raise --max-sessions")
+            await self._exhausted(context, "too_many_sessions",
+                                  f"session limit reached ({state.max_sessions} open in all): close idle clients "
+                                  "or raise --max-sessions")
         if state.sessions.count(peer) >= state.max_sessions_per_peer:
-            if state.metrics is not None:
-                state.metrics.error("too_many_sessions")
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"session limit reached for {peer} ({state.max_sessions_per_peer} open from that "
-                                "network prefix): close idle clients, or raise --max-sessions-per-peer (or "
-                                "--peer-prefix-v4/-v6)")
+            await self._exhausted(context, "too_many_sessions",
+                                  f"session limit reached for {peer} ({state.max_sessions_per_peer} open from that "
+                                  "network prefix): close idle clients, or raise --max-sessions-per-peer (or "
+                                  "--peer-prefix-v4/-v6)")
         wanted = list(dict.fromkeys(request.transports)) or list(state.transports)
         unknown = [t for t in wanted if t not in KNOWN and t != "rdma"]
         if unknown:

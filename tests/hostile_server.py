@@ -65,8 +65,8 @@ class ScriptedServer:
     # ----------------------------------------------------------------- life
     def __enter__(self):
         self.grpc.start()
-        for target, sock in ((self._accept_tcp, self.tcp), (self._accept_shm, self.shm)):
-            self._spawn(target, sock)
+        for sock, serve in ((self.tcp, self._serve_tcp), (self.shm, self._serve_shm)):
+            self._spawn(self._accept, sock, serve)
         return self
 
     def __exit__(self, *exc):
@@ -123,16 +123,16 @@ class ScriptedServer:
             return [pb.TransportOffer(name="tcp", tcp=pb.TcpEndpoint(host="127.0.0.1", port=1 << 20))]
         return [o for o in (shm, tcp) if o.name in wanted]
 
-    # ----------------------------------------------------------------- tcp data port
-    def _accept_tcp(self, sock) -> None:
+    def _accept(self, sock, serve) -> None:
         while not self.stop.is_set():
             try:
                 conn, _ = sock.accept()
             except OSError:
                 return
             self.conns.append(conn)
-            self._spawn(self._serve_tcp, conn)
+            self._spawn(serve, conn)
 
+    # ----------------------------------------------------------------- tcp data port
     def _dribble(self, conn, data: bytes, per_byte_s: float = 1.0) -> None:
         for i in range(len(data)):
             if not self.sleep(per_byte_s):
@@ -188,15 +188,6 @@ class ScriptedServer:
             conn.close()
 
     # ----------------------------------------------------------------- shm socket
-    def _accept_shm(self, sock) -> None:
-        while not self.stop.is_set():
-            try:
-                conn, _ = sock.accept()
-            except OSError:
-                return
-            self.conns.append(conn)
-            self._spawn(self._serve_shm, conn)
-
     def _memfd(self, sealed: bool, size: int) -> int:
         fd = os.memfd_create("hostile-table", os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, size)
