@@ -36,7 +36,7 @@ from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.v1 import tableserver_pb2_grpc as pb_grpc
 from tableserver.wire import SECRET_BYTES, SESSION_ID_BYTES
 
-#: the longest session lease a client accepts (a server's own bound on --lease-seconds is lower)
+#: the longest session lease a client accepts (the bound of the server's --lease-seconds)
 MAX_LEASE_S = 86400.0
 #: offers of one session looked at (a server offers one per transport asked for)
 MAX_OFFERS = 16
@@ -143,7 +143,9 @@ class NodeSession:
     Opening it -- catalog, session, keepalive bound, data transport handshake -- ends within one
     deadline, ``connect_timeout`` seconds from the start, however the server paces its answers."""
 
-    def __init__(self, address: str, options: NodeOptions, on_lost=None):
+    def __init__(self, address: str, options: NodeOptions, on_lost=None, deadline: float | None = None):
+        """``deadline`` (time.monotonic()): end the open by then rather than connect_timeout from now,
+        when that is sooner (a client's start-up: its catalog probes and sessions share one deadline)."""
         o = options
         if o.transport != "auto" and o.transport not in KNOWN:
             raise ValueError(f"unknown transport {o.transport!r}: use auto, {', '.join(KNOWN)}")
@@ -161,6 +163,8 @@ class NodeSession:
         self.error: BaseException | None = None  # why the session was lost, once it was
         self.last_heard = time.monotonic()
         self._deadline = time.monotonic() + o.connect_timeout  # the whole open: every step below
+        if deadline is not None:
+            self._deadline = min(self._deadline, deadline)
         self._channel = make_channel(address, o)
         self._metrics = metrics()
         try:
@@ -171,7 +175,7 @@ class NodeSession:
         except BaseException as e:
             if isinstance(e, Exception):
                 self._metrics.error(e)
-            self.close()
+            self.close(graceful=False)  # within the deadline: ending the keepalive stream ends the session
             raise
         self._metrics.connects.labels(self.transport).inc()
         self._metrics.sessions.labels(self.transport).inc()

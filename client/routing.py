@@ -11,14 +11,16 @@ layer): validation, dedup and request splitting stay where they are.
 * **Identity**: every table has a whole-table checksum. The client pins the
   first it sees (or the one given) with the total rows and row size; a node
   whose table differs is refused (and counted), never read from.
-* **Shards**: each node holds rows ``[row_lo, row_lo + rows)`` of each table;
-  nodes with the same range are replicas of that shard. The client's shard map
-  (:mod:`tableclient.shardmap`) is rebuilt from the catalogs on every change of
-  a replica and checked (sorted, non-overlapping, covering the table) before
-  use; at start the ranges must tile every table. A gather is split by shard
-  with one vectorized sort, each part fetched from a replica whose current
-  catalog still holds all of its rows, and the rows scattered back in order;
-  ids no live node holds fail the gather with a ConnectError naming them.
+* **Shards**: each node holds rows ``[row_lo, row_lo + rows)`` of each table.
+  The client's shard map (:mod:`tableclient.shardmap`) cuts each table into
+  segments at every range boundary, a segment's replicas being the nodes whose
+  range holds all of it (overlapping and nested ranges included); it is rebuilt
+  from the catalogs on every change of a replica and checked (sorted,
+  non-overlapping, covering the table) before use. At start every row must be
+  on some node. A gather is split by segment with one vectorized sort, each
+  part sent on a session whose own catalog holds all of its rows, and the rows
+  scattered back in order; ids no live node holds fail the gather with a
+  ConnectError naming them.
 * **Replica choice**: rendezvous (highest-random-weight) hashing of the
   client id and the node id orders each shard's replicas per client: clients
   spread evenly, and only the clients of a node that fails move. The first
@@ -160,7 +162,7 @@ class _Part:
 class RoutedPending(Pending):
     """One gather across shards and replicas; ``wait`` drives fail-over and collects hedges."""
 
-    __slots__ = ("router", "name", "parts", "out", "order", "scratch", "mode", "lock", "deadline_s")
+    __slots__ = ("router", "name", "parts", "out", "order", "scratch", "mode", "lock")
 
     def __init__(self, router, name, parts, out, order, scratch, mode):
         super().__init__()
@@ -248,6 +250,7 @@ class Router(ClientTransport):
         if not addresses:
             raise ConnectError(f"{self.address} resolves to no address")
         self._next_dns = time.monotonic() + self.options.dns_refresh
+        self._start_deadline = time.monotonic() + self.node_options.connect_timeout  # probes and sessions
         for a in addresses:
             self.replicas[a] = Replica(a)
         found = self._probe_all(list(self.replicas.values()))
@@ -270,7 +273,7 @@ class Router(ClientTransport):
             for shard in m.shards:
                 errors = []
                 for r in [r for r in shard.replicas if r.usable]:
-                    if self._session(r, errors) is not None:
+                    if self._session(r, errors, deadline=self._start_deadline) is not None:
                         break
                 else:
                     if len(errors) == 1:
@@ -371,13 +374,14 @@ class Router(ClientTransport):
         return list(self._maps[name].shards)
 
     # ------------------------------------------------------------------ sessions
-    def _session(self, replica: Replica, errors: list | None = None) -> NodeSession | None:
+    def _session(self, replica: Replica, errors: list | None = None,
+                 deadline: float | None = None) -> NodeSession | None:
         """The replica's live session, opened now if it has none; None when it cannot be (the reason is
         appended to ``errors`` when given)."""
         node = replica.node
         if node is not None and not node.closed:
             return node
-        if not replica.usable:
+        if not replica.usable or self._closed.is_set():
             return None
         with replica.connect_lock:
             if replica.node is not None and not replica.node.closed:
@@ -385,7 +389,7 @@ class Router(ClientTransport):
             if not replica.usable:
                 return None
             try:
-                node = NodeSession(replica.address, self.node_options, on_lost=self._on_lost)
+                node = NodeSession(replica.address, self.node_options, on_lost=self._on_lost, deadline=deadline)
             except BaseException as e:
                 if errors is not None:
                     errors.append(e)
@@ -589,7 +593,8 @@ class Router(ClientTransport):
         whole = m.whole() if m is not None else None
         if whole is not None:
             for r in whole.replicas:
-                node, info = r.node, r.tables.get(name)
+                node = r.node
+                info = node.tables.get(name) if node is not None else None  # the session's own catalog
                 if r.usable and node is not None and not node.closed:
                     transport = node._transport
                     if transport is not None and holds(info, whole) and info.row_lo == 0:
@@ -646,17 +651,20 @@ class Router(ClientTransport):
 
     def _issue(self, routed: RoutedPending, part: _Part, sync: bool = False, wait_until: float | None = None,
                hedge: bool = False) -> _Attempt | None:
-        """Sends the part to the first usable replica not tried yet (a hedge: not the one in flight)."""
-        while True:
+        """Sends the part to the first usable replica not tried yet (a hedge: not the one in flight);
+        nothing once the gather is cancelled."""
+        while not routed.cancelled:
             busy = {a.replica for a in part.attempts if a.pending is not None}
             moved = False
             for r in part.shard.replicas:
                 if r in part.tried or r in busy or not r.usable:
                     continue
+                if hedge and (r.node is None or r.node.closed):
+                    continue  # a hedge never waits for a connect (the hedger serves every gather)
                 node = self._session(r)
                 if node is None:
                     continue
-                info = r.tables.get(routed.name)  # its catalog as of this session (a restart may change it)
+                info = node.tables.get(routed.name)  # that session's own catalog: index and range go together
                 if not holds(info, part.shard):
                     moved = True  # it no longer holds these rows: never sent a request it would misread
                     continue
@@ -672,6 +680,8 @@ class Router(ClientTransport):
                     continue
                 attempt = _Attempt(r, pending, buf, hedge)
                 part.attempts.append(attempt)
+                if routed.cancelled:  # cancelled meanwhile: cancel() may not have seen this attempt
+                    pending.cancel()
                 return attempt
             if moved:  # the layout changed since the gather was split: the segment holding them now, if one does
                 shard = self._holding(routed.name, part.ids)
@@ -683,16 +693,18 @@ class Router(ClientTransport):
                 return None
             # every replica failed or is down: wait for one to come back, up to the caller's deadline
             with self._changed:
-                part.tried = {r for r in part.tried if not r.usable}
-                if any(r.usable and r not in part.tried for r in part.shard.replicas):
-                    continue
                 remaining = wait_until - time.monotonic()
                 if remaining < 0 or self._closed.is_set():
                     return None
+                part.tried = {r for r in part.tried if not r.usable}
+                if any(r.usable and r not in part.tried for r in part.shard.replicas):
+                    continue
                 self._changed.wait(min(remaining, 0.1))
 
     def _finish_part(self, routed: RoutedPending, part: _Part, deadline: float, bound: float) -> None:
         while not part.done:
+            if routed.cancelled:  # a barrier: no attempt is issued (or re-issued) for a cancelled gather
+                raise TableClientError(f"gather of {part.ids.size} rows of {routed.name!r} was cancelled")
             with routed.lock:
                 live = [a for a in part.attempts if a.pending is not None]
             if not live:
@@ -817,4 +829,7 @@ class Router(ClientTransport):
                 r.node = None
         for node in nodes:
             node.close()
+        for t in getattr(self, "_threads", ()):
+            if t is not threading.current_thread():
+                t.join(timeout=2.0)
 

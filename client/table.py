@@ -60,7 +60,7 @@ class TableInfo:
         return self.row_lo + self.rows
 
 
-#: bounds of a catalog a client accepts (a table file's own limits are lower)
+#: bounds of a catalog a client accepts (a model's tables are far below them)
 MAX_TABLES = 4096
 MAX_NAME_CHARS = 256
 
@@ -294,7 +294,7 @@ class RemoteTable:
         # rows of repeated ids are fetched once into scratch, then expanded into place
         dest = flat_out if inverse is None else rows_buffer(unique.size, info.row_bytes)
         try:
-            pending = transport.gather(replica.tables[info.name].index, unique, dest, True, mode)
+            pending = transport.gather(node.tables[info.name].index, unique, dest, True, mode)
         except (GatherTimeout, RemoteError) as e:
             metrics().error(e)
             raise

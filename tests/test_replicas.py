@@ -9,13 +9,14 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import threading
 import time
 
 import numpy as np
 import pytest
 
 from conftest import EVENT_TIMEOUT, local_tables, start_daemon, wait_for
-from tests_helpers import freeze
+from tests_helpers import freeze, scrape, value
 from tableclient import ConnectError, TableClient
 from tableserver.demo import DemoTable, write_demo_file
 
@@ -298,4 +299,42 @@ def test_a_shard_that_restarts_with_another_range_never_yields_an_unwritten_row(
             np.testing.assert_array_equal(t.gather(every, timeout=EVENT_TIMEOUT), local)
     finally:
         for d in started:
+            d.stop()
+
+
+def test_a_gather_waiting_when_the_client_closes_ends(tmp_path, v1):
+    """Found in review: closing the client while a gather waited on a failing primary left the waiter
+    looping for ever, opening (and closing) a session with the standby on every turn. Now it ends with a
+    TableClientError as soon as the client is closed."""
+    from tableclient import TableClientError
+
+    a, b = node(tmp_path, "a", v1), node(tmp_path, "b", v1)
+    try:
+        c = TableClient(f"{a.address},{b.address}", transport="tcp", client_id="close", standby=False,
+                        liveness_timeout=600.0)
+        primary = c.replicas()
+        first = c._router.shards("engram.layer1")[0].replicas[0].address
+        frozen = a if first == a.address else b
+        freeze(frozen.proc.pid)
+        outcome = {}
+
+        def waiter():
+            try:
+                c.table("engram.layer1").gather_async(np.arange(100)).wait(EVENT_TIMEOUT)
+                outcome["r"] = "rows"
+            except TableClientError as e:
+                outcome["r"] = e
+
+        t = threading.Thread(target=waiter)
+        t.start()
+        time.sleep(0.5)  # the gather is in flight on the frozen primary
+        c.close()
+        t.join(60)
+        assert not t.is_alive(), f"the gather still waits after close ({primary})"
+        assert isinstance(outcome["r"], TableClientError), outcome
+        other = b if frozen is a else a  # before: ~100 sessions opened with it after close, until rate-limited
+        assert value(scrape(other.ready["metrics"]), "tableserver_sessions_opened_total") <= 1
+    finally:
+        for d in (a, b):
+            os.kill(d.proc.pid, signal.SIGCONT)
             d.stop()

@@ -42,8 +42,11 @@ def local_host_id() -> str:
         return socket.gethostname()
 
 
-#: the largest handshake reply read (the table list of a catalog of MAX_TABLES is far smaller)
+#: the largest handshake reply read (~100 bytes a table; one message carries at most 253 descriptors)
 MAX_REPLY_BYTES = 1 << 20
+#: a table's mapping may exceed its rows by at most this (the server rounds memory up to its page size,
+#: 1 GiB at most): a sparse, huge memfd is never mapped (and populated)
+MAX_MAPPING_SLACK = 1 << 30
 #: what the server seals every table memfd with (tableserver/transports/shm.py checks it at start):
 #: without SHRINK a server could truncate the file under the mapping and kill this process with SIGBUS
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
@@ -64,7 +67,7 @@ def _table_entries(reply, catalog, path: str) -> list:
         index, rows, row_bytes, size = fields
         info = by_index.get(index)
         if info is None or index in seen or (info.rows, info.row_bytes) != (rows, row_bytes) \
-                or not info.rows * info.row_bytes <= size < 1 << 62:
+                or not info.rows * info.row_bytes <= size <= info.rows * info.row_bytes + MAX_MAPPING_SLACK:
             raise ConnectError(f"shm table {str(entry.get('name'))[:64]!r} (index {index}) does not match the "
                                "catalog")
         seen.add(index)
@@ -176,7 +179,8 @@ class ShmTransport(ClientTransport):
         except HandshakeRefused as e:
             raise ConnectError(f"shm socket {self.path} refused the connection: {e}") from None
         except socket.timeout:
-            raise ConnectError(f"shm handshake on {self.path} did not complete within connect_timeout") from None
+            raise ConnectError(f"shm handshake on {self.path} did not complete within the connect deadline "
+                               "(connect_timeout)") from None
         except ValueError as e:
             raise ConnectError(f"shm handshake on {self.path} failed: {e}") from None
         except OSError as e:

@@ -59,6 +59,25 @@ _TIMEVAL = struct.Struct("@ll")  # struct timeval for SO_RCVTIMEO
 RECV_SLICE_S = 0.25
 
 
+def _connect(address: tuple, deadline: float) -> socket.socket:
+    """A connected socket to the first address of ``address`` that answers, all by ``deadline``
+    (socket.create_connection gives each address the whole timeout)."""
+    last: OSError = socket.timeout("the connect deadline passed")
+    for family, kind, proto, _, sockaddr in socket.getaddrinfo(*address, type=socket.SOCK_STREAM):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(left)
+            sock.connect(sockaddr)
+            return sock
+        except OSError as e:
+            sock.close()
+            last = e
+    raise last
+
+
 class _TcpPending(Pending):
     __slots__ = ("out", "request_id", "receiving", "transport", "sync")
 
@@ -73,6 +92,10 @@ class _TcpPending(Pending):
     def wait(self, timeout: float | None = None) -> None:
         if self.sync and not self._event.is_set():
             self.transport._read_for(self, timeout)
+            error = self.transport._error
+            if not self._event.is_set() and error is not None:  # broken meanwhile: its failure completes us
+                if not self._event.wait(CANCEL_GRACE_S):
+                    raise error
             if not self._event.is_set() and timeout is not None:
                 raise GatherTimeout(f"gather not complete after {timeout:.6f} s")
         super().wait(timeout)
@@ -115,7 +138,7 @@ class TcpTransport(ClientTransport):
         if not ep.host or len(ep.host) > 255 or not 0 < ep.port < 65536:
             raise ConnectError(f"tcp offer {ep.host[:64]!r}:{ep.port}: not an address (not a tableserver?)")
         try:
-            sock = socket.create_connection((ep.host, ep.port), timeout=connect_timeout)
+            sock = _connect((ep.host, ep.port), deadline)
         except OSError as e:
             raise ConnectError(f"cannot connect to the tcp data port {self.endpoint}: {e.strerror or e}: "
                                "check that the server's --tcp-listen/--tcp-advertise address is reachable") from None
@@ -123,7 +146,7 @@ class TcpTransport(ClientTransport):
         self._sock = sock
         self._seal_tx = self._seal_rx = None  # seal.Direction each way when the server seals this connection
         self._scratch = copy_buffer(0)  # a sealed response as received (placed: no 4K aliasing)
-        self._hello(session.id, session.secret, deadline, connect_timeout)
+        self._hello(session.id, session.secret, deadline)
         sock.settimeout(None)
         self._rcvtimeo = -1.0  # SO_RCVTIMEO as last set (seconds, 0 = none)
         self._poller = select.poll()
@@ -140,7 +163,7 @@ class TcpTransport(ClientTransport):
         self._rx = threading.Thread(target=self._receive_loop, name="tableclient-tcp-rx", daemon=True)
         self._rx.start()
 
-    def _hello(self, session_id: bytes, secret: bytes, deadline: float, timeout: float) -> None:
+    def _hello(self, session_id: bytes, secret: bytes, deadline: float) -> None:
         """Challenge-response: the secret never crosses the wire, and the server proves it holds it too.
         All of it by ``deadline``, however the server paces its bytes; its reply is read only up to the
         size a tableserver sends (the proof, or a short refusal)."""
@@ -156,14 +179,14 @@ class TcpTransport(ClientTransport):
             if magic != RESPONSE_MAGIC or count > (MAC_BYTES if status == Status.OK else MAX_HANDSHAKE_MESSAGE):
                 raise ValueError(f"not a tableserver response (a HELLO reply of {count} bytes)")
             msg = bytearray(count)
-            if count:
-                recv_exact(self._sock, memoryview(msg), deadline)
+            if count and not recv_exact(self._sock, memoryview(msg), deadline):
+                raise ConnectionResetError("server closed the connection before its HELLO reply")
         except HandshakeRefused as e:
             self._sock.close()
             raise ConnectError(f"tcp data port {self.endpoint} refused the connection: {e}") from None
         except socket.timeout:
             self._sock.close()
-            raise ConnectError(f"tcp handshake with {self.endpoint} did not complete within {timeout:g} s "
+            raise ConnectError(f"tcp handshake with {self.endpoint} did not complete within the connect deadline "
                                "(connect_timeout): the server is overloaded or not a tableserver") from None
         except (OSError, ValueError) as e:
             self._sock.close()
