@@ -77,6 +77,14 @@ class ClientMetrics:
                                  "zero rows after a failure (failure policy 'zeros').", ["layer"], registry=r)
         self.fallbacks = Counter("tableserver_client_fallbacks_total", "Steps where a layer's rows came from the "
                                  "fallback transport (failure policy 'fallback').", ["layer"], registry=r)
+        self.graph_waits = Histogram(
+            "tableserver_client_graph_wait_seconds", "Graph-safe steps, per layer: before_replay, from the start "
+            "of the host's gathers to the layer's rows in place (the GPU waits that long before the step); "
+            "in_graph, from the graph's ids seen to the rows released to it.", ["layer", "phase"],
+            buckets=buckets or latency_buckets(), registry=r)
+        self.watchdog_releases = Counter("tableserver_client_watchdog_releases_total", "in_graph steps whose rows "
+                                         "the watchdog released at the layer's timeout (filled by the failure "
+                                         "policy), so the GPU never waited forever.", ["layer"], registry=r)
         self.sessions = Gauge("tableserver_client_sessions", "Open client sessions, by data transport.",
                               ["transport"], multiprocess_mode="livesum", registry=r)
         self.connects = Counter("tableserver_client_connects_total", "Sessions opened with a tableserver.",

@@ -217,7 +217,7 @@ class EngramStep:
             handle.wait(self.timeout)
         except (TableClientError, TimeoutError, OSError) as e:
             getattr(handle, "cancel", lambda: None)()  # late rows must not overwrite what the policy serves
-            self._on_failure(layer, view, self._ids[layer], e)
+            self.on_failure(layer, view, self._ids[layer], e)
         now = time.perf_counter()
         elapsed = now - self._t0
         done_at = getattr(handle, "completed_at", 0.0)
@@ -324,16 +324,24 @@ class EngramStep:
         The failure policy applies as in :meth:`wait`. Returns a new ``[*row_ids.shape, row_bytes]``
         uint8 numpy array.
         """
-        table = self.tables[layer]
         ids = np.asarray(row_ids)
-        out = rows_buffer(ids.shape, table.row_bytes)
-        try:
-            table.gather(ids, out=out, timeout=self.timeout)  # cancelled on failure
-        except (TableClientError, TimeoutError, OSError) as e:
-            self._on_failure(layer, out, ids, e)
+        out = rows_buffer(ids.shape, self.tables[layer].row_bytes)
+        self.gather_into(layer, ids, out)
         return out
 
-    def _on_failure(self, layer: int, view: np.ndarray, row_ids, error: BaseException) -> None:
+    def gather_into(self, layer: int, row_ids, out: np.ndarray, timeout: float | None = None) -> None:
+        """One layer's rows for ``row_ids`` gathered now into ``out`` (``[*row_ids.shape, row_bytes]``,
+        e.g. a slice of its staging): no allocation, the failure policy applied as in :meth:`wait`.
+        Returns once the rows are in place; on a failure the gather is cancelled first, so nothing of it
+        lands in ``out`` after this returns."""
+        try:
+            self.tables[layer].gather(row_ids, out=out, timeout=self.timeout if timeout is None else timeout)
+        except (TableClientError, TimeoutError, OSError) as e:
+            self.on_failure(layer, out, row_ids, e)
+
+    def on_failure(self, layer: int, view: np.ndarray, row_ids, error: BaseException) -> None:
+        """Serves ``layer``'s failed rows into ``view`` by the failure policy: ``fail`` raises ``error``,
+        ``zeros`` fills zeros, ``fallback`` gathers ``row_ids`` through the fallback client (counted)."""
         stats = self.stats[layer]
         if self.policy == "fail":
             raise error

@@ -1,0 +1,423 @@
+"""Graph-safe steps: served layers' rows inside a captured decode step (a CUDA graph).
+
+A captured graph replays fixed work on fixed addresses and runs no Python. So everything a graph
+touches is allocated here, once, before capture: per served layer a staging buffer in pinned host
+memory ``[max_tokens, 24, row_bytes]`` (its EngramStep's), a device buffer the graph copies it into,
+and for ``in_graph`` layers a pinned buffer of row ids and two host-visible flags. After that no
+method allocates anything a graph can see. Per layer, one of two modes:
+
+* ``before_replay`` -- the engine computes the step's row ids before it replays the graph (SGLang:
+  with its own non-committing hash kernel); :meth:`GraphStep.before_replay` gathers every such layer
+  into its staging, shortest window first, and returns once the rows are in place (failure policy
+  applied). The graph holds only the copy staging -> device and what reads it. Works for any layer and
+  placement; the GPU waits for the gather before the step starts (what the step costs).
+* ``in_graph`` -- the graph publishes the ids itself: right after the hasher it copies the layer's ids
+  into pinned memory and writes the layer's ``ids`` flag; a poller thread of this process, which waits
+  for the flag without the GIL (``tableclient._flags``), gathers them into the staging and writes the
+  ``rows`` flag; the graph waits for that just before the layer's copy. The gather overlaps every layer
+  before it (layer 14's rows travel while layers 0..13 run). The GPU never waits forever: a watchdog
+  releases the flag at the layer's timeout, with zeros or the fallback's rows in the staging (policies
+  ``zeros``, ``fallback``), or with zeros and the step poisoned (``fail``: :meth:`after_replay`
+  raises, before the engine reads the step's output).
+
+Flag protocol. The values a graph writes and waits for are baked into it, so they are constants; per
+``in_graph`` layer two uint32 in pinned, device-mapped host memory, each on its own 64-byte line::
+
+    graph      copy ids -> ids buffer; write ids = 1; ...; wait rows == 1; write rows = 0; copy rows
+    arm        (host, before replay) waits for rows == 0: the last step's release was consumed
+    poller     waits ids == 1; ids = 0; gathers the armed step's tokens into the staging; rows = 1
+    watchdog   at the deadline, unless released: cancels the gather (a barrier), fills, rows = 1
+
+Only one of poller and watchdog releases a step (a lock and a state decide). The stream's side is
+:class:`CudaStreamOps` (cuda-python's ``cuStreamWriteValue32`` / ``cuStreamWaitValue32`` on the
+current stream: captured as graph memory-operation nodes) or :class:`HostStreamOps`, which runs the
+same protocol on the host in the calling thread (an engine without a GPU; the tests).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from tableclient.errors import GatherTimeout, TableClientError
+from tableclient.metrics import metrics
+from tableclient.step import EngramStep, LayerPlan
+
+log = logging.getLogger("tableclient.graphstep")
+
+MODES = ("before_replay", "in_graph")
+#: uint32 per flag: each on a 64-byte line of its own (a poller's reads never share the GPU's line)
+FLAG_STRIDE = 16
+IDS, ROWS = 0, 1
+
+try:
+    from tableclient._flags import wait_u32 as _native_wait
+except ImportError:  # built without a C compiler
+    _native_wait = None
+
+
+class GraphStepError(TableClientError):
+    """The graph-safe step cannot go on as configured (a step not consumed, a stream op refused)."""
+
+
+def wait_flag(flags: np.ndarray, index: int, value: int, timeout: float) -> bool:
+    """Whether ``flags[index]`` became ``value`` within ``timeout`` seconds; waited for without the GIL
+    where the native module is built (a Python loop of 20 us sleeps otherwise)."""
+    if _native_wait is not None:
+        return _native_wait(flags, index, value, max(timeout, 0.0))
+    end = time.monotonic() + timeout
+    while int(flags[index]) != value:
+        if time.monotonic() >= end:
+            return False
+        time.sleep(20e-6)
+    return True
+
+
+class HostStreamOps:
+    """The stream's side of the flags, run on the host by the calling thread: what a CUDA stream does in
+    the graph, for an engine without one (and the tests). ``wait`` gives up after ``timeout``."""
+
+    name = "host"
+
+    def __init__(self, timeout: float = 60.0):
+        self.timeout = timeout
+
+    def write(self, flags: "GraphFlags", index: int, value: int) -> None:
+        flags.host[index] = value
+
+    def wait(self, flags: "GraphFlags", index: int, value: int) -> None:
+        if not wait_flag(flags.host, index, value, self.timeout):
+            raise GraphStepError(f"flag {index} did not become {value} within {self.timeout:g} s")
+
+
+class CudaStreamOps:
+    """Flag writes and waits queued on the current CUDA stream (cuda-python's driver API): inside a
+    graph capture they become memory-operation nodes, replayed with the graph."""
+
+    name = "cuda"
+
+    def __init__(self, torch):
+        try:
+            from cuda.bindings import driver
+        except ImportError:
+            raise GraphStepError("in_graph layers need cuda-python (pip install cuda-python; SGLang requires it "
+                                 "already): or place the layers 'before_replay'") from None
+        self.torch, self.driver = torch, driver
+
+    def _stream(self):
+        return self.driver.CUstream(self.torch.cuda.current_stream().cuda_stream)
+
+    def _check(self, what: str, result) -> None:
+        err = result[0] if isinstance(result, tuple) else result
+        if err != self.driver.CUresult.CUDA_SUCCESS:
+            raise GraphStepError(f"{what} failed ({err}): the device must support stream memory operations "
+                                 "(CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS); place the layer 'before_replay'")
+
+    def device_pointer(self, host_ptr: int) -> int:
+        err, ptr = self.driver.cuMemHostGetDevicePointer(host_ptr, 0)
+        self._check("cuMemHostGetDevicePointer", (err,))
+        return int(ptr)
+
+    def write(self, flags: "GraphFlags", index: int, value: int) -> None:
+        d = self.driver
+        self._check("cuStreamWriteValue32", d.cuStreamWriteValue32(
+            self._stream(), d.CUdeviceptr(flags.device_ptr(self, index)), value, 0))
+
+    def wait(self, flags: "GraphFlags", index: int, value: int) -> None:
+        d = self.driver
+        self._check("cuStreamWaitValue32", d.cuStreamWaitValue32(
+            self._stream(), d.CUdeviceptr(flags.device_ptr(self, index)), value,
+            d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ))
+
+
+class GraphFlags:
+    """The host-visible flags of every in_graph layer: uint32 in pinned memory, one 64-byte line each."""
+
+    def __init__(self, torch, count: int, pin: bool):
+        self.tensor = torch.zeros(max(count, 1) * 2 * FLAG_STRIDE, dtype=torch.int32, pin_memory=pin)
+        self.host = self.tensor.numpy().view(np.uint32)
+        self._device_base: int | None = None
+
+    def index(self, slot: int, which: int) -> int:
+        return (2 * slot + which) * FLAG_STRIDE
+
+    def device_ptr(self, ops: CudaStreamOps, index: int) -> int:
+        if self._device_base is None:
+            self._device_base = ops.device_pointer(self.tensor.data_ptr())
+        return self._device_base + 4 * index
+
+
+@dataclass
+class _Slot:
+    """One in_graph layer's step state: idle -> armed -> gathering -> released (or watchdog -> released)."""
+
+    layer: int
+    plan: LayerPlan
+    ids_flag: int
+    rows_flag: int
+    state: str = "idle"
+    tokens: int = 0
+    deadline: float = 0.0
+    handle: object = None
+    error: BaseException | None = None
+    seen: float = 0.0  # perf_counter() when the graph's ids were seen
+
+
+class GraphStep:
+    """Everything captured decode graphs touch for the served layers of one client, and the host side of
+    each step (see the module docstring)."""
+
+    def __init__(self, client, plans: list, modes: dict, max_tokens: int, *, rows_per_token: int = 24,
+                 policy: str = "fail", fallback=None, device=None, timeout: float = 5.0, stream_ops=None,
+                 pin: bool | None = None):
+        import torch
+
+        self.torch = torch
+        self.modes = {p.layer: modes.get(p.layer, "before_replay") for p in plans}
+        for layer, mode in self.modes.items():
+            if mode not in MODES:
+                raise ValueError(f"layer {layer}: unknown graph mode {mode!r}: use {', '.join(MODES)}")
+        self.max_tokens, self.rows_per_token, self.timeout, self.policy = max_tokens, rows_per_token, timeout, policy
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        cuda = self.device.type == "cuda"
+        pin = cuda if pin is None else pin
+        common = dict(rows_per_token=rows_per_token, policy=policy, fallback=fallback, pin=pin, timeout=timeout)
+        pre = [p for p in plans if self.modes[p.layer] == "before_replay"]
+        post = sorted((p for p in plans if self.modes[p.layer] == "in_graph"), key=lambda p: p.window_s)
+        self.pre = EngramStep(client, pre, max_tokens, **common) if pre else None
+        self.post = EngramStep(client, post, max_tokens, deadlines=False, **common) if post else None
+        self.layers = [p.layer for p in sorted(plans, key=lambda p: p.window_s)]
+        self._owner = {p.layer: self.pre for p in pre} | {p.layer: self.post for p in post}
+        for layer in self.layers:  # a padded bucket's rows copy whatever is there: zeros, never garbage
+            self._owner[layer].staging[layer].zero_()
+        self._staging_np = {layer: self._owner[layer].staging[layer].numpy() for layer in self.layers}
+        row_bytes = {layer: self._owner[layer].staging[layer].shape[-1] for layer in self.layers}
+        # the device side: one packed buffer per layer, the copy's fixed destination
+        self.device_rows = {layer: torch.zeros((max_tokens * rows_per_token, row_bytes[layer]), dtype=torch.uint8,
+                                               device=self.device) for layer in self.layers}
+        self.ids = {p.layer: torch.zeros((max_tokens, rows_per_token), dtype=torch.int64, pin_memory=pin)
+                    for p in post}
+        self._ids_np = {layer: t.numpy() for layer, t in self.ids.items()}
+        self.flags = GraphFlags(torch, len(post), pin)
+        self.ops = stream_ops if stream_ops is not None else (CudaStreamOps(torch) if cuda and post else
+                                                              HostStreamOps(timeout * 4))
+        self._slots = {p.layer: _Slot(p.layer, p, self.flags.index(i, IDS), self.flags.index(i, ROWS))
+                       for i, p in enumerate(post)}
+        self._lock = threading.Lock()
+        self._released = threading.Condition(self._lock)
+        self._closed = False
+        m = metrics()
+        self._waits = {(layer, phase): m.graph_waits.labels(str(layer), phase) for layer in self.layers
+                       for phase in ("before_replay", "in_graph")}
+        self._watchdog_releases = {layer: m.watchdog_releases.labels(str(layer)) for layer in self._slots}
+        self._misses = {layer: m.deadline_misses.labels(str(layer)) for layer in self._slots}
+        self._threads = [threading.Thread(target=self._poll, args=(s,), name=f"tableclient-graph-{s.layer}",
+                                          daemon=True) for s in self._slots.values()]
+        if self._slots:
+            self._threads.append(threading.Thread(target=self._watchdog, name="tableclient-graph-watchdog",
+                                                  daemon=True))
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------ what a graph touches
+    def buffers(self) -> dict:
+        """name -> address of every buffer a captured graph reads or writes (fixed for this step's life)."""
+        out = {f"staging.{layer}": self._owner[layer].staging[layer].data_ptr() for layer in self.layers}
+        out |= {f"device.{layer}": t.data_ptr() for layer, t in self.device_rows.items()}
+        out |= {f"ids.{layer}": t.data_ptr() for layer, t in self.ids.items()}
+        out["flags"] = self.flags.tensor.data_ptr()
+        return out
+
+    def publish_ids(self, layer: int, ids, graph: bool = True) -> None:
+        """The graph's side, right after the hasher: layer ``layer``'s ids (``[T, 24]`` int64 on the
+        device, T the graph's tokens) into the pinned ids buffer, then its ``ids`` flag. ``graph=False``
+        (an eager warm-up run of a capture) copies only: nobody is armed to answer."""
+        if layer not in self._slots:
+            return
+        self.ids[layer][: ids.shape[0]].copy_(ids, non_blocking=True)
+        if graph:
+            self.ops.write(self.flags, self._slots[layer].ids_flag, 1)
+
+    def rows(self, layer: int, tokens: int, graph: bool = True):
+        """The graph's side, where the layer reads its rows: ``[tokens * 24, row_bytes]`` uint8 on the
+        device, copied from the staging (an in_graph layer first waits for its ``rows`` flag and clears
+        it). ``graph=False``: the copy alone (an eager warm-up run)."""
+        slot = self._slots.get(layer)
+        if slot is not None and graph:
+            self.ops.wait(self.flags, slot.rows_flag, 1)
+            self.ops.write(self.flags, slot.rows_flag, 0)
+        n = tokens * self.rows_per_token
+        dst = self.device_rows[layer][:n]
+        dst.copy_(self._owner[layer].staging[layer][:tokens].view(n, -1), non_blocking=True)
+        return dst
+
+    # ------------------------------------------------------------------ the host, every step
+    def before_replay(self, row_ids: dict) -> None:
+        """Every before_replay layer's rows for this step (``row_ids[layer]``: host ``[T, 24]`` ids of
+        the step's real tokens) gathered into its staging, shortest window first; returns once all are
+        in place (the failure policy applied per layer)."""
+        if self.pre is None:
+            return
+        t0 = time.perf_counter()
+        self.pre.begin_step({layer: row_ids[layer] for layer in self.pre.tables})
+        for layer in list(self.pre.issue_order):
+            self.pre.wait(layer)
+            self._waits[(layer, "before_replay")].observe(time.perf_counter() - t0)
+
+    def arm(self, tokens: int) -> None:
+        """Before the replay of a step of ``tokens`` real tokens: every in_graph layer will gather that
+        many of the ids the graph publishes, by the layer's timeout. Waits for the last step's releases to
+        be consumed by its graph (GraphStepError if that does not happen within the timeout)."""
+        if tokens > self.max_tokens:
+            raise ValueError(f"{tokens} tokens in a step, this GraphStep holds {self.max_tokens}")
+        if not self._slots:
+            return
+        for slot in self._slots.values():
+            if not wait_flag(self.flags.host, slot.rows_flag, 0, self.timeout):
+                raise GraphStepError(f"layer {slot.layer}: the last step's rows were released but no graph consumed "
+                                     f"them within {self.timeout:g} s: a replay was armed and never launched "
+                                     "(call reset() after a failed replay)")
+        deadline = time.monotonic() + self.timeout
+        with self._lock:
+            for slot in self._slots.values():
+                if slot.state not in ("idle", "released"):
+                    raise GraphStepError(f"layer {slot.layer}: armed again while its last step is {slot.state}")
+                slot.state, slot.tokens, slot.deadline, slot.handle, slot.error = "armed", tokens, deadline, None, None
+            self._released.notify_all()  # the watchdog's next deadline
+
+    def after_replay(self) -> None:
+        """After the replay was launched. With policy ``fail``: waits for every in_graph layer's release
+        (bounded by its timeout: the watchdog's) and raises the first layer's error, so a step with a
+        failed layer is never read. Other policies return at once."""
+        if not self._slots or self.policy != "fail":
+            return
+        with self._lock:
+            end = max(s.deadline for s in self._slots.values()) + 1.0
+            while any(s.state not in ("released", "idle") for s in self._slots.values()):
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise GraphStepError("in_graph layers not released by their deadline: the watchdog is stuck")
+                self._released.wait(left)
+            errors = [s.error for s in self._slots.values() if s.error is not None]
+        if errors:
+            raise errors[0]
+
+    def reset(self) -> None:
+        """After a replay that was armed but may not have run (the engine's launch raised): waits for the
+        device to finish what it queued, then clears every flag and step state."""
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize(self.device)
+        with self._lock:
+            for slot in self._slots.values():
+                handle, slot.handle = slot.handle, None
+                if handle is not None:
+                    handle.cancel()
+                slot.state, slot.error = "idle", None
+                self.flags.host[slot.ids_flag] = self.flags.host[slot.rows_flag] = 0
+            self._released.notify_all()
+
+    # ------------------------------------------------------------------ poller and watchdog
+    def _poll(self, slot: _Slot) -> None:
+        flags, table = self.flags.host, self.post.tables[slot.layer]
+        staging, ids = self._staging_np[slot.layer], self._ids_np[slot.layer]
+        while not self._closed:
+            if not wait_flag(flags, slot.ids_flag, 1, 0.1):
+                continue
+            flags[slot.ids_flag] = 0
+            slot.seen = time.perf_counter()
+            with self._lock:
+                if slot.state != "armed":  # released already (the watchdog), or a replay nobody armed
+                    if slot.state == "idle":
+                        log.error("layer %d: a graph published ids of a step nobody armed: released with zero "
+                                  "rows (the engine must call arm() before each replay)", slot.layer)
+                        staging.fill(0)
+                        self._release(slot, GraphStepError(f"layer {slot.layer}: step not armed"))
+                    continue
+                slot.state, tokens = "gathering", slot.tokens
+            error = None
+            try:
+                handle = table.gather_async(ids[:tokens], out=staging[:tokens])
+                with self._lock:
+                    slot.handle = handle
+                while True:
+                    left = slot.deadline - time.monotonic()
+                    try:
+                        handle.wait(max(min(left, 0.05), 0.0))
+                        break
+                    except GatherTimeout:
+                        if slot.state != "gathering":
+                            break  # the watchdog took the step over
+                        if left <= 0:
+                            raise GatherTimeout(f"layer {slot.layer}: rows not in place within its timeout "
+                                                f"{self.timeout:g} s") from None
+            except (TableClientError, TimeoutError, OSError, ValueError) as e:
+                error = e
+            self._finish(slot, tokens, error, by_watchdog=False)
+
+    def _finish(self, slot: _Slot, tokens: int, error: BaseException | None, by_watchdog: bool) -> None:
+        """Fills a failed step by the policy and releases it, unless the other side released it first."""
+        with self._lock:
+            if slot.state not in (("armed", "gathering") if by_watchdog else ("gathering",)):
+                return
+            slot.state = "serving"  # ours to release: the other side leaves it alone
+            handle, slot.handle = slot.handle, None
+        if by_watchdog and handle is not None:
+            handle.cancel()  # a barrier: none of its rows land in the staging after this
+        staging = self._staging_np[slot.layer][:tokens]
+        poison = None
+        if error is not None:
+            try:
+                if self.policy == "fail":
+                    raise error
+                self.post.on_failure(slot.layer, staging, self._ids_np[slot.layer][:tokens].copy(), error)
+            except BaseException as e:  # fail, or the fallback failed too: zeros, and the step is poisoned
+                staging.fill(0)
+                poison = e
+        with self._lock:
+            self._release(slot, poison)
+            if by_watchdog:
+                self._watchdog_releases[slot.layer].inc()
+            else:
+                elapsed = time.perf_counter() - slot.seen
+                self._waits[(slot.layer, "in_graph")].observe(elapsed)
+                if elapsed > slot.plan.window_s:
+                    self._misses[slot.layer].inc()
+
+    def _release(self, slot: _Slot, error: BaseException | None) -> None:
+        """(lock held) The staging holds the step's rows: the graph may copy them."""
+        slot.error, slot.state = error, "released"
+        self.flags.host[slot.rows_flag] = 1
+        self._released.notify_all()
+
+    def _watchdog(self) -> None:
+        while not self._closed:
+            with self._lock:
+                live = [s for s in self._slots.values() if s.state in ("armed", "gathering")]
+                now = time.monotonic()
+                due = [s for s in live if s.deadline <= now]
+                if not due:
+                    wait = min((s.deadline for s in live), default=now + 0.5) - now
+                    self._released.wait(min(max(wait, 0.001), 0.5))
+                    continue
+            for slot in due:
+                log.warning("layer %d: rows not released within %g s: the watchdog releases the step (%s)",
+                            slot.layer, self.timeout, self.policy)
+                self._finish(slot, slot.tokens, GatherTimeout(f"layer {slot.layer}: rows not in place within "
+                                                              f"{self.timeout:g} s (watchdog)"), by_watchdog=True)
+
+    def close(self) -> None:
+        """Stops the poller and watchdog threads and abandons gathers in flight. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            self._released.notify_all()
+        for t in self._threads:
+            t.join(timeout=5)
+        for step in (self.pre, self.post):
+            if step is not None:
+                step.abandon()

@@ -1,0 +1,229 @@
+"""The graph-safe step (tableclient.graphstep) on the CPU: real daemons, real clients, and a thread standing
+in for the CUDA stream -- it runs the graph's side of the flag protocol (publish the ids, wait for the rows,
+copy them) exactly where a captured graph would, through HostStreamOps. Every step's rows are checked
+bit-exact against the table file; faults (a dead server, a frozen one, a step whose ids never come) end in
+the failure policy within the layer's timeout, and the stream is never left waiting.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import numpy as np
+import pytest
+
+from conftest import EVENT_TIMEOUT, local_tables, start_daemon
+from tests_helpers import freeze
+
+torch = pytest.importorskip("torch")
+
+from tableclient import TableClient  # noqa: E402
+from tableclient.graphstep import GraphStep, GraphStepError, HostStreamOps  # noqa: E402
+from tableclient.metrics import metrics  # noqa: E402
+from tableclient.step import LayerPlan  # noqa: E402
+
+PLANS = [LayerPlan(1, "engram.layer1", 0.3e-3), LayerPlan(14, "engram.layer14", 9.3e-3)]
+MAX_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def local(demo_file):
+    return local_tables(demo_file)
+
+
+def make(client, modes, **kw):
+    kw.setdefault("timeout", 10.0)
+    return GraphStep(client, PLANS, modes, MAX_TOKENS, stream_ops=HostStreamOps(EVENT_TIMEOUT), **kw)
+
+
+def stream_step(g: GraphStep, ids: dict, tokens: int) -> dict:
+    """What a replayed graph does for one step of ``tokens`` tokens: publish in_graph layers' ids (the
+    hasher's output), then each layer's copy of its rows; run in a thread of its own, as a stream is."""
+    out, errors = {}, []
+
+    def run():
+        try:
+            for layer in g.layers:
+                g.publish_ids(layer, torch.from_numpy(ids[layer][:tokens]))
+            for layer in g.layers:
+                out[layer] = g.rows(layer, tokens).clone().numpy().reshape(tokens, 24, -1)
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(EVENT_TIMEOUT)
+    assert not t.is_alive(), "the stream was left waiting"
+    if errors:
+        raise errors[0]
+    return out
+
+
+def one_step(g: GraphStep, rng, local, tokens: int) -> dict:
+    ids = {p.layer: rng.integers(0, local[p.table].shape[0], (tokens, 24)) for p in PLANS}
+    g.before_replay({layer: ids[layer] for layer in g.layers if g.modes[layer] == "before_replay"})
+    g.arm(tokens)
+    out = stream_step(g, ids, tokens)
+    g.after_replay()
+    return ids, out
+
+
+@pytest.mark.parametrize("modes", [{}, {14: "in_graph"}, {1: "in_graph", 14: "in_graph"}],
+                         ids=["before_replay", "layer14_in_graph", "both_in_graph"])
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_steps_bit_exact_over_buckets_and_nothing_moves(daemon, local, modes, transport):
+    with TableClient(daemon.address, transport=transport) as c:
+        g = make(c, modes)
+        try:
+            before = g.buffers()
+            rng = np.random.default_rng(3)
+            for tokens in [1, 2, 8, 64, 3, 64, 1] * 4:  # several batch buckets, in any order
+                ids, out = one_step(g, rng, local, tokens)
+                for p in PLANS:
+                    np.testing.assert_array_equal(out[p.layer], local[p.table][ids[p.layer]])
+            assert g.buffers() == before  # nothing a graph touches was allocated or moved
+            with pytest.raises(ValueError, match="this GraphStep holds 64"):
+                g.arm(MAX_TOKENS + 1)
+        finally:
+            g.close()
+
+
+def watchdog_releases(layer: int) -> float:
+    return metrics().watchdog_releases.labels(str(layer))._value.get()
+
+
+@pytest.mark.parametrize("policy", ["zeros", "fail", "fallback"])
+def test_a_dead_server_ends_in_the_policy_and_the_stream_goes_on(tmp_path, demo_file, local, policy):
+    d = start_daemon(str(tmp_path / "d"), "--tables", demo_file, "--transports", "tcp")
+    spare = start_daemon(str(tmp_path / "spare"), "--tables", demo_file, "--transports", "tcp")
+    try:
+        with TableClient(d.address, transport="tcp") as c, TableClient(spare.address, transport="tcp") as fb:
+            g = make(c, {14: "in_graph"}, policy=policy, fallback=fb if policy == "fallback" else None)
+            try:
+                rng = np.random.default_rng(4)
+                one_step(g, rng, local, 8)
+                d.stop(signal.SIGKILL)
+                ids = {p.layer: rng.integers(0, local[p.table].shape[0], (8, 24)) for p in PLANS}
+                if policy == "fail":
+                    with pytest.raises(Exception):
+                        g.before_replay({1: ids[1]})  # layer 1 before replay: fails at once
+                g.arm(8)
+                out = stream_step(g, ids, 8)  # the stream is released, whatever the policy
+                if policy == "fail":
+                    with pytest.raises(Exception):
+                        g.after_replay()  # the step is poisoned: its output must not be read
+                    assert not out[14].any()
+                else:
+                    g.after_replay()
+                    want = local["engram.layer14"][ids[14]] if policy == "fallback" else 0
+                    np.testing.assert_array_equal(out[14], np.broadcast_to(want, out[14].shape))
+            finally:
+                g.close()
+    finally:
+        d.stop()
+        spare.stop()
+
+
+def test_a_frozen_server_is_released_by_the_watchdog(tmp_path, demo_file, local):
+    """The gather hangs (SIGSTOP): at the layer's timeout the watchdog cancels it, fills zeros and releases
+    the stream; the rows of the hung gather never land later."""
+    d = start_daemon(str(tmp_path / "d"), "--tables", demo_file, "--transports", "tcp")
+    try:
+        with TableClient(d.address, transport="tcp", liveness_timeout=600.0) as c:
+            g = make(c, {14: "in_graph"}, policy="zeros", timeout=1.0)
+            try:
+                rng = np.random.default_rng(5)
+                one_step(g, rng, local, 4)
+                released = watchdog_releases(14)
+                freeze(d.proc.pid)
+                ids = {p.layer: rng.integers(0, local[p.table].shape[0], (4, 24)) for p in PLANS}
+                g.arm(4)
+                t_out = {}  # layer 1 (before_replay) would hang too: this step is layer 14's alone
+
+                def stream():
+                    g.publish_ids(14, torch.from_numpy(ids[14]))
+                    t_out[14] = g.rows(14, 4).clone().numpy().reshape(4, 24, -1)
+
+                t = threading.Thread(target=stream)
+                t.start()
+                t.join(EVENT_TIMEOUT)
+                assert not t.is_alive() and not t_out[14].any()
+                assert watchdog_releases(14) == released + 1
+                os.kill(d.proc.pid, signal.SIGCONT)
+                g.reset()  # layer 1 was never gathered this step: start clean
+                ids2, out = one_step(g, rng, local, 4)  # the server answers again: bit-exact, nothing stale
+                np.testing.assert_array_equal(out[14], local["engram.layer14"][ids2[14]])
+                np.testing.assert_array_equal(out[1], local["engram.layer1"][ids2[1]])
+            finally:
+                g.close()
+    finally:
+        os.kill(d.proc.pid, signal.SIGCONT)
+        d.stop()
+
+
+def test_a_step_whose_ids_never_come_is_released_and_the_next_is_clean(daemon, local):
+    with TableClient(daemon.address, transport="tcp") as c:
+        g = make(c, {14: "in_graph"}, policy="fail", timeout=0.5)
+        try:
+            rng = np.random.default_rng(6)
+            g.arm(4)  # the graph is slow to publish: the watchdog releases the step at its deadline
+            with pytest.raises(Exception, match="watchdog"):
+                g.after_replay()
+            ids = {p.layer: rng.integers(0, local[p.table].shape[0], (4, 24)) for p in PLANS}
+            out = stream_step(g, ids, 4)  # the late graph passes at once (zeros) and consumes the release
+            assert not out[14].any()
+            g.before_replay({1: ids[1]})
+            ids, out = one_step(g, rng, local, 4)
+            np.testing.assert_array_equal(out[14], local["engram.layer14"][ids[14]])
+        finally:
+            g.close()
+
+
+def test_arming_a_step_whose_release_was_never_consumed_is_refused(daemon):
+    with TableClient(daemon.address, transport="tcp") as c:
+        g = make(c, {14: "in_graph"}, policy="zeros", timeout=0.3)
+        try:
+            g.arm(2)
+            g.after_replay()
+            with pytest.raises(GraphStepError, match="never launched"):  # the watchdog released, nobody consumed
+                _wait_released_then_arm(g)
+            g.reset()
+            g.arm(2)  # after reset: clean
+        finally:
+            g.close()
+
+
+def _wait_released_then_arm(g: GraphStep) -> None:
+    from conftest import wait_for
+
+    wait_for(lambda: g.flags.host[g.flags.index(0, 1)] == 1, "the watchdog's release")
+    g.arm(2)
+
+
+def test_modes_are_checked(daemon):
+    with TableClient(daemon.address, transport="tcp") as c:
+        with pytest.raises(ValueError, match="unknown graph mode 'sometimes'"):
+            GraphStep(c, PLANS, {14: "sometimes"}, MAX_TOKENS)
+
+
+def test_the_flag_wait_is_native_where_required_and_checks_its_arguments():
+    """The poller waits for the graph's flag without the GIL (client/_flags.c): built in CI
+    (TABLESERVER_REQUIRE_NATIVE=1), and refusing what it cannot read."""
+    import time
+
+    from tableclient import graphstep
+
+    if os.environ.get("TABLESERVER_REQUIRE_NATIVE") == "1":
+        assert graphstep._native_wait is not None, "tableclient._flags did not build: install gcc and python3-dev"
+    flags = np.zeros(32, np.uint32)
+    assert not graphstep.wait_flag(flags, 16, 1, 0.01)
+    threading.Timer(0.05, lambda: flags.__setitem__(16, 1)).start()
+    t0 = time.monotonic()
+    assert graphstep.wait_flag(flags, 16, 1, EVENT_TIMEOUT) and time.monotonic() - t0 < EVENT_TIMEOUT
+    if graphstep._native_wait is not None:
+        with pytest.raises(ValueError, match="index outside the flags"):
+            graphstep._native_wait(flags, 32, 1, 0.0)
+        with pytest.raises(TypeError, match="native uint32"):
+            graphstep._native_wait(np.zeros(4, np.int64), 0, 1, 0.0)
