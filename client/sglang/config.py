@@ -26,10 +26,19 @@ while a pod overrides its address)::
     [windows]                         # optional: seconds after step start each layer needs its rows
     1 = 0.0003                        # (orders the gathers, shortest first; counts deadline misses)
 
+    [graph]                           # TABLESERVER_GRAPH_MODE="1=before_replay,14=in_graph"
+    14 = "in_graph"                   # how a served layer's rows reach a captured decode graph
+
 Placements: ``remote`` (a memory node: rdma or tcp), ``node`` (a tableserver
 on this host, over shm: one copy of the table per node) and ``local``
 (SGLang's own table for that layer, as without the plugin). ``make replay``
-writes the ``[layers]`` table it recommends from measured read times.
+writes the ``[layers]`` and ``[graph]`` tables it recommends from measured read times.
+
+Graph modes (decode CUDA graphs on; client/sglang/graphs.py): ``before_replay`` (the default: rows
+gathered on the host before each replay, for any layer), ``in_graph`` (the graph publishes its ids and
+waits for the rows just before the layer: the gather overlaps the layers before it; for a layer whose
+window covers its gather, e.g. 14), ``eager_break`` (with ``--cuda-graph-backend-decode breakable``:
+the layer runs eagerly between captured segments).
 """
 
 from __future__ import annotations
@@ -39,13 +48,14 @@ import tomllib
 from dataclasses import dataclass, field, fields
 
 PLACEMENTS = ("remote", "node", "local")
+GRAPH_MODES = ("before_replay", "in_graph", "eager_break")
 POLICIES = ("fail", "zeros", "fallback")
 ENV = {"address": "TABLESERVER_ADDRESS", "node_address": "TABLESERVER_NODE_ADDRESS",
        "transport": "TABLESERVER_TRANSPORT", "mode": "TABLESERVER_MODE", "token": "TABLESERVER_AUTH_TOKEN",
        "tls_ca": "TABLESERVER_TLS_CA", "policy": "TABLESERVER_POLICY",
        "fallback_address": "TABLESERVER_FALLBACK_ADDRESS", "timeout": "TABLESERVER_TIMEOUT",
        "max_tokens": "TABLESERVER_MAX_TOKENS", "table_prefix": "TABLESERVER_TABLE_PREFIX",
-       "layers": "TABLESERVER_PLACEMENT"}
+       "layers": "TABLESERVER_PLACEMENT", "graph": "TABLESERVER_GRAPH_MODE"}
 #: DeepSeek-V4.1's measured windows (seed paper): layer 1's rows are due 0.3 ms after step start, layer 14's
 #: 9.3 ms. Other layers: the line through those two points (a window grows with the layers before it).
 KNOWN_WINDOWS = {1: 0.3e-3, 14: 9.3e-3}
@@ -71,6 +81,7 @@ class PluginConfig:
     layers: dict = field(default_factory=dict)  # layer -> placement (default remote)
     tables: dict = field(default_factory=dict)  # layer -> table name
     windows: dict = field(default_factory=dict)  # layer -> seconds
+    graph: dict = field(default_factory=dict)  # layer -> graph mode (default before_replay)
 
     def __post_init__(self):
         for f in fields(self):
@@ -88,11 +99,14 @@ class PluginConfig:
             raise ConfigError(f"transport = {self.transport!r}: use auto, rdma, tcp or shm")
         if not self.timeout > 0 or self.max_tokens < 1:
             raise ConfigError("timeout must be > 0 seconds and max_tokens at least 1")
-        for name in ("layers", "tables", "windows"):
+        for name in ("layers", "tables", "windows", "graph"):
             object.__setattr__(self, name, _by_layer(name, getattr(self, name)))
         for layer, placement in self.layers.items():
             if placement not in PLACEMENTS:
                 raise ConfigError(f"layers.{layer} = {placement!r}: use one of {', '.join(PLACEMENTS)}")
+        for layer, mode in self.graph.items():
+            if mode not in GRAPH_MODES:
+                raise ConfigError(f"graph.{layer} = {mode!r}: use one of {', '.join(GRAPH_MODES)}")
         if any(p == "remote" for p in self.layers.values()) and not self.address:
             raise ConfigError("a layer is placed 'remote' but no address is set: set address "
                               "(TABLESERVER_ADDRESS) to the memory node, or place the layer 'node' or 'local'")
@@ -118,7 +132,7 @@ class PluginConfig:
             values.update(doc)
         for name, var in ENV.items():
             if environ.get(var):
-                values[name] = _parse_placement(var, environ[var]) if name == "layers" else environ[var]
+                values[name] = _parse_placement(var, environ[var]) if name in ("layers", "graph") else environ[var]
         for name, kind in (("timeout", float), ("max_tokens", int)):
             if name in values:
                 try:
@@ -140,6 +154,9 @@ class PluginConfig:
     def address_of(self, placement: str) -> str:
         """The tableserver a placement reads from (remote: the memory node; node: this host's)."""
         return {"remote": self.address, "node": self.node_address, "fallback": self.fallback_address}[placement]
+
+    def graph_mode(self, layer: int) -> str:
+        return self.graph.get(layer, "before_replay")
 
     def table(self, layer: int) -> str:
         return self.tables.get(layer, f"{self.table_prefix}{layer}")

@@ -20,9 +20,15 @@ placed ``remote`` or ``node`` (a ``local`` layer passes through untouched):
   served layer really is served.
 * ``safetensors_weights_iterator`` and ``DeepseekV4ForCausalLM.load_weights``:
   a served layer's table tensors are never read from the checkpoint.
+* ``DecodeCudaGraphRunner.capture`` / ``.load_batch`` / ``.execute``: decode
+  CUDA graphs stay on. Before capture every buffer the graphs touch is
+  allocated; in capture a served layer records the copy of its staged rows;
+  before each replay its rows are gathered (``before_replay``) or armed for the
+  graph to publish their ids (``in_graph``): see ``graphs``.
 
-A decode CUDA graph would replay capture-time rows: a served layer refuses to
-be captured, naming the launch flag that avoids it.
+Any other captured graph (a non-breakable prefill graph) would replay
+capture-time rows: a served layer refuses to be captured there, naming the
+launch flag that avoids it.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import inspect
 import logging
 import re
 
+from tableclient.sglang import graphs
 from tableclient.sglang.config import PluginConfig
 from tableclient.sglang.rows import EngramRows, dequantize
 
@@ -40,11 +47,12 @@ log = logging.getLogger("tableclient.sglang")
 SUPPORTED_SGLANG = "0.5.23"
 ENGRAM = "sglang.srt.layers.engram"
 STAGING = "sglang.srt.layers.engram_staging"
+RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner"
 WEIGHTS = "sglang.srt.model_loader.weight_utils"
 #: checkpoint tensors of a layer's table (names as in the checkpoint and after SGLang's remap)
 TABLE_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.engram\.embed\.(?:weight|scale)$")
-GRAPH_ADVICE = ("rows from a tableserver cannot be replayed from a captured CUDA graph: launch SGLang with "
-                "--cuda-graph-backend-decode disabled (prefill: breakable or disabled), or place the layer 'local'")
+GRAPH_ADVICE = ("rows from a tableserver can be replayed in decode CUDA graphs and breakable prefill graphs only: "
+                "launch SGLang with --cuda-graph-backend-prefill breakable (or disabled), or place the layer 'local'")
 
 _state: dict = {"config": None, "rows": None, "registered": False}
 
@@ -66,6 +74,7 @@ def rows() -> EngramRows:
 def configure(cfg: PluginConfig, client_factory=None) -> EngramRows:
     """Makes ``cfg`` this process's configuration (layers built from now on follow it)."""
     old = _state["rows"]
+    graphs.close()
     if old is not None:
         old.close()
     _state["config"], _state["rows"] = cfg, EngramRows(cfg, client_factory)
@@ -89,8 +98,12 @@ def check_sglang() -> str:
                           f"whose Engram internals it hooks): install sglang=={SUPPORTED_SGLANG}, or unset "
                           "TABLESERVER_ADDRESS to run SGLang without the plugin")
     from sglang.srt.layers import engram, engram_staging
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
 
-    expected = {engram.EngramEmbedding.__init__: ["self", "num_embeddings", "dim", "layer_id", "column_bounds"],
+    expected = {DecodeCudaGraphRunner.capture: ["self"],
+                DecodeCudaGraphRunner.load_batch: ["self", "forward_batch", "pp_proxy_tensors"],
+                DecodeCudaGraphRunner.execute: ["self", "forward_batch", "pp_proxy_tensors"],
+                engram.EngramHasher.init_history: ["self", "num_req_slots", "device"],engram.EngramEmbedding.__init__: ["self", "num_embeddings", "dim", "layer_id", "column_bounds"],
                 engram.EngramEmbedding.forward: ["self", "indices", "forward_batch", "cp_all_tokens"],
                 engram.EngramEmbedding.dequant_staged: ["self", "rows", "scales", "copied", "hash_shape"],
                 engram.EngramHasher.forward: ["self", "input_ids", "forward_batch"],
@@ -114,6 +127,9 @@ def register_hooks() -> None:
              (f"{ENGRAM}.EngramEmbedding.forward", _embedding_forward, around),
              (f"{ENGRAM}.Engram.__init__", _engram_init, after),
              (f"{ENGRAM}.EngramHasher.forward", _hasher_forward, after),
+             (f"{RUNNER}.DecodeCudaGraphRunner.capture", _runner_capture, around),
+             (f"{RUNNER}.DecodeCudaGraphRunner.load_batch", _runner_load_batch, after),
+             (f"{RUNNER}.DecodeCudaGraphRunner.execute", _runner_execute, around),
              (f"{STAGING}.EngramRowStager.from_model", _stager_from_model, around),
              (f"{STAGING}.EngramRowStager.stage", _stager_stage, around),
              (f"{WEIGHTS}.safetensors_weights_iterator", _skip_served_tables, around),
@@ -183,9 +199,17 @@ def _engram_init(result, self, cfg, layer_id, layout, *args, **kwargs):
 
 
 def _hasher_forward(result, self, input_ids, forward_batch, *args, **kwargs):
-    """Step start: the step's row ids exist; fetch every served layer's rows now."""
+    """Step start: the step's row ids exist; fetch every served layer's rows now (eager steps), or, in a
+    decode graph's capture, publish the in_graph layers' ids from within the graph."""
     state = _state["rows"]
-    if state is None or not state.layers or _capturing(result):
+    if state is None or not state.layers:
+        return None
+    session = graphs.session()
+    if session is not None and session.capturing and session.hasher is self:
+        if not forward_batch.forward_mode.is_extend():
+            graphs.publish(session, result)
+        return None
+    if _capturing(result):
         return None
     if getattr(forward_batch, "engram_staged_rows", None) is not None:
         return None  # the scheduler staged this batch's rows already
@@ -204,6 +228,9 @@ def served_rows(embed, layer: int, indices):
     """bf16 ``[*indices.shape, dim]`` for a served layer, on ``indices``' device, no collective."""
     import torch
 
+    session = graphs.session()
+    if session is not None and session.capturing:  # a decode graph's capture (its warm-ups included)
+        return graphs.captured_rows(session, embed, layer, indices)
     if indices.numel() == 0:
         return embed.new_rows(indices)
     if _capturing(indices):
@@ -235,6 +262,35 @@ def _capturing(t) -> bool:
     import torch
 
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+# ---------------------------------------------------------------------- decode CUDA graphs
+def _runner_capture(original, self, *args, **kwargs):
+    """Before SGLang captures its decode graphs: everything they touch exists (graphs.prepare)."""
+    state = _state["rows"]
+    if state is None or not state.layers:
+        return original(self, *args, **kwargs)
+    session = graphs.prepare(self, state)
+    session.capturing = True
+    try:
+        return original(self, *args, **kwargs)
+    finally:
+        session.capturing = False
+
+
+def _runner_load_batch(result, self, forward_batch, *args, **kwargs):
+    """The batch is in the graph's buffers, the replay comes next: the host's part of the step."""
+    session = graphs.session()
+    if session is not None and session.runner is self and not session.capturing:
+        graphs.before_replay(session, forward_batch, int(self.raw_num_token))
+    return None
+
+
+def _runner_execute(original, self, forward_batch, *args, **kwargs):
+    session = graphs.session()
+    if session is None or session.runner is not self or session.capturing:
+        return original(self, forward_batch, *args, **kwargs)
+    return graphs.execute(session, original, self, forward_batch, *args, **kwargs)
 
 
 # ---------------------------------------------------------------------- scheduler-side staging

@@ -58,6 +58,7 @@ class ServedLayer:
     window_s: float
     dim: int
     hash_index: int | None = None  # column of the hasher's output, when known
+    graph_mode: str = "before_replay"  # how its rows reach a captured decode graph (client/sglang/graphs.py)
 
 
 class EngramRows:
@@ -104,7 +105,7 @@ class EngramRows:
     def add_layer(self, layer: int, placement: str, num_embeddings: int, dim: int) -> ServedLayer:
         """Registers a served layer and checks its table against what SGLang would have allocated."""
         c = self.config
-        served = ServedLayer(layer, placement, c.table(layer), c.window(layer), dim)
+        served = ServedLayer(layer, placement, c.table(layer), c.window(layer), dim, graph_mode=c.graph_mode(layer))
         client = self.client(placement)
         info = client.tables.get(served.table)
         row_bytes = dim + dim // FP8_BLOCK
@@ -147,6 +148,27 @@ class EngramRows:
                               timeout=c.timeout, deadlines=channel == "forward")
             self._steps[(channel, placement)] = step
         return step
+
+    def graph_steps(self, max_tokens: int, device) -> dict:
+        """placement -> the GraphStep of its before_replay and in_graph layers (eager_break layers fetch
+        when they run): every buffer a decode graph of up to ``max_tokens`` tokens touches, allocated
+        now, before capture."""
+        from tableclient.graphstep import GraphStep
+        from tableclient.step import LayerPlan
+
+        c = self.config
+        out = {}
+        with self._lock:
+            for placement in sorted({s.placement for s in self.layers.values()}):
+                layers = [s for s in self.layers.values() if s.placement == placement and s.graph_mode != "eager_break"]
+                if not layers:
+                    continue
+                out[placement] = GraphStep(
+                    self.client(placement), [LayerPlan(s.layer, s.table, s.window_s, c.mode) for s in layers],
+                    {s.layer: s.graph_mode for s in layers}, max_tokens, policy=c.policy,
+                    fallback=self.client("fallback") if c.policy == "fallback" else None, device=device,
+                    timeout=c.timeout)
+        return out
 
     # ------------------------------------------------------------------ a step
     def prefetch(self, hash_ids, channel: str = "forward") -> bool:

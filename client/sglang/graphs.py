@@ -1,0 +1,253 @@
+"""Served Engram layers inside SGLang's captured decode step (decode CUDA graphs on).
+
+SGLang 0.5.23 captures the whole decode forward -- its Engram hasher, history commit and the layers'
+lookups -- and at replay runs no model Python: only ``DecodeCudaGraphRunner.execute`` (``load_batch``,
+then ``backend.replay``). The plugin therefore works in two places:
+
+* around ``DecodeCudaGraphRunner.capture``: before anything is captured, every buffer a graph will touch
+  is allocated (:class:`~tableclient.graphstep.GraphStep` per placement: staging, device rows, ids,
+  flags, events), the configuration is checked against the runner (what is not handled is refused,
+  naming the flag), and while the capture runs the served layers' forward records, instead of a
+  lookup, the copy of their staged rows to the device and SGLang's own dequantization of them;
+* around ``DecodeCudaGraphRunner.execute`` (the host, before every replay): ``before_replay`` layers'
+  row ids are computed with SGLang's own hasher on a scratch copy of its history (its history is
+  never written twice: the graph commits), copied to the host, gathered into the staging for the
+  real tokens only (never the padded bucket's), and only then is the graph replayed; ``in_graph``
+  layers are armed for the step's real tokens, and the graph itself publishes their ids right after
+  its hasher and waits for their rows just before the layer; ``eager_break`` layers (with
+  ``--cuda-graph-backend-decode breakable``) run between captured segments, as SGLang's own breakable
+  prefill runs its Engram lookup.
+
+Refused at start-up: speculative decoding (its verify graphs hash blocks and commit after accept),
+two-batch overlap and PDMux (several graph sets per step, one staging).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tableclient.sglang.rows import EngramRowsError
+
+log = logging.getLogger("tableclient.sglang")
+
+GRAPH_MODES = ("before_replay", "in_graph", "eager_break")
+
+
+class _Session:
+    """The decode graphs of one runner: what they touch, and where a capture or a replay stands."""
+
+    def __init__(self, runner, hasher, steps: dict, layers: dict, breakable: bool):
+        import torch
+
+        self.runner, self.hasher, self.steps, self.layers = runner, hasher, steps, layers
+        self.breakable = breakable
+        self.capturing = False  # inside DecodeCudaGraphRunner.capture (warm-ups and captures)
+        # the graph's flag operations run on the host, in the forward's thread (an engine without CUDA
+        # replaying a step by running the captured forward again; the tests): HostStreamOps
+        self.replay_on_host = False
+        self.tokens = 0  # the real tokens of the step being replayed (eager breaks read it)
+        # a scratch history for the non-committing hash: SGLang's hasher commits into it, not its own
+        self.scratch = torch.empty_like(hasher.history)
+        self.events = {layer: torch.cuda.Event() if torch.cuda.is_available() else None for layer in layers}
+
+    def step_of(self, layer: int):
+        return self.steps.get(self.layers[layer].placement)
+
+    def mode(self, layer: int) -> str:
+        return self.layers[layer].graph_mode
+
+
+_session: dict = {"active": None}
+
+
+def session() -> _Session | None:
+    return _session["active"]
+
+
+def capturing() -> bool:
+    s = session()
+    return s is not None and s.capturing
+
+
+# ---------------------------------------------------------------------- start-up
+def check_runner(runner, modes: dict) -> None:
+    """PluginError (naming the launch flag) for what served layers in decode graphs do not handle."""
+    from tableclient.sglang.hooks import PluginError
+
+    spec = getattr(runner, "speculative_algorithm", None)
+    if spec is not None and not (spec.is_none() if hasattr(spec, "is_none") else not spec):
+        raise PluginError("tableserver plugin: served Engram layers in decode CUDA graphs do not handle speculative "
+                          "decoding (its verify graphs hash blocks and commit after accept): drop "
+                          "--speculative-algorithm, launch with --cuda-graph-backend-decode disabled, or place the "
+                          "layers 'local'")
+    if getattr(runner, "enable_two_batch_overlap", False):
+        raise PluginError("tableserver plugin: served Engram layers in decode CUDA graphs do not handle two-batch "
+                          "overlap: drop --enable-two-batch-overlap, or place the layers 'local'")
+    if getattr(runner, "enable_pdmux", False):
+        raise PluginError("tableserver plugin: served Engram layers in decode CUDA graphs do not handle PDMux (one "
+                          "graph set per stream group): drop --enable-pdmux, or place the layers 'local'")
+    breakable = type(runner.backend).__name__ == "BreakableCudaGraphBackend"
+    eager = sorted(layer for layer, mode in modes.items() if mode == "eager_break")
+    if eager and not breakable:
+        raise PluginError(f"tableserver plugin: layer {eager[0]} is graph mode 'eager_break', which needs "
+                          "--cuda-graph-backend-decode breakable: launch with it, or use before_replay/in_graph")
+
+
+def prepare(runner, rows) -> _Session | None:
+    """Before a decode runner captures: the session of its graphs (None when no layer is served)."""
+    import torch
+
+    from sglang.srt.layers.engram import EngramHasher
+
+    close()  # a runner capturing again: the last session's threads and buffers go first
+    if not rows.layers:
+        return None
+    hashers = [m for m in runner.model_runner.model.modules() if isinstance(m, EngramHasher)]
+    if len(hashers) != 1 or hashers[0].history is None:
+        raise EngramRowsError(f"tableserver plugin: expected one Engram hasher with its history in the model, found "
+                              f"{len(hashers)}: the plugin cannot serve this model's decode graphs")
+    modes = {layer: s.graph_mode for layer, s in rows.layers.items()}
+    check_runner(runner, modes)
+    missing = [layer for layer, s in rows.layers.items() if s.hash_index is None]
+    if missing:
+        raise EngramRowsError(f"tableserver plugin: layer {missing[0]} has no hash column: the plugin's Engram hook "
+                              "did not run")
+    tokens = int(runner.max_bs) * int(getattr(runner, "captured_req_width", 1))
+    device = hashers[0].history.device
+    steps = rows.graph_steps(tokens, device if device.type == "cuda" else torch.device("cpu"))
+    s = _Session(runner, hashers[0], steps, dict(rows.layers), type(runner.backend).__name__ ==
+                 "BreakableCudaGraphBackend")
+    _session["active"] = s
+    log.info("tableserver plugin: decode CUDA graphs of up to %d tokens: %s", tokens,
+             ", ".join(f"layer {layer} {s.mode(layer)}" for layer in sorted(rows.layers)))
+    return s
+
+
+# ---------------------------------------------------------------------- every step (host)
+def peek_hash_ids(hasher, scratch, input_ids, forward_batch):
+    """The step's row ids ``[T, layers, 24]``, computed by SGLang's own hasher exactly as the graph will
+    compute them (its kernel on the GPU, its torch path elsewhere), without committing: the hasher runs
+    on ``scratch``, a copy of its history made now, and the graph's hasher then commits into the real
+    one. Any forward mode."""
+    history = hasher.history
+    scratch.copy_(history)
+    hasher.history = scratch
+    try:
+        return hasher(input_ids, forward_batch)
+    finally:
+        hasher.history = history
+
+
+def before_replay(s: _Session, forward_batch, tokens: int) -> None:
+    """The host's part of a step, once SGLang has loaded the batch into the graph's buffers and before it
+    replays the graph: ``tokens`` real tokens (the padded bucket's rows are never fetched)."""
+    s.tokens = tokens
+    pre = {layer: sl for layer, sl in s.layers.items() if sl.graph_mode == "before_replay"}
+    if pre and tokens:
+        ids = peek_hash_ids(s.hasher, s.scratch, forward_batch.input_ids[:tokens], forward_batch).to("cpu")
+        by_placement: dict = {}
+        for layer, sl in pre.items():
+            by_placement.setdefault(sl.placement, {})[layer] = ids[:, sl.hash_index].numpy()
+        for placement, row_ids in sorted(by_placement.items(), key=lambda kv: min(s.layers[k].window_s
+                                                                                  for k in kv[1])):
+            s.steps[placement].before_replay(row_ids)
+    for step in s.steps.values():
+        step.arm(tokens)
+
+
+def execute(s: _Session, original, runner, forward_batch, *args, **kwargs):
+    """A replay (its load_batch runs :func:`before_replay`); after it, a failed layer under policy
+    ``fail`` raises before anyone reads the step's output."""
+    try:
+        out = original(runner, forward_batch, *args, **kwargs)
+    except BaseException:
+        for step in s.steps.values():
+            step.reset()  # armed, maybe never replayed: no flag may stay set for the next step
+        raise
+    for step in s.steps.values():
+        step.after_replay()
+    return out
+
+
+# ---------------------------------------------------------------------- inside the captured forward
+def publish(s: _Session, hash_ids) -> None:
+    """After the captured hasher: every in_graph layer's ids to the host, then its flag."""
+    graph = _recording(s, hash_ids)
+    for layer, sl in s.layers.items():
+        if sl.graph_mode == "in_graph":
+            s.step_of(layer).publish_ids(layer, hash_ids[:, sl.hash_index].contiguous(), graph=graph)
+
+
+def captured_rows(s: _Session, embed, layer: int, indices):
+    """What a served layer's forward records in a capture: bf16 rows ``[*indices.shape, dim]`` from its
+    staging (an in_graph layer waits for its flag first), dequantized as SGLang dequantizes staged rows."""
+    from tableclient.sglang.rows import dequantize
+
+    sl = s.layers[layer]
+    tokens = indices.shape[0]
+    if sl.graph_mode == "eager_break":
+        out = embed.new_rows(indices)
+        _eager_rows(embed, layer, indices, out)
+        return out
+    packed = s.step_of(layer).rows(layer, tokens, graph=_recording(s, indices))  # [tokens * 24, row_bytes]
+    if not indices.is_cuda:
+        return dequantize(packed.view(*indices.shape, -1), embed.dim)
+    weight, scale = packed[:, :embed.dim].contiguous(), packed[:, embed.dim:].contiguous()
+    copied = s.events[layer]
+    copied.record()
+    return embed.dequant_staged(weight, scale, copied, indices.shape)
+
+
+_BREAK: dict = {}
+
+
+def _recording(s: _Session, t) -> bool:
+    """Whether the graph's flag operations belong here: a CUDA stream capturing (not an eager warm-up
+    run of the capture), or a replay on the host."""
+    import torch
+
+    return s.replay_on_host or (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def _eager_rows(embed, layer: int, indices, out) -> None:
+    """An eager break of a breakable decode graph (SGLang's eager_on_graph): at every replay, the real
+    tokens' rows fetched now and dequantized into ``out`` (the padded rows are zero)."""
+    if "fn" not in _BREAK:
+        _BREAK["fn"] = _eager_on_graph()(_fill_rows)
+    _BREAK["fn"](embed, layer, indices, out)
+
+
+def _fill_rows(embed, layer: int, indices, out) -> None:
+    from tableclient.sglang.hooks import rows, to_device
+
+    s = session()
+    tokens = min(s.tokens if s is not None and not s.capturing else indices.shape[0], indices.shape[0])
+    out.zero_()
+    if tokens == 0:
+        return
+    import torch
+
+    packed = rows().fetch(layer, indices[:tokens], channel="forward")
+    if not indices.is_cuda:
+        from tableclient.sglang.rows import dequantize
+
+        out[:tokens].copy_(dequantize(packed, embed.dim))
+        return
+    weight, scale, copied = to_device(packed, embed.dim, indices.device, torch.cuda.current_stream())
+    out[:tokens].copy_(embed.dequant_staged(weight, scale, copied, indices[:tokens].shape))
+
+
+def _eager_on_graph():
+    """SGLang's own break marker (it needs cuda-python, as the breakable backend does)."""
+    from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph import (
+        eager_on_graph,
+    )
+
+    return eager_on_graph
+
+
+def close() -> None:
+    s, _session["active"] = _session["active"], None
+    if s is not None:
+        for step in s.steps.values():
+            step.close()

@@ -1,0 +1,191 @@
+"""Decode CUDA graphs on (issue 25), on the CPU, inside the pinned SGLang's own classes.
+
+What runs here is SGLang's: its ``DecodeCudaGraphRunner`` class (its hooked ``capture``, ``load_batch`` and
+``execute``, on an instance that cannot capture on a CPU: built without its ``__init__``, with the
+attributes the plugin reads), its ``EngramHasher`` (decode, prefill and chunked prefill), ``Engram`` and
+``EngramEmbedding``, ``ForwardBatch``, its backends' classes and its ``eager_on_graph``. A replay is the
+captured forward run again with the graph's flag operations on the host (``replay_on_host``): the forward's
+thread stands in for the stream. Layer outputs must be bit-identical to SGLang's own tables'. Captures and
+replays of real CUDA graphs run in bench/gpu_check.sh on a GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import sglang_cpu  # noqa: F401  (before sglang: torchvision on a CPU torch)
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("sglang.srt.layers.engram")
+
+from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner  # noqa: E402
+from sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend import (  # noqa: E402
+    BreakableCudaGraphBackend,
+)
+from sglang.srt.model_executor.runner_backend.full_cuda_graph_backend import FullCudaGraphBackend  # noqa: E402
+
+from tableclient.sglang import graphs, hooks, rows  # noqa: E402
+from test_sglang_plugin import (  # noqa: E402,F401  (fixtures: one memory node and SGLang's plugin loading)
+    HC, HIDDEN, assert_bit_identical, build, conversation, decode_batch, engram_tables, forward, memnode,
+    model_config, plugin,
+)
+
+
+class _Model(torch.nn.Module):
+    """What ModelRunner.model is to the runner: the module tree holding the hasher and the Engram layers."""
+
+    def __init__(self, hasher, engrams):
+        super().__init__()
+        self.hasher, self.engrams = hasher, torch.nn.ModuleList(engrams)
+
+
+def runner_for(model, backend=FullCudaGraphBackend, max_bs: int = 8, **flags):
+    """SGLang's DecodeCudaGraphRunner, without the __init__ that would capture on a GPU: the attributes
+    the plugin reads, as __init__ sets them."""
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from types import SimpleNamespace
+
+    runner = DecodeCudaGraphRunner.__new__(DecodeCudaGraphRunner)
+    runner.model_runner = SimpleNamespace(model=_Model(*model))
+    runner.backend = backend.__new__(backend)
+    runner.max_bs, runner.captured_req_width = max_bs, 1
+    runner.speculative_algorithm = flags.get("speculative_algorithm", SpeculativeAlgorithm.NONE)
+    runner.enable_two_batch_overlap = flags.get("enable_two_batch_overlap", False)
+    runner.enable_pdmux = flags.get("enable_pdmux", False)
+    return runner
+
+
+def capture(runner, model):
+    """The runner's capture as the plugin's hook wraps it: the forward run once per bucket (what a capture's
+    warm-up runs) for a batch of dummy tokens."""
+    def record(self):
+        for bs in (1, 2, 4, 8):
+            ids, batch = decode_batch([0] * bs, [5] * bs, list(range(bs)))
+            forward(model, ids, batch, torch.zeros((bs, HC, HIDDEN), dtype=torch.bfloat16))
+
+    hooks._runner_capture(record, runner)
+
+
+def replay_step(runner, model, ids, batch, x):
+    """One decode step as SGLang's execute runs it: load_batch (the plugin's host side after it), then the
+    replay -- the captured forward, its flag operations on the host."""
+    s = graphs.session()
+    runner.raw_num_token = len(ids)
+    hooks._runner_load_batch(None, runner, batch)
+
+    def replay(self, forward_batch):
+        s.capturing = s.replay_on_host = True
+        try:
+            return forward(model, ids, forward_batch, x)
+        finally:
+            s.capturing = s.replay_on_host = False
+
+    return hooks._runner_execute(replay, runner, batch)
+
+
+def run_graphs(model, runner, seed=0):
+    """The test conversation: prefills eager (SGLang's prefill graphs are breakable), decode steps replayed."""
+    rng = np.random.default_rng(seed)
+    outs = []
+    for ids, batch in conversation(rng):
+        x = torch.from_numpy(rng.standard_normal((len(ids), HC, HIDDEN)).astype(np.float32)).to(torch.bfloat16)
+        if batch.forward_mode.is_decode():
+            outs.append(replay_step(runner, model, ids, batch, x))
+        else:
+            outs.append(forward(model, ids, batch, x))
+    return outs
+
+
+def test_the_hooks_are_on_sglangs_decode_runner(plugin):
+    for name, fn in (("capture", hooks._runner_capture), ("load_batch", hooks._runner_load_batch),
+                     ("execute", hooks._runner_execute)):
+        assert hooks._wraps(getattr(DecodeCudaGraphRunner, name), fn), name
+    assert hooks.check_sglang() == hooks.SUPPORTED_SGLANG  # signatures checked, incl. the runner's
+
+
+def test_ids_before_replay_equal_sglangs_hasher_and_leave_its_history(plugin, model_config, engram_tables, memnode):
+    hasher, engrams = build(model_config, engram_tables, address=memnode.address)
+    scratch = torch.empty_like(hasher.history)
+    modes = set()
+    for ids, batch in conversation(np.random.default_rng(9)):  # prefill, chunked prefill, decode
+        before = hasher.history.clone()
+        peeked = graphs.peek_hash_ids(hasher, scratch, ids, batch)
+        assert torch.equal(hasher.history, before)  # nothing committed
+        assert torch.equal(peeked, hasher(ids, batch))  # SGLang's own, committing
+        modes.add(batch.forward_mode.name)
+    assert modes == {"EXTEND", "DECODE"}
+
+
+@pytest.mark.parametrize("graph", [{}, {14: "in_graph"}, {1: "in_graph", 14: "in_graph"}],
+                         ids=["before_replay", "layer14_in_graph", "both_in_graph"])
+def test_decode_steps_in_graphs_are_bit_identical(plugin, model_config, engram_tables, memnode, graph):
+    want = _local_outputs(model_config, engram_tables)
+    waits = {layer: _graph_waits(layer, graph.get(layer, "before_replay")) for layer in (1, 14)}
+    model = build(model_config, engram_tables, address=memnode.address, graph=graph)
+    runner = runner_for(model)
+    capture(runner, model)
+    s = graphs.session()
+    assert s is not None and not s.capturing
+    buffers = {p: step.buffers() for p, step in s.steps.items()}
+    got = run_graphs(model, runner)
+    assert_bit_identical(got, want)
+    assert {p: step.buffers() for p, step in s.steps.items()} == buffers  # nothing allocated after capture
+    summary = rows().summary()
+    for layer in (1, 14):  # the decode steps' rows never went through the eager prefetch
+        assert summary[layer]["prefetched"] == 2, summary  # the two prefill forwards only
+        phase = graph.get(layer, "before_replay")
+        assert _graph_waits(layer, phase) - waits[layer] == 6, (layer, phase)  # the six decode steps, in graphs
+
+
+def _graph_waits(layer: int, phase: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("tableserver_client_graph_wait_seconds_count",
+                                     {"layer": str(layer), "phase": phase}) or 0
+
+
+def _local_outputs(model_config, engram_tables):
+    from test_sglang_plugin import run
+
+    return run(build(model_config, engram_tables))
+
+
+def test_an_eager_break_serves_the_layer_in_a_breakable_graph(plugin, model_config, engram_tables, memnode):
+    want = _local_outputs(model_config, engram_tables)
+    model = build(model_config, engram_tables, address=memnode.address, graph={14: "eager_break"})
+    runner = runner_for(model, BreakableCudaGraphBackend)
+    capture(runner, model)
+    assert_bit_identical(run_graphs(model, runner), want)
+    assert rows().summary()[14]["fetched"] > 0  # fetched when the break ran
+
+
+@pytest.mark.parametrize("flags, needle", [
+    ({"enable_two_batch_overlap": True}, "--enable-two-batch-overlap"),
+    ({"enable_pdmux": True}, "--enable-pdmux"),
+    ({"speculative": True}, "--speculative-algorithm"),
+])
+def test_what_is_not_handled_is_refused_at_start_up(plugin, model_config, engram_tables, memnode, flags, needle):
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    if flags.pop("speculative", False):
+        flags["speculative_algorithm"] = next(a for a in SpeculativeAlgorithm if not a.is_none())
+    model = build(model_config, engram_tables, address=memnode.address)
+    with pytest.raises(hooks.PluginError, match=needle):
+        capture(runner_for(model, **flags), model)
+
+
+def test_an_eager_break_needs_the_breakable_backend(plugin, model_config, engram_tables, memnode):
+    model = build(model_config, engram_tables, address=memnode.address, graph={14: "eager_break"})
+    with pytest.raises(hooks.PluginError, match="--cuda-graph-backend-decode breakable"):
+        capture(runner_for(model), model)
+
+
+def test_graph_modes_in_the_configuration():
+    from tableclient.sglang import ConfigError, PluginConfig
+
+    cfg = PluginConfig.load({"TABLESERVER_ADDRESS": "m:1", "TABLESERVER_GRAPH_MODE": "14=in_graph,1=before_replay"})
+    assert cfg.graph_mode(14) == "in_graph" and cfg.graph_mode(1) == "before_replay" and cfg.graph_mode(7) == \
+        "before_replay"
+    with pytest.raises(ConfigError, match="graph.14 = 'sometimes': use one of before_replay, in_graph, eager_break"):
+        PluginConfig(address="m:1", graph={14: "sometimes"})
