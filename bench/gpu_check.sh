@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The GPU-side checks in one run, for a machine with a CUDA GPU and a CUDA build of torch (CI has none, so
-# these tests skip there): the CUDA tests (pinned step staging, its copy in a CUDA graph, the plugin inside
-# SGLang 0.5.23 on the GPU) and bench/bench_gpu.py.
+# The GPU-side checks in one run (at most ~10 minutes), for a machine with a CUDA GPU and a CUDA build of
+# torch (CI has none, so these tests skip there): the CUDA tests (pinned step staging, its copy in a CUDA
+# graph, the plugin inside SGLang 0.5.23 on the GPU), bench/bench_gpu.py, bench/bench_graph.py (served
+# layers in captured CUDA graphs: before_replay and in_graph, 100 steps a bucket, a frozen and a killed
+# server) and, on the machine's cores, bench/bench_transports.py (tcp against loopback bulk).
 #
 #   bash bench/gpu_check.sh [OUT_DIR]          (default bench/out)
 #
@@ -24,11 +26,15 @@ python3 -c 'import torch, numpy, sys; print("python", sys.version.split()[0], "t
 numpy.__version__, "cuda", torch.cuda.is_available() and torch.cuda.get_device_name())' || exit 1
 rc=0
 # the step API's CUDA tests on their own: a collection error in the SGLang modules must not stop them
-timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_step.py 2>&1 | tee "$out/gpu_tests.log"
+timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_step.py 2>&1 | tee "$out/gpu_tests.log"
 [ "${PIPESTATUS[0]}" = 0 ] || rc=1
-timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_sglang_gpu.py \
+timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_sglang_gpu.py \
     tests/test_sglang_plugin.py 2>&1 | tee -a "$out/gpu_tests.log"
 [ "${PIPESTATUS[0]}" = 0 ] || rc=1
-timeout "${BENCH_TIMEOUT:-240}" python3 bench/bench_gpu.py --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench_gpu.log"
+timeout "${BENCH_TIMEOUT:-120}" python3 bench/bench_gpu.py --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench_gpu.log"
+[ "${PIPESTATUS[0]}" = 0 ] || rc=1
+timeout "${BENCH_TIMEOUT:-150}" python3 bench/bench_graph.py --steps 100 --out "$out" 2>&1 | tee "$out/bench_graph.log"
+[ "${PIPESTATUS[0]}" = 0 ] || rc=1
+timeout "${BENCH_TIMEOUT:-150}" python3 bench/bench_transports.py --gib 1 --iters 200 2>&1 | tee "$out/bench_transports.log"
 [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 exit $rc

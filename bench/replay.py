@@ -28,8 +28,11 @@ Writes ``replay.txt``, ``replay_cdf.png`` (read-time CDFs against the windows)
 and ``placement.toml`` into --out: the SGLang plugin's ``[layers]`` placement
 for the batch size of --placement-batch (rdma/tcp -> remote, shm -> node,
 local -> local; a row cache is not a placement, so the best other option
-stands in for it). Point ``TABLESERVER_SGLANG_CONFIG`` at it, or copy its
-tables into the deployment's plugin configuration.
+stands in for it), and its ``[graph]`` modes for decode CUDA graphs: ``in_graph``
+for a served layer whose read p99 takes at most half its window (the rest is left
+for the flag round trips between the graph and the poller and a late wake-up),
+``before_replay`` otherwise. Point ``TABLESERVER_SGLANG_CONFIG`` at it, or copy
+its tables into the deployment's plugin configuration.
 """
 
 from __future__ import annotations
@@ -61,7 +64,16 @@ PREFERENCE = ["rdma", "tcp", "shm", "cache", "local"]  # fewest table copies on 
 PLACEMENT = {"rdma": "remote", "tcp": "remote", "shm": "node", "local": "local"}  # replay option -> plugin placement
 
 
-def placement_toml(picks: dict, batch: int, stalls: dict) -> str:
+#: an in_graph layer's read p99 may take this share of its window (the rest: flag round trips, wake-ups)
+IN_GRAPH_SHARE = 0.5
+
+
+def graph_mode(read_p99: float, window: float) -> str:
+    """How a served layer's rows should reach a captured decode graph (tableclient.sglang.graphs)."""
+    return "in_graph" if read_p99 <= IN_GRAPH_SHARE * window else "before_replay"
+
+
+def placement_toml(picks: dict, batch: int, stalls: dict, modes: dict | None = None) -> str:
     """The SGLang plugin's configuration for ``picks`` {layer: option} (tableclient.sglang.config)."""
     remote = sorted({picks[layer] for layer in picks if PLACEMENT[picks[layer]] == "remote"})
     lines = [f"# written by bench/replay.py: placement of each Engram layer at batch {batch}, by expected stall",
@@ -74,6 +86,11 @@ def placement_toml(picks: dict, batch: int, stalls: dict) -> str:
     lines += [f'{layer} = "{PLACEMENT[picks[layer]]}"' for layer in sorted(picks)]
     lines.append("\n[windows]")
     lines += [f"{layer} = {WINDOWS_S[layer]!r}" for layer in sorted(picks)]
+    served = {layer: mode for layer, mode in (modes or {}).items() if PLACEMENT[picks[layer]] != "local"}
+    if served:
+        lines.append(f"\n[graph]  # decode CUDA graphs: in_graph where the read p99 is <= {IN_GRAPH_SHARE:g} x the "
+                     "window")
+        lines += [f'{layer} = "{mode}"' for layer, mode in sorted(served.items())]
     return "\n".join(lines) + "\n"
 
 
@@ -224,7 +241,7 @@ def main() -> int:
     placement_batch = args.placement_batch or max(batches)
     if placement_batch not in batches:
         ap.error(f"--placement-batch {placement_batch} is not one of --batches {args.batches}")
-    picks, stalls = {}, {}
+    picks, stalls, modes = {}, {}, {}
     os.makedirs(args.out, exist_ok=True)
     path = ensure_demo_file(DEFAULT_ROWS)
     hasher = EngramHasher(ENGRAM, np.arange(VOCAB))
@@ -327,6 +344,9 @@ def main() -> int:
                     if batch == placement_batch:  # a row cache is no placement: the best other option stands in
                         picks[layer] = next(n for n in ok + sorted(options, key=options.get) if n in PLACEMENT)
                         stalls[layer] = options
+                        if (picks[layer], batch) in results:
+                            modes[layer] = graph_mode(float(np.percentile(results[(picks[layer], batch)][:, col], 99)),
+                                                      window)
                     shown = "  ".join(f"{n} {options[n] * 1e6:.0f}" for n in PREFERENCE if n in options)
                     lines.append(f"  batch {batch:>3} layer {layer:>2}: {pick:<6} ({shown}; cache hit rate {hit:.0%})")
         finally:
@@ -338,9 +358,10 @@ def main() -> int:
         f.write(report + "\n")
     _plot(cdf, os.path.join(args.out, "replay_cdf.png"))
     with open(os.path.join(args.out, "placement.toml"), "w") as f:
-        f.write(placement_toml(picks, placement_batch, stalls))
+        f.write(placement_toml(picks, placement_batch, stalls, modes))
     print(f"\nwrote {os.path.join(args.out, 'replay.txt')}, replay_cdf.png and placement.toml (batch {placement_batch}): "
-          + ", ".join(f"layer {layer} {PLACEMENT[p]}" for layer, p in sorted(picks.items())))
+          + ", ".join(f"layer {layer} {PLACEMENT[p]}" + (f" ({modes[layer]})" if layer in modes and PLACEMENT[p] != "local"
+                                                         else "") for layer, p in sorted(picks.items())))
     return 0
 
 

@@ -10,7 +10,7 @@ import numpy as np
 from conftest import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-from replay import ENGRAM, Traffic, lru_hit_rate, placement_toml, predict_stall, wait_overheads  # noqa: E402
+from replay import ENGRAM, Traffic, graph_mode, lru_hit_rate, placement_toml, predict_stall, wait_overheads  # noqa: E402
 
 W1, W14 = 0.3e-3, 9.3e-3
 
@@ -67,3 +67,9 @@ def test_placement_written_by_the_replay_is_the_plugins_configuration(tmp_path):
     path.write_text(placement_toml({1: "shm", 14: "rdma"}, 1, {1: {"shm": 0.0}, 14: {"rdma": 0.0}}))
     cfg = PluginConfig.load({"TABLESERVER_SGLANG_CONFIG": str(path), "TABLESERVER_ADDRESS": "memnode:7070"})
     assert cfg.layers == {1: "node", 14: "remote"} and cfg.transport == "rdma"
+    # decode graph modes: in_graph where the read p99 fits half the window; a local layer has none
+    modes = {1: graph_mode(200e-6, W1), 14: graph_mode(1e-3, W14)}
+    assert modes == {1: "before_replay", 14: "in_graph"} and graph_mode(100e-6, W1) == "in_graph"
+    path.write_text(placement_toml({1: "local", 14: "tcp"}, 64, stalls, modes))
+    cfg = PluginConfig.load({"TABLESERVER_SGLANG_CONFIG": str(path), "TABLESERVER_ADDRESS": "memnode:7070"})
+    assert cfg.graph == {14: "in_graph"} and cfg.graph_mode(1) == "before_replay"

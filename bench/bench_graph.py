@@ -1,0 +1,246 @@
+#!/usr/bin/env python3
+"""Served layers inside captured decode graphs (tableclient.graphstep), the modes side by side.
+
+    python bench/bench_graph.py [--steps 200] [--buckets 1,8,64] [--transports shm,tcp] [--out bench/out]
+    python bench/bench_graph.py --device cpu --steps 20     (the same steps, eagerly, flags on the host)
+
+Needs a CUDA GPU for graphs (exits 2 without one, unless --device cpu). A real tableserver serves the
+demo table file. Per graph-mode set -- both layers before_replay; layer 1 before_replay and layer 14
+in_graph; both in_graph -- one CUDA graph per batch bucket is captured, each holding what a decode step
+holds for the served layers: a stand-in hasher (the step's row ids from its tokens, on the device),
+each in_graph layer's ids published to the host, layer 1's copy from the staging, GPU work standing in
+for layers 2..13 (``--gap-ms``), and layer 14's copy (an in_graph layer waits for its flag first). Each
+step: new tokens into the graph's static buffer (as SGLang's load_batch does), the host part
+(before_replay gathers, arm), the replay, and every row checked bit-exact against the table file.
+
+Reported per mode, transport and bucket (p50 / p99 over the steps):
+* host before replay: the time the GPU stays idle before the step because of the mode (before_replay
+  layers gather here; in_graph layers only arm);
+* blocked in graph: CUDA-event time from just before layer 14's flag wait to just after it (0 when the
+  rows were released before the GPU got there: the gather was hidden behind layers 2..13);
+* step: host clock from the tokens' copy to the replay's end.
+Then the server is frozen (SIGSTOP: the gather hangs, the watchdog releases the flag at the layer's 2 s
+timeout), then killed, and after each one more step of each in_graph mode is replayed: it must complete
+(policy ``zeros``), layer 14 zero rows -- or, over shm, the table's rows while the server's tables are
+still mapped -- and nothing else.
+
+Writes ``graph.txt`` into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from tableclient import TableClient  # noqa: E402
+from tableclient.graphstep import GraphStep, HostStreamOps  # noqa: E402
+from tableclient.step import LayerPlan  # noqa: E402
+from tableserver.demo_run import WINDOWS_S, ensure_demo_file, start_server  # noqa: E402
+from tableserver.tablefile import read_header  # noqa: E402
+
+MODES = {"before_replay": {}, "layer14_in_graph": {14: "in_graph"}, "both_in_graph": {1: "in_graph", 14: "in_graph"}}
+PLANS = [LayerPlan(1, "engram.layer1", WINDOWS_S[1]), LayerPlan(14, "engram.layer14", WINDOWS_S[14])]
+
+
+def pct(a, q) -> float:
+    return float(np.percentile(np.asarray(a), q)) if len(a) else float("nan")
+
+
+class Model:
+    """What a decode graph holds for the served layers, on fixed buffers."""
+
+    def __init__(self, torch, g: GraphStep, rows: dict, max_bs: int, device, gap_iters: int):
+        self.torch, self.g, self.device, self.gap_iters = torch, g, device, gap_iters
+        self.tokens = torch.zeros(max_bs, dtype=torch.int64, device=device)  # load_batch's static input
+        rng = np.random.default_rng(7)
+        # the stand-in hasher: id = (token * mult + add) % rows, per layer and column
+        self.mult = {layer: torch.from_numpy(rng.integers(1, 1 << 20, 24)).to(device) for layer in rows}
+        self.add = {layer: torch.from_numpy(rng.integers(0, 1 << 20, 24)).to(device) for layer in rows}
+        self.rows = rows
+        self.out = {layer: torch.zeros((max_bs * 24, g.device_rows[layer].shape[1]), dtype=torch.uint8,
+                                       device=device) for layer in rows}
+        self.gap_a = torch.randn(256, 256, device=device)
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.before = torch.cuda.Event(enable_timing=True, external=True)
+            self.after = torch.cuda.Event(enable_timing=True, external=True)
+
+    def ids(self, layer: int, bs: int):
+        return (self.tokens[:bs, None] * self.mult[layer] + self.add[layer]) % self.rows[layer]
+
+    def host_ids(self, tokens: np.ndarray, layer: int) -> np.ndarray:
+        return (tokens[:, None] * self.mult[layer].cpu().numpy() + self.add[layer].cpu().numpy()) % self.rows[layer]
+
+    def forward(self, bs: int, graph: bool) -> None:
+        """The captured step: hasher, publish, layer 1, layers 2..13 stand-in, layer 14."""
+        g = self.g
+        ids = {layer: self.ids(layer, bs) for layer in self.rows}
+        for layer in self.rows:
+            g.publish_ids(layer, ids[layer], graph=graph)
+        self.out[1][: bs * 24].copy_(g.rows(1, bs, graph=graph))
+        x = self.gap_a
+        for _ in range(self.gap_iters):
+            x = (x @ self.gap_a).tanh()
+        if self.cuda and graph:
+            self.before.record()
+        self.out[14][: bs * 24].copy_(g.rows(14, bs, graph=graph))
+        if self.cuda and graph:
+            self.after.record()
+
+
+def capture(torch, model: Model, bs: int):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm-ups, as SGLang's full backend runs them: no flags
+            model.forward(bs, graph=False)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        model.forward(bs, graph=True)
+    return graph
+
+
+def run_mode(torch, client, local: dict, modes: dict, buckets: list, steps: int, device, gap_iters: int,
+             policy: str = "fail", faults=None) -> tuple[list[str], dict]:
+    max_bs = max(buckets)
+    cpu = device.type == "cpu"
+    g = GraphStep(client, PLANS, modes, max_bs, policy=policy, device=device, timeout=2.0,
+                  stream_ops=HostStreamOps(60.0) if cpu else None)
+    rows = {p.layer: local[p.table].shape[0] for p in PLANS}
+    model = Model(torch, g, rows, max_bs, device, gap_iters)
+    graphs = {} if cpu else {bs: capture(torch, model, bs) for bs in buckets}
+    before_buffers = g.buffers()
+    rng = np.random.default_rng(11)
+    stats = {bs: {"host": [], "blocked": [], "step": []} for bs in buckets}
+    lines = []
+
+    def step(bs: int) -> tuple:
+        """One decode step of ``bs`` tokens: (tokens, host time before the replay, step time)."""
+        tokens = rng.integers(0, 1 << 30, bs)
+        t0 = time.perf_counter()
+        model.tokens[:bs].copy_(torch.from_numpy(tokens))  # what SGLang's load_batch does
+        if g.pre is not None:  # as SGLang's hook does: the ids computed on the device, then to the host
+            g.before_replay({layer: model.ids(layer, bs).cpu().numpy() for layer in g.pre.tables})
+        g.arm(bs)
+        t1 = time.perf_counter()
+        if cpu:
+            model.forward(bs, graph=True)  # the "replay": flags on the host, this thread the stream
+        else:
+            graphs[bs].replay()
+            torch.cuda.current_stream().synchronize()
+        g.after_replay()
+        return tokens, t1 - t0, time.perf_counter() - t0
+
+    try:
+        for i in range(steps * len(buckets)):
+            bs = buckets[i % len(buckets)]
+            tokens, host_s, step_s = step(bs)
+            host_ids = {layer: model.host_ids(tokens, layer) for layer in rows}
+            for p in PLANS:
+                got = model.out[p.layer][: bs * 24].cpu().numpy()
+                want = local[p.table][host_ids[p.layer].reshape(-1)]
+                if not np.array_equal(got, want):
+                    raise SystemExit(f"FAIL: {modes or 'before_replay'} bucket {bs} step {i}: layer {p.layer} rows "
+                                     "differ from the table file")
+            s = stats[bs]
+            s["host"].append(host_s)
+            s["step"].append(step_s)
+            if not cpu:
+                s["blocked"].append(model.before.elapsed_time(model.after) * 1e-3)
+        assert g.buffers() == before_buffers, "a buffer the graphs touch moved"
+        for bs in buckets:
+            s = stats[bs]
+            blocked = (f"{pct(s['blocked'], 50) * 1e6:>9.0f}{pct(s['blocked'], 99) * 1e6:>8.0f}" if s["blocked"]
+                       else f"{'-':>9}{'-':>8}")
+            lines.append(f"{bs:>6}{pct(s['host'], 50) * 1e6:>10.0f}{pct(s['host'], 99) * 1e6:>8.0f}{blocked}"
+                         f"{pct(s['step'], 50) * 1e6:>10.0f}{pct(s['step'], 99) * 1e6:>8.0f}")
+        seen = {}
+        for fault, act in (faults or {}).items() if g.modes.get(14) == "in_graph" else ():
+            act()  # the server freezes, then dies: each next replay must still complete, layer 14 zero-filled
+            bs = buckets[-1]
+            tokens, _, took = step(bs)
+            got = model.out[14][: bs * 24].cpu().numpy()
+            want = local["engram.layer14"][model.host_ids(tokens, 14).reshape(-1)]
+            # zero rows (the policy), or the table's rows where they were still mapped (shm): nothing else
+            seen[fault] = (took, "zero rows" if not got.any() else
+                             "the table's rows (still mapped)" if np.array_equal(got, want) else None)
+    finally:
+        g.close()
+    return lines, seen
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=200, help="steps per bucket and mode (default 200)")
+    ap.add_argument("--buckets", default="1,8,64", help="batch buckets captured (default 1,8,64)")
+    ap.add_argument("--transports", default="shm,tcp")
+    ap.add_argument("--gap-ms", type=float, default=5.0, help="GPU time standing in for layers 2..13")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "out"))
+    args = ap.parse_args()
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_graph: needs a CUDA GPU (or --device cpu)", file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    buckets = [int(b) for b in args.buckets.split(",")]
+    gap_iters = 1
+    if device.type == "cuda":  # iterations of the stand-in for layers 2..13 that take --gap-ms on this GPU
+        a = torch.randn(256, 256, device=device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        x = a
+        for _ in range(100):
+            x = (x @ a).tanh()
+        end.record()
+        end.synchronize()
+        gap_iters = max(1, int(100 * args.gap_ms / max(start.elapsed_time(end), 1e-3)))
+    path = ensure_demo_file()
+    local = {s.name: np.memmap(path, np.uint8, "r", s.offset, s.nbytes).reshape(s.rows, s.row_bytes)
+             for s in read_header(path).tables}
+    out_lines = [f"bench_graph: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (eager)'}, "
+                 f"torch {torch.__version__}, layers 2..13 stand-in {args.gap_ms:g} ms, {args.steps} steps a bucket",
+                 f"{'bucket':>6}{'host before replay us':>18}{'blocked in graph':>17}{'step us':>18}",
+                 f"{'':>6}{'p50':>10}{'p99':>8}{'p50':>9}{'p99':>8}{'p50':>10}{'p99':>8}"]
+    ok = True
+    with tempfile.TemporaryDirectory() as tmp:
+        for transport in args.transports.split(","):
+            for name, modes in MODES.items():
+                run_dir = tempfile.mkdtemp(dir=tmp)  # a fresh daemon per run: the last one was killed
+                proc, ready = start_server(path, run_dir, ["--hugepages", "off", "--transports", transport])
+                try:
+                    with TableClient(ready["control"], transport=transport) as client:
+                        out_lines.append(f"{transport} / {name}")
+                        faults = {"frozen (SIGSTOP)": lambda: proc.send_signal(signal.SIGSTOP),
+                                  "killed": lambda: (proc.send_signal(signal.SIGCONT), proc.kill())}
+                        lines, seen = run_mode(torch, client, local, modes, buckets, args.steps, device, gap_iters,
+                                               policy="zeros", faults=faults)
+                        out_lines += lines
+                        for fault, (took, rows) in seen.items():
+                            out_lines.append(f"  server {fault}: the next replay completed in {took * 1e3:.0f} ms, "
+                                             f"layer 14: {rows or 'WRONG ROWS'}")
+                            ok &= rows is not None
+                finally:
+                    proc.kill()
+                    proc.wait()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "graph.txt"), "w") as f:
+        f.write("\n".join(out_lines) + "\n")
+    print("\n".join(out_lines))
+    print("PASS: every row bit-exact, every replay completed" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
