@@ -19,7 +19,8 @@ Reported per mode, transport and bucket (p50 / p99 over the steps):
 * blocked in graph: CUDA-event time from just before layer 14's flag wait to just after it (0 when the
   rows were released before the GPU got there: the gather was hidden behind layers 2..13);
 * step: host clock from the tokens' copy to the replay's end.
-Then the server is frozen (SIGSTOP: the gather hangs, the watchdog releases the flag at the layer's 2 s
+The in_graph poller's wake-up (ids flag to rows released, over shm, flags on the host) is measured quiet
+and with a GIL-holding Python thread beside it. Then the server is frozen (SIGSTOP: the gather hangs, the watchdog releases the flag at the layer's 2 s
 timeout), then killed, and after each one more step of each in_graph mode is replayed: it must complete
 (policy ``zeros``), layer 14 zero rows -- or, over shm, the table's rows while the server's tables are
 still mapped -- and nothing else.
@@ -179,6 +180,51 @@ def run_mode(torch, client, local: dict, modes: dict, buckets: list, steps: int,
     return lines, seen
 
 
+def gil_section(torch, client, local: dict, steps: int) -> list[str]:
+    """The in_graph poller's wake-up behind a busy Python thread: from the graph's ids flag to its rows
+    released, with the flags on the host (this thread plays the stream), quiet and with a thread that
+    holds the GIL (a pure-Python loop) beside it. The poller waits natively; its gather needs the GIL."""
+    import threading
+
+    g = GraphStep(client, PLANS, {14: "in_graph"}, 8, policy="fail", device=torch.device("cpu"), timeout=5.0,
+                  stream_ops=HostStreamOps(60.0))
+    rng = np.random.default_rng(3)
+    lines = [f"in_graph wake-up (ids flag -> rows released, 8 tokens, switch interval "
+             f"{sys.getswitchinterval() * 1e3:g} ms):"]
+    try:
+        for busy in (False, True):
+            stop = threading.Event()
+
+            def spin():
+                x = 0
+                while not stop.is_set():
+                    x += 1
+
+            spinner = threading.Thread(target=spin) if busy else None
+            if spinner is not None:
+                spinner.start()
+            took = []
+            try:
+                for _ in range(steps):
+                    ids = rng.integers(0, local["engram.layer14"].shape[0], (8, 24))
+                    g.arm(8)
+                    t0 = time.perf_counter()
+                    g.publish_ids(14, torch.from_numpy(ids))
+                    got = g.rows(14, 8)
+                    took.append(time.perf_counter() - t0)
+                    if not np.array_equal(got.numpy().reshape(8, 24, -1), local["engram.layer14"][ids]):
+                        raise SystemExit("FAIL: in_graph rows differ from the table file")
+            finally:
+                stop.set()
+                if spinner is not None:
+                    spinner.join()
+            lines.append(f"  {'a busy Python thread beside it' if busy else 'quiet':<32}p50 {pct(took, 50) * 1e6:>7.0f} us"
+                         f"   p99 {pct(took, 99) * 1e6:>7.0f} us")
+    finally:
+        g.close()
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=200, help="steps per bucket and mode (default 200)")
@@ -215,6 +261,14 @@ def main() -> int:
                  f"{'':>6}{'p50':>10}{'p99':>8}{'p50':>9}{'p99':>8}{'p50':>10}{'p99':>8}"]
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
+        run_dir = tempfile.mkdtemp(dir=tmp)
+        proc, ready = start_server(path, run_dir, ["--hugepages", "off", "--transports", "shm"])
+        try:
+            with TableClient(ready["control"], transport="shm") as client:
+                out_lines += gil_section(torch, client, local, args.steps)
+        finally:
+            proc.kill()
+            proc.wait()
         for transport in args.transports.split(","):
             for name, modes in MODES.items():
                 run_dir = tempfile.mkdtemp(dir=tmp)  # a fresh daemon per run: the last one was killed

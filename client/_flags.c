@@ -4,13 +4,13 @@
  *   flags: a writable C-contiguous buffer of native uint32 (pinned host memory a GPU stream writes with
  *          cuStreamWriteValue32, or any memory another thread writes)
  *   Returns True as soon as flags[index] == value, False once timeout_s seconds have passed first.
- *   The GIL is released for the whole wait: a thread waiting here delays no Python thread, and no
- *   Python thread delays its wake-up. It spins (with the CPU's pause hint) for SPIN_NS, then sleeps
- *   SLEEP_NS between reads, so a flag set within the spin is seen within a few hundred nanoseconds and
- *   a long wait costs a core nothing.
+ *   The GIL is released for the whole wait: a thread waiting here delays no Python thread. It spins
+ *   (with the CPU's pause hint) for SPIN_NS, then sleeps SLEEP_NS between reads, so a flag set within
+ *   the spin is seen within a few hundred nanoseconds and a long wait costs a core nothing. Returning
+ *   to Python takes the GIL again: behind a thread that holds it, up to one switch interval.
  *
- * Why native: a Python poller needs the GIL for every read; behind a busy Python thread it would see
- * the flag only at the next switch interval (5 ms by default), longer than layer 1's whole window.
+ * Why native: a Python poller needs the GIL for every read of the flag; this one needs it once, to
+ * act on the flag it saw.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -65,6 +65,8 @@ static PyObject *wait_u32(PyObject *self, PyObject *const *args, Py_ssize_t narg
     volatile uint32_t *flag = (volatile uint32_t *)b.buf + index;
     int hit = 0;
     Py_BEGIN_ALLOW_THREADS
+    if (timeout > 1e9)
+        timeout = 1e9; /* ~31 years: past it the int64 nanoseconds would overflow */
     int64_t start = now_ns(), end = start + (int64_t)(timeout * 1e9);
     struct timespec nap = {0, SLEEP_NS};
     for (;;) {

@@ -17,18 +17,24 @@ method allocates anything a graph can see. Per layer, one of two modes:
   ``rows`` flag; the graph waits for that just before the layer's copy. The gather overlaps every layer
   before it (layer 14's rows travel while layers 0..13 run). The GPU never waits forever: a watchdog
   releases the flag at the layer's timeout, with zeros or the fallback's rows in the staging (policies
-  ``zeros``, ``fallback``), or with zeros and the step poisoned (``fail``: :meth:`after_replay`
-  raises, before the engine reads the step's output).
+  ``zeros``, ``fallback``; the fallback's own gather adds its time), or with zeros and the step
+  poisoned (``fail``: :meth:`after_replay` raises, before the engine reads the step's output). The
+  poller waits for the flag natively, but its gather is Python: behind a thread that holds the GIL it
+  starts up to one switch interval (``sys.getswitchinterval()``, 5 ms by default) late --
+  ``bench/bench_graph.py`` measures the wake-up with a busy Python thread beside it.
 
 Flag protocol. The values a graph writes and waits for are baked into it, so they are constants; per
 ``in_graph`` layer two uint32 in pinned, device-mapped host memory, each on its own 64-byte line::
 
     graph      copy ids -> ids buffer; write ids = 1; ...; wait rows == 1; write rows = 0; copy rows
-    arm        (host, before replay) waits for rows == 0: the last step's release was consumed
+    arm        (host, before replay) waits until the last step was released, its graph consumed the
+               release (rows == 0) and any late ids flag of it was taken; then arms the next step
     poller     waits ids == 1; ids = 0; gathers the armed step's tokens into the staging; rows = 1
     watchdog   at the deadline, unless released: cancels the gather (a barrier), fills, rows = 1
 
-Only one of poller and watchdog releases a step (a lock and a state decide). The stream's side is
+Only one of poller and watchdog releases a step, and only the step it was decided for (a lock, a
+state and a step number); a step released before its graph published the ids owes that flag, which
+the poller then takes without gathering; ids of a replay nobody armed are released at once with zeros. The stream's side is
 :class:`CudaStreamOps` (cuda-python's ``cuStreamWriteValue32`` / ``cuStreamWaitValue32`` on the
 current stream: captured as graph memory-operation nodes) or :class:`HostStreamOps`, which runs the
 same protocol on the host in the calling thread (an engine without a GPU; the tests).
@@ -107,6 +113,15 @@ class CudaStreamOps:
             raise GraphStepError("in_graph layers need cuda-python (pip install cuda-python; SGLang requires it "
                                  "already): or place the layers 'before_replay'") from None
         self.torch, self.driver = torch, driver
+        err, dev = driver.cuDeviceGet(torch.cuda.current_device())
+        self._check("cuDeviceGet", (err,))
+        err, can = driver.cuDeviceGetAttribute(
+            driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS, dev)
+        self._check("cuDeviceGetAttribute", (err,))
+        if not can:
+            raise GraphStepError("this GPU (or its driver) has no stream memory operations "
+                                 "(CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS = 0): place the layers 'before_replay'")
+        self._eq = int(driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ)
 
     def _stream(self):
         return self.driver.CUstream(self.torch.cuda.current_stream().cuda_stream)
@@ -130,8 +145,7 @@ class CudaStreamOps:
     def wait(self, flags: "GraphFlags", index: int, value: int) -> None:
         d = self.driver
         self._check("cuStreamWaitValue32", d.cuStreamWaitValue32(
-            self._stream(), d.CUdeviceptr(flags.device_ptr(self, index)), value,
-            d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ))
+            self._stream(), d.CUdeviceptr(flags.device_ptr(self, index)), value, self._eq))
 
 
 class GraphFlags:
@@ -165,6 +179,8 @@ class _Slot:
     handle: object = None
     error: BaseException | None = None
     seen: float = 0.0  # perf_counter() when the graph's ids were seen
+    step: int = 0  # bumped by every arm: a release is for the step it was decided for, never a later one
+    owe_ids: bool = False  # released before its graph published the ids: that late flag is not a new step's
 
 
 class GraphStep:
@@ -192,7 +208,7 @@ class GraphStep:
         self.post = EngramStep(client, post, max_tokens, deadlines=False, **common) if post else None
         self.layers = [p.layer for p in sorted(plans, key=lambda p: p.window_s)]
         self._owner = {p.layer: self.pre for p in pre} | {p.layer: self.post for p in post}
-        for layer in self.layers:  # a padded bucket's rows copy whatever is there: zeros, never garbage
+        for layer in self.layers:  # a padded bucket's rows copy what is there: zeros, then earlier steps' rows
             self._owner[layer].staging[layer].zero_()
         self._staging_np = {layer: self._owner[layer].staging[layer].numpy() for layer in self.layers}
         row_bytes = {layer: self._owner[layer].staging[layer].shape[-1] for layer in self.layers}
@@ -205,6 +221,8 @@ class GraphStep:
         self.flags = GraphFlags(torch, len(post), pin)
         self.ops = stream_ops if stream_ops is not None else (CudaStreamOps(torch) if cuda and post else
                                                               HostStreamOps(timeout * 4))
+        if isinstance(self.ops, CudaStreamOps):
+            self.flags.device_ptr(self.ops, 0)  # resolved now, not inside the first capture
         self._slots = {p.layer: _Slot(p.layer, p, self.flags.index(i, IDS), self.flags.index(i, ROWS))
                        for i, p in enumerate(post)}
         self._lock = threading.Lock()
@@ -259,7 +277,9 @@ class GraphStep:
     def before_replay(self, row_ids: dict) -> None:
         """Every before_replay layer's rows for this step (``row_ids[layer]``: host ``[T, 24]`` ids of
         the step's real tokens) gathered into its staging, shortest window first; returns once all are
-        in place (the failure policy applied per layer)."""
+        in place (the failure policy applied per layer). The caller sees to it that the last replay's
+        copies out of the staging are done (SGLang's hook: copying the step's ids to the host waits for
+        the stream, and with it for the last replay)."""
         if self.pre is None:
             return
         t0 = time.perf_counter()
@@ -270,23 +290,34 @@ class GraphStep:
 
     def arm(self, tokens: int) -> None:
         """Before the replay of a step of ``tokens`` real tokens: every in_graph layer will gather that
-        many of the ids the graph publishes, by the layer's timeout. Waits for the last step's releases to
-        be consumed by its graph (GraphStepError if that does not happen within the timeout)."""
+        many of the ids the graph publishes, by the layer's timeout. An engine may launch this step while
+        the last one still runs on the GPU (SGLang's overlap scheduler): arm waits, bounded by the
+        timeout, until the last step was released, its graph consumed the release (``rows == 0``), and
+        a late ids flag of a step released before its ids came was consumed; GraphStepError past that
+        (a replay armed and never launched: call :meth:`reset`)."""
         if tokens > self.max_tokens:
             raise ValueError(f"{tokens} tokens in a step, this GraphStep holds {self.max_tokens}")
         if not self._slots:
             return
-        for slot in self._slots.values():
-            if not wait_flag(self.flags.host, slot.rows_flag, 0, self.timeout):
-                raise GraphStepError(f"layer {slot.layer}: the last step's rows were released but no graph consumed "
-                                     f"them within {self.timeout:g} s: a replay was armed and never launched "
-                                     "(call reset() after a failed replay)")
-        deadline = time.monotonic() + self.timeout
+        end = time.monotonic() + self.timeout
+        host = self.flags.host
         with self._lock:
+            while True:
+                busy = [s for s in self._slots.values()
+                        if s.state not in ("idle", "released") or s.owe_ids or host[s.rows_flag] != 0]
+                if not busy:
+                    break
+                left = end - time.monotonic()
+                if left <= 0:
+                    b = busy[0]
+                    raise GraphStepError(f"layer {b.layer}: the last step ({b.state}, rows flag {int(host[b.rows_flag])}) "
+                                         f"was not released and consumed within {self.timeout:g} s: a replay was "
+                                         "armed and never launched (call reset() after a failed replay)")
+                self._released.wait(min(left, 0.0002))  # the GPU's consumption notifies nobody: poll
+            deadline = time.monotonic() + self.timeout
             for slot in self._slots.values():
-                if slot.state not in ("idle", "released"):
-                    raise GraphStepError(f"layer {slot.layer}: armed again while its last step is {slot.state}")
                 slot.state, slot.tokens, slot.deadline, slot.handle, slot.error = "armed", tokens, deadline, None, None
+                slot.step += 1
             self._released.notify_all()  # the watchdog's next deadline
 
     def after_replay(self) -> None:
@@ -316,7 +347,8 @@ class GraphStep:
                 handle, slot.handle = slot.handle, None
                 if handle is not None:
                     handle.cancel()
-                slot.state, slot.error = "idle", None
+                slot.state, slot.error, slot.owe_ids = "idle", None, False
+                slot.step += 1  # nothing decided before the reset applies after it
                 self.flags.host[slot.ids_flag] = self.flags.host[slot.rows_flag] = 0
             self._released.notify_all()
 
@@ -328,45 +360,51 @@ class GraphStep:
             if not wait_flag(flags, slot.ids_flag, 1, 0.1):
                 continue
             flags[slot.ids_flag] = 0
-            slot.seen = time.perf_counter()
-            with self._lock:
-                if slot.state != "armed":  # released already (the watchdog), or a replay nobody armed
-                    if slot.state == "idle":
-                        log.error("layer %d: a graph published ids of a step nobody armed: released with zero "
-                                  "rows (the engine must call arm() before each replay)", slot.layer)
-                        staging.fill(0)
-                        self._release(slot, GraphStepError(f"layer {slot.layer}: step not armed"))
-                    continue
-                slot.state, tokens = "gathering", slot.tokens
+            seen = time.perf_counter()
             error = None
-            try:
-                handle = table.gather_async(ids[:tokens], out=staging[:tokens])
-                with self._lock:
-                    slot.handle = handle
-                while True:
-                    left = slot.deadline - time.monotonic()
-                    try:
-                        handle.wait(max(min(left, 0.05), 0.0))
+            with self._lock:
+                if slot.owe_ids:  # the late ids of a step the watchdog released before they came
+                    slot.owe_ids = False
+                    self._released.notify_all()
+                    continue
+                if slot.state != "armed":  # a replay nobody armed: released with zeros, the GPU never hangs
+                    log.error("layer %d: a graph published ids of a step nobody armed: released with zero rows "
+                              "(the engine must call arm() before each replay)", slot.layer)
+                    staging.fill(0)
+                    self._release(slot, GraphStepError(f"layer {slot.layer}: step not armed"))
+                    continue
+                slot.state, slot.seen, tokens, step = "gathering", seen, slot.tokens, slot.step
+                try:  # issued under the lock: a watchdog taking the step over always finds (and cancels) it
+                    slot.handle = table.gather_async(ids[:tokens], out=staging[:tokens])
+                except (TableClientError, TimeoutError, OSError, ValueError) as e:
+                    slot.handle, error = None, e
+                handle = slot.handle
+            while error is None:
+                try:
+                    handle.wait(0.05)
+                    break
+                except GatherTimeout:  # the deadline is the watchdog's: it cancels and releases
+                    if slot.state != "gathering" or slot.step != step:
                         break
-                    except GatherTimeout:
-                        if slot.state != "gathering":
-                            break  # the watchdog took the step over
-                        if left <= 0:
-                            raise GatherTimeout(f"layer {slot.layer}: rows not in place within its timeout "
-                                                f"{self.timeout:g} s") from None
-            except (TableClientError, TimeoutError, OSError, ValueError) as e:
-                error = e
-            self._finish(slot, tokens, error, by_watchdog=False)
+                except (TableClientError, TimeoutError, OSError, ValueError) as e:
+                    error = e
+            self._finish(slot, step, tokens, error, by_watchdog=False)
 
-    def _finish(self, slot: _Slot, tokens: int, error: BaseException | None, by_watchdog: bool) -> None:
-        """Fills a failed step by the policy and releases it, unless the other side released it first."""
+    def _finish(self, slot: _Slot, step: int, tokens: int, error: BaseException | None, by_watchdog: bool) -> None:
+        """Fills a failed step by the policy and releases it: only step ``step``, and only if the other side
+        has not taken it."""
         with self._lock:
-            if slot.state not in (("armed", "gathering") if by_watchdog else ("gathering",)):
+            if slot.step != step or slot.state not in (("armed", "gathering") if by_watchdog else ("gathering",)):
                 return
+            if by_watchdog and slot.state == "armed":
+                slot.owe_ids = True  # released before its graph published the ids: their flag comes later
             slot.state = "serving"  # ours to release: the other side leaves it alone
             handle, slot.handle = slot.handle, None
-        if by_watchdog and handle is not None:
-            handle.cancel()  # a barrier: none of its rows land in the staging after this
+        if error is not None and handle is not None:
+            handle.cancel()  # a barrier: none of a failed or late gather's rows land after this
+        if by_watchdog:
+            log.warning("layer %d: rows not released within %g s: the watchdog releases the step (%s)", slot.layer,
+                        self.timeout, self.policy)
         staging = self._staging_np[slot.layer][:tokens]
         poison = None
         if error is not None:
@@ -398,23 +436,25 @@ class GraphStep:
             with self._lock:
                 live = [s for s in self._slots.values() if s.state in ("armed", "gathering")]
                 now = time.monotonic()
-                due = [s for s in live if s.deadline <= now]
+                due = [(s, s.step, s.tokens) for s in live if s.deadline <= now]
                 if not due:
                     wait = min((s.deadline for s in live), default=now + 0.5) - now
                     self._released.wait(min(max(wait, 0.001), 0.5))
                     continue
-            for slot in due:
-                log.warning("layer %d: rows not released within %g s: the watchdog releases the step (%s)",
-                            slot.layer, self.timeout, self.policy)
-                self._finish(slot, slot.tokens, GatherTimeout(f"layer {slot.layer}: rows not in place within "
-                                                              f"{self.timeout:g} s (watchdog)"), by_watchdog=True)
+            for slot, step, tokens in due:
+                self._finish(slot, step, tokens, GatherTimeout(f"layer {slot.layer}: rows not in place within "
+                                                               f"{self.timeout:g} s (watchdog)"), by_watchdog=True)
 
     def close(self) -> None:
         """Stops the poller and watchdog threads and abandons gathers in flight. Idempotent."""
         if self._closed:
             return
-        self._closed = True
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize(self.device)
         with self._lock:
+            self._closed = True
+            for slot in self._slots.values():
+                self.flags.host[slot.rows_flag] = 1  # a graph replayed after this waits for nobody
             self._released.notify_all()
         for t in self._threads:
             t.join(timeout=5)

@@ -90,6 +90,41 @@ def test_steps_bit_exact_over_buckets_and_nothing_moves(daemon, local, modes, tr
             g.close()
 
 
+@pytest.mark.parametrize("modes", [{14: "in_graph"}, {1: "in_graph", 14: "in_graph"}], ids=["layer14", "both"])
+def test_the_next_step_armed_while_the_last_still_runs(daemon, local, modes):
+    """SGLang's overlap scheduler launches step k+1 before step k's GPU work is done: arm(k+1) waits for step
+    k's release and its consumption (it raised "armed again" before), and both steps are bit-exact."""
+    with TableClient(daemon.address, transport="tcp") as c:
+        g = make(c, modes)
+        try:
+            rng = np.random.default_rng(8)
+            for _ in range(5):
+                ids = [{p.layer: rng.integers(0, local[p.table].shape[0], (4, 24)) for p in PLANS} for _ in range(2)]
+                g.before_replay({layer: ids[0][layer] for layer in g.layers if g.modes[layer] == "before_replay"})
+                g.arm(4)
+                outs, slow = [{}, {}], threading.Event()
+
+                def graph_k():  # step k's GPU: reaches the hasher late, then runs its layers
+                    slow.wait(EVENT_TIMEOUT)
+                    outs[0].update(stream_step(g, ids[0], 4))
+
+                t = threading.Thread(target=graph_k)
+                t.start()
+                threading.Timer(0.3, slow.set).start()
+                g.before_replay({layer: ids[1][layer] for layer in g.layers if g.modes[layer] == "before_replay"})
+                g.arm(4)  # step k+1, while step k is not even published: waits, never raises
+                t.join(EVENT_TIMEOUT)
+                outs[1] = stream_step(g, ids[1], 4)
+                g.after_replay()
+                for k in (0, 1):
+                    for layer in g.layers:
+                        if g.modes[layer] == "in_graph":
+                            table = next(p.table for p in PLANS if p.layer == layer)
+                            np.testing.assert_array_equal(outs[k][layer], local[table][ids[k][layer]])
+        finally:
+            g.close()
+
+
 def watchdog_releases(layer: int) -> float:
     return metrics().watchdog_releases.labels(str(layer))._value.get()
 

@@ -28,7 +28,7 @@ from sglang.srt.model_executor.runner_backend.full_cuda_graph_backend import Ful
 from tableclient.sglang import graphs, hooks, rows  # noqa: E402
 from test_sglang_plugin import (  # noqa: E402,F401  (fixtures: one memory node and SGLang's plugin loading)
     HC, HIDDEN, assert_bit_identical, build, conversation, decode_batch, engram_tables, forward, memnode,
-    model_config, plugin,
+    model_config, plugin, server_rows,
 )
 
 
@@ -122,6 +122,7 @@ def test_ids_before_replay_equal_sglangs_hasher_and_leave_its_history(plugin, mo
 def test_decode_steps_in_graphs_are_bit_identical(plugin, model_config, engram_tables, memnode, graph):
     want = _local_outputs(model_config, engram_tables)
     waits = {layer: _graph_waits(layer, graph.get(layer, "before_replay")) for layer in (1, 14)}
+    served = {t: server_rows(memnode, t) for t in ("engram.layer1", "engram.layer14")}
     model = build(model_config, engram_tables, address=memnode.address, graph=graph)
     runner = runner_for(model)
     capture(runner, model)
@@ -136,6 +137,11 @@ def test_decode_steps_in_graphs_are_bit_identical(plugin, model_config, engram_t
         assert summary[layer]["prefetched"] == 2, summary  # the two prefill forwards only
         phase = graph.get(layer, "before_replay")
         assert _graph_waits(layer, phase) - waits[layer] == 6, (layer, phase)  # the six decode steps, in graphs
+    # every row fetched once: the capture fetched nothing, and the hasher's run for the ids before a replay
+    # did not prefetch them a second time (found in review: it did)
+    tokens = sum(len(h) for h, _ in got)
+    for t in served:
+        assert server_rows(memnode, t) - served[t] == tokens * 24, t
 
 
 def _graph_waits(layer: int, phase: str) -> float:

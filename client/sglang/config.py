@@ -28,6 +28,8 @@ while a pod overrides its address)::
 
     [graph]                           # TABLESERVER_GRAPH_MODE="1=before_replay,14=in_graph"
     14 = "in_graph"                   # how a served layer's rows reach a captured decode graph
+    switch_interval = 0.0             # TABLESERVER_SWITCH_INTERVAL: with in_graph layers, set the interpreter's
+                                      # GIL switch interval (s; 0 = leave it): their poller's gather needs the GIL
 
 Placements: ``remote`` (a memory node: rdma or tcp), ``node`` (a tableserver
 on this host, over shm: one copy of the table per node) and ``local``
@@ -55,7 +57,8 @@ ENV = {"address": "TABLESERVER_ADDRESS", "node_address": "TABLESERVER_NODE_ADDRE
        "tls_ca": "TABLESERVER_TLS_CA", "policy": "TABLESERVER_POLICY",
        "fallback_address": "TABLESERVER_FALLBACK_ADDRESS", "timeout": "TABLESERVER_TIMEOUT",
        "max_tokens": "TABLESERVER_MAX_TOKENS", "table_prefix": "TABLESERVER_TABLE_PREFIX",
-       "layers": "TABLESERVER_PLACEMENT", "graph": "TABLESERVER_GRAPH_MODE"}
+       "layers": "TABLESERVER_PLACEMENT", "graph": "TABLESERVER_GRAPH_MODE",
+       "switch_interval": "TABLESERVER_SWITCH_INTERVAL"}
 #: DeepSeek-V4.1's measured windows (seed paper): layer 1's rows are due 0.3 ms after step start, layer 14's
 #: 9.3 ms. Other layers: the line through those two points (a window grows with the layers before it).
 KNOWN_WINDOWS = {1: 0.3e-3, 14: 9.3e-3}
@@ -82,6 +85,7 @@ class PluginConfig:
     tables: dict = field(default_factory=dict)  # layer -> table name
     windows: dict = field(default_factory=dict)  # layer -> seconds
     graph: dict = field(default_factory=dict)  # layer -> graph mode (default before_replay)
+    switch_interval: float = 0.0  # with in_graph layers: sys.setswitchinterval(this), 0 = leave it
 
     def __post_init__(self):
         for f in fields(self):
@@ -99,6 +103,9 @@ class PluginConfig:
             raise ConfigError(f"transport = {self.transport!r}: use auto, rdma, tcp or shm")
         if not self.timeout > 0 or self.max_tokens < 1:
             raise ConfigError("timeout must be > 0 seconds and max_tokens at least 1")
+        if not 0 <= self.switch_interval <= 0.1:
+            raise ConfigError(f"switch_interval = {self.switch_interval!r}: expected seconds in 0..0.1 (0: leave "
+                              "the interpreter's)")
         for name in ("layers", "tables", "windows", "graph"):
             object.__setattr__(self, name, _by_layer(name, getattr(self, name)))
         for layer, placement in self.layers.items():
@@ -133,7 +140,7 @@ class PluginConfig:
         for name, var in ENV.items():
             if environ.get(var):
                 values[name] = _parse_placement(var, environ[var]) if name in ("layers", "graph") else environ[var]
-        for name, kind in (("timeout", float), ("max_tokens", int)):
+        for name, kind in (("timeout", float), ("max_tokens", int), ("switch_interval", float)):
             if name in values:
                 try:
                     values[name] = kind(values[name])

@@ -36,12 +36,13 @@ GRAPH_MODES = ("before_replay", "in_graph", "eager_break")
 class _Session:
     """The decode graphs of one runner: what they touch, and where a capture or a replay stands."""
 
-    def __init__(self, runner, hasher, steps: dict, layers: dict, breakable: bool):
+    def __init__(self, runner, hasher, steps: dict, layers: dict, breakable: bool, max_tokens: int):
         import torch
 
         self.runner, self.hasher, self.steps, self.layers = runner, hasher, steps, layers
-        self.breakable = breakable
+        self.breakable, self.max_tokens = breakable, max_tokens
         self.capturing = False  # inside DecodeCudaGraphRunner.capture (warm-ups and captures)
+        self.peeking = False  # the hasher runs for the ids before a replay: no eager prefetch of its own
         # the graph's flag operations run on the host, in the forward's thread (an engine without CUDA
         # replaying a step by running the captured forward again; the tests): HostStreamOps
         self.replay_on_host = False
@@ -91,6 +92,19 @@ def check_runner(runner, modes: dict) -> None:
     if eager and not breakable:
         raise PluginError(f"tableserver plugin: layer {eager[0]} is graph mode 'eager_break', which needs "
                           "--cuda-graph-backend-decode breakable: launch with it, or use before_replay/in_graph")
+    if breakable and any(mode == "in_graph" for mode in modes.values()) and _debug_cuda_graph():
+        raise PluginError("tableserver plugin: with --debug-cuda-graph the whole decode forward runs as one eager "
+                          "break, so in_graph layers would never see their graph: drop --debug-cuda-graph, or "
+                          "place the layers 'before_replay'")
+
+
+def _debug_cuda_graph() -> bool:
+    try:
+        from sglang.srt.runtime_context import get_exec
+
+        return bool(get_exec().graph.debug_cuda_graph)
+    except Exception:  # no server configuration published (a runner built outside SGLang's launcher)
+        return False
 
 
 def prepare(runner, rows) -> _Session | None:
@@ -99,7 +113,14 @@ def prepare(runner, rows) -> _Session | None:
 
     from sglang.srt.layers.engram import EngramHasher
 
-    close()  # a runner capturing again: the last session's threads and buffers go first
+    from tableclient.sglang.hooks import PluginError
+
+    old = session()
+    if old is not None and old.runner is not runner:
+        raise PluginError("tableserver plugin: a second decode CUDA graph runner in one process (a draft model's?) "
+                          "is not supported with served Engram layers: drop the speculative model, or place the "
+                          "layers 'local'")
+    close()  # the same runner capturing again: its old graphs go with the old session
     if not rows.layers:
         return None
     hashers = [m for m in runner.model_runner.model.modules() if isinstance(m, EngramHasher)]
@@ -116,8 +137,15 @@ def prepare(runner, rows) -> _Session | None:
     device = hashers[0].history.device
     steps = rows.graph_steps(tokens, device if device.type == "cuda" else torch.device("cpu"))
     s = _Session(runner, hashers[0], steps, dict(rows.layers), type(runner.backend).__name__ ==
-                 "BreakableCudaGraphBackend")
+                 "BreakableCudaGraphBackend", tokens)
     _session["active"] = s
+    interval = rows.config.switch_interval
+    if interval and any(sl.graph_mode == "in_graph" for sl in rows.layers.values()):
+        import sys
+
+        log.info("tableserver plugin: GIL switch interval %g s -> %g s (switch_interval): in_graph layers' poller "
+                 "gathers in Python", sys.getswitchinterval(), interval)
+        sys.setswitchinterval(interval)
     log.info("tableserver plugin: decode CUDA graphs of up to %d tokens: %s", tokens,
              ", ".join(f"layer {layer} {s.mode(layer)}" for layer in sorted(rows.layers)))
     return s
@@ -132,10 +160,15 @@ def peek_hash_ids(hasher, scratch, input_ids, forward_batch):
     history = hasher.history
     scratch.copy_(history)
     hasher.history = scratch
+    s = session()
+    if s is not None:
+        s.peeking = True  # the plugin's hasher hook must not prefetch these ids: they are gathered right here
     try:
         return hasher(input_ids, forward_batch)
     finally:
         hasher.history = history
+        if s is not None:
+            s.peeking = False
 
 
 def before_replay(s: _Session, forward_batch, tokens: int) -> None:
@@ -176,6 +209,16 @@ def publish(s: _Session, hash_ids) -> None:
     for layer, sl in s.layers.items():
         if sl.graph_mode == "in_graph":
             s.step_of(layer).publish_ids(layer, hash_ids[:, sl.hash_index].contiguous(), graph=graph)
+
+
+def in_capture(s: _Session | None, forward_batch, indices) -> bool:
+    """Whether a served layer's forward is part of a decode graph being captured (or replayed on the host):
+    SGLang's capture also runs eager warm-ups of other shapes (an EXTEND autotune pass, say), which take
+    the eager path."""
+    if s is None or not s.capturing:
+        return False
+    mode = getattr(forward_batch, "forward_mode", None)
+    return (mode is None or not mode.is_extend()) and indices.shape[0] <= s.max_tokens
 
 
 def captured_rows(s: _Session, embed, layer: int, indices):
@@ -247,6 +290,8 @@ def _eager_on_graph():
 
 
 def close() -> None:
+    """Ends the session: each GraphStep waits for the device, releases every flag (a graph replayed later
+    waits for nobody) and stops its threads."""
     s, _session["active"] = _session["active"], None
     if s is not None:
         for step in s.steps.values():

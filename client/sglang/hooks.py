@@ -205,8 +205,8 @@ def _hasher_forward(result, self, input_ids, forward_batch, *args, **kwargs):
     if state is None or not state.layers:
         return None
     session = graphs.session()
-    if session is not None and session.capturing and session.hasher is self:
-        if not forward_batch.forward_mode.is_extend():
+    if session is not None and session.hasher is self and (session.peeking or session.capturing):
+        if session.capturing and not session.peeking and not forward_batch.forward_mode.is_extend():
             graphs.publish(session, result)
         return None
     if _capturing(result):
@@ -221,6 +221,10 @@ def _embedding_forward(original, self, indices, *args, **kwargs):
     layer = getattr(self, "_tableserver_layer", None)
     if layer is None:
         return original(self, indices, *args, **kwargs)
+    forward_batch = kwargs.get("forward_batch", args[0] if args else None)
+    session = graphs.session()
+    if graphs.in_capture(session, forward_batch, indices):  # a decode graph's capture (warm-ups included)
+        return graphs.captured_rows(session, self, layer, indices)
     return served_rows(self, layer, indices)
 
 
@@ -228,9 +232,6 @@ def served_rows(embed, layer: int, indices):
     """bf16 ``[*indices.shape, dim]`` for a served layer, on ``indices``' device, no collective."""
     import torch
 
-    session = graphs.session()
-    if session is not None and session.capturing:  # a decode graph's capture (its warm-ups included)
-        return graphs.captured_rows(session, embed, layer, indices)
     if indices.numel() == 0:
         return embed.new_rows(indices)
     if _capturing(indices):
