@@ -82,8 +82,8 @@ class ClientMetrics:
             "of the host's gathers to the layer's rows in place (the GPU waits that long before the step); "
             "in_graph, from the graph's ids seen to the rows released to it.", ["layer", "phase"],
             buckets=buckets or latency_buckets(), registry=r)
-        self.watchdog_releases = Counter("tableserver_client_watchdog_releases_total", "in_graph steps whose rows "
-                                         "the watchdog released at the layer's timeout (filled by the failure "
+        self.watchdog_releases = Counter("tableserver_client_watchdog_releases_total", "Steps of in_graph layers whose "
+                                         "rows the watchdog released at the layer's timeout (filled by the failure "
                                          "policy), so the GPU never waited forever.", ["layer"], registry=r)
         self.sessions = Gauge("tableserver_client_sessions", "Open client sessions, by data transport.",
                               ["transport"], multiprocess_mode="livesum", registry=r)

@@ -40,7 +40,7 @@ from observe import ALERTS, ClientWorkload, PrometheusServer, prometheus_binary 
 DEPLOY = os.path.join(ROOT, "deploy")
 #: every label our metrics may carry (low cardinality by construction; address: one per memory node of a client)
 ALLOWED_LABELS = {"table", "layer", "transport", "mode", "op", "method", "code", "reason", "page_size", "version",
-                  "python", "grpc", "le", "outcome", "address"}
+                  "python", "grpc", "le", "outcome", "address", "phase"}
 UNIT_SUFFIXES = ("_seconds", "_bytes", "_total", "_info", "_rows", "_ratio")
 
 
@@ -103,6 +103,8 @@ def test_client_metric_names_and_help_follow_the_conventions():
     m.gather_latency.labels("engram.layer1", "1", "tcp", "read").observe(1e-4)
     m.window.labels("1").set(0.3e-3)
     m.sessions.labels("tcp").inc()
+    m.graph_waits.labels("14", "in_graph").observe(1e-3)  # phase: before_replay | in_graph
+    m.watchdog_releases.labels("14").inc()
     families = list(text_string_to_metric_families(generate_latest(registry).decode()))
     assert convention_problems(families, "tableserver_client_") == []
     assert len(families) >= 12
