@@ -183,7 +183,7 @@ class RoutedPending(Pending):
         deadline = time.monotonic() + bound
         try:
             for part in self.parts:
-                self.router._finish_part(self, part, deadline, bound)
+                self.router.finish_part(self, part, deadline, bound)
         except GatherTimeout:
             raise  # still in flight: the caller may wait again or cancel
         except BaseException as e:
@@ -701,7 +701,8 @@ class Router(ClientTransport):
                     continue
                 self._changed.wait(min(remaining, 0.1))
 
-    def _finish_part(self, routed: RoutedPending, part: _Part, deadline: float, bound: float) -> None:
+    def finish_part(self, routed: RoutedPending, part: _Part, deadline: float, bound: float) -> None:
+        """Drives one part of a routed gather to completion by ``deadline``: waits, fails over, hedges."""
         while not part.done:
             if routed.cancelled:  # a barrier: no attempt is issued (or re-issued) for a cancelled gather
                 raise TableClientError(f"gather of {part.ids.size} rows of {routed.name!r} was cancelled")

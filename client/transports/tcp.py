@@ -92,7 +92,7 @@ class _TcpPending(Pending):
     def wait(self, timeout: float | None = None) -> None:
         if self.sync and not self._event.is_set():
             self.transport._read_for(self, timeout)
-            error = self.transport._error
+            error = self.transport.error
             if not self._event.is_set() and error is not None:  # broken meanwhile: its failure completes us
                 if not self._event.wait(CANCEL_GRACE_S):
                     raise error
@@ -204,6 +204,11 @@ class TcpTransport(ClientTransport):
         if flags & HELLO_SEALED:  # every payload from here on is AES-GCM sealed (tableserver/seal.py)
             self._seal_tx = Direction(derive_key(secret, C2S, nonce, client_nonce))
             self._seal_rx = Direction(derive_key(secret, S2C, nonce, client_nonce))
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the connection broke, once it has (every request then fails with it)."""
+        return self._error
 
     def gather(self, table_index: int, ids: np.ndarray, out: np.ndarray, sync: bool = False,
                mode: str = "read", expand=None) -> Pending:
