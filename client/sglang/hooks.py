@@ -103,7 +103,8 @@ def check_sglang() -> str:
     expected = {DecodeCudaGraphRunner.capture: ["self"],
                 DecodeCudaGraphRunner.load_batch: ["self", "forward_batch", "pp_proxy_tensors"],
                 DecodeCudaGraphRunner.execute: ["self", "forward_batch", "pp_proxy_tensors"],
-                engram.EngramHasher.init_history: ["self", "num_req_slots", "device"],engram.EngramEmbedding.__init__: ["self", "num_embeddings", "dim", "layer_id", "column_bounds"],
+                engram.EngramHasher.init_history: ["self", "num_req_slots", "device"],  # graphs read its history
+                engram.EngramEmbedding.__init__: ["self", "num_embeddings", "dim", "layer_id", "column_bounds"],
                 engram.EngramEmbedding.forward: ["self", "indices", "forward_batch", "cp_all_tokens"],
                 engram.EngramEmbedding.dequant_staged: ["self", "rows", "scales", "copied", "hash_shape"],
                 engram.EngramHasher.forward: ["self", "input_ids", "forward_batch"],
