@@ -1,8 +1,8 @@
-"""Metadata lives in setup.cfg; this adds the optional C extensions: the row gather (tableserver/take.py
-says why) and the flag wait of graph-safe steps (client/_flags.c says why).
+"""Metadata lives in setup.cfg; this adds the optional C extensions: the row gather (tableserver/common/take.py
+says why) and the flag wait of graph-safe steps (client/tableclient/_flags.c says why).
 
 ``optional=True``: without a C compiler or Python's headers the package installs all the same and
-``tableserver.take`` runs numpy's gather (``tableserver.take.NATIVE`` is then False).
+``tableserver.common.take`` runs numpy's gather (``tableserver.common.take.NATIVE`` is then False).
 ``TABLESERVER_BUILD_NATIVE=0`` leaves it out on purpose: a pure wheel, for another Python version.
 """
 
@@ -13,6 +13,6 @@ from setuptools import Extension, setup
 # CI sets TABLESERVER_REQUIRE_NATIVE=1: a build error there fails the install (else an older .so of an
 # in-place build would go on being imported)
 optional = os.environ.get("TABLESERVER_REQUIRE_NATIVE") != "1"
-native = [Extension("tableserver._take", ["tableserver/_take.c"], optional=optional, extra_compile_args=["-O2"]),
-          Extension("tableclient._flags", ["client/_flags.c"], optional=optional, extra_compile_args=["-O2"])]
+native = [Extension("tableserver.common._take", ["tableserver/common/_take.c"], optional=optional, extra_compile_args=["-O2"]),
+          Extension("tableclient._flags", ["client/tableclient/_flags.c"], optional=optional, extra_compile_args=["-O2"])]
 setup(ext_modules=[] if os.environ.get("TABLESERVER_BUILD_NATIVE") == "0" else native)

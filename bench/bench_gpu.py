@@ -6,13 +6,13 @@
 Needs a CUDA GPU (exits 2 without one). Three sections, each measured in one run:
 
 1. **Host-to-device copies** of a layer's staged rows (24, 1,536 and 12,288 rows of 264 B): from the
-   step API's pinned staging (placed 2 KiB into a page, tableserver/buffers.py), from page-aligned pinned
+   step API's pinned staging (placed 2 KiB into a page, tableserver/common/buffers.py), from page-aligned pinned
    memory and from pageable memory. CUDA events time the copy on the GPU; the host clock times
    copy + synchronize as a caller sees it. The placed buffer must cost nothing over the aligned one.
 2. **Layer-1 rows on the device**, per decode step (the replay's traffic, hashed with the real Engram
    algorithm): ``begin_step`` issues both layers at step start, ``wait_to_device(1)`` copies layer 1's
    rows on the step's side stream, and the step ends for layer 1 when that copy's event completes.
-   Against it, in random order each step: the bare in-process path, ``tableserver.take`` (native where
+   Against it, in random order each step: the bare in-process path, ``tableserver.common.take`` (native where
    built, else ``np.take(mode="clip")``) from a private copy of the table into pinned memory, then the same copy and event. Layer 1 is due 0.3 ms
    after step start.
 3. **A CUDA graph of the copy** (what a captured decode step replays) against the eager copy.
@@ -39,11 +39,11 @@ from replay import ENGRAM, VOCAB, Traffic, step_ids  # noqa: E402
 from tableclient import TableClient  # noqa: E402
 from tableclient.engram import EngramHasher  # noqa: E402
 from tableclient.step import EngramStep, LayerPlan  # noqa: E402
-from tableserver.buffers import OFFSET, PAGE, pinned_rows_buffer  # noqa: E402
+from tableserver.common.buffers import OFFSET, PAGE, pinned_rows_buffer  # noqa: E402
 from tableserver.demo import DEFAULT_ROWS  # noqa: E402
 from tableserver.demo_run import WINDOWS_S, ensure_demo_file, start_server  # noqa: E402
 from tableserver.tablefile import read_header  # noqa: E402
-from tableserver.take import NATIVE, take  # noqa: E402
+from tableserver.common.take import NATIVE, take  # noqa: E402
 
 ROW = 264
 

@@ -55,7 +55,7 @@ class _NoPostQP:
 
 def native() -> None:
     from tableclient.transports import rdma as rdma_t
-    from tableserver.rdma import verbs
+    from tableserver.common.verbs import verbs
 
     v = verbs()
     e = v.e

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Gathers against the machine's own floors, side by side in one run: in-process numpy, shm, tcp, sealed tcp.
 
-Fair baselines: the in-process gather is the fastest one this machine has -- ``tableserver.take``, the
+Fair baselines: the in-process gather is the fastest one this machine has -- ``tableserver.common.take``, the
 native prefetching gather every transport runs, where it was built (numpy's ``np.take(..., out=,
 mode="clip")`` otherwise; ``mode="raise"`` copies through a temporary and would flatter every ratio). In the
 same run it also measures the floors a transport cannot beat: a contiguous memcpy of the same bytes,
@@ -66,10 +66,10 @@ import numpy as np
 
 from common import Hugepages, bench_table
 from tableclient import TableClient, rows_buffer
-from tableserver.buffers import copy_buffer
+from tableserver.common.buffers import copy_buffer
 from tableserver.demo_run import start_server
 from tableserver.tablefile import read_header
-from tableserver.take import NATIVE, take
+from tableserver.common.take import NATIVE, take
 
 SIZES = (1536, 12288)
 GAP_S = 0.020
@@ -321,7 +321,7 @@ def main() -> int:
             say(f"server on {pages.label}; {args.iters} iterations, paths "
                 f"interleaved; rows/s and ratios at the median (p50)")
             say(f"row gather (in-process, shm, the daemon, the minimal server): "
-                f"{'native (tableserver._take)' if NATIVE else 'numpy np.take (tableserver._take not built)'}")
+                f"{'native (tableserver.common._take)' if NATIVE else 'numpy np.take (tableserver.common._take not built)'}")
             say(f"placement: servers on CPU {sorted(SERVER_CPUS)}, client on CPU {sorted(CLIENT_CPUS)}"
                 if SERVER_CPUS else "placement: the scheduler's (--placement os, or a single CPU)")
             for label, warm in (("cold rows (fresh random ids)", False), ("warm rows (the same ids again)", True)):

@@ -55,7 +55,7 @@ from tableclient.step import EngramStep, LayerPlan  # noqa: E402
 from tableserver.demo import DEFAULT_ROWS  # noqa: E402
 from common import Hugepages  # noqa: E402
 from tableserver.demo_run import WINDOWS_S, ensure_demo_file, start_server  # noqa: E402
-from tableserver.take import NATIVE, take  # noqa: E402
+from tableserver.common.take import NATIVE, take  # noqa: E402
 
 VOCAB = 50_000
 # A prime search start so each layer's 24 head tables fit a demo table of DEFAULT_ROWS rows.
@@ -74,7 +74,7 @@ def graph_mode(read_p99: float, window: float) -> str:
 
 
 def placement_toml(picks: dict, batch: int, stalls: dict, modes: dict | None = None) -> str:
-    """The SGLang plugin's configuration for ``picks`` {layer: option} (tableclient.sglang.config)."""
+    """The SGLang plugin's configuration for ``picks`` {layer: option} (tableclient.engine.config)."""
     remote = sorted({picks[layer] for layer in picks if PLACEMENT[picks[layer]] == "remote"})
     lines = [f"# written by bench/replay.py: placement of each Engram layer at batch {batch}, by expected stall",
              "# per step (us): " + "; ".join(f"layer {layer}: " + ", ".join(f"{n} {v * 1e6:.0f}" for n, v in
@@ -142,7 +142,7 @@ def spin_until(t: float) -> None:
 
 def run_steps(step: EngramStep, hasher, traffic, steps: int, bare: np.ndarray | None = None) -> np.ndarray:
     """[steps, 5]: R1, R14 (rows in place after step start), stall1, stall14 (seconds), and the bare
-    in-process gather of the same layer-1 rows (``tableserver.take``: the native gather where built,
+    in-process gather of the same layer-1 rows (``tableserver.common.take``: the native gather where built,
     else ``np.take(mode="clip")``, from ``bare``, a private copy
     of layer 1's table: other memory, so neither warms the other's rows), timed after the step.
 

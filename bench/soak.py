@@ -74,7 +74,7 @@ def flood(address: str, tcp: tuple, shm_path: str, t_start: float, t_end: float,
 
     from tableserver.v1 import tableserver_pb2 as pb
     from tableserver.v1 import tableserver_pb2_grpc as pb_grpc
-    from tableserver.wire import FrameType, hello_frame, recv_challenge, request_header
+    from tableserver.common.wire import FrameType, hello_frame, recv_challenge, request_header
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 8192), hard))

@@ -6,7 +6,7 @@ carries the catalog, sessions and key exchange. The client library lives in
 the ``tableclient`` package.
 
 This module stays import-light: the client imports ``tableserver.v1`` (the
-generated gRPC stubs) and ``tableserver.wire`` from this package.
+generated gRPC stubs) and ``tableserver.common.wire`` from this package.
 """
 
 __version__ = "0.1.0"

@@ -308,22 +308,22 @@ def _symlink_atomic(source: str, path: str) -> None:
 
 
 def check_native_take() -> Finding:
-    """Whether the native row gather (``tableserver._take``, tableserver/take.py) was built and loads (it
+    """Whether the native row gather (``tableserver.common._take``, tableserver/common/take.py) was built and loads (it
     needs nothing but Python itself, as the doctor does)."""
     import importlib
     import importlib.util
 
     fix = "install a C compiler and Python's headers (Debian: apt install gcc python3-dev), then reinstall tableserver"
-    if importlib.util.find_spec("tableserver._take") is None:
+    if importlib.util.find_spec("tableserver.common._take") is None:
         return Finding("native take", "warn", f"not built: gathers run numpy's take (the native one is 1.1-1.35x "
                        f"faster on random rows); {fix}")
     try:
-        importlib.import_module("tableserver._take")
+        importlib.import_module("tableserver.common._take")
     except ImportError as e:
         return Finding("native take", "warn", f"built but does not load ({e}): gathers run numpy's take; {fix}")
     if os.environ.get("TABLESERVER_NATIVE_TAKE", "1") == "0":
         return Finding("native take", "warn", "built but off (TABLESERVER_NATIVE_TAKE=0): unset it to use it")
-    return Finding("native take", "ok", "tableserver._take: bounds-checked, prefetching row gather")
+    return Finding("native take", "ok", "tableserver.common._take: bounds-checked, prefetching row gather")
 
 
 def run(fix_pyverbs_: bool = False, pyverbs_from: str | None = None, out=sys.stdout, cfg: dict | None = None) -> int:

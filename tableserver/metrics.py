@@ -30,8 +30,8 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 
 from tableserver import __version__
-from tableserver.recorder import FlushFirst, Recorder
-from tableserver.wire import Status
+from tableserver.common.recorder import FlushFirst, Recorder
+from tableserver.common.wire import Status
 
 #: exponential latency buckets, 2 us .. ~0.5 s (RDMA reads to a slow tcp path)
 LATENCY_BUCKETS = tuple(2e-6 * 2 ** k for k in range(19))

@@ -31,7 +31,7 @@ from tableserver.loader import load_tables
 from tableserver.logs import kv
 from tableserver.metrics import MetricsInterceptor, ServerMetrics
 from tableserver.progress import human_bytes
-from tableserver.rdma import RdmaUnavailable
+from tableserver.common.verbs import RdmaUnavailable
 from tableserver.sessions import SessionRegistry
 from tableserver.transports import AUTO, KNOWN, transport_class
 from tableserver.transports.shm import host_id

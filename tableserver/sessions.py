@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from tableserver.wire import SECRET_BYTES, SESSION_ID_BYTES
+from tableserver.common.wire import SECRET_BYTES, SESSION_ID_BYTES
 
 log = logging.getLogger("tableserver.sessions")
 
@@ -85,7 +85,7 @@ class SessionRegistry:
     def authenticate_hello(self, payload: bytes, server_nonce: bytes) -> tuple[Session | None, bytes]:
         """A data-transport HELLO (session id, client nonce, MAC) checked against ``server_nonce``:
         (the session, the server's proof) or (None, b"")."""
-        from tableserver.wire import CLIENT_NONCE_BYTES, HELLO_BYTES, hello_mac, server_proof
+        from tableserver.common.wire import CLIENT_NONCE_BYTES, HELLO_BYTES, hello_mac, server_proof
 
         if len(payload) != HELLO_BYTES:
             return None, b""

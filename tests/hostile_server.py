@@ -1,7 +1,7 @@
 """A scripted tableserver for the hostile-server suite (tests/test_hostile_server.py).
 
 It speaks the real protocols -- the gRPC API (the generated stubs of proto/tableserver/v1), the tcp data
-port's frames and the shm socket's handshake (tableserver/wire.py) -- and serves one small table
+port's frames and the shm socket's handshake (tableserver/common/wire.py) -- and serves one small table
 honestly, except where its ``behaviour`` says to misbehave in one way: dribble the handshake, declare a
 huge reply, answer with the wrong length or request id, send an absurd catalog, send an unsealed memfd
 and truncate it, stay silent. A client must end each in a TableClientError within its bound, never a
@@ -23,7 +23,7 @@ import numpy as np
 
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.v1 import tableserver_pb2_grpc as pb_grpc
-from tableserver.wire import (
+from tableserver.common.wire import (
     HEADER, HEADER_BYTES, HELLO_BYTES, FrameType, Status, challenge_frame, response_header, server_proof,
 )
 

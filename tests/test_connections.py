@@ -19,7 +19,7 @@ from conftest import EVENT_TIMEOUT, wait_for
 from test_faults import assert_still_serving, tuple_of
 from tests_helpers import open_raw_session, tcp_hello
 from tableclient import ConnectError, TableClient
-from tableserver.wire import REQUEST_MAGIC, FrameType, HandshakeRefused, Status, recv_challenge
+from tableserver.common.wire import REQUEST_MAGIC, FrameType, HandshakeRefused, Status, recv_challenge
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -339,8 +339,8 @@ def test_sealed_tcp_keeps_rows_and_row_ids_private(fresh_daemon, demo_local, sea
 
 def test_a_tampered_sealed_frame_ends_its_connection(fresh_daemon, demo_local):
     """A byte flipped in a sealed GATHER fails its tag: BAD_FRAME, the connection closes, others go on."""
-    from tableserver.seal import C2S, S2C, Direction, derive_key
-    from tableserver.wire import HEADER, HELLO_SEALED, hello_frame, recv_exact, request_header
+    from tableserver.common.seal import C2S, S2C, Direction, derive_key
+    from tableserver.common.wire import HEADER, HELLO_SEALED, hello_frame, recv_exact, request_header
 
     d = fresh_daemon("--data-encryption", "on")
     resp = open_raw_session(d.address)

@@ -17,7 +17,7 @@ from tests_helpers import open_raw_session, tcp_hello
 from tableclient import RemoteError, TableClient, TransportError
 from tableserver.demo import DemoTable, write_demo_file
 from tableserver.tablefile import TableFileWriter, TableSpec
-from tableserver.wire import (
+from tableserver.common.wire import (
     HEADER, HEADER_BYTES, FrameType, Status, recv_challenge, recv_exact, request_header, send_all,
 )
 
@@ -324,7 +324,7 @@ class _StallingPeer:
         self.thread.start()
 
     def _peer(self):
-        from tableserver.wire import HEADER_BYTES, challenge_frame, response_header, server_proof
+        from tableserver.common.wire import HEADER_BYTES, challenge_frame, response_header, server_proof
 
         conn, _ = self.listener.accept()
         with conn:

@@ -31,7 +31,7 @@ from tableserver.errors import TableServerError
 from tableserver.tablefile import FORMAT_VERSION, MAGIC, PREAMBLE
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.v1 import tableserver_pb2_grpc as pb_grpc
-from tableserver.wire import HEADER, HEADER_BYTES, REQUEST_MAGIC, RESPONSE_MAGIC, FrameType, Status
+from tableserver.common.wire import HEADER, HEADER_BYTES, REQUEST_MAGIC, RESPONSE_MAGIC, FrameType, Status
 
 pytestmark = pytest.mark.slow
 

@@ -21,11 +21,11 @@ def client(request, daemon):
     with pytest.MonkeyPatch.context() as mp:
         if request.param.endswith("numpy take"):
             import tableclient.table
-            import tableserver.take
+            import tableserver.common.take
 
             mp.setattr(tableclient.table, "native_take", None)
-            mp.setattr(tableserver.take, "native_check", None)
-            mp.setattr(tableserver.take, "take", tableserver.take.numpy_take)
+            mp.setattr(tableserver.common.take, "native_check", None)
+            mp.setattr(tableserver.common.take, "take", tableserver.common.take.numpy_take)
         with TableClient(daemon.address, transport=transport) as c:
             assert c.transport == transport
             yield c
@@ -109,9 +109,9 @@ def test_torch_in_torch_out(client, demo_local):
 
 
 def test_rows_the_library_allocates_start_half_a_page_in(client):
-    """Without ``out`` the rows land in a buffer placed like tableserver.buffers.copy_buffer (a socket's
+    """Without ``out`` the rows land in a buffer placed like tableserver.common.buffers.copy_buffer (a socket's
     copy into it does not 4K-alias), with or without duplicates, as numpy or torch."""
-    from tableserver.buffers import OFFSET, PAGE
+    from tableserver.common.buffers import OFFSET, PAGE
 
     table = client.table("engram.layer1")
     for ids in (np.arange(1536) * 7, np.zeros((64, 24), np.int64)):

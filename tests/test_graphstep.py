@@ -244,7 +244,7 @@ def test_modes_are_checked(daemon):
 
 
 def test_the_flag_wait_is_native_where_required_and_checks_its_arguments():
-    """The poller waits for the graph's flag without the GIL (client/_flags.c): built in CI
+    """The poller waits for the graph's flag without the GIL (client/tableclient/_flags.c): built in CI
     (TABLESERVER_REQUIRE_NATIVE=1), and refusing what it cannot read."""
     import time
 

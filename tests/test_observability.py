@@ -32,7 +32,7 @@ from tableserver.logs import RateLimitedLog
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.v1 import tableserver_pb2_grpc as pb_grpc
 from tests_helpers import open_raw_session, scrape, value
-from tableserver.wire import HEADER, HEADER_BYTES, FrameType, Status, request_header
+from tableserver.common.wire import HEADER, HEADER_BYTES, FrameType, Status, request_header
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from observe import ALERTS, ClientWorkload, PrometheusServer, prometheus_binary  # noqa: E402

@@ -134,7 +134,7 @@ def test_a_token_on_the_command_line_warns(fresh_daemon):
 
 def test_data_port_rejects_forged_sessions(daemon):
     from tests_helpers import shm_hello, tcp_hello
-    from tableserver.wire import HEADER, Status
+    from tableserver.common.wire import HEADER, Status
 
     host, port = daemon.ready["tcp"].rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=EVENT_TIMEOUT) as s:

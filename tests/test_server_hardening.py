@@ -23,7 +23,7 @@ from tableserver.config import SERVE_OPTIONS, add_flags, resolve
 from tableserver.errors import ConfigError
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.v1 import tableserver_pb2_grpc as pb_grpc
-from tableserver.wire import HEADER, HEADER_BYTES, FrameType, Status, recv_exact, request_header, send_all
+from tableserver.common.wire import HEADER, HEADER_BYTES, FrameType, Status, recv_exact, request_header, send_all
 
 
 def _parse(argv):

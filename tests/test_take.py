@@ -1,4 +1,4 @@
-"""``tableserver.take``: the native row gather and numpy's, bit-exact against plain indexing, and the
+"""``tableserver.common.take``: the native row gather and numpy's, bit-exact against plain indexing, and the
 native one's refusals (anything it does not take goes to numpy's path, never to a wrong copy)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 
-import tableserver.take as take_module
-from tableserver.take import in_range, native_check, native_take, numpy_take, take
+import tableserver.common.take as take_module
+from tableserver.common.take import in_range, native_check, native_take, numpy_take, take
 
 ROWS, ROW_BYTES = 1000, 264
 TABLE = np.random.default_rng(0).integers(0, 256, (ROWS, ROW_BYTES), dtype=np.uint8)
@@ -21,7 +21,7 @@ TAKES = [pytest.param(numpy_take, id="numpy"), pytest.param(native_take, id="nat
 def test_native_built_where_required():
     """CI (.ci/run) installs a compiler and sets TABLESERVER_REQUIRE_NATIVE=1: the extension must build."""
     if os.environ.get("TABLESERVER_REQUIRE_NATIVE") == "1":
-        assert take_module.NATIVE, "tableserver._take did not build: install gcc and python3-dev, then pip install -e ."
+        assert take_module.NATIVE, "tableserver.common._take did not build: install gcc and python3-dev, then pip install -e ."
 
 
 @pytest.mark.parametrize("fn", TAKES)
@@ -157,7 +157,7 @@ def test_take_checked_raises_for_ids_changed_after_their_check():
     """Callers that checked the ids before (the shm copy thread, the servers) never report success for a
     gather that copied nothing: an id that has left the table since raises, naming it."""
     from tableclient.transports.shm import _Copy
-    from tableserver.take import take_checked
+    from tableserver.common.take import take_checked
 
     out = np.full((3, ROW_BYTES), 7, np.uint8)
     with pytest.raises(ValueError, match=r"row id 1000 at position 1 .*changed after they were checked"):

@@ -13,7 +13,7 @@ from tableclient.rowids import dedup, prepare_out, to_row_ids
 from tableserver.config import SERVE_OPTIONS, add_flags, resolve
 from tableserver.errors import ConfigError, MemoryLimitError
 from tableserver.memory import plan_memory
-from tableserver.wire import HEADER, FrameType, Status, recv_exact, request_header, response_header, send_all
+from tableserver.common.wire import HEADER, FrameType, Status, recv_exact, request_header, response_header, send_all
 
 
 @pytest.mark.parametrize("ids, message", [
@@ -139,7 +139,7 @@ def test_deploy_config_parses():
 def test_ring_allocator_is_fifo_contiguous_and_never_overlaps():
     import random
 
-    from tableserver.rdma import RingAllocator
+    from tableserver.common.verbs import RingAllocator
 
     ring = RingAllocator(100)
     a, b = ring.alloc(60), ring.alloc(30)
@@ -224,7 +224,7 @@ def test_unique_inverse_has_each_id_once_in_first_occurrence_order(n):
     """The native hashing pass (numpy's sort where it is not built): each id exactly once, inverse maps
     back to every id, and natively the order is first occurrence."""
     from tableclient.rowids import unique_inverse
-    from tableserver.take import native_unique
+    from tableserver.common.take import native_unique
 
     for ids in _unique_cases(n):
         unique, inverse = unique_inverse(ids)
@@ -238,7 +238,7 @@ def test_unique_inverse_has_each_id_once_in_first_occurrence_order(n):
 def test_native_unique_refuses_buffers_it_cannot_fill():
     """Wrong dtypes, short or overlapping outputs raise (unique_inverse then takes the sort); any
     multiplier works, even an even one (made odd), and 0 ids give 0."""
-    from tableserver.take import native_unique
+    from tableserver.common.take import native_unique
 
     if native_unique is None:
         pytest.skip("native take off: not built (no C compiler at install) or TABLESERVER_NATIVE_TAKE=0")
@@ -295,7 +295,7 @@ def test_deferred_gathers_are_applied_by_the_next_scrape():
     from prometheus_client import CollectorRegistry
 
     from tableclient.metrics import ClientMetrics, GatherRecorder
-    from tableserver.recorder import MAX_DEFERRED
+    from tableserver.common.recorder import MAX_DEFERRED
 
     def recorder(registry):
         m = ClientMetrics(registry)
@@ -365,9 +365,9 @@ def test_server_gather_metrics_are_deferred_and_applied_by_a_scrape():
 def test_copy_buffers_start_half_a_page_in():
     """Buffers a socket copies rows into or out of start OFFSET bytes into a page (no 4K aliasing with
     the kernel's page-aligned socket pages), whatever their size and shape; pinned ones too."""
-    from tableserver.buffers import OFFSET, PAGE, copy_buffer, pinned_rows_buffer, rows_buffer
+    from tableserver.common.buffers import OFFSET, PAGE, copy_buffer, pinned_rows_buffer, rows_buffer
 
-    from tableserver.buffers import PLACE_MIN
+    from tableserver.common.buffers import PLACE_MIN
 
     for n in (PLACE_MIN, 405_504, 5 << 20):
         b = copy_buffer(n)

@@ -13,7 +13,7 @@ from conftest import EVENT_TIMEOUT
 
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.v1 import tableserver_pb2_grpc as pb_grpc
-from tableserver.wire import HEADER, HEADER_BYTES, Status, hello_frame, recv_challenge, recv_exact
+from tableserver.common.wire import HEADER, HEADER_BYTES, Status, hello_frame, recv_challenge, recv_exact
 
 
 def tcp_hello(s: socket.socket, session_id: bytes, secret: bytes) -> tuple[int, bytes]:
@@ -30,7 +30,7 @@ def tcp_hello(s: socket.socket, session_id: bytes, secret: bytes) -> tuple[int, 
 
 def shm_hello(s: socket.socket, session_id: bytes, secret: bytes):
     """Answers the CHALLENGE on a raw shm connection: (the reply message, the fds that came with it)."""
-    from tableserver.wire import parse_challenge
+    from tableserver.common.wire import parse_challenge
 
     nonce = parse_challenge(s.recv(4096))
     s.send(hello_frame(session_id, secret, nonce, request_id=1)[0])

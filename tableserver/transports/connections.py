@@ -199,7 +199,7 @@ class ConnectionLoop:
     # ------------------------------------------------------------------ sessions
     def attach(self, conn: Connection, session) -> None:
         """Marks ``conn`` authenticated for ``session``; Refused past the per-session cap."""
-        from tableserver.wire import Status
+        from tableserver.common.wire import Status
 
         with self._lock:
             conns = self._by_session.setdefault(id(session), set())

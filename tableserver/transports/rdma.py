@@ -35,16 +35,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tableserver.logs import RateLimitedLog
-from tableserver.rdma import Device, QpInfo, RdmaUnavailable, RegisteredBuffer, connect_rc_qp, create_rc_qp, verbs
+from tableserver.common.verbs import Device, QpInfo, RdmaUnavailable, RegisteredBuffer, connect_rc_qp, create_rc_qp, verbs
 from tableserver.sessions import Session
-from tableserver.take import in_range, take_checked
+from tableserver.common.take import in_range, take_checked
 from tableserver.transports.base import ServerTransport
 from tableserver.v1 import tableserver_pb2 as pb
-from tableserver.wire import (
+from tableserver.common.wire import (
     PACK_ERROR, PACK_ERROR_MAGIC, PACK_REPLY_BYTES, PACK_REQUEST, PACK_REQUEST_MAGIC, ROW_ID_BYTES, Status,
 )
 
-log = logging.getLogger("tableserver.rdma")
+log = logging.getLogger("tableserver.common.verbs")
 
 RECV_DEPTH = 16  # pack requests a QP can have queued at the server
 SEND_DEPTH = 64

@@ -4,7 +4,7 @@ The server listens on a Unix ``SOCK_SEQPACKET`` socket (mode 0660, group from
 ``--shm-group``) served by the shared connection layer (connections.py: no
 thread per connection, handshake deadline, caps). Its first message on a
 connection is a CHALLENGE; the client answers with a HELLO that proves it
-holds its session secret (tableserver/wire.py); the server answers with one
+holds its session secret (tableserver/common/wire.py); the server answers with one
 message: an OK header, a JSON object with the table list (index, name, rows,
 row_bytes, size) and the server's proof, and, as ``SCM_RIGHTS``, one
 **read-only** file descriptor per table (a fresh ``O_RDONLY`` open of each
@@ -42,7 +42,7 @@ from tableserver.transports.base import ServerTransport
 from tableserver.transports.connections import CLOSE, READ, Connection, ConnectionLoop, Protocol, Refused
 from tableserver.transports.tcp import connection_limits
 from tableserver.v1 import tableserver_pb2 as pb
-from tableserver.wire import (
+from tableserver.common.wire import (
     HEADER, HEADER_BYTES, HELLO_BYTES, NONCE_BYTES, REQUEST_MAGIC, FrameType, Status, challenge_frame,
     response_header,
 )

@@ -1,4 +1,4 @@
-"""tcp transport: row gathers over a framed binary protocol (see tableserver/wire.py).
+"""tcp transport: row gathers over a framed binary protocol (see tableserver/common/wire.py).
 
 Connections live in the shared connection layer (transports/connections.py):
 a fixed pool of workers on one epoll set, no thread per connection, every
@@ -36,7 +36,7 @@ import time
 
 import numpy as np
 
-from tableserver.buffers import copy_buffer
+from tableserver.common.buffers import copy_buffer
 from tableserver.errors import ListenError
 from tableserver.logs import RateLimitedLog
 from tableserver.transports.base import ServerTransport
@@ -44,9 +44,9 @@ from tableserver.transports.connections import (
     CLOSE, READ, WRITE, Connection, ConnectionLoop, Limits, Protocol, Refused, cpu_workers, wait_writable,
 )
 from tableserver.v1 import tableserver_pb2 as pb
-from tableserver.seal import C2S, S2C, TAG_BYTES, BadTag, Direction, crypt_into, derive_key
-from tableserver.take import in_range, take_checked
-from tableserver.wire import (
+from tableserver.common.seal import C2S, S2C, TAG_BYTES, BadTag, Direction, crypt_into, derive_key
+from tableserver.common.take import in_range, take_checked
+from tableserver.common.wire import (
     CLIENT_NONCE_BYTES, FATAL, HEADER, HEADER_BYTES, HELLO_BYTES, HELLO_SEALED, NONCE_BYTES, REQUEST_MAGIC,
     SESSION_ID_BYTES, FrameType, Status, challenge_frame, response_header,
 )

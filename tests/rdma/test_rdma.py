@@ -19,7 +19,7 @@ from conftest import EVENT_TIMEOUT, ROOT, local_tables, start_daemon, wait_for
 from tests_helpers import run_workers, scrape, value
 from tableclient import ConnectError, GatherTimeout, RemoteError, TableClient, TransportError
 from tableserver.demo import DemoRows, DemoTable
-from tableserver.rdma import list_devices, verbs
+from tableserver.common.verbs import list_devices, verbs
 from tableserver.tablefile import TableFileWriter
 
 pytestmark = pytest.mark.rdma

@@ -3,7 +3,7 @@
 The caller's thread frames a request (header + the int64 ids, one
 ``sendmsg``). Each response is read straight into its request's output buffer
 (no intermediate copy) by whichever thread reads next: one reader at a time
-(``_rx_lock``), responses in request order (see tableserver/wire.py), and the
+(``_rx_lock``), responses in request order (see tableserver/common/wire.py), and the
 response being read is resumable, so readers may take turns mid-frame.
 
 * A synchronous gather (``sync=True``: the caller waits at once) is read by
@@ -38,9 +38,9 @@ import numpy as np
 
 from tableclient.errors import AuthError, ConnectError, GatherTimeout, RemoteError, TransportError
 from tableclient.transports.base import ClientTransport, Pending
-from tableserver.buffers import copy_buffer
-from tableserver.seal import C2S, S2C, TAG_BYTES, BadTag, Direction, derive_key
-from tableserver.wire import (
+from tableserver.common.buffers import copy_buffer
+from tableserver.common.seal import C2S, S2C, TAG_BYTES, BadTag, Direction, derive_key
+from tableserver.common.wire import (
     FATAL, HEADER, HEADER_BYTES, HELLO_SEALED, MAC_BYTES, MAX_HANDSHAKE_MESSAGE, RESPONSE_MAGIC, FrameType,
     HandshakeRefused, Status, hello_frame, recv_challenge, recv_exact, request_header, send_all, server_proof,
 )
@@ -201,7 +201,7 @@ class TcpTransport(ClientTransport):
             self._sock.close()
             raise AuthError(f"tcp data port {self.endpoint} could not prove it holds the session secret: "
                             "not the server that opened this session")
-        if flags & HELLO_SEALED:  # every payload from here on is AES-GCM sealed (tableserver/seal.py)
+        if flags & HELLO_SEALED:  # every payload from here on is AES-GCM sealed (tableserver/common/seal.py)
             self._seal_tx = Direction(derive_key(secret, C2S, nonce, client_nonce))
             self._seal_rx = Direction(derive_key(secret, S2C, nonce, client_nonce))
 

@@ -25,7 +25,7 @@ import threading
 import weakref
 from dataclasses import dataclass
 
-from tableclient.sglang.config import PluginConfig
+from tableclient.engine.config import PluginConfig
 
 log = logging.getLogger("tableclient.sglang")
 
@@ -58,7 +58,7 @@ class ServedLayer:
     window_s: float
     dim: int
     hash_index: int | None = None  # column of the hasher's output, when known
-    graph_mode: str = "before_replay"  # how its rows reach a captured decode graph (client/sglang/graphs.py)
+    graph_mode: str = "before_replay"  # how its rows reach a captured decode graph (client/tableclient/sglang/graphs.py)
 
 
 class EngramRows:

@@ -15,7 +15,7 @@ from tableclient.errors import (
     AuthError, ConnectError, GatherTimeout, RemoteError, TableClientError, TransportError,
 )
 from tableclient.table import GatherHandle, RemoteTable, TableInfo
-from tableserver.buffers import rows_buffer
+from tableserver.common.buffers import rows_buffer
 
 __all__ = [
     "TableClient", "RemoteTable", "GatherHandle", "TableInfo", "TableClientError", "ConnectError",

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 
-from tableclient.sglang.rows import EngramRowsError
+from tableclient.engine.rows import EngramRowsError
 
 log = logging.getLogger("tableclient.sglang")
 
@@ -224,7 +224,7 @@ def in_capture(s: _Session | None, forward_batch, indices) -> bool:
 def captured_rows(s: _Session, embed, layer: int, indices):
     """What a served layer's forward records in a capture: bf16 rows ``[*indices.shape, dim]`` from its
     staging (an in_graph layer waits for its flag first), dequantized as SGLang dequantizes staged rows."""
-    from tableclient.sglang.rows import dequantize
+    from tableclient.engine.rows import dequantize
 
     sl = s.layers[layer]
     tokens = indices.shape[0]
@@ -272,7 +272,7 @@ def _fill_rows(embed, layer: int, indices, out) -> None:
 
     packed = rows().fetch(layer, indices[:tokens], channel="forward")
     if not indices.is_cuda:
-        from tableclient.sglang.rows import dequantize
+        from tableclient.engine.rows import dequantize
 
         out[:tokens].copy_(dequantize(packed, embed.dim))
         return

@@ -28,8 +28,8 @@ import numpy as np
 
 from tableclient.errors import AuthError, ConnectError, TransportUnavailable
 from tableclient.transports.base import DONE, ClientTransport, Pending
-from tableserver.take import take_checked
-from tableserver.wire import (
+from tableserver.common.take import take_checked
+from tableserver.common.wire import (
     HEADER, HEADER_BYTES, RESPONSE_MAGIC, HandshakeRefused, Status, hello_frame, parse_challenge, server_proof,
 )
 

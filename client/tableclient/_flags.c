@@ -1,4 +1,4 @@
-/* tableclient._flags: waiting for a host-visible flag without the GIL (see tableclient/graphstep.py).
+/* tableclient._flags: waiting for a host-visible flag without the GIL (see client/tableclient/graphstep.py).
  *
  * wait_u32(flags, index, value, timeout_s) -> bool
  *   flags: a writable C-contiguous buffer of native uint32 (pinned host memory a GPU stream writes with
@@ -97,7 +97,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "tableclient._flags",
-                                    "Waiting for host-visible flags without the GIL (see tableclient/graphstep.py).",
+                                    "Waiting for host-visible flags without the GIL (see client/tableclient/graphstep.py).",
                                     -1, methods};
 
 PyMODINIT_FUNC PyInit__flags(void) { return PyModule_Create(&module); }

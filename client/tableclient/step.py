@@ -43,7 +43,7 @@ import numpy as np
 
 from tableclient.errors import TableClientError
 from tableclient.metrics import metrics
-from tableserver.buffers import pinned_rows_buffer, rows_buffer
+from tableserver.common.buffers import pinned_rows_buffer, rows_buffer
 
 log = logging.getLogger("tableclient.step")
 

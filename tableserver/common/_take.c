@@ -1,4 +1,4 @@
-/* tableserver._take: the row gather every path runs, and the id check (see tableserver/take.py).
+/* tableserver.common._take: the row gather every path runs, and the id check (see tableserver/common/take.py).
  *
  * check(row_ids, rows) -> -1 when every id is in 0..rows-1, else the flat position of the first that is not
  *
@@ -12,7 +12,7 @@
  *
  * unique(row_ids, unique_out, inverse_out, mult) -> k
  *   each id once, in first-occurrence order, in unique_out[:k], and inverse_out[i] = the position of row_ids[i]
- *   there: one hashing pass where np.unique sorts (dedup of a batch's repeated ids, client/rowids.py).
+ *   there: one hashing pass where np.unique sorts (dedup of a batch's repeated ids, client/tableclient/rowids.py).
  *   All three int64; outputs at least as long as the ids. MemoryError when its table (16 bytes a slot,
  *   >= 2 slots an id) cannot be allocated.
  *
@@ -315,8 +315,8 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "tableserver._take",
-                                    "Bounds-checked, prefetching row gather (see tableserver/take.py).", -1,
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "tableserver.common._take",
+                                    "Bounds-checked, prefetching row gather (see tableserver/common/take.py).", -1,
                                     methods};
 
 PyMODINIT_FUNC PyInit__take(void) { return PyModule_Create(&module); }

@@ -17,8 +17,8 @@ import numpy as np
 from tableclient.errors import GatherTimeout, RemoteError, TableClientError
 from tableclient.metrics import GatherRecorder, metrics
 from tableclient.rowids import dedup, in_range, prepare_out, to_row_ids
-from tableserver.buffers import rows_buffer
-from tableserver.take import native_take, take_checked
+from tableserver.common.buffers import rows_buffer
+from tableserver.common.take import native_take, take_checked
 
 
 @dataclass(frozen=True)
@@ -237,7 +237,7 @@ class RemoteTable:
         return row_ids.ravel(), out.reshape(-1, info.row_bytes), out
 
     def _gather_local(self, local: np.ndarray, row_ids, out, t0: float | None = None, tried: bool = False):
-        """The shm path: checks, one ``take`` (``tableserver.take``), and the metrics deferred (one deque
+        """The shm path: checks, one ``take`` (``tableserver.common.take``), and the metrics deferred (one deque
         append; applied in batches). Nothing else runs per call. ``gather`` first tries the common call
         -- int64 numpy ids, a C-contiguous writeable uint8 ``out`` of shape ``ids.shape + (row_bytes,)``
         -- as one native take, which checks all of that and the ids itself; everything else comes here,

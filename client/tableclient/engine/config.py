@@ -36,7 +36,7 @@ on this host, over shm: one copy of the table per node) and ``local``
 (SGLang's own table for that layer, as without the plugin). ``make replay``
 writes the ``[layers]`` and ``[graph]`` tables it recommends from measured read times.
 
-Graph modes (decode CUDA graphs on; client/sglang/graphs.py): ``before_replay`` (the default: rows
+Graph modes (decode CUDA graphs on; client/tableclient/sglang/graphs.py): ``before_replay`` (the default: rows
 gathered on the host before each replay, for any layer), ``in_graph`` (the graph publishes its ids and
 waits for the rows just before the layer: the gather overlaps the layers before it; for a layer whose
 window covers its gather, e.g. 14), ``eager_break`` (with ``--cuda-graph-backend-decode breakable``:

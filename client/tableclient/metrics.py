@@ -26,7 +26,7 @@ import threading
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from tableserver.recorder import FlushFirst, Recorder
+from tableserver.common.recorder import FlushFirst, Recorder
 
 #: exponential latency buckets, 2 us .. ~0.5 s
 DEFAULT_BUCKETS = tuple(2e-6 * 2 ** k for k in range(19))
@@ -157,7 +157,7 @@ def error_reason(exc: BaseException) -> str:
 class GatherRecorder(Recorder):
     """The metric children of one (table, layer, transport, mode), updated together once per gather:
     ``count(rows, unique_rows, nbytes)``, ``observe(seconds)``, ``record``/``defer`` both
-    (``tableserver.recorder.Recorder``; deferred gathers are applied by every scrape of this
+    (``tableserver.common.recorder.Recorder``; deferred gathers are applied by every scrape of this
     process's registry, the client's maintenance tick (50 ms), close and exit)."""
 
     __slots__ = ()

@@ -12,8 +12,8 @@ import os
 
 import numpy as np
 
-from tableserver.buffers import rows_buffer
-from tableserver.take import in_range, native_unique
+from tableserver.common.buffers import rows_buffer
+from tableserver.common.take import in_range, native_unique
 
 
 def is_torch(x) -> bool:
@@ -131,7 +131,7 @@ HASH_MULT = int.from_bytes(os.urandom(8), "little") | 1
 def unique_inverse(flat_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(unique, inverse) of 1-D ids: each id once, and ``unique[inverse] == flat_ids``.
 
-    Natively (``tableserver._take.unique``): one pass through an open-addressing hash table, ids in
+    Natively (``tableserver.common._take.unique``): one pass through an open-addressing hash table, ids in
     first-occurrence order -- 12,288 ids in ~21-26 us, where the sort below takes ~360-380 us on this
     project's 2-vCPU VM (49,152: ~120-180 vs ~1,850 us). Otherwise ``np.unique(return_inverse=True)``'s
     result, ids ascending, about twice as fast as np.unique: each id is packed with its position into

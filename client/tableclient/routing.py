@@ -58,7 +58,7 @@ from tableclient.node import NodeOptions, NodeSession, fetch_catalog
 from tableclient.shardmap import Shard, ShardMap, build, holds, local_ids
 from tableclient.table import TableInfo
 from tableclient.transports.base import ClientTransport, Pending
-from tableserver.buffers import rows_buffer
+from tableserver.common.buffers import rows_buffer
 
 log = logging.getLogger("tableclient.routing")
 

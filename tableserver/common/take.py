@@ -7,7 +7,7 @@ client's gathers, the tcp server's chunks, rdma's packed rows and dedup's expans
 ``in_range`` is the check before any request is sent or served; ``take_checked`` is ``take`` for ids
 checked before, which raises if they changed since.
 
-Both are native (``tableserver/_take.c``, built with the package where a C compiler is present) or numpy:
+Both are native (``tableserver/common/_take.c``, built with the package where a C compiler is present) or numpy:
 
 * native: one C pass checks the ids, then a copy loop that prefetches 16 rows ahead. A random gather
   is bound by memory latency, and ``np.take`` leaves the next rows' misses to the CPU: the prefetching
@@ -33,7 +33,7 @@ import os
 import numpy as np
 
 try:
-    from tableserver._take import check as native_check, take as native_take, unique as native_unique
+    from tableserver.common._take import check as native_check, take as native_take, unique as native_unique
 except ImportError:  # built without a C compiler: numpy's path
     native_check = native_take = native_unique = None
 

@@ -39,11 +39,11 @@ import numpy as np
 
 from tableclient.errors import ConnectError, GatherTimeout, RemoteError, TransportError, TransportUnavailable
 from tableclient.transports.base import ClientTransport, Pending
-from tableserver.rdma import (
+from tableserver.common.verbs import (
     Device, QpInfo, RdmaError, RdmaUnavailable, RegisteredBuffer, RingAllocator, connect_rc_qp, create_rc_qp, verbs,
 )
 from tableserver.v1 import tableserver_pb2 as pb
-from tableserver.wire import (
+from tableserver.common.wire import (
     PACK_ERROR, PACK_ERROR_MAGIC, PACK_REPLY_BYTES, PACK_REQUEST, PACK_REQUEST_MAGIC, ROW_ID_BYTES, Status,
 )
 

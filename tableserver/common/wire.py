@@ -15,7 +15,7 @@ Every frame starts with a 24-byte little-endian header::
   so each side shows it holds the secret and the secret never crosses the wire
   (a sniffed HELLO is useless: the next connection gets another nonce). Its
   row_bytes field carries flags: HELLO_SEALED when every payload that follows is
-  AES-256-GCM sealed with keys derived from the same secret (tableserver/seal.py).
+  AES-256-GCM sealed with keys derived from the same secret (tableserver/common/seal.py).
   shm: the OK carries a JSON table list and the table fds instead (transports/shm.py).
 * GATHER (type 2): payload = ``count`` int64 row ids of table ``table``.
   The OK response carries ``count * row_bytes`` bytes: the rows in request order.
@@ -44,7 +44,7 @@ CLIENT_NONCE_BYTES = 16
 MAC_BYTES = 32
 HELLO_BYTES = SESSION_ID_BYTES + CLIENT_NONCE_BYTES + MAC_BYTES
 #: flags in the row_bytes field of the server's OK to HELLO
-HELLO_SEALED = 1  # every payload that follows is AES-GCM sealed (tableserver/seal.py)
+HELLO_SEALED = 1  # every payload that follows is AES-GCM sealed (tableserver/common/seal.py)
 ROW_ID_BYTES = 8
 
 

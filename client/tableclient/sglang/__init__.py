@@ -4,8 +4,9 @@ Installed as the ``sglang.srt.plugins`` entry point ``tableserver`` (setup.cfg);
 SGLang (0.5.23, the version it is tested with) calls :func:`register` in every
 scheduler process and in the launcher. With ``TABLESERVER_ADDRESS`` or
 ``TABLESERVER_SGLANG_CONFIG`` set it hooks SGLang's Engram classes
-(``hooks``) so that each layer's rows come from where ``config`` places it
-(``remote``, ``node`` or ``local``), fetched at step start (``rows``).
+(``hooks``) so that each layer's rows come from where its configuration places it
+(``remote``, ``node`` or ``local``), fetched at step start: both are the engine-neutral
+``tableclient.engine`` (``config``, ``rows``); this package holds only what is SGLang's.
 
 Without configuration it does nothing. Enabled but unable to engage (another
 SGLang version, a bad configuration, hooks that did not apply) it stops the
@@ -17,9 +18,8 @@ from __future__ import annotations
 
 import logging
 
-from tableclient.sglang.config import ConfigError, PluginConfig
+from tableclient.engine import ConfigError, EngramRows, EngramRowsError, PluginConfig, dequantize
 from tableclient.sglang.hooks import PluginError, configure, rows
-from tableclient.sglang.rows import EngramRows, EngramRowsError, dequantize
 
 log = logging.getLogger("tableclient.sglang")
 

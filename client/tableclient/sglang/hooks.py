@@ -39,8 +39,8 @@ import logging
 import re
 
 from tableclient.sglang import graphs
-from tableclient.sglang.config import PluginConfig
-from tableclient.sglang.rows import EngramRows, dequantize
+from tableclient.engine.config import PluginConfig
+from tableclient.engine.rows import EngramRows, dequantize
 
 log = logging.getLogger("tableclient.sglang")
 

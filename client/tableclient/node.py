@@ -34,7 +34,7 @@ from tableclient.transports.shm import local_host_id
 
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.v1 import tableserver_pb2_grpc as pb_grpc
-from tableserver.wire import SECRET_BYTES, SESSION_ID_BYTES
+from tableserver.common.wire import SECRET_BYTES, SESSION_ID_BYTES
 
 #: the longest session lease a client accepts (the bound of the server's --lease-seconds)
 MAX_LEASE_S = 86400.0

@@ -1,0 +1,13 @@
+"""The engine-neutral half of a serving-engine adapter: what the SGLang adapter (``tableclient.sglang``)
+uses and a second engine's adapter uses the same way.
+
+``config`` (:class:`PluginConfig`: per-layer placement, addresses, failure policy, graph modes),
+``rows`` (:class:`EngramRows`: one client and one step per tableserver, prefetch at step start, the
+packed rows a layer asks for; :func:`dequantize`). The graph-safe step is ``tableclient.graphstep``.
+Nothing here imports an engine.
+"""
+
+from tableclient.engine.config import ConfigError, PluginConfig
+from tableclient.engine.rows import EngramRows, EngramRowsError, dequantize
+
+__all__ = ["ConfigError", "PluginConfig", "EngramRows", "EngramRowsError", "dequantize"]

@@ -1,0 +1,7 @@
+"""What the daemon and the client both run: the shared half of tableserver.
+
+``buffers`` (page-placed row buffers), ``take`` (the bounds-checked row gather, native in ``_take.c``),
+``wire`` (the tcp and shm framing), ``seal`` (AES-GCM sealing of tcp payloads), ``verbs`` (pyverbs
+resources: devices, MRs, RC QPs) and ``recorder`` (latency histograms). Nothing here imports the daemon
+(``tableserver.*`` outside ``common`` and ``v1``) or the client; the import contract in setup.cfg checks it.
+"""
