@@ -7,7 +7,7 @@ DEV := $(VENV)/.dev-installed
 # torch 2.13.0 is the CPU build this machine kind keeps on disk; newer picks a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test test-fast bench replay observe proto clean
+.PHONY: demo test test-fast lint bench replay observe proto clean
 
 $(BASE): setup.cfg pyproject.toml setup.py tableserver/common/_take.c client/tableclient/_flags.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,8 +23,14 @@ $(DEV): $(BASE) tests/requirements-sglang.txt
 demo: $(BASE)
 	$(BIN)/tableserver demo
 
-test: $(DEV)
+test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The house plan (import contracts in setup.cfg) and ruff's lint and format check over every Python file
+lint: $(DEV)
+	$(BIN)/lint-imports --no-cache
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 test-fast: $(DEV)
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)

@@ -13,6 +13,10 @@ from setuptools import Extension, setup
 # CI sets TABLESERVER_REQUIRE_NATIVE=1: a build error there fails the install (else an older .so of an
 # in-place build would go on being imported)
 optional = os.environ.get("TABLESERVER_REQUIRE_NATIVE") != "1"
-native = [Extension("tableserver.common._take", ["tableserver/common/_take.c"], optional=optional, extra_compile_args=["-O2"]),
-          Extension("tableclient._flags", ["client/tableclient/_flags.c"], optional=optional, extra_compile_args=["-O2"])]
+native = [
+    Extension(
+        "tableserver.common._take", ["tableserver/common/_take.c"], optional=optional, extra_compile_args=["-O2"]
+    ),
+    Extension("tableclient._flags", ["client/tableclient/_flags.c"], optional=optional, extra_compile_args=["-O2"]),
+]
 setup(ext_modules=[] if os.environ.get("TABLESERVER_BUILD_NATIVE") == "0" else native)

@@ -32,8 +32,9 @@ import numpy as np  # noqa: E402
 WINDOW_14 = 9.3e-3
 
 
-def run(hosts_cls, cluster_cls, worker_cls, table: str, fault: str, hedge: bool, before: int, after: int,
-        workdir: str) -> dict:
+def run(
+    hosts_cls, cluster_cls, worker_cls, table: str, fault: str, hedge: bool, before: int, after: int, workdir: str
+) -> dict:
     from tableclient.routing import rendezvous_score
 
     names = ["n1", "n2", "n3"]
@@ -60,9 +61,16 @@ def run(hosts_cls, cluster_cls, worker_cls, table: str, fault: str, hedge: bool,
                 cluster.signal(victim, signal.SIGCONT)
         p = worker.stop()
     stalls = np.array(p["stalls"])
-    return {"fault": fault, "hedge": hedge, "before_p50_ms": float(np.median(stalls[:at]) * 1e3),
-            "max_after_ms": float(stalls[at:].max() * 1e3), "failed": p["failed"], "mismatches": p["mismatches"],
-            "steps": p["steps"], "errors": p["errors"][:2]}
+    return {
+        "fault": fault,
+        "hedge": hedge,
+        "before_p50_ms": float(np.median(stalls[:at]) * 1e3),
+        "max_after_ms": float(stalls[at:].max() * 1e3),
+        "failed": p["failed"],
+        "mismatches": p["mismatches"],
+        "steps": p["steps"],
+        "errors": p["errors"][:2],
+    }
 
 
 def main() -> int:
@@ -72,6 +80,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "out"))
     args = ap.parse_args()
     import netns
+
     from tableserver.demo import DemoTable, write_demo_file
 
     why = netns.unavailable()
@@ -81,24 +90,33 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        table = write_demo_file(os.path.join(tmp, "t.bin"), [DemoTable("engram.layer1", 600_000, 264, 1),
-                                                             DemoTable("engram.layer14", 600_000, 264, 14)])
+        table = write_demo_file(
+            os.path.join(tmp, "t.bin"),
+            [DemoTable("engram.layer1", 600_000, 264, 1), DemoTable("engram.layer14", 600_000, 264, 14)],
+        )
         for fault in ("kill", "drop", "freeze"):
             for hedge in (True, False):
-                results.append(run(netns.Hosts, netns.Cluster, netns.Worker, table, fault, hedge, args.before,
-                                   args.after, tmp))
-    lines = ["3 replicas, batch 64 (1,536 rows per layer), tcp, each node and the worker in its own network "
-             "namespace;", f"the worker's primary fails after {args.before} steps; {args.after} steps after. "
-             "Longest step stall after the fault vs the layer-14 window (9.3 ms):",
-             f"{'fault':<8}{'hedging':>8}{'stall p50 before ms':>21}{'longest stall after ms':>24}{'x window':>10}"
-             f"{'failed':>8}{'bad rows':>10}"]
+                results.append(
+                    run(netns.Hosts, netns.Cluster, netns.Worker, table, fault, hedge, args.before, args.after, tmp)
+                )
+    lines = [
+        "3 replicas, batch 64 (1,536 rows per layer), tcp, each node and the worker in its own network namespace;",
+        f"the worker's primary fails after {args.before} steps; {args.after} steps after. "
+        "Longest step stall after the fault vs the layer-14 window (9.3 ms):",
+        f"{'fault':<8}{'hedging':>8}{'stall p50 before ms':>21}{'longest stall after ms':>24}{'x window':>10}"
+        f"{'failed':>8}{'bad rows':>10}",
+    ]
     for r in results:
-        lines.append(f"{r['fault']:<8}{'on' if r['hedge'] else 'off':>8}{r['before_p50_ms']:>21.2f}"
-                     f"{r['max_after_ms']:>24.2f}{r['max_after_ms'] / 1e3 / WINDOW_14:>9.2f}x{r['failed']:>8}"
-                     f"{r['mismatches']:>10}")
+        lines.append(
+            f"{r['fault']:<8}{'on' if r['hedge'] else 'off':>8}{r['before_p50_ms']:>21.2f}"
+            f"{r['max_after_ms']:>24.2f}{r['max_after_ms'] / 1e3 / WINDOW_14:>9.2f}x{r['failed']:>8}"
+            f"{r['mismatches']:>10}"
+        )
     worst = max(r["max_after_ms"] for r in results if r["hedge"]) / 1e3
-    lines.append(f"goal: with hedging no step stalls more than 2x the window (18.6 ms): worst {worst * 1e3:.2f} ms "
-                 f"[{'met' if worst <= 2 * WINDOW_14 else 'MISSED'}]")
+    lines.append(
+        f"goal: with hedging no step stalls more than 2x the window (18.6 ms): worst {worst * 1e3:.2f} ms "
+        f"[{'met' if worst <= 2 * WINDOW_14 else 'MISSED'}]"
+    )
     for r in results:
         if r["errors"]:
             lines.append(f"  {r['fault']}/{'hedge' if r['hedge'] else 'no hedge'}: {r['errors'][0]}")

@@ -39,11 +39,12 @@ from replay import ENGRAM, VOCAB, Traffic, step_ids  # noqa: E402
 from tableclient import TableClient  # noqa: E402
 from tableclient.engram import EngramHasher  # noqa: E402
 from tableclient.step import EngramStep, LayerPlan  # noqa: E402
+
 from tableserver.common.buffers import OFFSET, PAGE, pinned_rows_buffer  # noqa: E402
+from tableserver.common.take import NATIVE, take  # noqa: E402
 from tableserver.demo import DEFAULT_ROWS  # noqa: E402
 from tableserver.demo_run import WINDOWS_S, ensure_demo_file, start_server  # noqa: E402
 from tableserver.tablefile import read_header  # noqa: E402
-from tableserver.common.take import NATIVE, take  # noqa: E402
 
 ROW = 264
 
@@ -59,9 +60,11 @@ def copy_section(torch, reps: int) -> list[str]:
     for n in (24, 1536, 12288):
         dev = torch.empty((n, ROW), dtype=torch.uint8, device="cuda")
         placed = pinned_rows_buffer(torch, (n,), ROW, True)
-        sources = {"pinned, placed": placed,
-                   "pinned, page-aligned": torch.empty((n, ROW), dtype=torch.uint8, pin_memory=True),
-                   "pageable": torch.empty((n, ROW), dtype=torch.uint8)}
+        sources = {
+            "pinned, placed": placed,
+            "pinned, page-aligned": torch.empty((n, ROW), dtype=torch.uint8, pin_memory=True),
+            "pageable": torch.empty((n, ROW), dtype=torch.uint8),
+        }
         for buf in sources.values():
             buf.numpy()[:] = np.random.default_rng(n).integers(0, 256, (n, ROW), dtype=np.uint8)
         gpu, host = {k: [] for k in sources}, {k: [] for k in sources}
@@ -82,8 +85,10 @@ def copy_section(torch, reps: int) -> list[str]:
         for name in sources:
             g = pct(gpu[name], 50)
             where = f" (offset {sources[name].data_ptr() % PAGE})" if name.startswith("pinned") else ""
-            lines.append(f"{n:>7}  {name + where:<30}{g * 1e6:>12.1f}{n * ROW / g / 1e9:>7.1f}"
-                         f"{pct(host[name], 50) * 1e6:>18.1f}{pct(host[name], 99) * 1e6:>8.1f}")
+            lines.append(
+                f"{n:>7}  {name + where:<30}{g * 1e6:>12.1f}{n * ROW / g / 1e9:>7.1f}"
+                f"{pct(host[name], 50) * 1e6:>18.1f}{pct(host[name], 99) * 1e6:>8.1f}"
+            )
         ratio = pct(gpu["pinned, placed"], 50) / pct(gpu["pinned, page-aligned"], 50)
         lines.append(f"{'':>7}  placed / page-aligned (GPU time): {ratio:.2f}x")
     return lines
@@ -118,9 +123,9 @@ def step_section(torch, client, name: str, hasher, local1: np.ndarray, batch: in
     def run_bare(ids) -> float:
         flat = ids[1].reshape(-1)
         t0 = time.perf_counter()
-        take(local1, flat, bare_np[:flat.size])
+        take(local1, flat, bare_np[: flat.size])
         with torch.cuda.stream(stream):
-            bare_dev[:flat.size].copy_(bare_host[:flat.size], non_blocking=True)
+            bare_dev[: flat.size].copy_(bare_host[: flat.size], non_blocking=True)
             event.record(stream)
         event.synchronize()
         return time.perf_counter() - t0
@@ -170,9 +175,11 @@ def graph_section(torch, reps: int) -> list[str]:
             torch.cuda.synchronize()
             replay.append(time.perf_counter() - t)
             assert int(dev[-1, -1]) == (i + 1) % 251, "the graph replay did not copy this step's rows"
-    return [f"1,536 rows: eager copy+sync p50 {pct(eager, 50) * 1e6:.1f} us, graph replay+sync p50 "
-            f"{pct(replay, 50) * 1e6:.1f} us ({pct(replay, 50) / pct(eager, 50):.2f}x); every replay copied "
-            "that step's rows"]
+    return [
+        f"1,536 rows: eager copy+sync p50 {pct(eager, 50) * 1e6:.1f} us, graph replay+sync p50 "
+        f"{pct(replay, 50) * 1e6:.1f} us ({pct(replay, 50) / pct(eager, 50):.2f}x); every replay copied "
+        "that step's rows"
+    ]
 
 
 def main() -> int:
@@ -200,25 +207,33 @@ def main() -> int:
         print("bench_gpu: torch is not installed; install a CUDA build of torch to run this bench", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
-        print("bench_gpu: no CUDA GPU here; run it on a machine with one (the CPU benches are "
-              "bench_transports.py and replay.py)", file=sys.stderr)
+        print(
+            "bench_gpu: no CUDA GPU here; run it on a machine with one (the CPU benches are "
+            "bench_transports.py and replay.py)",
+            file=sys.stderr,
+        )
         return 2
     os.makedirs(args.out, exist_ok=True)
-    lines = [f"bench_gpu: {torch.cuda.get_device_name()}, torch {torch.__version__}, numpy {np.__version__}, "
-             f"{os.cpu_count()} CPUs; pinned staging placed at page offset {OFFSET}"]
+    lines = [
+        f"bench_gpu: {torch.cuda.get_device_name()}, torch {torch.__version__}, numpy {np.__version__}, "
+        f"{os.cpu_count()} CPUs; pinned staging placed at page offset {OFFSET}"
+    ]
     lines += ["", "1. host-to-device copy of a layer's staged rows", *copy_section(torch, args.reps)]
     path = ensure_demo_file(DEFAULT_ROWS)
     hasher = EngramHasher(ENGRAM, np.arange(VOCAB))
     header = read_header(path)
     mm = np.memmap(path, dtype=np.uint8, mode="r")
     s1 = next(s for s in header.tables if s.layer == 1)
-    local1 = np.array(mm[s1.offset:s1.offset + s1.nbytes]).reshape(s1.rows, s1.row_bytes)
+    local1 = np.array(mm[s1.offset : s1.offset + s1.nbytes]).reshape(s1.rows, s1.row_bytes)
     sizes = [s.nbytes for s in header.tables]
-    lines += ["", f"2. layer-1 rows on the device after step start ({args.steps} steps; due at "
-              f"{WINDOWS_S[1] * 1e6:.0f} us); bare = {'native take' if NATIVE else 'np.take(mode=clip)'} from a private copy into pinned "
-              "memory + the same copy",
-              f"{'transport':<10}{'batch':>6}{'rows':>7}{'step p50 us':>13}{'p99':>8}{'issued p50':>12}"
-              f"{'bare p50':>10}{'p99':>8}{'p50 ratio':>11}{'in window p50/p99':>19}"]
+    lines += [
+        "",
+        f"2. layer-1 rows on the device after step start ({args.steps} steps; due at "
+        f"{WINDOWS_S[1] * 1e6:.0f} us); bare = {'native take' if NATIVE else 'np.take(mode=clip)'} from a private copy into pinned "
+        "memory + the same copy",
+        f"{'transport':<10}{'batch':>6}{'rows':>7}{'step p50 us':>13}{'p99':>8}{'issued p50':>12}"
+        f"{'bare p50':>10}{'p99':>8}{'p50 ratio':>11}{'in window p50/p99':>19}",
+    ]
     pages = Hugepages(sizes, "1g")
     with tempfile.TemporaryDirectory() as tmp, pages:
         proc, ready = start_server(path, tmp, ["--hugepages", pages.flag])
@@ -229,20 +244,23 @@ def main() -> int:
                     continue
                 with TableClient(ready["control"], transport=name) as client:
                     for batch in batches:
-                        got, issued, bare = step_section(torch, client, name, hasher, local1, batch,
-                                                         args.steps)
+                        got, issued, bare = step_section(torch, client, name, hasher, local1, batch, args.steps)
                         w = WINDOWS_S[1]
                         inside = f"{'yes' if pct(got, 50) <= w else 'no'}/{'yes' if pct(got, 99) <= w else 'no'}"
-                        lines.append(f"{name:<10}{batch:>6}{batch * 24:>7}{pct(got, 50) * 1e6:>13.0f}"
-                                     f"{pct(got, 99) * 1e6:>8.0f}{pct(issued, 50) * 1e6:>12.0f}"
-                                     f"{pct(bare, 50) * 1e6:>10.0f}"
-                                     f"{pct(bare, 99) * 1e6:>8.0f}{pct(got, 50) / pct(bare, 50):>10.2f}x"
-                                     f"{inside:>19}")
+                        lines.append(
+                            f"{name:<10}{batch:>6}{batch * 24:>7}{pct(got, 50) * 1e6:>13.0f}"
+                            f"{pct(got, 99) * 1e6:>8.0f}{pct(issued, 50) * 1e6:>12.0f}"
+                            f"{pct(bare, 50) * 1e6:>10.0f}"
+                            f"{pct(bare, 99) * 1e6:>8.0f}{pct(got, 50) / pct(bare, 50):>10.2f}x"
+                            f"{inside:>19}"
+                        )
         finally:
             proc.terminate()
             proc.wait(30)
-    lines.append(f"server tables on {pages.label}; issued = begin_step returned "
-                 "(both layers' gathers issued; over shm layer 1's rows gathered and their copy queued)")
+    lines.append(
+        f"server tables on {pages.label}; issued = begin_step returned "
+        "(both layers' gathers issued; over shm layer 1's rows gathered and their copy queued)"
+    )
     lines += ["", "3. CUDA graph of the staged copy", *graph_section(torch, args.reps)]
     report = "\n".join(lines)
     print(report)

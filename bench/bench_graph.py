@@ -45,6 +45,7 @@ sys.path.insert(0, ROOT)
 from tableclient import TableClient  # noqa: E402
 from tableclient.graphstep import GraphStep, HostStreamOps  # noqa: E402
 from tableclient.step import LayerPlan  # noqa: E402
+
 from tableserver.demo_run import WINDOWS_S, ensure_demo_file, start_server  # noqa: E402
 from tableserver.tablefile import read_header  # noqa: E402
 
@@ -67,8 +68,10 @@ class Model:
         self.mult = {layer: torch.from_numpy(rng.integers(1, 1 << 20, 24)).to(device) for layer in rows}
         self.add = {layer: torch.from_numpy(rng.integers(0, 1 << 20, 24)).to(device) for layer in rows}
         self.rows = rows
-        self.out = {layer: torch.zeros((max_bs * 24, g.device_rows[layer].shape[1]), dtype=torch.uint8,
-                                       device=device) for layer in rows}
+        self.out = {
+            layer: torch.zeros((max_bs * 24, g.device_rows[layer].shape[1]), dtype=torch.uint8, device=device)
+            for layer in rows
+        }
         self.gap_a = torch.randn(256, 256, device=device)
         self.cuda = device.type == "cuda"
         if self.cuda:
@@ -111,12 +114,30 @@ def capture(torch, model: Model, bs: int):
     return graph
 
 
-def run_mode(torch, client, local: dict, modes: dict, buckets: list, steps: int, device, gap_iters: int,
-             policy: str = "fail", faults=None) -> tuple[list[str], dict]:
+def run_mode(
+    torch,
+    client,
+    local: dict,
+    modes: dict,
+    buckets: list,
+    steps: int,
+    device,
+    gap_iters: int,
+    policy: str = "fail",
+    faults=None,
+) -> tuple[list[str], dict]:
     max_bs = max(buckets)
     cpu = device.type == "cpu"
-    g = GraphStep(client, PLANS, modes, max_bs, policy=policy, device=device, timeout=2.0,
-                  stream_ops=HostStreamOps(60.0) if cpu else None)
+    g = GraphStep(
+        client,
+        PLANS,
+        modes,
+        max_bs,
+        policy=policy,
+        device=device,
+        timeout=2.0,
+        stream_ops=HostStreamOps(60.0) if cpu else None,
+    )
     rows = {p.layer: local[p.table].shape[0] for p in PLANS}
     model = Model(torch, g, rows, max_bs, device, gap_iters)
     graphs = {} if cpu else {bs: capture(torch, model, bs) for bs in buckets}
@@ -151,8 +172,10 @@ def run_mode(torch, client, local: dict, modes: dict, buckets: list, steps: int,
                 got = model.out[p.layer][: bs * 24].cpu().numpy()
                 want = local[p.table][host_ids[p.layer].reshape(-1)]
                 if not np.array_equal(got, want):
-                    raise SystemExit(f"FAIL: {modes or 'before_replay'} bucket {bs} step {i}: layer {p.layer} rows "
-                                     "differ from the table file")
+                    raise SystemExit(
+                        f"FAIL: {modes or 'before_replay'} bucket {bs} step {i}: layer {p.layer} rows "
+                        "differ from the table file"
+                    )
             s = stats[bs]
             s["host"].append(host_s)
             s["step"].append(step_s)
@@ -161,10 +184,15 @@ def run_mode(torch, client, local: dict, modes: dict, buckets: list, steps: int,
         assert g.buffers() == before_buffers, "a buffer the graphs touch moved"
         for bs in buckets:
             s = stats[bs]
-            blocked = (f"{pct(s['blocked'], 50) * 1e6:>9.0f}{pct(s['blocked'], 99) * 1e6:>8.0f}" if s["blocked"]
-                       else f"{'-':>9}{'-':>8}")
-            lines.append(f"{bs:>6}{pct(s['host'], 50) * 1e6:>10.0f}{pct(s['host'], 99) * 1e6:>8.0f}{blocked}"
-                         f"{pct(s['step'], 50) * 1e6:>10.0f}{pct(s['step'], 99) * 1e6:>8.0f}")
+            blocked = (
+                f"{pct(s['blocked'], 50) * 1e6:>9.0f}{pct(s['blocked'], 99) * 1e6:>8.0f}"
+                if s["blocked"]
+                else f"{'-':>9}{'-':>8}"
+            )
+            lines.append(
+                f"{bs:>6}{pct(s['host'], 50) * 1e6:>10.0f}{pct(s['host'], 99) * 1e6:>8.0f}{blocked}"
+                f"{pct(s['step'], 50) * 1e6:>10.0f}{pct(s['step'], 99) * 1e6:>8.0f}"
+            )
         seen = {}
         for fault, act in (faults or {}).items() if g.modes.get(14) == "in_graph" else ():
             act()  # the server freezes, then dies: each next replay must still complete, layer 14 zero-filled
@@ -173,8 +201,14 @@ def run_mode(torch, client, local: dict, modes: dict, buckets: list, steps: int,
             got = model.out[14][: bs * 24].cpu().numpy()
             want = local["engram.layer14"][model.host_ids(tokens, 14).reshape(-1)]
             # zero rows (the policy), or the table's rows where they were still mapped (shm): nothing else
-            seen[fault] = (took, "zero rows" if not got.any() else
-                             "the table's rows (still mapped)" if np.array_equal(got, want) else None)
+            seen[fault] = (
+                took,
+                "zero rows"
+                if not got.any()
+                else "the table's rows (still mapped)"
+                if np.array_equal(got, want)
+                else None,
+            )
     finally:
         g.close()
     return lines, seen
@@ -186,11 +220,20 @@ def gil_section(torch, client, local: dict, steps: int) -> list[str]:
     holds the GIL (a pure-Python loop) beside it. The poller waits natively; its gather needs the GIL."""
     import threading
 
-    g = GraphStep(client, PLANS, {14: "in_graph"}, 8, policy="fail", device=torch.device("cpu"), timeout=5.0,
-                  stream_ops=HostStreamOps(60.0))
+    g = GraphStep(
+        client,
+        PLANS,
+        {14: "in_graph"},
+        8,
+        policy="fail",
+        device=torch.device("cpu"),
+        timeout=5.0,
+        stream_ops=HostStreamOps(60.0),
+    )
     rng = np.random.default_rng(3)
-    lines = [f"in_graph wake-up (ids flag -> rows released, 8 tokens, switch interval "
-             f"{sys.getswitchinterval() * 1e3:g} ms):"]
+    lines = [
+        f"in_graph wake-up (ids flag -> rows released, 8 tokens, switch interval {sys.getswitchinterval() * 1e3:g} ms):"
+    ]
     try:
         for busy in (False, True):
             stop = threading.Event()
@@ -218,8 +261,10 @@ def gil_section(torch, client, local: dict, steps: int) -> list[str]:
                 stop.set()
                 if spinner is not None:
                     spinner.join()
-            lines.append(f"  {'a busy Python thread beside it' if busy else 'quiet':<32}p50 {pct(took, 50) * 1e6:>7.0f} us"
-                         f"   p99 {pct(took, 99) * 1e6:>7.0f} us")
+            lines.append(
+                f"  {'a busy Python thread beside it' if busy else 'quiet':<32}p50 {pct(took, 50) * 1e6:>7.0f} us"
+                f"   p99 {pct(took, 99) * 1e6:>7.0f} us"
+            )
     finally:
         g.close()
     return lines
@@ -253,12 +298,16 @@ def main() -> int:
         end.synchronize()
         gap_iters = max(1, int(100 * args.gap_ms / max(start.elapsed_time(end), 1e-3)))
     path = ensure_demo_file()
-    local = {s.name: np.memmap(path, np.uint8, "r", s.offset, s.nbytes).reshape(s.rows, s.row_bytes)
-             for s in read_header(path).tables}
-    out_lines = [f"bench_graph: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (eager)'}, "
-                 f"torch {torch.__version__}, layers 2..13 stand-in {args.gap_ms:g} ms, {args.steps} steps a bucket",
-                 f"{'bucket':>6}{'host before replay us':>18}{'blocked in graph':>17}{'step us':>18}",
-                 f"{'':>6}{'p50':>10}{'p99':>8}{'p50':>9}{'p99':>8}{'p50':>10}{'p99':>8}"]
+    local = {
+        s.name: np.memmap(path, np.uint8, "r", s.offset, s.nbytes).reshape(s.rows, s.row_bytes)
+        for s in read_header(path).tables
+    }
+    out_lines = [
+        f"bench_graph: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (eager)'}, "
+        f"torch {torch.__version__}, layers 2..13 stand-in {args.gap_ms:g} ms, {args.steps} steps a bucket",
+        f"{'bucket':>6}{'host before replay us':>18}{'blocked in graph':>17}{'step us':>18}",
+        f"{'':>6}{'p50':>10}{'p99':>8}{'p50':>9}{'p99':>8}{'p50':>10}{'p99':>8}",
+    ]
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = tempfile.mkdtemp(dir=tmp)
@@ -276,14 +325,28 @@ def main() -> int:
                 try:
                     with TableClient(ready["control"], transport=transport) as client:
                         out_lines.append(f"{transport} / {name}")
-                        faults = {"frozen (SIGSTOP)": lambda: proc.send_signal(signal.SIGSTOP),
-                                  "killed": lambda: (proc.send_signal(signal.SIGCONT), proc.kill())}
-                        lines, seen = run_mode(torch, client, local, modes, buckets, args.steps, device, gap_iters,
-                                               policy="zeros", faults=faults)
+                        faults = {
+                            "frozen (SIGSTOP)": lambda: proc.send_signal(signal.SIGSTOP),
+                            "killed": lambda: (proc.send_signal(signal.SIGCONT), proc.kill()),
+                        }
+                        lines, seen = run_mode(
+                            torch,
+                            client,
+                            local,
+                            modes,
+                            buckets,
+                            args.steps,
+                            device,
+                            gap_iters,
+                            policy="zeros",
+                            faults=faults,
+                        )
                         out_lines += lines
                         for fault, (took, rows) in seen.items():
-                            out_lines.append(f"  server {fault}: the next replay completed in {took * 1e3:.0f} ms, "
-                                             f"layer 14: {rows or 'WRONG ROWS'}")
+                            out_lines.append(
+                                f"  server {fault}: the next replay completed in {took * 1e3:.0f} ms, "
+                                f"layer 14: {rows or 'WRONG ROWS'}"
+                            )
                             ok &= rows is not None
                 finally:
                     proc.kill()

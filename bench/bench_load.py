@@ -30,6 +30,7 @@ import tempfile
 import time
 
 from common import Hugepages, bench_table
+
 from tableserver.demo_run import start_server
 
 
@@ -60,8 +61,7 @@ def cold(path: str, rounds: int) -> None:
         drop_page_cache()
         runs["daemon default (--load-io auto)"].append(time_serving(path, ["--hugepages", "off"])[0])
         drop_page_cache()
-        runs["daemon --load-io buffered"].append(time_serving(path, ["--hugepages", "off", "--load-io",
-                                                                     "buffered"])[0])
+        runs["daemon --load-io buffered"].append(time_serving(path, ["--hugepages", "off", "--load-io", "buffered"])[0])
     med = {k: sorted(v)[len(v) // 2] for k, v in runs.items()}
     print(f"cold page cache, {rounds} interleaved rounds (median; all runs in brackets):")
     for k, v in runs.items():
@@ -72,8 +72,11 @@ def cold(path: str, rounds: int) -> None:
 
 def memory(pid: int) -> dict:
     with open(f"/proc/{pid}/status") as f:
-        fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f
-                  if line.split(":")[0] in ("VmRSS", "RssAnon", "RssShmem", "VmLck", "HugetlbPages")}
+        fields = {
+            line.split(":")[0]: int(line.split()[1]) * 1024
+            for line in f
+            if line.split(":")[0] in ("VmRSS", "RssAnon", "RssShmem", "VmLck", "HugetlbPages")
+        }
     return fields
 
 
@@ -100,14 +103,21 @@ def main() -> int:
     time_cat(path)  # warm the page cache for everyone
     cat = min(time_cat(path) for _ in range(3))
     print(f"warm page cache: cat > /dev/null: {cat:.2f} s ({size / cat / 2**30:.2f} GiB/s)\n")
-    print(f"{'daemon configuration (both runs)':<34}{'to SERVING':>11}{'in daemon':>11}{'vs cat':>8}"
-          f"{'RSS':>10}{'shmem':>10}{'hugetlb':>10}{'locked':>10}")
-    runs = [("verify, 4 KiB pages", ["--hugepages", "off"]), ("no verify, 4 KiB pages", ["--hugepages", "off", "--no-verify"])]
+    print(
+        f"{'daemon configuration (both runs)':<34}{'to SERVING':>11}{'in daemon':>11}{'vs cat':>8}"
+        f"{'RSS':>10}{'shmem':>10}{'hugetlb':>10}{'locked':>10}"
+    )
+    runs = [
+        ("verify, 4 KiB pages", ["--hugepages", "off"]),
+        ("no verify, 4 KiB pages", ["--hugepages", "off", "--no-verify"]),
+    ]
     ratios = []
     with Hugepages(size) as huge:
         if huge:
-            runs += [("verify, 2 MiB hugepages", ["--hugepages", "2m"]),
-                     ("no verify, 2 MiB hugepages", ["--hugepages", "2m", "--no-verify"])]
+            runs += [
+                ("verify, 2 MiB hugepages", ["--hugepages", "2m"]),
+                ("no verify, 2 MiB hugepages", ["--hugepages", "2m", "--no-verify"]),
+            ]
         for label, extra in runs:
             # Twice: the first run of a memory kind can pay for the VM backing fresh guest memory.
             tries = [time_serving(path, extra) for _ in range(2)]
@@ -115,17 +125,23 @@ def main() -> int:
             label = f"{label} ({tries[0][0]:.1f}/{tries[1][0]:.1f})"
             ratios.append((label, wall / cat))
             gib = lambda k: f"{mem.get(k, 0) / 2**30:.2f}G"  # noqa: E731
-            print(f"{label:<34}{wall:>10.2f}s{inner:>10.2f}s{wall / cat:>7.2f}x"
-                  f"{gib('VmRSS'):>10}{gib('RssShmem'):>10}{gib('HugetlbPages'):>10}{gib('VmLck'):>10}")
+            print(
+                f"{label:<34}{wall:>10.2f}s{inner:>10.2f}s{wall / cat:>7.2f}x"
+                f"{gib('VmRSS'):>10}{gib('RssShmem'):>10}{gib('HugetlbPages'):>10}{gib('VmLck'):>10}"
+            )
     if not huge:
         print("(2 MiB hugepages could not be reserved here: run as root to include them)")
-    print(f"\ntable bytes {size / 2**30:.2f} GiB. 'to SERVING' = process start to ready file (includes Python start-up);"
-          "\n'in daemon' = the daemon's own time from start to SERVING.")
+    print(
+        f"\ntable bytes {size / 2**30:.2f} GiB. 'to SERVING' = process start to ready file (includes Python start-up);"
+        "\n'in daemon' = the daemon's own time from start to SERVING."
+    )
     best = min(ratios, key=lambda r: r[1])
     default = ratios[0]
-    print(f"target time to SERVING <= 1.2x cat, warm: default ({default[0]}) {default[1]:.2f}x "
-          f"[{'met' if default[1] <= 1.2 else 'MISSED'}]; best ({best[0]}) {best[1]:.2f}x "
-          f"[{'met' if best[1] <= 1.2 else 'MISSED'}]")
+    print(
+        f"target time to SERVING <= 1.2x cat, warm: default ({default[0]}) {default[1]:.2f}x "
+        f"[{'met' if default[1] <= 1.2 else 'MISSED'}]; best ({best[0]}) {best[1]:.2f}x "
+        f"[{'met' if best[1] <= 1.2 else 'MISSED'}]"
+    )
     return 0
 
 

@@ -55,6 +55,7 @@ class _NoPostQP:
 
 def native() -> None:
     from tableclient.transports import rdma as rdma_t
+
     from tableserver.common.verbs import verbs
 
     v = verbs()
@@ -97,9 +98,11 @@ def native() -> None:
     results = {}
     for n in (1536, 12288):
         ids = np.random.default_rng(n).integers(0, rows_in_table, n)
-        for label, fn, reps in (("prebuilt chain, 1 MR", lambda: prepare(ids, False), 200),
-                                ("prebuilt chain, 4 MRs", lambda: prepare(ids, True), 200),
-                                ("new SendWR + SGE per row", lambda: fresh(ids), 5)):
+        for label, fn, reps in (
+            ("prebuilt chain, 1 MR", lambda: prepare(ids, False), 200),
+            ("prebuilt chain, 4 MRs", lambda: prepare(ids, True), 200),
+            ("new SendWR + SGE per row", lambda: fresh(ids), 5),
+        ):
             fn()
             t = time.perf_counter()
             for _ in range(reps):
@@ -107,11 +110,15 @@ def native() -> None:
             dt = (time.perf_counter() - t) / reps
             results[(n, label)] = dt / n
             print(f"{n:>6}  {label:<34}{dt * 1e6:>10.0f}{dt / n * 1e6:>9.3f}")
-    worst = max(results[(n, l)] for n in (1536, 12288) for l in ("prebuilt chain, 1 MR", "prebuilt chain, 4 MRs"))
+    worst = max(
+        results[(n, label)] for n in (1536, 12288) for label in ("prebuilt chain, 1 MR", "prebuilt chain, 4 MRs")
+    )
     speedup = results[(1536, "new SendWR + SGE per row")] / results[(1536, "prebuilt chain, 1 MR")]
-    print(f"\ntarget <= 0.2 us/row to prepare and chain: worst {worst * 1e6:.3f} us/row "
-          f"[{'met' if worst <= 0.2e-6 else 'MISSED'}]; stretch 0.05: [{'met' if worst <= 0.05e-6 else 'not met'}]; "
-          f"{speedup:.0f}x faster than a new WR per row")
+    print(
+        f"\ntarget <= 0.2 us/row to prepare and chain: worst {worst * 1e6:.3f} us/row "
+        f"[{'met' if worst <= 0.2e-6 else 'MISSED'}]; stretch 0.05: [{'met' if worst <= 0.05e-6 else 'not met'}]; "
+        f"{speedup:.0f}x faster than a new WR per row"
+    )
 
 
 def _ib_read_bw(n: int) -> float:
@@ -145,6 +152,7 @@ def _our_rate(t, id_sets: list, outs: list, n: int, depth: int) -> float:
 def in_guest(rounds: int = 3) -> None:
     from conftest import start_daemon
     from tableclient import TableClient
+
     from tableserver.demo import DemoTable, write_demo_file
 
     n_ib = 20000
@@ -185,12 +193,16 @@ def in_guest(rounds: int = 3) -> None:
             d.stop()
     med = lambda xs: float(np.median(xs))  # noqa: E731
     print("\nSoft-RoCE (rxe_lo, QEMU TCG) — same boot, 264-byte rows:")
-    print(f"  ib_read_bw        {med(ib_rates):>12,.0f} READs/s  (median of {rounds}; {n_ib} messages, 1 QP: "
-          f"{' '.join(f'{x:,.0f}' for x in ib_rates)})")
+    print(
+        f"  ib_read_bw        {med(ib_rates):>12,.0f} READs/s  (median of {rounds}; {n_ib} messages, 1 QP: "
+        f"{' '.join(f'{x:,.0f}' for x in ib_rates)})"
+    )
     print("  tableserver read-mode gathers of 1,536 distinct rows, 4 QPs, vs ib_read_bw of the same round:")
     for label, rs in ratios.items():
-        print(f"    {label:<26}{med(rs) * med(ib_rates):>10,.0f} rows/s  {med(rs):.2f}x  "
-              f"(rounds: {' '.join(f'{r:.2f}' for r in rs)})")
+        print(
+            f"    {label:<26}{med(rs) * med(ib_rates):>10,.0f} rows/s  {med(rs):.2f}x  "
+            f"(rounds: {' '.join(f'{r:.2f}' for r in rs)})"
+        )
     best = max(med(rs) for rs in ratios.values())
     print(f"  best median ratio {best:>12.2f}x   target >= 0.8x [{'met' if best >= 0.8 else 'MISSED'}]")
     print(f"\n  {'rows':>6}  {'mode':<6}{'p50 ms':>10}{'p99 ms':>10}")
@@ -215,10 +227,17 @@ def main() -> int:
 
     vm.ensure_host_packages(install=os.geteuid() == 0)
     print(vm.fix_pyverbs().line())  # `tableserver doctor --fix-pyverbs`
-    res = vm.run_guest(vm.RXE_SETUP + f"cd {ROOT}\n{sys.executable} bench/bench_rdma.py --in-guest\n",
-                       memory_mb=6144, timeout=3000, echo=False)
-    print(res.console[res.console.find("Soft-RoCE (rxe_lo"):].split("GUEST: done")[0] if res.rc == 0
-          else f"guest failed ({res.rc}):\n{res.console[-4000:]}")
+    res = vm.run_guest(
+        vm.RXE_SETUP + f"cd {ROOT}\n{sys.executable} bench/bench_rdma.py --in-guest\n",
+        memory_mb=6144,
+        timeout=3000,
+        echo=False,
+    )
+    print(
+        res.console[res.console.find("Soft-RoCE (rxe_lo") :].split("GUEST: done")[0]
+        if res.rc == 0
+        else f"guest failed ({res.rc}):\n{res.console[-4000:]}"
+    )
     return res.rc
 
 

@@ -54,10 +54,19 @@ def engram_config(rows_per_layer: int):
     from sglang.srt.configs.deepseek_v41 import DeepseekV41Config
     from sglang.srt.layers.engram import EngramLayout
 
-    text = dict(engram_layer_ids=[1, 14], engram_max_ngram_size=4, engram_n_heads=8, engram_head_dim=256,
-                engram_vocab_size=max(rows_per_layer // 24, 100), engram_pad_token_id=2,
-                engram_compressed_vocab_size=300, hidden_size=64, hc_mult=2, rms_norm_eps=1e-6,
-                num_hidden_layers=16)
+    text = dict(
+        engram_layer_ids=[1, 14],
+        engram_max_ngram_size=4,
+        engram_n_heads=8,
+        engram_head_dim=256,
+        engram_vocab_size=max(rows_per_layer // 24, 100),
+        engram_pad_token_id=2,
+        engram_compressed_vocab_size=300,
+        hidden_size=64,
+        hc_mult=2,
+        rms_norm_eps=1e-6,
+        num_hidden_layers=16,
+    )
     probe = EngramLayout.from_config(DeepseekV41Config(text_config=text))
     text["engram_num_embeddings"] = [probe.column_bounds(i)[-1] for i in range(2)]
     return DeepseekV41Config(text_config=text)
@@ -66,15 +75,13 @@ def engram_config(rows_per_layer: int):
 def run_case(case: str, table: str, address: str, rows_per_layer: int) -> dict:
     """In this (fresh) process: build and load SGLang's layers under ``case``; measure."""
     import numpy as np
-
     import sglang_cpu  # noqa: F401  (CPU torch: torchvision's op schemas)
     import torch
-
-    from test_sglang_plugin import decode_batch, extend_batch, make_tokenizer
-
     from sglang.srt.layers.engram import Engram, EngramHasher, EngramLayout, build_compressed_token_map
     from sglang.srt.runtime_context import get_parallel
     from tableclient.sglang import PluginConfig, configure, hooks
+    from test_sglang_plugin import decode_batch, extend_batch, make_tokenizer
+
     from tableserver.tablefile import read_header
 
     tokenizer = make_tokenizer()
@@ -96,7 +103,7 @@ def run_case(case: str, table: str, address: str, rows_per_layer: int) -> dict:
         params = dict(e.embed.named_parameters())
         if params:  # SGLang's weight loader, one checkpoint tensor at a time
             spec = header[f"engram.layer{layer}"]
-            full = torch.from_numpy(mm[spec.offset:spec.offset + spec.nbytes].reshape(spec.rows, spec.row_bytes))
+            full = torch.from_numpy(mm[spec.offset : spec.offset + spec.nbytes].reshape(spec.rows, spec.row_bytes))
             for name, part in (("weight", full[:, :256]), ("scale", full[:, 256:])):
                 params[name].weight_loader(params[name], part.contiguous().view(params[name].dtype))
                 del part
@@ -117,8 +124,12 @@ def run_case(case: str, table: str, address: str, rows_per_layer: int) -> dict:
         h = hasher(ids, batch)
         [e(x, h[:, e.layer_hash_index], batch, input_ids=ids) for e in engrams]
         times.append(time.perf_counter() - t0)
-    return {"case": case, "table_bytes": table_bytes, "rss_growth": loaded - before,
-            "step_p50_ms": float(np.percentile(times, 50) * 1e3)}
+    return {
+        "case": case,
+        "table_bytes": table_bytes,
+        "rss_growth": loaded - before,
+        "step_p50_ms": float(np.percentile(times, 50) * 1e3),
+    }
 
 
 def main() -> int:
@@ -132,10 +143,11 @@ def main() -> int:
     if args.case:
         print(json.dumps(run_case(args.case, args.table, args.address, args.rows_per_layer)))
         return 0
+    import sglang_cpu  # noqa: F401
+
     from tableserver.demo import DemoTable, write_demo_file
     from tableserver.demo_run import start_server
 
-    import sglang_cpu  # noqa: F401
     cfg = engram_config(args.rows_per_layer)
     rows = list(cfg.engram_num_embeddings)
     os.makedirs(args.out, exist_ok=True)
@@ -146,9 +158,23 @@ def main() -> int:
         try:
             results = []
             for case in CASES:
-                res = subprocess.run([sys.executable, __file__, "--case", case, "--table", table, "--address",
-                                      ready["control"], "--rows-per-layer", str(args.rows_per_layer)],
-                                     capture_output=True, text=True, check=False)
+                res = subprocess.run(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--case",
+                        case,
+                        "--table",
+                        table,
+                        "--address",
+                        ready["control"],
+                        "--rows-per-layer",
+                        str(args.rows_per_layer),
+                    ],
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
                 if res.returncode != 0:
                     print(res.stderr[-3000:], file=sys.stderr)
                     return 1
@@ -157,16 +183,22 @@ def main() -> int:
             proc.terminate()
             proc.wait(30)
     gib = 1 << 30
-    lines = [f"SGLang 0.5.23 Engram layers 1 and 14, tables of {rows[0]:,} and {rows[1]:,} rows x 264 B "
-             f"({sum(rows) * 264 / gib:.2f} GiB), loaded as SGLang loads them; one process per placement",
-             f"{'placement':<10}{'table params GiB':>18}{'memory growth GiB':>19}{'vs local':>10}{'decode step p50 ms':>20}"]
+    lines = [
+        f"SGLang 0.5.23 Engram layers 1 and 14, tables of {rows[0]:,} and {rows[1]:,} rows x 264 B "
+        f"({sum(rows) * 264 / gib:.2f} GiB), loaded as SGLang loads them; one process per placement",
+        f"{'placement':<10}{'table params GiB':>18}{'memory growth GiB':>19}{'vs local':>10}{'decode step p50 ms':>20}",
+    ]
     base = results[0]["rss_growth"]
     for r in results:
-        lines.append(f"{r['case']:<10}{r['table_bytes'] / gib:>18.3f}{r['rss_growth'] / gib:>19.3f}"
-                     f"{r['rss_growth'] / base:>9.2f}x{r['step_p50_ms']:>20.2f}")
-    lines.append("(memory: RssAnon + RssShmem growth from before building the layers to after loading them; "
-                 "decode step:\n 64 tokens through the hasher and both layers on this CPU; remote layers over tcp from "
-                 "a server on this host)")
+        lines.append(
+            f"{r['case']:<10}{r['table_bytes'] / gib:>18.3f}{r['rss_growth'] / gib:>19.3f}"
+            f"{r['rss_growth'] / base:>9.2f}x{r['step_p50_ms']:>20.2f}"
+        )
+    lines.append(
+        "(memory: RssAnon + RssShmem growth from before building the layers to after loading them; "
+        "decode step:\n 64 tokens through the hasher and both layers on this CPU; remote layers over tcp from "
+        "a server on this host)"
+    )
     report = "\n".join(lines)
     print(report)
     with open(os.path.join(args.out, "sglang_memory.txt"), "w") as f:

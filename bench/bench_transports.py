@@ -63,13 +63,13 @@ import threading
 import time
 
 import numpy as np
-
 from common import Hugepages, bench_table
 from tableclient import TableClient, rows_buffer
+
 from tableserver.common.buffers import copy_buffer
+from tableserver.common.take import NATIVE, take
 from tableserver.demo_run import start_server
 from tableserver.tablefile import read_header
-from tableserver.common.take import NATIVE, take
 
 SIZES = (1536, 12288)
 GAP_S = 0.020
@@ -168,7 +168,7 @@ class MinimalServer:
                 _recv_exact(conn, memoryview(ids).cast("B"))
                 if rows_buf.size < n * row_bytes:
                     rows_buf = copy_buffer(n * row_bytes)
-                rows = rows_buf[:n * row_bytes].reshape(n, row_bytes)
+                rows = rows_buf[: n * row_bytes].reshape(n, row_bytes)
                 take(self.table, ids, rows)  # the fastest gather here, as the daemon's
                 conn.sendall(rows)
 
@@ -201,8 +201,9 @@ def spin(seconds: float) -> None:
         pass
 
 
-def interleaved(paths: dict, rows: int, n: int, iters: int, gap: float = 0.0, warm: bool = False,
-                busy: bool = False) -> dict:
+def interleaved(
+    paths: dict, rows: int, n: int, iters: int, gap: float = 0.0, warm: bool = False, busy: bool = False
+) -> dict:
     rng = np.random.default_rng(n)
     out = rows_buffer(n, 264)  # every path fills the same buffer, placed as tableclient places its own
     times = {k: np.empty(iters) for k in paths}
@@ -230,7 +231,7 @@ def per_call(lib, bare, rows: int, n: int, iters: int) -> tuple[float, float]:
     rng = np.random.default_rng(n + 1)
     t = {lib: [], bare: []}
     for i in range(iters + 20):
-        for fn in ((lib, bare) if i % 2 else (bare, lib)):
+        for fn in (lib, bare) if i % 2 else (bare, lib):
             ids = rng.integers(0, rows, n)
             start = time.perf_counter()
             fn(ids)
@@ -243,18 +244,33 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=2.0, help="table size (default 2 GiB)")
     ap.add_argument("--iters", type=int, default=300)
-    ap.add_argument("--paired-iters", type=int, default=1000,
-                    help="iterations of the paired section, which the shm and tcp targets are judged on")
-    ap.add_argument("--gap-iters", type=int, default=300,
-                    help="iterations of the 20 ms-gap section (its p99 is the 3rd-worst of 300)")
-    ap.add_argument("--server-pages", choices=("1g", "2m", "4k"), default="1g",
-                    help="server table memory, reserved for the run (needs root): 1 GiB hugepages (falling back "
-                         "to 2 MiB ones when the kernel cannot find 1 GiB of contiguous memory), 2 MiB "
-                         "hugepages, or 4 KiB pages")
-    ap.add_argument("--placement", choices=("split", "os"), default="split",
-                    help="split: servers on the last CPU(s), the client on the others (default); os: the scheduler's")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out",
-                                                  "transports.txt"))
+    ap.add_argument(
+        "--paired-iters",
+        type=int,
+        default=1000,
+        help="iterations of the paired section, which the shm and tcp targets are judged on",
+    )
+    ap.add_argument(
+        "--gap-iters",
+        type=int,
+        default=300,
+        help="iterations of the 20 ms-gap section (its p99 is the 3rd-worst of 300)",
+    )
+    ap.add_argument(
+        "--server-pages",
+        choices=("1g", "2m", "4k"),
+        default="1g",
+        help="server table memory, reserved for the run (needs root): 1 GiB hugepages (falling back "
+        "to 2 MiB ones when the kernel cannot find 1 GiB of contiguous memory), 2 MiB "
+        "hugepages, or 4 KiB pages",
+    )
+    ap.add_argument(
+        "--placement",
+        choices=("split", "os"),
+        default="split",
+        help="split: servers on the last CPU(s), the client on the others (default); os: the scheduler's",
+    )
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "transports.txt"))
     args = ap.parse_args()
     for flag in ("iters", "paired_iters", "gap_iters"):
         if getattr(args, flag) < 10:
@@ -269,25 +285,32 @@ def main() -> int:
     spec = read_header(path).tables[0]
     print(f"loading the in-process copy ({spec.nbytes / 2**30:.2f} GiB) ...", flush=True)
     mm = np.memmap(path, dtype=np.uint8, mode="r")
-    local = np.array(mm[spec.offset:spec.offset + spec.nbytes]).reshape(spec.rows, 264)  # private, resident copy
+    local = np.array(mm[spec.offset : spec.offset + spec.nbytes]).reshape(spec.rows, 264)  # private, resident copy
     del mm
     results: dict = {}
     pages = Hugepages(0 if args.server_pages == "4k" else spec.nbytes, "2m" if args.server_pages == "2m" else "1g")
     with tempfile.TemporaryDirectory() as tmp, pages:
         if pages.kind == "4k":
-            say(f"note: {'no hugepages reserved (needs root): ' if args.server_pages != '4k' else ''}the server's "
+            say(
+                f"note: {'no hugepages reserved (needs root): ' if args.server_pages != '4k' else ''}the server's "
                 "tables sit on 4 KiB pages while numpy's\n      in-process copy gets transparent hugepages, so shm "
-                "pays TLB misses the baseline does not")
+                "pays TLB misses the baseline does not"
+            )
         elif pages.kind != args.server_pages:
-            say(f"note: {args.server_pages} pages could not be reserved (no contiguous memory left): the server's "
-                f"tables sit on {pages.label}")
+            say(
+                f"note: {args.server_pages} pages could not be reserved (no contiguous memory left): the server's "
+                f"tables sit on {pages.label}"
+            )
         on_server_cpus()  # the servers started now inherit the servers' CPUs
         proc, ready = start_server(path, tmp, ["--hugepages", pages.flag])
         # a second server on the same table file seals its tcp rows (AES-256-GCM): what privacy costs
         sealed_dir = os.path.join(tmp, "sealed")
         os.makedirs(sealed_dir)
-        sproc, sready = start_server(path, sealed_dir, ["--hugepages", "off", "--transports", "tcp",
-                                                        "--data-encryption", "on", "--metrics-port", "off"])
+        sproc, sready = start_server(
+            path,
+            sealed_dir,
+            ["--hugepages", "off", "--transports", "tcp", "--data-encryption", "on", "--metrics-port", "off"],
+        )
         minimal = MinimalServer(local)
         on_client_cpus()
         try:
@@ -318,57 +341,76 @@ def main() -> int:
                 "tcp sealed": lambda ids, out: t_sealed.gather(ids, out=out),
             }
             bulks = [loopback_bandwidth()]  # measured before each section and after: their median is the floor
-            say(f"server on {pages.label}; {args.iters} iterations, paths "
-                f"interleaved; rows/s and ratios at the median (p50)")
-            say(f"row gather (in-process, shm, the daemon, the minimal server): "
-                f"{'native (tableserver.common._take)' if NATIVE else 'numpy np.take (tableserver.common._take not built)'}")
-            say(f"placement: servers on CPU {sorted(SERVER_CPUS)}, client on CPU {sorted(CLIENT_CPUS)}"
-                if SERVER_CPUS else "placement: the scheduler's (--placement os, or a single CPU)")
+            say(
+                f"server on {pages.label}; {args.iters} iterations, paths "
+                f"interleaved; rows/s and ratios at the median (p50)"
+            )
+            say(
+                f"row gather (in-process, shm, the daemon, the minimal server): "
+                f"{'native (tableserver.common._take)' if NATIVE else 'numpy np.take (tableserver.common._take not built)'}"
+            )
+            say(
+                f"placement: servers on CPU {sorted(SERVER_CPUS)}, client on CPU {sorted(CLIENT_CPUS)}"
+                if SERVER_CPUS
+                else "placement: the scheduler's (--placement os, or a single CPU)"
+            )
             for label, warm in (("cold rows (fresh random ids)", False), ("warm rows (the same ids again)", True)):
                 if warm:
                     bulks.append(loopback_bandwidth())
                 say(f"\n{label}")
-                say(f"{'rows':>6}  {'path':<13}{'p50 us':>9}{'p99 us':>9}{'rows/s':>13}{'GB/s':>7}{'vs in-process':>15}")
+                say(
+                    f"{'rows':>6}  {'path':<13}{'p50 us':>9}{'p99 us':>9}{'rows/s':>13}{'GB/s':>7}{'vs in-process':>15}"
+                )
                 for n in SIZES:
                     times = interleaved(paths, spec.rows, n, args.iters, warm=warm)
                     base = stats(times["in-process"], n)[2]
                     for k, v in times.items():
                         p50, p99, rps = stats(v, n)
                         results[(warm, n, k)] = (p50, p99, rps)
-                        say(f"{n:>6}  {k:<13}{p50 * 1e6:>9.0f}{p99 * 1e6:>9.0f}{rps:>13,.0f}{rps * 264 / 1e9:>7.2f}"
-                            f"{rps / base:>14.2f}x")
+                        say(
+                            f"{n:>6}  {k:<13}{p50 * 1e6:>9.0f}{p99 * 1e6:>9.0f}{rps:>13,.0f}{rps * 264 / 1e9:>7.2f}"
+                            f"{rps / base:>14.2f}x"
+                        )
             say("\neach path alone (its own loop, nothing interleaved), cold rows, p50 us")
             say(f"{'rows':>6}  " + "".join(f"{k:>14}" for k in paths))
             for n in SIZES:
-                alone = {k: stats(interleaved({k: fn}, spec.rows, n, max(50, args.iters // 3))[k], n)[0]
-                         for k, fn in paths.items()}
+                alone = {
+                    k: stats(interleaved({k: fn}, spec.rows, n, max(50, args.iters // 3))[k], n)[0]
+                    for k, fn in paths.items()
+                }
                 results[("alone", n)] = alone
                 say(f"{n:>6}  " + "".join(f"{v * 1e6:>14.0f}" for v in alone.values()))
             # each target's paths by themselves, interleaved (random order) for more iterations: the other
             # paths' sockets and server wake-ups no longer land between them, and pairing cancels drift
             mapped = shm._router.local_table("bench")
             pairs = {
-                "shm": {"in-process": paths["in-process"],
-                        "same pages": lambda ids, out: take(mapped, ids, out),
-                        "np.take": lambda ids, out: mapped.take(ids, axis=0, out=out, mode="clip"),
-                        "shm": paths["shm"]},
+                "shm": {
+                    "in-process": paths["in-process"],
+                    "same pages": lambda ids, out: take(mapped, ids, out),
+                    "np.take": lambda ids, out: mapped.take(ids, axis=0, out=out, mode="clip"),
+                    "shm": paths["shm"],
+                },
                 "tcp": {"min req/resp": paths["min req/resp"], "tcp": paths["tcp"]},
             }
-            say(f"\npaired: each target's paths by themselves, interleaved in random order, {args.paired_iters} "
+            say(
+                f"\npaired: each target's paths by themselves, interleaved in random order, {args.paired_iters} "
                 f"iterations, cold rows, p50 us\n('same pages': the bare take from shm's own mapping, i.e. shm "
-                f"without the library; the in-process copy is private THP memory elsewhere in RAM)")
+                f"without the library; the in-process copy is private THP memory elsewhere in RAM)"
+            )
             say(f"{'rows':>6}  " + "".join(f"{k:>14}" for group in pairs.values() for k in group))
             for n in SIZES:
                 row = {}
-                for group, group_paths in pairs.items():
+                for group_paths in pairs.values():
                     times = interleaved(group_paths, spec.rows, n, args.paired_iters)
                     row.update({k: stats(v, n)[0] for k, v in times.items()})
                 results[("paired", n)] = row
                 say(f"{n:>6}  " + "".join(f"{v * 1e6:>14.0f}" for v in row.values()))
             bulks.append(loopback_bandwidth())
             bulk = float(np.median(bulks))
-            say(f"\nloopback bulk tcp (one 512 MiB stream, before, between and after the sections): "
-                f"{', '.join(f'{b / 1e9:.2f}' for b in bulks)} GB/s, median {bulk / 1e9:.2f} GB/s")
+            say(
+                f"\nloopback bulk tcp (one 512 MiB stream, before, between and after the sections): "
+                f"{', '.join(f'{b / 1e9:.2f}' for b in bulks)} GB/s, median {bulk / 1e9:.2f} GB/s"
+            )
             say(f"\nwith a {GAP_S * 1e3:.0f} ms gap before each gather (idle CPUs between decode steps), 1,536 rows")
             say(f"{'path':<13}{'p50 us':>9}{'p99 us':>9}")
             gap_paths = {k: paths[k] for k in ("in-process", "min req/resp", "shm", "tcp")}
@@ -379,16 +421,23 @@ def main() -> int:
                 p50, p99, _ = stats(v, 1536)
                 results[("gap", k)] = (p50, p99)
                 say(f"{k:<13}{p50 * 1e6:>9.0f}{p99 * 1e6:>9.0f}")
-            busy = interleaved({"in-process": paths["in-process"], "same pages": gap_paths["same pages"],
-                                "shm": paths["shm"]}, spec.rows, 1536, args.gap_iters,
-                               gap=GAP_S, busy=True)
+            busy = interleaved(
+                {"in-process": paths["in-process"], "same pages": gap_paths["same pages"], "shm": paths["shm"]},
+                spec.rows,
+                1536,
+                args.gap_iters,
+                gap=GAP_S,
+                busy=True,
+            )
             say("the same with the CPU busy through the gap (spinning, as a worker in a CUDA sync):")
             for k, v in busy.items():
                 p50, p99, _ = stats(v, 1536)
                 results[("busy gap", k)] = (p50, p99)
                 say(f"{k:<13}{p50 * 1e6:>9.0f}{p99 * 1e6:>9.0f}")
-            say("\nclient library cost per call, back to back (median of interleaved calls): the gather "
-                "through the library vs the bare operation under it")
+            say(
+                "\nclient library cost per call, back to back (median of interleaved calls): the gather "
+                "through the library vs the bare operation under it"
+            )
             tcp_node = tcp._node_transport()
             say(f"{'rows':>6}  {'path':<34}{'library us':>11}{'bare us':>9}{'per call us':>12}")
             for n in (1, 1536):
@@ -396,32 +445,37 @@ def main() -> int:
                 pairs = {
                     "shm: gather vs take from the mapping": (
                         lambda ids: t_shm.gather(ids, out=out),
-                        lambda ids: take(mapped, ids, out)),
+                        lambda ids: take(mapped, ids, out),
+                    ),
                     "tcp: gather vs the transport alone": (
                         lambda ids: t_tcp.gather(ids, out=out),
-                        lambda ids: tcp_node.gather(0, ids, out, True).wait()),
+                        lambda ids: tcp_node.gather(0, ids, out, True).wait(),
+                    ),
                 }
                 for label, (lib, bare) in pairs.items():
                     lt, bt = per_call(lib, bare, spec.rows, n, 400 if n > 1 else 2000)
                     results[("per call", n, label[:3])] = lt - bt
                     say(f"{n:>6}  {label:<34}{lt * 1e6:>11.1f}{bt * 1e6:>9.1f}{(lt - bt) * 1e6:>12.1f}")
-            say("\ndedup over tcp: the library's decision vs never deduplicating (12,288 ids: a 512-token "
-                "decode batch; 49,152: a 2,048-token prefill chunk)")
+            say(
+                "\ndedup over tcp: the library's decision vs never deduplicating (12,288 ids: a 512-token "
+                "decode batch; 49,152: a 2,048-token prefill chunk)"
+            )
             say(f"{'ids':<22}{'unique':>8}{'decision p50 us':>17}{'never p50 us':>14}{'ratio':>8}")
             import tableclient.table as table_module
 
             real = table_module.dedup
             rng = np.random.default_rng(7)
             for name, size, make in (
-                    ("uniform", 12288, lambda n: rng.integers(0, spec.rows, n)),
-                    ("Zipf(1.1)", 12288, lambda n: (rng.zipf(1.1, n) % spec.rows).astype(np.int64)),
-                    ("uniform", 49152, lambda n: rng.integers(0, spec.rows, n)),
-                    ("Zipf(1.1)", 49152, lambda n: (rng.zipf(1.1, n) % spec.rows).astype(np.int64))):
+                ("uniform", 12288, lambda n: rng.integers(0, spec.rows, n)),
+                ("Zipf(1.1)", 12288, lambda n: (rng.zipf(1.1, n) % spec.rows).astype(np.int64)),
+                ("uniform", 49152, lambda n: rng.integers(0, spec.rows, n)),
+                ("Zipf(1.1)", 49152, lambda n: (rng.zipf(1.1, n) % spec.rows).astype(np.int64)),
+            ):
                 batches = [make(size) for _ in range(args.iters // (2 if size == 12288 else 4))]
                 out = rows_buffer(size, 264)
                 t = {"decision": [], "never": []}
                 for i, ids in enumerate(batches):
-                    for arm in (("decision", "never") if i % 2 else ("never", "decision")):  # alternate who goes first
+                    for arm in ("decision", "never") if i % 2 else ("never", "decision"):  # alternate who goes first
                         table_module.dedup = real if arm == "decision" else (lambda f, *_: (f, None))
                         start = time.perf_counter()
                         t_tcp.gather(ids, out=out)
@@ -446,41 +500,55 @@ def main() -> int:
         pair = results[("paired", n)]
         best = min(pair["in-process"], pair["same pages"])  # the faster in-process take is the baseline
         r = best / pair["shm"]
-        say(f"  shm >= 0.95x in-process at {n:,} rows: {r:.3f}x  [{'met' if r >= 0.95 else 'MISSED'}] (paired, against "
+        say(
+            f"  shm >= 0.95x in-process at {n:,} rows: {r:.3f}x  [{'met' if r >= 0.95 else 'MISSED'}] (paired, against "
             f"the faster in-process take: its own copy {pair['in-process'] / pair['shm']:.2f}x, the same pages "
             f"{pair['same pages'] / pair['shm']:.2f}x; interleaved with every path, own copy: "
             f"{results[(False, n, 'shm')][2] / results[(False, n, 'in-process')][2]:.2f}x; against np.take from "
-            f"the same pages: {pair['np.take'] / pair['shm']:.2f}x)")
+            f"the same pages: {pair['np.take'] / pair['shm']:.2f}x)"
+        )
     pair = results[("paired", 1536)]
     r = pair["tcp"] / pair["min req/resp"]
     alone = results[("alone", 1536)]
-    say(f"  tcp p50 at 1,536 rows <= 1.3x the minimal request/response ({pair['min req/resp'] * 1e6:.0f} us): "
+    say(
+        f"  tcp p50 at 1,536 rows <= 1.3x the minimal request/response ({pair['min req/resp'] * 1e6:.0f} us): "
         f"{r:.2f}x [{'met' if r <= 1.3 else 'MISSED'}] (paired; interleaved with every path: "
         f"{results[(False, 1536, 'tcp')][0] / results[(False, 1536, 'min req/resp')][0]:.2f}x; each alone: "
-        f"{alone['tcp'] / alone['min req/resp']:.2f}x)")
+        f"{alone['tcp'] / alone['min req/resp']:.2f}x)"
+    )
     pair = results[("paired", 12288)]
     bw, floor_bw = 12288 * 264 / pair["tcp"], 12288 * 264 / pair["min req/resp"]
-    say(f"  tcp row bytes/s at 12,288 rows >= 0.6x loopback bulk ({bulk / 1e9:.2f} GB/s): {bw / bulk:.2f}x "
+    say(
+        f"  tcp row bytes/s at 12,288 rows >= 0.6x loopback bulk ({bulk / 1e9:.2f} GB/s): {bw / bulk:.2f}x "
         f"[{'met' if bw >= 0.6 * bulk else 'MISSED'}] (paired; interleaved with every path: "
         f"{results[(False, 12288, 'tcp')][2] * 264 / bulk:.2f}x; the minimal request/response, paired: "
-        f"{floor_bw / bulk:.2f}x)")
+        f"{floor_bw / bulk:.2f}x)"
+    )
     gp99 = results[("gap", "shm")][1]
-    say(f"  20 ms gaps, 1,536 rows over shm: p99 {gp99 * 1e6:.0f} us <= 300 us  [{'met' if gp99 <= 300e-6 else 'MISSED'}] "
+    say(
+        f"  20 ms gaps, 1,536 rows over shm: p99 {gp99 * 1e6:.0f} us <= 300 us  [{'met' if gp99 <= 300e-6 else 'MISSED'}] "
         f"(in-process p99 {results[('gap', 'in-process')][1] * 1e6:.0f} us, the same pages "
         f"{results[('gap', 'same pages')][1] * 1e6:.0f} us; CPU busy through the gap: shm "
         f"{results[('busy gap', 'shm')][1] * 1e6:.0f}, in-process {results[('busy gap', 'in-process')][1] * 1e6:.0f} us); "
         f"tcp p50/p99 {results[('gap', 'tcp')][0] * 1e6:.0f}/{results[('gap', 'tcp')][1] * 1e6:.0f} us without "
         f"busy-polling, {results[('gap', 'tcp busy-poll')][0] * 1e6:.0f}/{results[('gap', 'tcp busy-poll')][1] * 1e6:.0f}"
-        f" us with (up to {BUSY_POLL_S * 1e6:.0f} us of one core spinning per gather)")
-    say(f"  client library per call (1 row): shm {results[('per call', 1, 'shm')] * 1e6:.1f} us, tcp "
-        f"{results[('per call', 1, 'tcp')] * 1e6:.1f} us over the bare operation")
+        f" us with (up to {BUSY_POLL_S * 1e6:.0f} us of one core spinning per gather)"
+    )
+    say(
+        f"  client library per call (1 row): shm {results[('per call', 1, 'shm')] * 1e6:.1f} us, tcp "
+        f"{results[('per call', 1, 'tcp')] * 1e6:.1f} us over the bare operation"
+    )
     for size in (12288, 49152):
         uni, zipf = results[("dedup", "uniform", size)], results[("dedup", "Zipf(1.1)", size)]
-        say(f"  dedup at {size:,} ids: never slower on uniform ids: {uni:.2f}x  [{'met' if uni <= 1.05 else 'MISSED'}]; "
-            f"faster on Zipf(1.1): {zipf:.2f}x  [{'met' if zipf < 1 else 'MISSED'}]")
+        say(
+            f"  dedup at {size:,} ids: never slower on uniform ids: {uni:.2f}x  [{'met' if uni <= 1.05 else 'MISSED'}]; "
+            f"faster on Zipf(1.1): {zipf:.2f}x  [{'met' if zipf < 1 else 'MISSED'}]"
+        )
     for n in SIZES:
-        say(f"  sealed tcp (AES-256-GCM) at {n:,} rows: {results[(False, n, 'tcp sealed')][2] / results[(False, n, 'tcp')][2]:.2f}x"
-            f" plain tcp rows/s")
+        say(
+            f"  sealed tcp (AES-256-GCM) at {n:,} rows: {results[(False, n, 'tcp sealed')][2] / results[(False, n, 'tcp')][2]:.2f}x"
+            f" plain tcp rows/s"
+        )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         f.write("\n".join(LINES) + "\n")

@@ -89,5 +89,7 @@ def _give_back(path: str, before: int) -> None:
         with open(path, "w") as f:
             f.write(str(before))
     except OSError as e:
-        print(f"warning: could not give back the hugepages reserved for the bench ({e}): "
-              f"echo {before} > {path}", file=sys.stderr)
+        print(
+            f"warning: could not give back the hugepages reserved for the bench ({e}): echo {before} > {path}",
+            file=sys.stderr,
+        )

@@ -49,18 +49,22 @@ def prometheus_binary() -> str | None:
 class PrometheusServer:
     """A real Prometheus (the Debian package's binary) scraping ``jobs`` = {job: [host:port, ...]}."""
 
-    def __init__(self, jobs: dict, workdir: str, scrape_interval: str = "1s", rule_files: tuple = (),
-                 timeout: float = 60.0):
+    def __init__(
+        self, jobs: dict, workdir: str, scrape_interval: str = "1s", rule_files: tuple = (), timeout: float = 60.0
+    ):
         binary = prometheus_binary()
         self.timeout = timeout  # bound of every wait for Prometheus (start-up, a query's data)
         if binary is None:
             raise RuntimeError("prometheus is not installed: apt-get install prometheus")
         self.workdir = workdir
         os.makedirs(workdir, exist_ok=True)
-        config = {"global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
-                  "rule_files": [os.path.abspath(f) for f in rule_files],
-                  "scrape_configs": [{"job_name": job, "static_configs": [{"targets": targets}]}
-                                     for job, targets in jobs.items()]}
+        config = {
+            "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
+            "rule_files": [os.path.abspath(f) for f in rule_files],
+            "scrape_configs": [
+                {"job_name": job, "static_configs": [{"targets": targets}]} for job, targets in jobs.items()
+            ],
+        }
         self.config = os.path.join(workdir, "prometheus.yml")
         with open(self.config, "w") as f:
             json.dump(config, f, indent=1)  # JSON is YAML: no YAML library needed
@@ -68,9 +72,17 @@ class PrometheusServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(os.path.join(workdir, "prometheus.log"), "w")
         self.proc = subprocess.Popen(
-            [binary, f"--config.file={self.config}", f"--storage.tsdb.path={os.path.join(workdir, 'data')}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--web.enable-lifecycle"],
-            stdout=self.log, stderr=subprocess.STDOUT, cwd=workdir)
+            [
+                binary,
+                f"--config.file={self.config}",
+                f"--storage.tsdb.path={os.path.join(workdir, 'data')}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--web.enable-lifecycle",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            cwd=workdir,
+        )
         from tableserver.dashboard import Prometheus
 
         self.api = Prometheus(self.url)
@@ -117,8 +129,15 @@ class PrometheusServer:
 class ClientWorkload:
     """One exporter aggregating a multiprocess directory, and worker processes gathering into it."""
 
-    def __init__(self, address: str, workdir: str, transports=("shm", "tcp"), batch: int = 64,
-                 pace_s: float = 0.005, timeout: float = 60.0):
+    def __init__(
+        self,
+        address: str,
+        workdir: str,
+        transports=("shm", "tcp"),
+        batch: int = 64,
+        pace_s: float = 0.005,
+        timeout: float = 60.0,
+    ):
         self.timeout = timeout  # bound of every wait for the exporter and the workers
         self.dir = os.path.join(workdir, "prom-multiproc")
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -134,8 +153,9 @@ class ClientWorkload:
         self.address, self.transports, self.batch, self.pace_s = address, transports, batch, pace_s
         self.workdir = workdir
         self.workers, self.logs = [], []
-        self.exporter = subprocess.Popen([sys.executable, os.path.abspath(__file__), "exporter", port_file],
-                                         env=self.env)
+        self.exporter = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "exporter", port_file], env=self.env
+        )
         deadline = time.monotonic() + timeout
         while not os.path.exists(port_file):
             if self.exporter.poll() is not None or time.monotonic() > deadline:
@@ -151,9 +171,14 @@ class ClientWorkload:
         for t in self.transports:
             log = open(os.path.join(self.workdir, f"worker-{t}.log"), "w")
             self.logs.append(log)
-            self.workers.append(subprocess.Popen(
-                [sys.executable, me, "worker", self.address, t, self.stop_file, str(self.batch), str(self.pace_s)],
-                env=self.env, stdout=log, stderr=subprocess.STDOUT))
+            self.workers.append(
+                subprocess.Popen(
+                    [sys.executable, me, "worker", self.address, t, self.stop_file, str(self.batch), str(self.pace_s)],
+                    env=self.env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
 
     def stop_workers(self) -> list[int]:
         with open(self.stop_file, "w"):
@@ -180,9 +205,9 @@ class ClientWorkload:
 def _worker(address: str, transport: str, stop_file: str, batch: int, pace_s: float) -> int:
     """Replays decode steps (layer 1 then 14) until ``stop_file`` exists; prints steps done."""
     import numpy as np
-
     from tableclient import TableClient
     from tableclient.step import EngramStep, LayerPlan
+
     from tableserver.demo_run import WINDOWS_S
 
     rng = np.random.default_rng(os.getpid())
@@ -194,8 +219,12 @@ def _worker(address: str, transport: str, stop_file: str, batch: int, pace_s: fl
         while not os.path.exists(stop_file):
             # Zipf-like reuse: a hot set shared by steps, so the unique-row ratio means something (over tcp,
             # batches under its dedup minimum -- 4,096 ids; these are 1,536 -- fetch their duplicates)
-            ids = {layer: np.where(rng.random((batch, 24)) < 0.3, rng.integers(0, 512, (batch, 24)),
-                                   rng.integers(0, n, (batch, 24))) for layer, n in rows.items()}
+            ids = {
+                layer: np.where(
+                    rng.random((batch, 24)) < 0.3, rng.integers(0, 512, (batch, 24)), rng.integers(0, n, (batch, 24))
+                )
+                for layer, n in rows.items()
+            }
             step.begin_step(ids)
             for p in step.plans:
                 step.wait(p.layer)
@@ -236,14 +265,19 @@ def main() -> int:
         try:
             work = ClientWorkload(ready["control"], tmp)
             try:
-                with PrometheusServer({"tableserver": [ready["metrics"]],
-                                       "tableserver-client": [work.exporter_address]}, os.path.join(tmp, "prom"),
-                                      rule_files=(ALERTS,)) as prom:
+                with PrometheusServer(
+                    {"tableserver": [ready["metrics"]], "tableserver-client": [work.exporter_address]},
+                    os.path.join(tmp, "prom"),
+                    rule_files=(ALERTS,),
+                ) as prom:
                     prom.wait_for("up == 1", min_series=2)  # both targets scraped before any client connects
                     work.start_workers()
                     prom.wait_for("sum(rate(tableserver_client_layer_waits_total[10s]))")
-                    print(f"Prometheus {prom.url} scraping tableserver {ready['metrics']} and clients "
-                          f"{work.exporter_address}; replaying for {args.seconds:g} s ...", flush=True)
+                    print(
+                        f"Prometheus {prom.url} scraping tableserver {ready['metrics']} and clients "
+                        f"{work.exporter_address}; replaying for {args.seconds:g} s ...",
+                        flush=True,
+                    )
                     time.sleep(args.seconds)
                     targets = load_targets()
                     problems = check(prom.api, rate_interval="20s")
@@ -251,9 +285,18 @@ def main() -> int:
                         print(f"NO DATA  {t.panel}: {t.expr}\n         {why}")
                     print(f"{len(targets) - len(problems)} of {len(targets)} dashboard queries return data")
                     minutes = (args.seconds + 15) / 60
-                    print("wrote", render(prom.api, args.out, minutes=minutes, step=1.0, rate_interval="10s",
-                                          title=f"tableserver dashboard: demo table, shm + tcp clients, batch 64 "
-                                                f"({args.seconds:g} s replay)"))
+                    print(
+                        "wrote",
+                        render(
+                            prom.api,
+                            args.out,
+                            minutes=minutes,
+                            step=1.0,
+                            rate_interval="10s",
+                            title=f"tableserver dashboard: demo table, shm + tcp clients, batch 64 "
+                            f"({args.seconds:g} s replay)",
+                        ),
+                    )
             finally:
                 work.close()
         finally:

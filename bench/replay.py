@@ -49,13 +49,14 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from common import Hugepages  # noqa: E402
 from tableclient import TableClient  # noqa: E402
 from tableclient.engram import EngramConfig, EngramHasher  # noqa: E402
 from tableclient.step import EngramStep, LayerPlan  # noqa: E402
-from tableserver.demo import DEFAULT_ROWS  # noqa: E402
-from common import Hugepages  # noqa: E402
-from tableserver.demo_run import WINDOWS_S, ensure_demo_file, start_server  # noqa: E402
+
 from tableserver.common.take import NATIVE, take  # noqa: E402
+from tableserver.demo import DEFAULT_ROWS  # noqa: E402
+from tableserver.demo_run import WINDOWS_S, ensure_demo_file, start_server  # noqa: E402
 
 VOCAB = 50_000
 # A prime search start so each layer's 24 head tables fit a demo table of DEFAULT_ROWS rows.
@@ -76,10 +77,14 @@ def graph_mode(read_p99: float, window: float) -> str:
 def placement_toml(picks: dict, batch: int, stalls: dict, modes: dict | None = None) -> str:
     """The SGLang plugin's configuration for ``picks`` {layer: option} (tableclient.engine.config)."""
     remote = sorted({picks[layer] for layer in picks if PLACEMENT[picks[layer]] == "remote"})
-    lines = [f"# written by bench/replay.py: placement of each Engram layer at batch {batch}, by expected stall",
-             "# per step (us): " + "; ".join(f"layer {layer}: " + ", ".join(f"{n} {v * 1e6:.0f}" for n, v in
-                                                                         stalls[layer].items()) for layer in picks),
-             "# set address (memory node) and node_address (this host's tableserver) for your deployment"]
+    lines = [
+        f"# written by bench/replay.py: placement of each Engram layer at batch {batch}, by expected stall",
+        "# per step (us): "
+        + "; ".join(
+            f"layer {layer}: " + ", ".join(f"{n} {v * 1e6:.0f}" for n, v in stalls[layer].items()) for layer in picks
+        ),
+        "# set address (memory node) and node_address (this host's tableserver) for your deployment",
+    ]
     if remote:
         lines.append(f'transport = "{remote[0] if len(remote) == 1 else "auto"}"')
     lines.append("\n[layers]")
@@ -88,8 +93,9 @@ def placement_toml(picks: dict, batch: int, stalls: dict, modes: dict | None = N
     lines += [f"{layer} = {WINDOWS_S[layer]!r}" for layer in sorted(picks)]
     served = {layer: mode for layer, mode in (modes or {}).items() if PLACEMENT[picks[layer]] != "local"}
     if served:
-        lines.append(f"\n[graph]  # decode CUDA graphs: in_graph where the read p99 is <= {IN_GRAPH_SHARE:g} x the "
-                     "window")
+        lines.append(
+            f"\n[graph]  # decode CUDA graphs: in_graph where the read p99 is <= {IN_GRAPH_SHARE:g} x the window"
+        )
         lines += [f'{layer} = "{mode}"' for layer, mode in sorted(served.items())]
     return "\n".join(lines) + "\n"
 
@@ -231,11 +237,19 @@ def main() -> int:
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--transports", default="", help="default: every transport the server offers here")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "out"))
-    ap.add_argument("--no-hugepages", dest="hugepages", action="store_false",
-                    help="serve from 4 KiB pages (default: reserve hugepages for the run when root: 1 GiB ones, "
-                         "or 2 MiB where the kernel cannot find 1 GiB of contiguous memory)")
-    ap.add_argument("--placement-batch", type=int, default=0,
-                    help="batch size placement.toml is written for (default: the largest of --batches)")
+    ap.add_argument(
+        "--no-hugepages",
+        dest="hugepages",
+        action="store_false",
+        help="serve from 4 KiB pages (default: reserve hugepages for the run when root: 1 GiB ones, "
+        "or 2 MiB where the kernel cannot find 1 GiB of contiguous memory)",
+    )
+    ap.add_argument(
+        "--placement-batch",
+        type=int,
+        default=0,
+        help="batch size placement.toml is written for (default: the largest of --batches)",
+    )
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     placement_batch = args.placement_batch or max(batches)
@@ -249,8 +263,10 @@ def main() -> int:
     from tableserver.tablefile import read_header
 
     mm = np.memmap(path, dtype=np.uint8, mode="r")
-    local = {s.layer: np.array(mm[s.offset:s.offset + s.nbytes]).reshape(s.rows, s.row_bytes)
-             for s in read_header(path).tables}
+    local = {
+        s.layer: np.array(mm[s.offset : s.offset + s.nbytes]).reshape(s.rows, s.row_bytes)
+        for s in read_header(path).tables
+    }
     lines, cdf = [], {}
     rng = np.random.default_rng(7)
     pages = Hugepages([s.nbytes for s in read_header(path).tables] if args.hugepages else 0, "1g")
@@ -262,14 +278,18 @@ def main() -> int:
             offered = [t for t in ("rdma", "shm", "tcp") if t in ready]
             transports = [t for t in args.transports.split(",") if t] or offered
             plans = [LayerPlan(1, "engram.layer1", WINDOWS_S[1]), LayerPlan(14, "engram.layer14", WINDOWS_S[14])]
-            lines.append(f"replay: {args.steps} decode steps per configuration, windows layer 1 "
-                         f"{WINDOWS_S[1] * 1e3:.1f} ms / layer 14 {WINDOWS_S[14] * 1e3:.1f} ms, transports "
-                         f"{', '.join(transports)}, server tables on {pages.label}"
-                         + ("" if pages.kind != "4k" else " (no hugepages reserved: run as root for production-like memory)")
-                         + "\n")
-            lines.append(f"{'transport':<10}{'batch':>6}{'rows/layer':>11}{'R1 p50 us':>11}{'bare p50':>9}"
-                         f"{'R1 p99 us':>11}{'R14 p99 us':>11}{'pred stall us':>14}{'meas stall us':>14}{'error':>9}"
-                         f"{'forecast: pred':>16}{'meas':>6}{'error':>9}")
+            lines.append(
+                f"replay: {args.steps} decode steps per configuration, windows layer 1 "
+                f"{WINDOWS_S[1] * 1e3:.1f} ms / layer 14 {WINDOWS_S[14] * 1e3:.1f} ms, transports "
+                f"{', '.join(transports)}, server tables on {pages.label}"
+                + ("" if pages.kind != "4k" else " (no hugepages reserved: run as root for production-like memory)")
+                + "\n"
+            )
+            lines.append(
+                f"{'transport':<10}{'batch':>6}{'rows/layer':>11}{'R1 p50 us':>11}{'bare p50':>9}"
+                f"{'R1 p99 us':>11}{'R14 p99 us':>11}{'pred stall us':>14}{'meas stall us':>14}{'error':>9}"
+                f"{'forecast: pred':>16}{'meas':>6}{'error':>9}"
+            )
             results, errors = {}, []
             for name in transports:
                 with TableClient(ready["control"], transport=name) as client:
@@ -286,7 +306,7 @@ def main() -> int:
                         predicted = predict_stall(even[:, :2], wait_overheads(even), rng)
                         measured = float(odd[:, 2:4].sum(axis=1).mean())
                         err = abs(predicted - measured) / measured
-                        first, second = replay[: args.steps], replay[args.steps:]
+                        first, second = replay[: args.steps], replay[args.steps :]
                         fc_pred = predict_stall(first[:, :2], wait_overheads(first), rng)
                         fc_meas = float(second[:, 2:4].sum(axis=1).mean())
                         fc_err = abs(fc_pred - fc_meas) / fc_meas
@@ -294,48 +314,65 @@ def main() -> int:
                         results[(name, batch)] = replay
                         cdf[(name, batch)] = replay
                         err_s = f"{err * 100:.1f}%"
-                        lines.append(f"{name:<10}{batch:>6}{batch * 24:>11}{np.percentile(replay[:, 0], 50) * 1e6:>11.0f}"
-                                     f"{np.percentile(replay[:, 4], 50) * 1e6:>9.0f}"
-                                     f"{np.percentile(replay[:, 0], 99) * 1e6:>11.0f}"
-                                     f"{np.percentile(replay[:, 1], 99) * 1e6:>11.0f}{predicted * 1e6:>14.1f}"
-                                     f"{measured * 1e6:>14.1f}{err_s:>9}{fc_pred * 1e6:>10.1f}{fc_meas * 1e6:>10.1f}"
-                                     f"{fc_err * 100:>8.1f}%")
-            lines.append("\nR = rows in place after step start; stall = how long the step waited on Engram rows (mean "
-                         "per step,\nwait calls included). predicted: by the model from the read times and wait costs "
-                         "of the even steps;\nmeasured: the odd steps. error = |predicted - measured| / measured. "
-                         "forecast: fitted on the first half,\nmeasured on the second (adds the machine's drift "
-                         "between halves).")
+                        lines.append(
+                            f"{name:<10}{batch:>6}{batch * 24:>11}{np.percentile(replay[:, 0], 50) * 1e6:>11.0f}"
+                            f"{np.percentile(replay[:, 4], 50) * 1e6:>9.0f}"
+                            f"{np.percentile(replay[:, 0], 99) * 1e6:>11.0f}"
+                            f"{np.percentile(replay[:, 1], 99) * 1e6:>11.0f}{predicted * 1e6:>14.1f}"
+                            f"{measured * 1e6:>14.1f}{err_s:>9}{fc_pred * 1e6:>10.1f}{fc_meas * 1e6:>10.1f}"
+                            f"{fc_err * 100:>8.1f}%"
+                        )
+            lines.append(
+                "\nR = rows in place after step start; stall = how long the step waited on Engram rows (mean "
+                "per step,\nwait calls included). predicted: by the model from the read times and wait costs "
+                "of the even steps;\nmeasured: the odd steps. error = |predicted - measured| / measured. "
+                "forecast: fitted on the first half,\nmeasured on the second (adds the machine's drift "
+                "between halves)."
+            )
             met = sum(e <= 0.10 for e in errors)
-            lines.append(f"model error <= 10%: {met} of {len(errors)} configurations "
-                         f"[{'met' if met == len(errors) else 'MISSED'}]")
-            lines.append(f"bare p50: the bare in-process gather of the same layer-1 rows ({'native take' if NATIVE else 'np.take, mode=clip'}, from a "
-                         "private copy),\ntimed after each step. Targets (issue 14), shm: layer-1 rows in place p50 <= "
-                         "100 us at batch 1,\n<= 1.3x bare at batch 64:")
+            lines.append(
+                f"model error <= 10%: {met} of {len(errors)} configurations "
+                f"[{'met' if met == len(errors) else 'MISSED'}]"
+            )
+            lines.append(
+                f"bare p50: the bare in-process gather of the same layer-1 rows ({'native take' if NATIVE else 'np.take, mode=clip'}, from a "
+                "private copy),\ntimed after each step. Targets (issue 14), shm: layer-1 rows in place p50 <= "
+                "100 us at batch 1,\n<= 1.3x bare at batch 64:"
+            )
             for (name, batch), replay in results.items():
                 if name != "shm":
                     continue
                 r1, bare = np.percentile(replay[:, 0], 50), np.percentile(replay[:, 4], 50)
                 ok = r1 <= 100e-6 if batch == 1 else r1 <= 1.3 * bare
-                lines.append(f"  shm batch {batch:>3}: R1 p50 {r1 * 1e6:.0f} us, {r1 / bare:.2f}x bare "
-                             f"[{'met' if ok else 'MISSED'}]" if batch != 1 else
-                             f"  shm batch {batch:>3}: R1 p50 {r1 * 1e6:.0f} us [{'met' if ok else 'MISSED'}]")
+                lines.append(
+                    f"  shm batch {batch:>3}: R1 p50 {r1 * 1e6:.0f} us, {r1 / bare:.2f}x bare "
+                    f"[{'met' if ok else 'MISSED'}]"
+                    if batch != 1
+                    else f"  shm batch {batch:>3}: R1 p50 {r1 * 1e6:.0f} us [{'met' if ok else 'MISSED'}]"
+                )
             # ---------------------------------------------------------------- recommendation
-            lines.append("\nrecommendation per layer (expected stall per step, us; hit rate of an LRU of 1% of the "
-                         "table measured on the replay ids):")
+            lines.append(
+                "\nrecommendation per layer (expected stall per step, us; hit rate of an LRU of 1% of the "
+                "table measured on the replay ids):"
+            )
             for batch in batches:
                 traffic = Traffic(batch, seed=1000 + batch)
                 stream = [step_ids(hasher, traffic) for _ in range(args.steps)]
                 for layer in (1, 14):
                     window = WINDOWS_S[layer]
                     col = 0 if layer == 1 else 1
-                    options = {name: layer_stall(results[(name, batch)][:, col], window)
-                               for name in transports if (name, batch) in results}
+                    options = {
+                        name: layer_stall(results[(name, batch)][:, col], window)
+                        for name in transports
+                        if (name, batch) in results
+                    }
                     ids_stream = [s[layer] for s in stream]
                     loc = local_gather_times(local[layer], ids_stream)
                     options["local"] = layer_stall(loc, window)
                     hit = lru_hit_rate(ids_stream, capacity=local[layer].shape[0] // 100)
-                    remote = min((n for n in options if n in ("rdma", "tcp", "shm")), key=lambda n: options[n],
-                                 default=None)
+                    remote = min(
+                        (n for n in options if n in ("rdma", "tcp", "shm")), key=lambda n: options[n], default=None
+                    )
                     if remote is not None:  # hits cost a local gather of the hit rows, misses a remote fetch
                         options["cache"] = hit * layer_stall(loc, window) + (1 - hit) * options[remote]
                     best = min(options.values())
@@ -345,8 +382,9 @@ def main() -> int:
                         picks[layer] = next(n for n in ok + sorted(options, key=options.get) if n in PLACEMENT)
                         stalls[layer] = options
                         if (picks[layer], batch) in results:
-                            modes[layer] = graph_mode(float(np.percentile(results[(picks[layer], batch)][:, col], 99)),
-                                                      window)
+                            modes[layer] = graph_mode(
+                                float(np.percentile(results[(picks[layer], batch)][:, col], 99)), window
+                            )
                     shown = "  ".join(f"{n} {options[n] * 1e6:.0f}" for n in PREFERENCE if n in options)
                     lines.append(f"  batch {batch:>3} layer {layer:>2}: {pick:<6} ({shown}; cache hit rate {hit:.0%})")
         finally:
@@ -359,9 +397,14 @@ def main() -> int:
     _plot(cdf, os.path.join(args.out, "replay_cdf.png"))
     with open(os.path.join(args.out, "placement.toml"), "w") as f:
         f.write(placement_toml(picks, placement_batch, stalls, modes))
-    print(f"\nwrote {os.path.join(args.out, 'replay.txt')}, replay_cdf.png and placement.toml (batch {placement_batch}): "
-          + ", ".join(f"layer {layer} {PLACEMENT[p]}" + (f" ({modes[layer]})" if layer in modes and PLACEMENT[p] != "local"
-                                                         else "") for layer, p in sorted(picks.items())))
+    print(
+        f"\nwrote {os.path.join(args.out, 'replay.txt')}, replay_cdf.png and placement.toml (batch {placement_batch}): "
+        + ", ".join(
+            f"layer {layer} {PLACEMENT[p]}"
+            + (f" ({modes[layer]})" if layer in modes and PLACEMENT[p] != "local" else "")
+            for layer, p in sorted(picks.items())
+        )
+    )
     return 0
 
 

@@ -41,12 +41,16 @@ BATCH = 512
 def server_stats(pid: int) -> dict:
     with open(f"/proc/{pid}/status") as f:
         status = dict(line.split(":", 1) for line in f if ":" in line)
-    return {"fds": len(os.listdir(f"/proc/{pid}/fd")), "threads": int(status["Threads"]),
-            "rss_mib": int(status["VmRSS"].split()[0]) / 1024}
+    return {
+        "fds": len(os.listdir(f"/proc/{pid}/fd")),
+        "threads": int(status["Threads"]),
+        "rss_mib": int(status["VmRSS"].split()[0]) / 1024,
+    }
 
 
 def victim(address: str, path: str, transport: str, mode: str, seed: int, t_end: float, q) -> None:
     from tableclient import TableClient
+
     from tableserver.tablefile import read_header
 
     spec = read_header(path).tables[0]
@@ -72,16 +76,25 @@ def victim(address: str, path: str, transport: str, mode: str, seed: int, t_end:
 def flood(address: str, tcp: tuple, shm_path: str, t_start: float, t_end: float, q) -> None:
     import grpc
 
+    from tableserver.common.wire import FrameType, hello_frame, recv_challenge, request_header
     from tableserver.v1 import tableserver_pb2 as pb
     from tableserver.v1 import tableserver_pb2_grpc as pb_grpc
-    from tableserver.common.wire import FrameType, hello_frame, recv_challenge, request_header
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 8192), hard))
     while time.time() < t_start:
         time.sleep(0.01)
-    counts = {"tcp_conns": 0, "shm_conns": 0, "garbage": 0, "sessions_tried": 0, "slow_readers": 0,
-              "unbound_sessions": 0, "unbound_refused": 0, "catalogs": 0, "catalogs_refused": 0}
+    counts = {
+        "tcp_conns": 0,
+        "shm_conns": 0,
+        "garbage": 0,
+        "sessions_tried": 0,
+        "slow_readers": 0,
+        "unbound_sessions": 0,
+        "unbound_refused": 0,
+        "catalogs": 0,
+        "catalogs_refused": 0,
+    }
     held_tcp, held_shm, slow = [], [], []
     channel = grpc.insecure_channel(address)
     stub = pb_grpc.TableServiceStub(channel)
@@ -104,10 +117,21 @@ def flood(address: str, tcp: tuple, shm_path: str, t_start: float, t_end: float,
             f.cancel()
         ch.close()
 
-    floods = [threading.Thread(target=rpc_flood, args=("OpenSession", pb.OpenSessionRequest(
-                  client_name="unbound", transports=["tcp"]), "unbound_sessions", "unbound_refused", 8)),
-              threading.Thread(target=rpc_flood, args=("GetCatalog", pb.GetCatalogRequest(), "catalogs",
-                                                       "catalogs_refused", 64))]
+    floods = [
+        threading.Thread(
+            target=rpc_flood,
+            args=(
+                "OpenSession",
+                pb.OpenSessionRequest(client_name="unbound", transports=["tcp"]),
+                "unbound_sessions",
+                "unbound_refused",
+                8,
+            ),
+        ),
+        threading.Thread(
+            target=rpc_flood, args=("GetCatalog", pb.GetCatalogRequest(), "catalogs", "catalogs_refused", 64)
+        ),
+    ]
     for t in floods:
         t.start()
     while time.time() < t_end:
@@ -175,8 +199,9 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         path = write_demo_file(os.path.join(tmp, "soak.bin"), [DemoTable("soak", args.rows, 264, 1)], seed=5)
-        proc, ready = start_server(path, tmp, ["--hugepages", "off", "--session-open-rate", "20"],
-                                   prefix=["prlimit", "--nofile=1024:1024"])
+        proc, ready = start_server(
+            path, tmp, ["--hugepages", "off", "--session-open-rate", "20"], prefix=["prlimit", "--nofile=1024:1024"]
+        )
         try:
             address, pid = ready["control"], proc.pid
             host, port = ready["tcp"].rsplit(":", 1)
@@ -185,8 +210,9 @@ def main() -> int:
             q = ctx.Queue()
             t0 = time.time() + 3.0  # time for the clients to start
             t_mid, t_end = t0 + args.seconds, t0 + 2 * args.seconds
-            victims = [ctx.Process(target=victim, args=(address, path, t, m, i, t_end, q))
-                       for i, (t, m) in enumerate(CLIENTS)]
+            victims = [
+                ctx.Process(target=victim, args=(address, path, t, m, i, t_end, q)) for i, (t, m) in enumerate(CLIENTS)
+            ]
             attacker = ctx.Process(target=flood, args=(address, (host, int(port)), ready["shm"], t_mid, t_end, q))
             for p in victims + [attacker]:
                 p.start()
@@ -206,23 +232,25 @@ def main() -> int:
     rows = sum(r["rows"] for r in clients)
     bad = sum(r["bad"] for r in clients)
     failed = sum(r["failed"] for r in clients)
-    say(f"soak: {len(clients)} client processes ({BATCH}-row gathers), 2 x {args.seconds:g} s, "
-        f"server under LimitNOFILE=1024, {args.rows} rows x 264 B")
+    say(
+        f"soak: {len(clients)} client processes ({BATCH}-row gathers), 2 x {args.seconds:g} s, "
+        f"server under LimitNOFILE=1024, {args.rows} rows x 264 B"
+    )
     say(f"flood (second half): {json.dumps(flood_counts)}")
     say(f"rows checked: {rows:,}   mismatches: {bad}   failed gathers: {failed}")
     say()
-    say(f"{'victims':<11}{'quiet p50':>11}{'p99 us':>9}{'n':>8}{'flood p50':>12}{'p99 us':>9}{'n':>8}"
-        f"{'p99 ratio':>11}")
+    say(f"{'victims':<11}{'quiet p50':>11}{'p99 us':>9}{'n':>8}{'flood p50':>12}{'p99 us':>9}{'n':>8}{'p99 ratio':>11}")
     ratios = {}
     for transport in ("shm", "tcp"):
         for mode in ("sync", "async"):
-            samples = [s for r in clients if r["transport"] == transport and r["mode"] == mode
-                       for s in r["samples"]]
+            samples = [s for r in clients if r["transport"] == transport and r["mode"] == mode for s in r["samples"]]
             q50, q99, qn = pct(samples, t0, t_mid)
             f50, f99, fn = pct(samples, t_mid, t_end)
             ratios[f"{transport}-{mode}"] = f99 / q99
-            say(f"{transport + ' ' + mode:<11}{q50:>11.0f}{q99:>9.0f}{qn:>8}{f50:>12.0f}{f99:>9.0f}{fn:>8}"
-                f"{f99 / q99:>10.2f}x")
+            say(
+                f"{transport + ' ' + mode:<11}{q50:>11.0f}{q99:>9.0f}{qn:>8}{f50:>12.0f}{f99:>9.0f}{fn:>8}"
+                f"{f99 / q99:>10.2f}x"
+            )
     say()
     say(f"{'server':<8}{'before':>10}{'quiet':>10}{'after':>10}")
     for key in ("fds", "threads", "rss_mib"):
@@ -231,9 +259,11 @@ def main() -> int:
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")
     ok = bad == 0 and failed == 0
-    say(f"\n{'PASS' if ok else 'FAIL'}: {bad} mismatches, {failed} failed gathers; worst p99 ratio "
+    say(
+        f"\n{'PASS' if ok else 'FAIL'}: {bad} mismatches, {failed} failed gathers; worst p99 ratio "
         f"{max(ratios.values()):.2f}x (goal <= 2x); fds {before['fds']} -> {after['fds']}, threads "
-        f"{before['threads']} -> {after['threads']}")
+        f"{before['threads']} -> {after['threads']}"
+    )
     return 0 if ok else 1
 
 

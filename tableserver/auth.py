@@ -45,8 +45,9 @@ def server_credentials(cert: str, key: str, client_ca: str | None) -> grpc.Serve
     ca = _read(client_ca, "TLS client CA") if client_ca else None
     chain = _read(cert, "TLS certificate")
     check_validity(cert, chain)
-    return grpc.ssl_server_credentials([(_read(key, "TLS key"), chain)],
-                                       root_certificates=ca, require_client_auth=ca is not None)
+    return grpc.ssl_server_credentials(
+        [(_read(key, "TLS key"), chain)], root_certificates=ca, require_client_auth=ca is not None
+    )
 
 
 def check_validity(path: str, pem: bytes, now: datetime.datetime | None = None) -> None:
@@ -57,17 +58,20 @@ def check_validity(path: str, pem: bytes, now: datetime.datetime | None = None) 
         certs = x509.load_pem_x509_certificates(pem)
     except ValueError as e:
         raise ConfigError(f"TLS certificate {path} holds no PEM certificate ({e}): fix --tls-cert") from None
-    now = now or datetime.datetime.now(datetime.timezone.utc)
+    now = now or datetime.datetime.now(datetime.UTC)
     for c in certs:
         subject = c.subject.rfc4514_string() or "(no subject)"
         after, before = c.not_valid_after_utc, c.not_valid_before_utc
         if now > after:
-            raise ConfigError(f"TLS certificate {path} ({subject}) expired: notAfter {after:%Y-%m-%d %H:%M:%S} UTC; "
-                              "renew it and pass the new one to --tls-cert")
+            raise ConfigError(
+                f"TLS certificate {path} ({subject}) expired: notAfter {after:%Y-%m-%d %H:%M:%S} UTC; "
+                "renew it and pass the new one to --tls-cert"
+            )
         if now < before:
-            raise ConfigError(f"TLS certificate {path} ({subject}) is not valid yet: notBefore "
-                              f"{before:%Y-%m-%d %H:%M:%S} UTC; check this host's clock or reissue it")
-
+            raise ConfigError(
+                f"TLS certificate {path} ({subject}) is not valid yet: notBefore "
+                f"{before:%Y-%m-%d %H:%M:%S} UTC; check this host's clock or reissue it"
+            )
 
 
 def load_token(token: str | None, token_file: str | None) -> str | None:
@@ -97,8 +101,11 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
             return handler
         if self._on_reject is not None:
             self._on_reject(details.method)
-        message = ("missing bearer token: pass token= to TableClient (or TABLESERVER_AUTH_TOKEN)" if not got
-                   else "wrong bearer token: check the client's token against the server's --auth-token")
+        message = (
+            "missing bearer token: pass token= to TableClient (or TABLESERVER_AUTH_TOKEN)"
+            if not got
+            else "wrong bearer token: check the client's token against the server's --auth-token"
+        )
         return _deny(handler, message)
 
 

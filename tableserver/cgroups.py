@@ -95,8 +95,9 @@ def _allowance(v2: tuple[str, str], v1: tuple[str, str, str], root: str, proc: s
 
 def memory_allowance(root: str = ROOT, proc: str = "/proc/self/cgroup") -> Allowance | None:
     """The tightest memory limit over this process's cgroups (v2 memory.max, v1 memory.limit_in_bytes)."""
-    return _allowance(("memory.max", "memory.current"), ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes"),
-                      root, proc)
+    return _allowance(
+        ("memory.max", "memory.current"), ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes"), root, proc
+    )
 
 
 def _hugetlb_name(page_size: int) -> str:
@@ -106,5 +107,9 @@ def _hugetlb_name(page_size: int) -> str:
 def hugetlb_allowance(page_size: int, root: str = ROOT, proc: str = "/proc/self/cgroup") -> Allowance | None:
     """The tightest hugetlb limit for ``page_size`` pages (v2 hugetlb.<size>.max, v1 .limit_in_bytes)."""
     name = _hugetlb_name(page_size)
-    return _allowance((f"hugetlb.{name}.max", f"hugetlb.{name}.current"),
-                      ("hugetlb", f"hugetlb.{name}.limit_in_bytes", f"hugetlb.{name}.usage_in_bytes"), root, proc)
+    return _allowance(
+        (f"hugetlb.{name}.max", f"hugetlb.{name}.current"),
+        ("hugetlb", f"hugetlb.{name}.limit_in_bytes", f"hugetlb.{name}.usage_in_bytes"),
+        root,
+        proc,
+    )

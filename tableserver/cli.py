@@ -35,8 +35,11 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     from tableserver.config import add_flags
 
-    p = _Parser(prog="tableserver", description="Remote table-memory server: pins lookup tables in host memory "
-                "and serves row gathers over shm, tcp (and rdma).")
+    p = _Parser(
+        prog="tableserver",
+        description="Remote table-memory server: pins lookup tables in host memory "
+        "and serves row gathers over shm, tcp (and rdma).",
+    )
     p.add_argument("--version", action="version", version=f"tableserver {__version__}")
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
 
@@ -53,8 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("pack", help="build a table file from safetensors files")
     k.add_argument("output", help="table file to write")
     k.add_argument("inputs", nargs="+", help=".safetensors files")
-    k.add_argument("--version", dest="table_version", type=_positive_int, default=1,
-                   help="content version recorded for every table")
+    k.add_argument(
+        "--version",
+        dest="table_version",
+        type=_positive_int,
+        default=1,
+        help="content version recorded for every table",
+    )
 
     i = sub.add_parser("inspect", help="print a table file's catalog and verify its checksums")
     i.add_argument("path")
@@ -68,20 +76,33 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--table", default="", help="table file to use (default: generated in ~/.cache/tableserver)")
 
     b = sub.add_parser("dashboard", help="check or render the Grafana dashboard's queries against a Prometheus")
-    b.add_argument("action", choices=("check", "render"), help="check: every panel query returns data; render: "
-                   "draw the main panels to a PNG (needs matplotlib)")
+    b.add_argument(
+        "action",
+        choices=("check", "render"),
+        help="check: every panel query returns data; render: draw the main panels to a PNG (needs matplotlib)",
+    )
     b.add_argument("--prometheus", default="http://127.0.0.1:9090", help="Prometheus URL (default %(default)s)")
-    b.add_argument("--dashboard", default="", help="dashboard JSON (default deploy/grafana/dashboards/tableserver.json)")
+    b.add_argument(
+        "--dashboard", default="", help="dashboard JSON (default deploy/grafana/dashboards/tableserver.json)"
+    )
     b.add_argument("--rate-interval", default="1m", help="what $__rate_interval stands for (default %(default)s)")
     b.add_argument("--out", default="dashboard.png", help="render: PNG to write (default %(default)s)")
     b.add_argument("--minutes", type=float, default=15.0, help="render: time span to draw (default %(default)s)")
 
     o = sub.add_parser("doctor", help="check this host for tableserver (pyverbs, RDMA devices); fix pyverbs")
-    o.add_argument("--fix-pyverbs", action="store_true", help="make this host's distribution pyverbs (rdma-core's "
-                   "Python bindings, e.g. Debian's python3-pyverbs) importable from this Python environment, "
-                   "and check that it matches the host's rdma-core")
-    o.add_argument("--pyverbs-from", default="", metavar="DIR", help="with --fix-pyverbs: link this pyverbs "
-                   "package directory instead (e.g. a vendor OFED/DOCA build)")
+    o.add_argument(
+        "--fix-pyverbs",
+        action="store_true",
+        help="make this host's distribution pyverbs (rdma-core's "
+        "Python bindings, e.g. Debian's python3-pyverbs) importable from this Python environment, "
+        "and check that it matches the host's rdma-core",
+    )
+    o.add_argument(
+        "--pyverbs-from",
+        default="",
+        metavar="DIR",
+        help="with --fix-pyverbs: link this pyverbs package directory instead (e.g. a vendor OFED/DOCA build)",
+    )
     # the serve options: with any of them (or --config) the doctor checks what that server needs
     from tableserver.config import add_flags
 
@@ -108,8 +129,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             return _serve(args)
         logs.setup("info")
-        return {"gen-demo": _gen_demo, "pack": _pack, "inspect": _inspect, "demo": _demo,
-                "dashboard": _dashboard, "doctor": _doctor}[args.command](args)
+        return {
+            "gen-demo": _gen_demo,
+            "pack": _pack,
+            "inspect": _inspect,
+            "demo": _demo,
+            "dashboard": _dashboard,
+            "doctor": _doctor,
+        }[args.command](args)
     except TableServerError as e:
         print(f"tableserver: error: {logs.escape(str(e))}", file=sys.stderr)  # one line, always
         return e.exit_code
@@ -125,8 +152,10 @@ def _serve(args) -> int:
     cfg = resolve(args)
     logs.setup(cfg["log_level"], cfg["log_format"])
     if getattr(args, "auth_token", ""):
-        log.warning("--auth-token shows the token to every local user (/proc/PID/cmdline, ps): pass "
-                    "--auth-token-file or set TABLESERVER_AUTH_TOKEN instead")
+        log.warning(
+            "--auth-token shows the token to every local user (/proc/PID/cmdline, ps): pass "
+            "--auth-token-file or set TABLESERVER_AUTH_TOKEN instead"
+        )
     return serve(cfg)
 
 
@@ -173,8 +202,13 @@ def _inspect(args) -> int:
 def _demo(args) -> int:
     from tableserver.demo_run import run_demo
 
-    return run_demo(rows=args.rows, steps=args.steps, batch=args.batch,
-                    transports=[t for t in args.transports.split(",") if t], table=args.table or None)
+    return run_demo(
+        rows=args.rows,
+        steps=args.steps,
+        batch=args.batch,
+        transports=[t for t in args.transports.split(",") if t],
+        table=args.table or None,
+    )
 
 
 def _doctor(args) -> int:
@@ -183,10 +217,16 @@ def _doctor(args) -> int:
     from tableserver import doctor
     from tableserver.config import ENV_PREFIX, SERVE_OPTIONS, resolve
 
-    given = hasattr(args, "config") or any(hasattr(args, o.name) for o in SERVE_OPTIONS) \
+    given = (
+        hasattr(args, "config")
+        or any(hasattr(args, o.name) for o in SERVE_OPTIONS)
         or bool(os.environ.get(ENV_PREFIX + "CONFIG"))
-    return doctor.run(fix_pyverbs_=args.fix_pyverbs or bool(args.pyverbs_from), pyverbs_from=args.pyverbs_from or None,
-                      cfg=resolve(args) if given else None)
+    )
+    return doctor.run(
+        fix_pyverbs_=args.fix_pyverbs or bool(args.pyverbs_from),
+        pyverbs_from=args.pyverbs_from or None,
+        cfg=resolve(args) if given else None,
+    )
 
 
 def _dashboard(args) -> int:
@@ -198,10 +238,14 @@ def _dashboard(args) -> int:
     try:
         targets = dashboard.load_targets(path)
     except (ValueError, AttributeError, TypeError) as e:
-        raise ConfigError(f"dashboard {path} is not a Grafana dashboard JSON ({e}): fix it or pass --dashboard")
+        raise ConfigError(
+            f"dashboard {path} is not a Grafana dashboard JSON ({e}): fix it or pass --dashboard"
+        ) from None
     prom = dashboard.Prometheus(args.prometheus)
     if not prom.ready():
-        raise ConfigError(f"no Prometheus ready at {args.prometheus}: start one (deploy/monitoring) or fix --prometheus")
+        raise ConfigError(
+            f"no Prometheus ready at {args.prometheus}: start one (deploy/monitoring) or fix --prometheus"
+        )
     if args.action == "render":
         _writable_target(args.out)
         print(dashboard.render(prom, args.out, path=path, minutes=args.minutes, rate_interval=args.rate_interval))

@@ -95,10 +95,20 @@ class OpenRate:
 class ServerState:
     """What the control plane answers from; filled in as the server starts."""
 
-    def __init__(self, sessions: SessionRegistry, transports: dict, max_rows: int, host_id: str, metrics=None,
-                 node_id: str = "", open_rate: OpenRate | None = None, max_sessions: int = 4096,
-                 max_sessions_per_peer: int = 512, catalog_rate: OpenRate | None = None,
-                 peer_prefixes: tuple[int, int] = (24, 64)):
+    def __init__(
+        self,
+        sessions: SessionRegistry,
+        transports: dict,
+        max_rows: int,
+        host_id: str,
+        metrics=None,
+        node_id: str = "",
+        open_rate: OpenRate | None = None,
+        max_sessions: int = 4096,
+        max_sessions_per_peer: int = 512,
+        catalog_rate: OpenRate | None = None,
+        peer_prefixes: tuple[int, int] = (24, 64),
+    ):
         self.sessions = sessions
         self.metrics = metrics
         self.transports = transports  # name -> ServerTransport, in server preference order
@@ -118,9 +128,14 @@ class ServerState:
         return peer_key(peer, *self.peer_prefixes)
 
     def server_info(self) -> pb.ServerInfo:
-        return pb.ServerInfo(version=__version__, hostname=socket.gethostname(), host_id=self.host_id,
-                             transports=list(self.transports), max_rows_per_request=self.max_rows,
-                             node_id=self.node_id)
+        return pb.ServerInfo(
+            version=__version__,
+            hostname=socket.gethostname(),
+            host_id=self.host_id,
+            transports=list(self.transports),
+            max_rows_per_request=self.max_rows,
+            node_id=self.node_id,
+        )
 
     def catalog(self) -> pb.Catalog:
         """The catalog reply, built on first use: the tables and transports are fixed once serving."""
@@ -129,11 +144,23 @@ class ServerState:
         return self._catalog
 
     def _build_catalog(self) -> pb.Catalog:
-        tables = [pb.TableInfo(index=t.index, name=t.name, rows=t.rows, row_bytes=t.row_bytes,
-                               dtype=t.spec.dtype, shape=list(t.spec.logical_shape), layer=t.spec.layer,
-                               version=t.spec.version, checksum=t.checksum, nbytes=t.nbytes,
-                               total_rows=t.total_rows, row_lo=t.row_lo)
-                  for t in self.tables]
+        tables = [
+            pb.TableInfo(
+                index=t.index,
+                name=t.name,
+                rows=t.rows,
+                row_bytes=t.row_bytes,
+                dtype=t.spec.dtype,
+                shape=list(t.spec.logical_shape),
+                layer=t.spec.layer,
+                version=t.spec.version,
+                checksum=t.checksum,
+                nbytes=t.nbytes,
+                total_rows=t.total_rows,
+                row_lo=t.row_lo,
+            )
+            for t in self.tables
+        ]
         return pb.Catalog(tables=tables, server=self.server_info())
 
 
@@ -143,8 +170,9 @@ class TableService(pb_grpc.TableServiceServicer):
 
     async def _require_ready(self, context) -> None:
         if not self.state.ready:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"{self.state.unready_reason}: retry when health reports SERVING")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"{self.state.unready_reason}: retry when health reports SERVING"
+            )
 
     async def _exhausted(self, context, reason: str, message: str) -> None:
         """Refuses the call with RESOURCE_EXHAUSTED (counted under ``reason``)."""
@@ -157,48 +185,70 @@ class TableService(pb_grpc.TableServiceServicer):
         state = self.state
         peer = state.peer_key(context.peer())
         if not state.catalog_rate.allow(peer):
-            await self._exhausted(context, "rate_limited",
-                                  f"too many catalog requests from {peer}: at most {state.catalog_rate.rate:g}/s "
-                                  f"per network prefix (burst {state.catalog_rate.burst}); retry later, or raise "
-                                  "--catalog-rate")
+            await self._exhausted(
+                context,
+                "rate_limited",
+                f"too many catalog requests from {peer}: at most {state.catalog_rate.rate:g}/s "
+                f"per network prefix (burst {state.catalog_rate.burst}); retry later, or raise "
+                "--catalog-rate",
+            )
         return state.catalog()
 
     async def OpenSession(self, request, context):
         await self._require_ready(context)
         state = self.state
         if len(request.transports) > MAX_TRANSPORTS:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"{len(request.transports)} transports requested: at most {MAX_TRANSPORTS}")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(request.transports)} transports requested: at most {MAX_TRANSPORTS}",
+            )
         if len(request.client_name.encode()) > MAX_NAME_BYTES or len(request.hostname.encode()) > MAX_NAME_BYTES:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"client_name and hostname are limited to {MAX_NAME_BYTES} bytes")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"client_name and hostname are limited to {MAX_NAME_BYTES} bytes"
+            )
         peer = state.peer_key(context.peer())
         if not state.open_rate.allow(peer):
-            await self._exhausted(context, "rate_limited",
-                                  f"too many sessions opened from {peer}: at most {state.open_rate.rate:g}/s "
-                                  f"per network prefix (burst {state.open_rate.burst}); retry later")
+            await self._exhausted(
+                context,
+                "rate_limited",
+                f"too many sessions opened from {peer}: at most {state.open_rate.rate:g}/s "
+                f"per network prefix (burst {state.open_rate.burst}); retry later",
+            )
         if len(state.sessions) >= state.max_sessions:
-            await self._exhausted(context, "too_many_sessions",
-                                  f"session limit reached ({state.max_sessions} open in all): close idle clients "
-                                  "or raise --max-sessions")
+            await self._exhausted(
+                context,
+                "too_many_sessions",
+                f"session limit reached ({state.max_sessions} open in all): close idle clients or raise --max-sessions",
+            )
         if state.sessions.count(peer) >= state.max_sessions_per_peer:
-            await self._exhausted(context, "too_many_sessions",
-                                  f"session limit reached for {peer} ({state.max_sessions_per_peer} open from that "
-                                  "network prefix): close idle clients, or raise --max-sessions-per-peer (or "
-                                  "--peer-prefix-v4/-v6)")
+            await self._exhausted(
+                context,
+                "too_many_sessions",
+                f"session limit reached for {peer} ({state.max_sessions_per_peer} open from that "
+                "network prefix): close idle clients, or raise --max-sessions-per-peer (or "
+                "--peer-prefix-v4/-v6)",
+            )
         wanted = list(dict.fromkeys(request.transports)) or list(state.transports)
         unknown = [t for t in wanted if t not in KNOWN and t != "rdma"]
         if unknown:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"unknown transport {unknown[0]!r}: use {', '.join(KNOWN)}")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"unknown transport {unknown[0]!r}: use {', '.join(KNOWN)}"
+            )
         granted = [t for t in wanted if t in state.transports]
         if not granted:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"none of the requested transports ({', '.join(wanted)}) is enabled on this "
-                                f"server (enabled: {', '.join(state.transports)})")
-        session = state.sessions.open(client_name=request.client_name, hostname=request.hostname,
-                                      pid=request.pid, peer=context.peer(), peer_key=peer,
-                                      transports=tuple(granted))
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"none of the requested transports ({', '.join(wanted)}) is enabled on this "
+                f"server (enabled: {', '.join(state.transports)})",
+            )
+        session = state.sessions.open(
+            client_name=request.client_name,
+            hostname=request.hostname,
+            pid=request.pid,
+            peer=context.peer(),
+            peer_key=peer,
+            transports=tuple(granted),
+        )
         if state.metrics is not None:
             state.metrics.sessions_opened.inc()
         try:
@@ -207,9 +257,13 @@ class TableService(pb_grpc.TableServiceServicer):
             state.sessions.close(session.id, f"transport setup failed: {e}")
             log.exception("OpenSession: transport setup failed")
             await context.abort(grpc.StatusCode.INTERNAL, f"transport setup failed: {e}")
-        return pb.OpenSessionResponse(session_id=session.id, secret=session.secret,
-                                      lease_seconds=state.sessions.lease_seconds, offers=offers,
-                                      max_rows_per_request=state.max_rows)
+        return pb.OpenSessionResponse(
+            session_id=session.id,
+            secret=session.secret,
+            lease_seconds=state.sessions.lease_seconds,
+            offers=offers,
+            max_rows_per_request=state.max_rows,
+        )
 
     async def KeepAlive(self, request_iterator, context):
         sessions = self.state.sessions
@@ -219,8 +273,7 @@ class TableService(pb_grpc.TableServiceServicer):
                 session_id = session_id or req.session_id
                 # the first renew binds the session to this stream (no bind deadline any more)
                 if req.session_id != session_id or not sessions.renew(session_id):
-                    await context.abort(grpc.StatusCode.NOT_FOUND,
-                                        "session expired or closed: open a new session")
+                    await context.abort(grpc.StatusCode.NOT_FOUND, "session expired or closed: open a new session")
                 yield pb.KeepAliveResponse(lease_seconds=sessions.lease_seconds)
         finally:
             # The stream is the session's liveness: when it ends (client exit,
@@ -233,13 +286,18 @@ class TableService(pb_grpc.TableServiceServicer):
         return pb.CloseSessionResponse()
 
 
-async def start_control_plane(state: ServerState, host: str, port: int, *, credentials=None,
-                              interceptors=()) -> tuple[grpc.aio.Server, HealthServicer, int]:
+async def start_control_plane(
+    state: ServerState, host: str, port: int, *, credentials=None, interceptors=()
+) -> tuple[grpc.aio.Server, HealthServicer, int]:
     """Binds and starts the gRPC server (health NOT_SERVING). Returns (server, health, port)."""
-    options = [("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it
-               ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
-               ("grpc.http2.max_pings_without_data", 0), ("grpc.keepalive_permit_without_calls", 1),
-               ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+    options = [
+        ("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ]
     server = grpc.aio.server(interceptors=list(interceptors), options=options)
     pb_grpc.add_TableServiceServicer_to_server(TableService(state), server)
     health = HealthServicer()
@@ -256,8 +314,11 @@ async def start_control_plane(state: ServerState, host: str, port: int, *, crede
         detail = ""
     if not bound:
         in_use = _port_in_use(host, port)
-        reason = "is already in use: stop the other server or pass --listen HOST:PORT (port 0 picks a free port)" \
-            if in_use else f"cannot be bound ({detail or 'bad address'}): fix --listen"
+        reason = (
+            "is already in use: stop the other server or pass --listen HOST:PORT (port 0 picks a free port)"
+            if in_use
+            else f"cannot be bound ({detail or 'bad address'}): fix --listen"
+        )
         raise ListenError(f"control port {host}:{port} {reason}", errno=98 if in_use else None)
     await server.start()
     return server, health, bound

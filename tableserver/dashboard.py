@@ -24,12 +24,18 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 
-DEFAULT_DASHBOARD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "deploy", "grafana",
-                                 "dashboards", "tableserver.json")
+DEFAULT_DASHBOARD = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "deploy", "grafana", "dashboards", "tableserver.json"
+)
 #: panels drawn by render(), in order (titles of deploy/grafana/dashboards/tableserver.json)
-MAIN_PANELS = ("Read latency by layer (p50, p99) vs window", "Deadline-miss rate by layer",
-               "Rows/s by transport (clients)", "Read latency p99 by transport and mode",
-               "Sessions and QPs", "Server errors/s by reason")
+MAIN_PANELS = (
+    "Read latency by layer (p50, p99) vs window",
+    "Deadline-miss rate by layer",
+    "Rows/s by transport (clients)",
+    "Read latency p99 by transport and mode",
+    "Sessions and QPs",
+    "Server errors/s by reason",
+)
 
 
 @dataclass(frozen=True)
@@ -42,8 +48,7 @@ class Target:
         return re.findall(r"\{\{\s*(\w+)\s*\}\}", self.legend)
 
     def label_of(self, metric: dict) -> str:
-        return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: metric.get(m.group(1), ""), self.legend) or \
-            json.dumps(metric)
+        return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: metric.get(m.group(1), ""), self.legend) or json.dumps(metric)
 
 
 def load_targets(path: str = DEFAULT_DASHBOARD) -> list[Target]:
@@ -65,8 +70,12 @@ def load_targets(path: str = DEFAULT_DASHBOARD) -> list[Target]:
 
 def substitute(expr: str, rate_interval: str = "1m") -> str:
     """Grafana's built-in variables replaced the way Grafana would, for a plain PromQL query."""
-    return (expr.replace("$__rate_interval", rate_interval).replace("${__rate_interval}", rate_interval)
-            .replace("$__interval", rate_interval).replace("$__range", rate_interval))
+    return (
+        expr.replace("$__rate_interval", rate_interval)
+        .replace("${__rate_interval}", rate_interval)
+        .replace("$__interval", rate_interval)
+        .replace("$__range", rate_interval)
+    )
 
 
 class Prometheus:
@@ -132,8 +141,17 @@ def check(prom: Prometheus, path: str = DEFAULT_DASHBOARD, rate_interval: str = 
     return problems
 
 
-def render(prom: Prometheus, out: str, *, path: str = DEFAULT_DASHBOARD, minutes: float = 5.0, step: float = 2.0,
-           rate_interval: str = "20s", panels=MAIN_PANELS, title: str = "tableserver") -> str:
+def render(
+    prom: Prometheus,
+    out: str,
+    *,
+    path: str = DEFAULT_DASHBOARD,
+    minutes: float = 5.0,
+    step: float = 2.0,
+    rate_interval: str = "20s",
+    panels=MAIN_PANELS,
+    title: str = "tableserver",
+) -> str:
     """Draws ``panels`` over the last ``minutes`` to ``out`` (PNG) from the dashboard's own queries."""
     import matplotlib
 
@@ -166,7 +184,7 @@ def render(prom: Prometheus, out: str, *, path: str = DEFAULT_DASHBOARD, minutes
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=7, loc="best")
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.suptitle(title, fontsize=12)
     fig.tight_layout()
@@ -192,6 +210,13 @@ def _units(path: str) -> dict:
 
 def _scale(unit: str) -> tuple[float, str]:
     """Grafana unit -> (factor, axis label) for matplotlib."""
-    return {"s": (1e3, "ms"), "percentunit": (100.0, "%"), "Bps": (1 / 2**20, "MiB/s"),
-            "rowsps": (1.0, "rows/s"), "ops": (1.0, "per s"), "reqps": (1.0, "calls/s"),
-            "bytes": (1 / 2**30, "GiB"), "none": (1.0, "")}.get(unit, (1.0, unit))
+    return {
+        "s": (1e3, "ms"),
+        "percentunit": (100.0, "%"),
+        "Bps": (1 / 2**20, "MiB/s"),
+        "rowsps": (1.0, "rows/s"),
+        "ops": (1.0, "per s"),
+        "reqps": (1.0, "calls/s"),
+        "bytes": (1 / 2**30, "GiB"),
+        "none": (1.0, ""),
+    }.get(unit, (1.0, unit))

@@ -40,12 +40,19 @@ class DemoTable:
 
     def spec(self) -> TableSpec:
         dtype = ENGRAM_DTYPE if self.engram else "uint8"
-        return TableSpec(name=self.name, rows=self.rows, row_bytes=self.row_bytes, dtype=dtype,
-                         shape=(self.rows, self.row_bytes), layer=self.layer)
+        return TableSpec(
+            name=self.name,
+            rows=self.rows,
+            row_bytes=self.row_bytes,
+            dtype=dtype,
+            shape=(self.rows, self.row_bytes),
+            layer=self.layer,
+        )
 
 
-def default_tables(rows: int = DEFAULT_ROWS, row_bytes: int = ENGRAM_ROW_BYTES,
-                   layers=DEFAULT_LAYERS) -> list[DemoTable]:
+def default_tables(
+    rows: int = DEFAULT_ROWS, row_bytes: int = ENGRAM_ROW_BYTES, layers=DEFAULT_LAYERS
+) -> list[DemoTable]:
     """The two tables DeepSeek-V4.1 has, named for their layers, at demo size."""
     return [DemoTable(f"engram.layer{layer}", rows, row_bytes, layer) for layer in layers]
 
@@ -86,8 +93,7 @@ class DemoRows:
         return out
 
 
-def write_demo_file(path: str, tables: list[DemoTable] | None = None, seed: int = 0,
-                    progress=None) -> str:
+def write_demo_file(path: str, tables: list[DemoTable] | None = None, seed: int = 0, progress=None) -> str:
     """Writes a demo table file atomically and returns its path."""
     tables = tables if tables is not None else default_tables()
     specs = [t.spec() for t in tables]

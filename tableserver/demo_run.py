@@ -70,14 +70,29 @@ class DemoIds:
         return h % self.sizes + self.offsets  # [batch, 24]
 
 
-def start_server(table: str, ready_dir: str, extra: list[str] = (), prefix: list[str] = ()
-                 ) -> tuple[subprocess.Popen, dict]:
+def start_server(
+    table: str, ready_dir: str, extra: list[str] = (), prefix: list[str] = ()
+) -> tuple[subprocess.Popen, dict]:
     """The daemon serving ``table`` on free ports; ``prefix`` runs it under a wrapper that execs it
     (e.g. prlimit), so the process is still the daemon's."""
     ready = os.path.join(ready_dir, "ready.json")
     log = open(os.path.join(ready_dir, "server.log"), "w+")
-    cmd = [*prefix, sys.executable, "-m", "tableserver", "serve", "--tables", table, "--listen", "127.0.0.1:0",
-           "--ready-file", ready, "--progress", "never", *extra]
+    cmd = [
+        *prefix,
+        sys.executable,
+        "-m",
+        "tableserver",
+        "serve",
+        "--tables",
+        table,
+        "--listen",
+        "127.0.0.1:0",
+        "--ready-file",
+        ready,
+        "--progress",
+        "never",
+        *extra,
+    ]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while not os.path.exists(ready):
@@ -124,33 +139,43 @@ def page_note(page_sizes: dict) -> str:
     if smallest >= 1 << 30:
         return "tables on 1 GiB hugepages"
     if smallest >= 2 << 20:
-        return (f"tables on {smallest >> 20} MiB hugepages (1 GiB pages, as production uses, shorten the tail of a "
-                "gather after an idle gap:\nreserve them at boot with hugepagesz=1G hugepages=N, or now with echo N > "
-                "/sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages)")
-    return ("tables on 4 KiB pages: random row gathers run at ~0.6-0.8x their hugepage speed (TLB misses); for the\n"
-            "production setup reserve hugepages first -- 1 GiB ones at boot (hugepagesz=1G hugepages=N), or 2 MiB ones\n"
-            "now: echo N > /sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages (N = table bytes / 2 MiB, plus a\n"
-            "few) -- then the server picks them (--hugepages auto)")
+        return (
+            f"tables on {smallest >> 20} MiB hugepages (1 GiB pages, as production uses, shorten the tail of a "
+            "gather after an idle gap:\nreserve them at boot with hugepagesz=1G hugepages=N, or now with echo N > "
+            "/sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages)"
+        )
+    return (
+        "tables on 4 KiB pages: random row gathers run at ~0.6-0.8x their hugepage speed (TLB misses); for the\n"
+        "production setup reserve hugepages first -- 1 GiB ones at boot (hugepagesz=1G hugepages=N), or 2 MiB ones\n"
+        "now: echo N > /sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages (N = table bytes / 2 MiB, plus a\n"
+        "few) -- then the server picks them (--hugepages auto)"
+    )
 
 
-def run_demo(rows: int | None = None, steps: int = 200, batch: int = 64, transports=("shm", "tcp"),
-             table: str | None = None) -> int:
+def run_demo(
+    rows: int | None = None, steps: int = 200, batch: int = 64, transports=("shm", "tcp"), table: str | None = None
+) -> int:
     from tableclient import TableClient
+
     from tableserver.tablefile import read_header
 
     path = table or ensure_demo_file(rows)
     header = read_header(path)
     mm = np.memmap(path, dtype=np.uint8, mode="r")
-    local = {s.name: mm[s.offset:s.offset + s.nbytes].reshape(s.rows, s.row_bytes) for s in header.tables}
+    local = {s.name: mm[s.offset : s.offset + s.nbytes].reshape(s.rows, s.row_bytes) for s in header.tables}
     with tempfile.TemporaryDirectory(prefix="tableserver-demo-") as tmp:
         proc, ready = start_server(path, tmp)
         try:
-            print(f"server pid {proc.pid} SERVING {len(ready['tables'])} tables in {ready['time_to_serving_s']:.2f} s "
-                  f"on {ready['control']}; replaying {steps} decode steps, batch {batch} "
-                  f"({batch * ROWS_PER_TOKEN} rows/layer/step)")
+            print(
+                f"server pid {proc.pid} SERVING {len(ready['tables'])} tables in {ready['time_to_serving_s']:.2f} s "
+                f"on {ready['control']}; replaying {steps} decode steps, batch {batch} "
+                f"({batch * ROWS_PER_TOKEN} rows/layer/step)"
+            )
             print(page_note(ready.get("page_sizes", {})) + "\n")
-            print(f"{'transport':<10}{'layer':>6}{'rows':>7}{'p50 us':>10}{'p99 us':>10}{'window us':>11}"
-                  f"{'in window':>11}{'rows/s':>12}")
+            print(
+                f"{'transport':<10}{'layer':>6}{'rows':>7}{'p50 us':>10}{'p99 us':>10}{'window us':>11}"
+                f"{'in window':>11}{'rows/s':>12}"
+            )
             for name in transports:
                 with TableClient(ready["control"], transport=name) as client:
                     replay(client, min(steps, 20), batch, seed=99)  # warm up
@@ -160,13 +185,17 @@ def run_demo(rows: int | None = None, steps: int = 200, batch: int = 64, transpo
                     rows_s = len(layers) * batch * ROWS_PER_TOKEN * steps / step_s.sum()
                     for layer in layers:
                         a, window = lat[layer], WINDOWS_S[layer]
-                        print(f"{client.transport:<10}{layer:>6}{batch * ROWS_PER_TOKEN:>7}"
-                              f"{np.percentile(a, 50) * 1e6:>10.0f}{np.percentile(a, 99) * 1e6:>10.0f}"
-                              f"{window * 1e6:>11.0f}{(a <= window).mean() * 100:>10.1f}%{rows_s:>12,.0f}")
+                        print(
+                            f"{client.transport:<10}{layer:>6}{batch * ROWS_PER_TOKEN:>7}"
+                            f"{np.percentile(a, 50) * 1e6:>10.0f}{np.percentile(a, 99) * 1e6:>10.0f}"
+                            f"{window * 1e6:>11.0f}{(a <= window).mean() * 100:>10.1f}%{rows_s:>12,.0f}"
+                        )
                     print(f"{'':<10}bit-exact vs the table file on {lat['checked']} sampled gathers")
         finally:
             proc.terminate()
             proc.wait(timeout=30)
-    print("\nlatency is from step start (both layers issued at once) to each layer's rows in the buffer;\n"
-          "the windows are DeepSeek-V4.1's: layer 1 at 0.3 ms, layer 14 at 9.3 ms after step start.")
+    print(
+        "\nlatency is from step start (both layers issued at once) to each layer's rows in the buffer;\n"
+        "the windows are DeepSeek-V4.1's: layer 1 at 0.3 ms, layer 14 at 9.3 ms after step start."
+    )
     return 0

@@ -55,14 +55,19 @@ class Finding:
 # ------------------------------------------------------------------ where pyverbs comes from
 def system_pyverbs_dirs() -> list[str]:
     """Distribution pyverbs packages on this host (Debian/Ubuntu, then Fedora/RHEL/SUSE layouts)."""
-    patterns = ["/usr/lib/python3/dist-packages/pyverbs", "/usr/lib/python3*/site-packages/pyverbs",
-                "/usr/lib64/python3*/site-packages/pyverbs", "/usr/local/lib/python3*/dist-packages/pyverbs",
-                "/usr/local/lib64/python3*/site-packages/pyverbs"]
+    patterns = [
+        "/usr/lib/python3/dist-packages/pyverbs",
+        "/usr/lib/python3*/site-packages/pyverbs",
+        "/usr/lib64/python3*/site-packages/pyverbs",
+        "/usr/local/lib/python3*/dist-packages/pyverbs",
+        "/usr/local/lib64/python3*/site-packages/pyverbs",
+    ]
     found = []
     for pattern in patterns:
         for d in sorted(glob.glob(pattern)):
-            if os.path.isfile(os.path.join(d, "__init__.py")) and os.path.realpath(d) not in map(os.path.realpath,
-                                                                                              found):
+            if os.path.isfile(os.path.join(d, "__init__.py")) and os.path.realpath(d) not in map(
+                os.path.realpath, found
+            ):
                 found.append(d)
     return found
 
@@ -152,15 +157,23 @@ def probe(python: str = sys.executable) -> dict:
 def _purelib(python: str) -> str:
     if python == sys.executable:
         return sysconfig.get_paths()["purelib"]
-    return subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          check=True, capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
 
 
 def _ext_suffix(python: str) -> str:
     if python == sys.executable:
         return sysconfig.get_config_var("EXT_SUFFIX")
-    return subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))"],
-                          check=True, capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
 
 
 def check_pyverbs(python: str = sys.executable, info: dict | None = None) -> Finding:
@@ -171,14 +184,21 @@ def check_pyverbs(python: str = sys.executable, info: dict | None = None) -> Fin
         pkg = os.path.dirname(os.path.realpath(info["file"]))
         lib = info["libibverbs"][0]
         devices = info.get("devices") or []
-        return Finding("pyverbs", "ok", f"{pkg} (rdma-core {rdma_core_version(lib)}, {lib}); "
-                       f"devices: {', '.join(devices) if devices else 'none'}")
+        return Finding(
+            "pyverbs",
+            "ok",
+            f"{pkg} (rdma-core {rdma_core_version(lib)}, {lib}); devices: {', '.join(devices) if devices else 'none'}",
+        )
     if "error" in info:
-        fix = ("run `tableserver doctor --fix-pyverbs`" if system_pyverbs_dirs() else f"{install_hint()}, then run "
-               "`tableserver doctor --fix-pyverbs`")
+        fix = (
+            "run `tableserver doctor --fix-pyverbs`"
+            if system_pyverbs_dirs()
+            else f"{install_hint()}, then run `tableserver doctor --fix-pyverbs`"
+        )
         return Finding("pyverbs", "warn", f"not importable ({problem}); only the rdma transport needs it: {fix}")
-    return Finding("pyverbs", "FAIL", f"{problem}: remove it (pip uninstall pyverbs) and run "
-                   "`tableserver doctor --fix-pyverbs`")
+    return Finding(
+        "pyverbs", "FAIL", f"{problem}: remove it (pip uninstall pyverbs) and run `tableserver doctor --fix-pyverbs`"
+    )
 
 
 def pyverbs_problem(info: dict) -> str | None:
@@ -191,8 +211,10 @@ def pyverbs_problem(info: dict) -> str | None:
         return f"{pkg} imported but loaded no libibverbs"
     missing = sorted(pyverbs_needs(pkg) - verbs_versions(os.path.realpath(libs[0])))
     if missing:
-        return (f"{pkg} needs {', '.join(missing)}, which this host's libibverbs (rdma-core "
-                f"{rdma_core_version(libs[0])}) lacks")
+        return (
+            f"{pkg} needs {', '.join(missing)}, which this host's libibverbs (rdma-core "
+            f"{rdma_core_version(libs[0])}) lacks"
+        )
     return None
 
 
@@ -201,10 +223,17 @@ def check_rdma_devices(required: bool = False) -> Finding:
     if devices:
         return Finding("rdma devices", "ok", ", ".join(devices))
     if required:
-        return Finding("rdma devices", "FAIL", "none, but --transports names rdma: load the NIC's driver (and on "
-                       "Kubernetes request the RDMA device plugin's resource), or drop rdma from --transports")
-    return Finding("rdma devices", "warn", "none (no RDMA NIC, or no Soft-RoCE link: `rdma link add rxe0 type rxe "
-                   "netdev eth0`); tcp and shm still work")
+        return Finding(
+            "rdma devices",
+            "FAIL",
+            "none, but --transports names rdma: load the NIC's driver (and on "
+            "Kubernetes request the RDMA device plugin's resource), or drop rdma from --transports",
+        )
+    return Finding(
+        "rdma devices",
+        "warn",
+        "none (no RDMA NIC, or no Soft-RoCE link: `rdma link add rxe0 type rxe netdev eth0`); tcp and shm still work",
+    )
 
 
 # ------------------------------------------------------------------ the fix
@@ -220,26 +249,35 @@ def fix_pyverbs(python: str = sys.executable, source: str | None = None) -> Find
     if shadow and not _same_or_under(shadow, link_dir) and (source is not None or current.status != "ok"):
         # another pyverbs (pip's, built for another rdma-core) comes first on sys.path: a link would not help
         why = pyverbs_problem(info) or "it is found first"
-        raise DoctorError(f"the pyverbs at {shadow} comes first on this environment's path ({why}): remove it "
-                          "(pip uninstall pyverbs), then run `tableserver doctor --fix-pyverbs` again")
+        raise DoctorError(
+            f"the pyverbs at {shadow} comes first on this environment's path ({why}): remove it "
+            "(pip uninstall pyverbs), then run `tableserver doctor --fix-pyverbs` again"
+        )
     if source is not None:
         source = os.path.abspath(source)
         if not os.path.isfile(os.path.join(source, "__init__.py")):
-            raise DoctorError(f"--pyverbs-from {source}: not a pyverbs package directory (it has no __init__.py): "
-                              "pass the directory that holds pyverbs' __init__.py")
+            raise DoctorError(
+                f"--pyverbs-from {source}: not a pyverbs package directory (it has no __init__.py): "
+                "pass the directory that holds pyverbs' __init__.py"
+            )
         candidates = [source]
     else:
         candidates = system_pyverbs_dirs()
         if not candidates:
-            raise DoctorError(f"this host has no distribution pyverbs: {install_hint()}, then run "
-                              "`tableserver doctor --fix-pyverbs` again")
+            raise DoctorError(
+                f"this host has no distribution pyverbs: {install_hint()}, then run "
+                "`tableserver doctor --fix-pyverbs` again"
+            )
     suffix = _ext_suffix(python)
     fitting = [d for d in candidates if suffix in extension_suffixes(d)]
     if not fitting:
-        built = ", ".join(f"{d} ({' '.join(sorted(extension_suffixes(d))) or 'no compiled modules'})"
-                          for d in candidates)
-        raise DoctorError(f"no pyverbs here is built for this Python ({suffix}): {built}; make the environment "
-                          f"with the Python those were built for (e.g. /usr/bin/python3 -m venv)")
+        built = ", ".join(
+            f"{d} ({' '.join(sorted(extension_suffixes(d))) or 'no compiled modules'})" for d in candidates
+        )
+        raise DoctorError(
+            f"no pyverbs here is built for this Python ({suffix}): {built}; make the environment "
+            f"with the Python those were built for (e.g. /usr/bin/python3 -m venv)"
+        )
     undo = link(fitting[0], purelib, link_dir)
     info = probe(python)
     after = check_pyverbs(python, info)
@@ -248,10 +286,13 @@ def fix_pyverbs(python: str = sys.executable, source: str | None = None) -> Find
         raise DoctorError(f"linked {fitting[0]} into {purelib}, but it does not work: {after.message}")
     if os.path.realpath(os.path.dirname(info["file"])) != os.path.realpath(fitting[0]):
         undo()
-        raise DoctorError(f"linked {fitting[0]}, but this environment still imports {info['file']}: remove that "
-                          "one (pip uninstall pyverbs) and run again")
-    return Finding("pyverbs", "ok", f"linked into {os.path.dirname(os.path.dirname(os.path.dirname(purelib)))}: "
-                   + after.message)
+        raise DoctorError(
+            f"linked {fitting[0]}, but this environment still imports {info['file']}: remove that "
+            "one (pip uninstall pyverbs) and run again"
+        )
+    return Finding(
+        "pyverbs", "ok", f"linked into {os.path.dirname(os.path.dirname(os.path.dirname(purelib)))}: " + after.message
+    )
 
 
 def _same_or_under(path: str, top: str) -> bool:
@@ -272,8 +313,9 @@ def link(pkg_dir: str, purelib: str, link_dir: str):
         _symlink_atomic(pkg_dir, target)
         write_atomic(pth, link_dir + "\n")  # O_EXCL|O_NOFOLLOW temp: a planted symlink is not followed
     except OSError as e:
-        raise DoctorError(f"cannot link pyverbs into {purelib} ({e.strerror}): run it in a virtual environment "
-                          "you can write to") from None
+        raise DoctorError(
+            f"cannot link pyverbs into {purelib} ({e.strerror}): run it in a virtual environment you can write to"
+        ) from None
 
     def undo() -> None:
         if old_target is None:
@@ -315,8 +357,11 @@ def check_native_take() -> Finding:
 
     fix = "install a C compiler and Python's headers (Debian: apt install gcc python3-dev), then reinstall tableserver"
     if importlib.util.find_spec("tableserver.common._take") is None:
-        return Finding("native take", "warn", f"not built: gathers run numpy's take (the native one is 1.1-1.35x "
-                       f"faster on random rows); {fix}")
+        return Finding(
+            "native take",
+            "warn",
+            f"not built: gathers run numpy's take (the native one is 1.1-1.35x faster on random rows); {fix}",
+        )
     try:
         importlib.import_module("tableserver.common._take")
     except ImportError as e:

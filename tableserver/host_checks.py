@@ -73,11 +73,17 @@ def check_memlock(cfg: dict, sizes: list[int]) -> Finding:
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     need = sum(sizes)
     if soft == resource.RLIM_INFINITY or soft >= need:
-        return Finding("memlock", "ok", f"locked-memory limit {'unlimited' if soft == resource.RLIM_INFINITY else soft}")
-    return Finding("memlock", "FAIL", f"locked-memory limit is {soft / 2**20:.1f} MiB but the tables need "
-                   f"{need / 2**20:.1f} MiB pinned, and CAP_IPC_LOCK is not effective: raise it (`ulimit -l "
-                   "unlimited`, LimitMEMLOCK=infinity, or capabilities.add [IPC_LOCK] as UID 0 in Kubernetes) "
-                   "or pass --no-mlock")
+        return Finding(
+            "memlock", "ok", f"locked-memory limit {'unlimited' if soft == resource.RLIM_INFINITY else soft}"
+        )
+    return Finding(
+        "memlock",
+        "FAIL",
+        f"locked-memory limit is {soft / 2**20:.1f} MiB but the tables need "
+        f"{need / 2**20:.1f} MiB pinned, and CAP_IPC_LOCK is not effective: raise it (`ulimit -l "
+        "unlimited`, LimitMEMLOCK=infinity, or capabilities.add [IPC_LOCK] as UID 0 in Kubernetes) "
+        "or pass --no-mlock",
+    )
 
 
 def check_numa_hugepages(cfg: dict) -> Finding:
@@ -98,13 +104,20 @@ def check_numa_hugepages(cfg: dict) -> Finding:
     size = {"1g": "1048576kB", "2m": "2048kB"}.get(mode)  # --hugepages 1g/2m: that size, not just any
     if not any(v for s in nodes.values() for k, v in s.items() if size is None or k == size):
         found = f" ({text})" if text else ""
-        reserve = ("reserve them at boot (hugepagesz=1G hugepages=N) or per node "
-                   "(/sys/devices/system/node/nodeN/hugepages/.../nr_hugepages)")
+        reserve = (
+            "reserve them at boot (hugepagesz=1G hugepages=N) or per node "
+            "(/sys/devices/system/node/nodeN/hugepages/.../nr_hugepages)"
+        )
         if size:
-            return Finding("hugepages", "FAIL", f"no {mode.upper()} hugepages free{found}: --hugepages {mode} "
-                           f"cannot load the tables; {reserve}, or pass --hugepages auto")
-        return Finding("hugepages", "warn", f"none free{found}: tables use 4 KiB pages (slower random gathers); "
-                       + reserve)
+            return Finding(
+                "hugepages",
+                "FAIL",
+                f"no {mode.upper()} hugepages free{found}: --hugepages {mode} "
+                f"cannot load the tables; {reserve}, or pass --hugepages auto",
+            )
+        return Finding(
+            "hugepages", "warn", f"none free{found}: tables use 4 KiB pages (slower random gathers); " + reserve
+        )
     return Finding("hugepages", "ok", text)
 
 
@@ -113,8 +126,11 @@ def check_cgroup() -> Finding:
 
     parts = []
     mem = memory_allowance()
-    parts.append(f"memory: {mem.available / 2**30:.2f} GiB more allowed by {mem.cgroup} ({mem.knob})" if mem
-                 else "memory: no cgroup limit")
+    parts.append(
+        f"memory: {mem.available / 2**30:.2f} GiB more allowed by {mem.cgroup} ({mem.knob})"
+        if mem
+        else "memory: no cgroup limit"
+    )
     for hp, name in ((1 << 30, "1 GiB"), (2 << 20, "2 MiB")):
         allowed = hugetlb_allowance(hp)
         if allowed is not None:
@@ -137,8 +153,13 @@ def check_ports(cfg: dict) -> list[Finding]:
         wanted.append(("--tcp-listen", host, port + 1))
     metrics = str(cfg.get("metrics_port", "")).strip().lower()
     if metrics not in ("off", "none", "-1"):
-        wanted.append(("--metrics-port", cfg.get("metrics_host") or "127.0.0.1",
-                       int(metrics) if metrics.isdigit() else (port + 2 if port else 0)))
+        wanted.append(
+            (
+                "--metrics-port",
+                cfg.get("metrics_host") or "127.0.0.1",
+                int(metrics) if metrics.isdigit() else (port + 2 if port else 0),
+            )
+        )
     for flag, h, p in wanted:
         if not p:
             continue
@@ -148,8 +169,14 @@ def check_ports(cfg: dict) -> list[Finding]:
                 s.bind((h, p))
         except OSError as e:
             why = "is already in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
-            found.append(Finding("ports", "FAIL", f"{h}:{p} ({flag}) {why}: stop what holds it "
-                                 f"(ss -ltnp 'sport = :{p}') or pass {flag} another address"))
+            found.append(
+                Finding(
+                    "ports",
+                    "FAIL",
+                    f"{h}:{p} ({flag}) {why}: stop what holds it "
+                    f"(ss -ltnp 'sport = :{p}') or pass {flag} another address",
+                )
+            )
     if not found:
         found.append(Finding("ports", "ok", ", ".join(f"{h}:{p} ({flag})" for flag, h, p in wanted if p) or "any"))
     return found
@@ -174,19 +201,32 @@ def check_gids(cfg: dict) -> Finding:
     if not gids:
         return Finding("rdma gids", "FAIL", "no RDMA port has a GID: give the RDMA netdev an IP address")
     if addr is None:
-        return Finding("rdma gids", "warn", f"{len(gids)} GIDs; set --tcp-advertise to the address clients use so "
-                       "the doctor can match it against them")
+        return Finding(
+            "rdma gids",
+            "warn",
+            f"{len(gids)} GIDs; set --tcp-advertise to the address clients use so the doctor can match it against them",
+        )
     mapped = [d for d, g in gids if g.ipv4_mapped == addr or g == addr]
     if mapped:
         return Finding("rdma gids", "ok", f"{addr} is a GID of {', '.join(sorted(set(mapped)))}")
-    return Finding("rdma gids", "FAIL", f"no RDMA GID carries {addr}, the address clients are told: advertise the "
-                   "RDMA netdev's address (--tcp-advertise) or pick the device/GID with --rdma-device/--rdma-gid-index")
+    return Finding(
+        "rdma gids",
+        "FAIL",
+        f"no RDMA GID carries {addr}, the address clients are told: advertise the "
+        "RDMA netdev's address (--tcp-advertise) or pick the device/GID with --rdma-device/--rdma-gid-index",
+    )
 
 
 class _Timex(ctypes.Structure):
-    _fields_ = [("modes", ctypes.c_uint), ("offset", ctypes.c_long), ("freq", ctypes.c_long),
-                ("maxerror", ctypes.c_long), ("esterror", ctypes.c_long), ("status", ctypes.c_int),
-                ("pad", ctypes.c_byte * 200)]
+    _fields_ = [
+        ("modes", ctypes.c_uint),
+        ("offset", ctypes.c_long),
+        ("freq", ctypes.c_long),
+        ("maxerror", ctypes.c_long),
+        ("esterror", ctypes.c_long),
+        ("status", ctypes.c_int),
+        ("pad", ctypes.c_byte * 200),
+    ]
 
 
 def check_clock() -> Finding:
@@ -198,6 +238,10 @@ def check_clock() -> Finding:
     except (OSError, AttributeError):
         return Finding("clock", "warn", "cannot read the clock's state")
     if state == 5 or tx.status & 0x0040:  # TIME_ERROR / STA_UNSYNC
-        return Finding("clock", "warn", "not synchronized (no NTP/PTP): TLS certificate checks and log times may "
-                       "be off; enable chrony or systemd-timesyncd")
+        return Finding(
+            "clock",
+            "warn",
+            "not synchronized (no NTP/PTP): TLS certificate checks and log times may "
+            "be off; enable chrony or systemd-timesyncd",
+        )
     return Finding("clock", "ok", f"synchronized (max error {tx.maxerror} us)")

@@ -96,7 +96,7 @@ class TableSet:
         for t in self.tables:
             t.region.close()
 
-    def __enter__(self) -> "TableSet":
+    def __enter__(self) -> TableSet:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -111,9 +111,13 @@ def _use_direct(path: str, io: str) -> bool:
     if io == "direct":
         return True
     cached = page_cache_fraction(path)
-    log.info("%s: %.0f%% in the page cache: loading with %s reads", path, cached * 100,
-             "buffered" if cached >= 0.5 else "O_DIRECT",
-             extra=kv(event="load_io", path=path, page_cache=round(cached, 2), direct=cached < 0.5))
+    log.info(
+        "%s: %.0f%% in the page cache: loading with %s reads",
+        path,
+        cached * 100,
+        "buffered" if cached >= 0.5 else "O_DIRECT",
+        extra=kv(event="load_io", path=path, page_cache=round(cached, 2), direct=cached < 0.5),
+    )
     return cached < 0.5
 
 
@@ -125,15 +129,27 @@ def row_range(spec: TableSpec, rows: tuple[int, int] | None, shard: tuple[int, i
     if rows is not None:
         lo, hi = rows
         if hi > spec.rows:
-            raise TableFileError(f"--rows {lo}:{hi}: table {spec.name!r} has only {spec.rows} rows: use a range "
-                                 "inside every table, or --shard K/N")
+            raise TableFileError(
+                f"--rows {lo}:{hi}: table {spec.name!r} has only {spec.rows} rows: use a range "
+                "inside every table, or --shard K/N"
+            )
         return lo, hi
     return 0, spec.rows
 
 
-def load_tables(paths: list[str], *, hugepages: str = "auto", lock: bool = True, verify: bool = True,
-                progress: str = "auto", workers: int | None = None, cancel=None, io: str = "auto",
-                rows: tuple[int, int] | None = None, shard: tuple[int, int] | None = None) -> TableSet:
+def load_tables(
+    paths: list[str],
+    *,
+    hugepages: str = "auto",
+    lock: bool = True,
+    verify: bool = True,
+    progress: str = "auto",
+    workers: int | None = None,
+    cancel=None,
+    io: str = "auto",
+    rows: tuple[int, int] | None = None,
+    shard: tuple[int, int] | None = None,
+) -> TableSet:
     """Loads every table of every file in ``paths`` into pinned memory.
 
     ``rows=(lo, hi)`` or ``shard=(k, n)`` load only a row range of each table
@@ -147,16 +163,19 @@ def load_tables(paths: list[str], *, hugepages: str = "auto", lock: bool = True,
     the load (the daemon does so on SIGTERM); every region is freed then.
     """
     if not paths:
-        raise TableFileError("no table files given: pass --tables FILE[,FILE...] "
-                             "(make a demo file with `tableserver gen-demo PATH`)")
+        raise TableFileError(
+            "no table files given: pass --tables FILE[,FILE...] (make a demo file with `tableserver gen-demo PATH`)"
+        )
     entries = []  # (source, spec)
     where: dict[str, str] = {}
     for path in paths:
         source = open_source(path)
         for spec in source.specs:
             if spec.name in where:
-                raise TableFileError(f"table {spec.name!r} is defined in both {where[spec.name]} and {path}: "
-                                     "table names must be unique across --tables")
+                raise TableFileError(
+                    f"table {spec.name!r} is defined in both {where[spec.name]} and {path}: "
+                    "table names must be unique across --tables"
+                )
             where[spec.name] = path
             entries.append((source, spec))
     if not entries:
@@ -164,8 +183,12 @@ def load_tables(paths: list[str], *, hugepages: str = "auto", lock: bool = True,
     ranges = [row_range(s, rows, shard) for _, s in entries]
     sizes = [(hi - lo) * s.row_bytes for (_, s), (lo, hi) in zip(entries, ranges)]
     plan = plan_memory([max(n, 1) for n in sizes], hugepages=hugepages, lock=lock)
-    log.info("memory plan: %s for %d tables", plan.describe(), len(entries),
-             extra=kv(event="memory_plan", tables=len(entries), plan=plan.describe()))
+    log.info(
+        "memory plan: %s for %d tables",
+        plan.describe(),
+        len(entries),
+        extra=kv(event="memory_plan", tables=len(entries), plan=plan.describe()),
+    )
     total = sum(sizes)
     bar = Progress(total, "loading tables", mode=progress)
 
@@ -182,24 +205,45 @@ def load_tables(paths: list[str], *, hugepages: str = "auto", lock: bool = True,
     t0 = time.monotonic()
     try:
         with ThreadPoolExecutor(workers, thread_name_prefix="tableserver-load") as pool:
-            for index, ((source, spec), page, (lo, hi), size) in enumerate(zip(entries, plan.page_sizes, ranges,
-                                                                                   sizes)):
+            for index, ((source, spec), page, (lo, hi), size) in enumerate(
+                zip(entries, plan.page_sizes, ranges, sizes)
+            ):
                 region = PinnedRegion(spec.name, max(size, 1), page)
                 tables.append(Table(index, spec, "", source.path, region, lo, hi))
                 region.advise_hugepage()
-                checksum = source.load(spec, region.array, pool, advance, verify, direct=direct[source.path],
-                                       rows=(lo, hi))
+                checksum = source.load(
+                    spec, region.array, pool, advance, verify, direct=direct[source.path], rows=(lo, hi)
+                )
                 tables[-1].checksum = checksum or spec.checksum
                 if lock:
                     region.lock()
                 region.seal()
                 part = "" if (lo, hi) == (0, spec.rows) else f" (rows {lo}..{hi - 1} of {spec.rows})"
-                log.info("table %s: %d rows x %d B = %s%s, layer %d, %s, checksum %s%s",
-                         spec.name, hi - lo, spec.row_bytes, human_bytes(size), part, spec.layer,
-                         region.kind, tables[-1].checksum or "-", "" if verify else " (not verified)",
-                         extra=kv(event="table_loaded", table=spec.name, layer=spec.layer, rows=hi - lo,
-                                  row_lo=lo, total_rows=spec.rows, row_bytes=spec.row_bytes, bytes=size,
-                                  memory=region.kind, page_size=region.page_size, verified=verify))
+                log.info(
+                    "table %s: %d rows x %d B = %s%s, layer %d, %s, checksum %s%s",
+                    spec.name,
+                    hi - lo,
+                    spec.row_bytes,
+                    human_bytes(size),
+                    part,
+                    spec.layer,
+                    region.kind,
+                    tables[-1].checksum or "-",
+                    "" if verify else " (not verified)",
+                    extra=kv(
+                        event="table_loaded",
+                        table=spec.name,
+                        layer=spec.layer,
+                        rows=hi - lo,
+                        row_lo=lo,
+                        total_rows=spec.rows,
+                        row_bytes=spec.row_bytes,
+                        bytes=size,
+                        memory=region.kind,
+                        page_size=region.page_size,
+                        verified=verify,
+                    ),
+                )
     except BaseException:
         for t in tables:
             t.region.close()
@@ -207,7 +251,12 @@ def load_tables(paths: list[str], *, hugepages: str = "auto", lock: bool = True,
     finally:
         bar.finish()
     elapsed = time.monotonic() - t0
-    log.info("loaded %d tables, %s in %.2f s (%s/s)", len(tables), human_bytes(total), elapsed,
-             human_bytes(total / max(elapsed, 1e-9)),
-             extra=kv(event="tables_loaded", tables=len(tables), bytes=total, seconds=round(elapsed, 3)))
+    log.info(
+        "loaded %d tables, %s in %.2f s (%s/s)",
+        len(tables),
+        human_bytes(total),
+        elapsed,
+        human_bytes(total / max(elapsed, 1e-9)),
+        extra=kv(event="tables_loaded", tables=len(tables), bytes=total, seconds=round(elapsed, 3)),
+    )
     return TableSet(tables, elapsed)

@@ -48,8 +48,9 @@ def _value(v) -> str:
 
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        line = (f"{_utc(record)} {PREFIX}[{record.process}] {record.levelname} {record.name}: "
-                f"{escape(record.getMessage())}")
+        line = (
+            f"{_utc(record)} {PREFIX}[{record.process}] {record.levelname} {record.name}: {escape(record.getMessage())}"
+        )
         fields = getattr(record, "fields", None)
         if fields:
             line += " " + " ".join(f"{k}={_value(v)}" for k, v in fields.items())
@@ -60,12 +61,18 @@ class TextFormatter(logging.Formatter):
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        doc = {"ts": _utc(record), "level": record.levelname, "logger": record.name, "pid": record.process,
-               "msg": record.getMessage()}
+        doc = {
+            "ts": _utc(record),
+            "level": record.levelname,
+            "logger": record.name,
+            "pid": record.process,
+            "msg": record.getMessage(),
+        }
         fields = getattr(record, "fields", None)
         if fields:
-            doc.update({k: v if isinstance(v, (int, float, bool, str)) or v is None else str(v)
-                        for k, v in fields.items()})
+            doc.update(
+                {k: v if isinstance(v, (int, float, bool, str)) or v is None else str(v) for k, v in fields.items()}
+            )
         if record.exc_info:
             doc["exc"] = self.formatException(record.exc_info)
         return json.dumps(doc)

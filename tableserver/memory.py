@@ -137,11 +137,13 @@ def plan_memory(sizes: list[int], hugepages: str = "auto", lock: bool = True) ->
                     f"--hugepages {hugepages} needs {need} {hp >> 20} MiB hugepages for a {_gib(size)} table, but "
                     f"cgroup {allowed.cgroup} allows {allowed.available // hp} more ({allowed.knob} = "
                     f"{_gib(allowed.limit)}): raise it (Kubernetes: resources.limits.hugepages-"
-                    f"{'1Gi' if hp == HUGE_1G else '2Mi'}) or use --hugepages auto")
+                    f"{'1Gi' if hp == HUGE_1G else '2Mi'}) or use --hugepages auto"
+                )
             raise MemoryLimitError(
                 f"--hugepages {hugepages} needs {need} free {hp >> 20} MiB hugepages for a {_gib(size)} table, "
                 f"{free_hugepages(hp)} are free: reserve them (echo N > "
-                f"{_SYSFS.format(kb=hp // 1024, field='nr_hugepages')}) or use --hugepages auto")
+                f"{_SYSFS.format(kb=hp // 1024, field='nr_hugepages')}) or use --hugepages auto"
+            )
         page_sizes.append(choice)
     total = sum(round_up(s, p) for s, p in zip(sizes, page_sizes))
     normal = sum(round_up(s, p) for s, p in zip(sizes, page_sizes) if p == PAGE)
@@ -150,19 +152,22 @@ def plan_memory(sizes: list[int], hugepages: str = "auto", lock: bool = True) ->
         raise MemoryLimitError(
             f"the tables need {_gib(normal)} of memory but cgroup {cgroup.cgroup} allows {_gib(cgroup.available)} "
             f"more ({cgroup.knob} = {_gib(cgroup.limit)}): raise it (Kubernetes: resources.limits.memory; "
-            "systemd: MemoryMax=), reserve hugepages for the tables, or serve fewer tables")
+            "systemd: MemoryMax=), reserve hugepages for the tables, or serve fewer tables"
+        )
     avail = mem_available()
     if normal > avail:
         raise MemoryLimitError(
             f"the tables need {_gib(normal)} of memory but only {_gib(avail)} is available: free memory, "
-            "serve fewer tables, or reserve hugepages for them")
+            "serve fewer tables, or reserve hugepages for them"
+        )
     if lock and not has_cap_ipc_lock():
         soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
         if soft != resource.RLIM_INFINITY and soft < total:
             raise MemoryLimitError(
                 f"locked-memory limit is {_gib(soft)} but the tables need {_gib(total)} pinned: raise it "
                 "(`ulimit -l unlimited`, LimitMEMLOCK=infinity in the systemd unit, or --ulimit memlock=-1 "
-                "for containers), or pass --no-mlock")
+                "for containers), or pass --no-mlock"
+            )
     return MemoryPlan(tuple(page_sizes), total)
 
 
@@ -191,12 +196,14 @@ class PinnedRegion:
             # (this process keeps writing through the mapping made below)
             os.fchmod(self.fd, 0o400)
             os.ftruncate(self.fd, self.size)
-            self._mmap = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED,
-                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self._mmap = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as e:
             self.close()
-            raise MemoryLimitError(f"cannot allocate {_gib(self.size)} for table {name!r} "
-                                   f"({os.strerror(e.errno)}): free memory or hugepages", errno=e.errno) from None
+            raise MemoryLimitError(
+                f"cannot allocate {_gib(self.size)} for table {name!r} "
+                f"({os.strerror(e.errno)}): free memory or hugepages",
+                errno=e.errno,
+            ) from None
         self.array = np.frombuffer(self._mmap, dtype=np.uint8, count=nbytes) if nbytes else np.empty(0, np.uint8)
         self.addr = np.frombuffer(self._mmap, dtype=np.uint8).ctypes.data
 
@@ -211,7 +218,8 @@ class PinnedRegion:
             raise MemoryLimitError(
                 f"mlock of {_gib(self.size)} for table {self.name!r} failed ({os.strerror(err)}): raise the "
                 "locked-memory limit (`ulimit -l unlimited` / LimitMEMLOCK=infinity) or pass --no-mlock",
-                errno=err)
+                errno=err,
+            )
         self.locked = True
 
     def advise_hugepage(self) -> None:
@@ -251,7 +259,7 @@ class PinnedRegion:
             os.close(self.fd)
             self.fd = -1
 
-    def __enter__(self) -> "PinnedRegion":
+    def __enter__(self) -> PinnedRegion:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -25,7 +25,13 @@ import time
 
 import grpc
 from prometheus_client import (
-    CollectorRegistry, Counter, GCCollector, Histogram, Info, PlatformCollector, ProcessCollector,
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
 )
 from prometheus_client.core import GaugeMetricFamily
 
@@ -34,23 +40,44 @@ from tableserver.common.recorder import FlushFirst, Recorder
 from tableserver.common.wire import Status
 
 #: exponential latency buckets, 2 us .. ~0.5 s (RDMA reads to a slow tcp path)
-LATENCY_BUCKETS = tuple(2e-6 * 2 ** k for k in range(19))
+LATENCY_BUCKETS = tuple(2e-6 * 2**k for k in range(19))
 #: gRPC control calls are slower: 50 us .. ~6.5 s
-GRPC_BUCKETS = tuple(50e-6 * 2 ** k for k in range(18))
+GRPC_BUCKETS = tuple(50e-6 * 2**k for k in range(18))
 
 #: error reasons (the label values of tableserver_errors_total), all exported from the start
-ERROR_REASONS = ("bad_row_ids", "unknown_table", "too_many_rows", "bad_frame", "auth", "session_closed",
-                 "qp_error", "disconnect", "internal", "rate_limited", "too_many_sessions", "busy", "accept",
-                 "handshake_timeout", "handshake_evicted", "send_timeout")
+ERROR_REASONS = (
+    "bad_row_ids",
+    "unknown_table",
+    "too_many_rows",
+    "bad_frame",
+    "auth",
+    "session_closed",
+    "qp_error",
+    "disconnect",
+    "internal",
+    "rate_limited",
+    "too_many_sessions",
+    "busy",
+    "accept",
+    "handshake_timeout",
+    "handshake_evicted",
+    "send_timeout",
+)
 #: the /metrics endpoint: concurrent requests served, and how long one may take to send its request
 HTTP_MAX_REQUESTS = 8
 HTTP_TIMEOUT_S = 5.0
 #: /livez fails when the control plane's event loop has not run for this long
 LIVENESS_S = 10.0
-STATUS_REASON = {Status.ROW_OUT_OF_RANGE: "bad_row_ids", Status.UNKNOWN_TABLE: "unknown_table",
-                 Status.TOO_MANY_ROWS: "too_many_rows", Status.BAD_FRAME: "bad_frame",
-                 Status.UNAUTHENTICATED: "auth", Status.SESSION_CLOSED: "session_closed",
-                 Status.INTERNAL: "internal", Status.BUSY: "busy"}
+STATUS_REASON = {
+    Status.ROW_OUT_OF_RANGE: "bad_row_ids",
+    Status.UNKNOWN_TABLE: "unknown_table",
+    Status.TOO_MANY_ROWS: "too_many_rows",
+    Status.BAD_FRAME: "bad_frame",
+    Status.UNAUTHENTICATED: "auth",
+    Status.SESSION_CLOSED: "session_closed",
+    Status.INTERNAL: "internal",
+    Status.BUSY: "busy",
+}
 #: why sessions end (label values of tableserver_sessions_ended_total)
 END_REASONS = ("closed", "disconnected", "lease_expired", "unbound", "shutdown", "setup_failed")
 
@@ -58,8 +85,13 @@ END_REASONS = ("closed", "disconnected", "lease_expired", "unbound", "shutdown",
 def end_reason(text: str) -> str:
     """Maps a session's free-text close reason to a low-cardinality label value."""
     text = text.lower()
-    for key, value in (("lease", "lease_expired"), ("never bound", "unbound"), ("keepalive", "disconnected"),
-                       ("shutting down", "shutdown"), ("setup failed", "setup_failed")):
+    for key, value in (
+        ("lease", "lease_expired"),
+        ("never bound", "unbound"),
+        ("keepalive", "disconnected"),
+        ("shutting down", "shutdown"),
+        ("setup failed", "setup_failed"),
+    ):
         if key in text:
             return value
     return "closed"
@@ -79,26 +111,52 @@ class ServerMetrics:
         PlatformCollector(registry=r)
         GCCollector(registry=r)
         Info("tableserver_build", "Version of the tableserver daemon and of what it runs on.", registry=r).info(
-            {"version": __version__, "python": platform.python_version(), "grpc": grpc.__version__})
-        self.grpc_requests = Counter("tableserver_grpc_requests_total", "gRPC control-plane calls by method and "
-                                     "status code.", ["method", "code"], registry=r)
-        self.grpc_latency = Histogram("tableserver_grpc_request_duration_seconds", "Time to answer unary gRPC "
-                                      "control-plane calls.", ["method"], buckets=GRPC_BUCKETS, registry=r)
-        self.gather_latency = Histogram("tableserver_gather_duration_seconds", "Server-side time to gather and "
-                                        "send one request's rows (tcp gathers, rdma owner-side packing).",
-                                        ["transport", "op"], buckets=LATENCY_BUCKETS, registry=r)
-        self.gather_rows = Counter("tableserver_gather_rows_total", "Rows gathered by the server for clients "
-                                   "(tcp gathers and rdma packing; one-sided READs bypass the server CPU).",
-                                   ["table", "transport", "op"], registry=r)
-        self.gather_bytes = Counter("tableserver_gather_bytes_total", "Row bytes gathered by the server for "
-                                    "clients.", ["table", "transport", "op"], registry=r)
-        self.errors = Counter("tableserver_errors_total", "Errors by reason: refused requests (bad row ids, "
-                              "auth, ...), RDMA completion errors, clients gone mid-request.", ["reason"],
-                              registry=r)
-        self.sessions_opened = Counter("tableserver_sessions_opened_total", "Sessions opened over gRPC.",
-                                       registry=r)
-        self.sessions_ended = Counter("tableserver_sessions_ended_total", "Sessions ended, by reason.",
-                                      ["reason"], registry=r)
+            {"version": __version__, "python": platform.python_version(), "grpc": grpc.__version__}
+        )
+        self.grpc_requests = Counter(
+            "tableserver_grpc_requests_total",
+            "gRPC control-plane calls by method and status code.",
+            ["method", "code"],
+            registry=r,
+        )
+        self.grpc_latency = Histogram(
+            "tableserver_grpc_request_duration_seconds",
+            "Time to answer unary gRPC control-plane calls.",
+            ["method"],
+            buckets=GRPC_BUCKETS,
+            registry=r,
+        )
+        self.gather_latency = Histogram(
+            "tableserver_gather_duration_seconds",
+            "Server-side time to gather and send one request's rows (tcp gathers, rdma owner-side packing).",
+            ["transport", "op"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.gather_rows = Counter(
+            "tableserver_gather_rows_total",
+            "Rows gathered by the server for clients "
+            "(tcp gathers and rdma packing; one-sided READs bypass the server CPU).",
+            ["table", "transport", "op"],
+            registry=r,
+        )
+        self.gather_bytes = Counter(
+            "tableserver_gather_bytes_total",
+            "Row bytes gathered by the server for clients.",
+            ["table", "transport", "op"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "tableserver_errors_total",
+            "Errors by reason: refused requests (bad row ids, "
+            "auth, ...), RDMA completion errors, clients gone mid-request.",
+            ["reason"],
+            registry=r,
+        )
+        self.sessions_opened = Counter("tableserver_sessions_opened_total", "Sessions opened over gRPC.", registry=r)
+        self.sessions_ended = Counter(
+            "tableserver_sessions_ended_total", "Sessions ended, by reason.", ["reason"], registry=r
+        )
         for reason in ERROR_REASONS:
             self.errors.labels(reason)
         for reason in END_REASONS:
@@ -125,9 +183,13 @@ class ServerMetrics:
         with self._recorders_lock:
             recorder = self._recorders.get(key)
             if recorder is None:
-                recorder = self._recorders[key] = self._flush_first.add(Recorder(
-                    self.gather_latency.labels(transport, op), self.gather_rows.labels(table, transport, op),
-                    self.gather_bytes.labels(table, transport, op)))
+                recorder = self._recorders[key] = self._flush_first.add(
+                    Recorder(
+                        self.gather_latency.labels(transport, op),
+                        self.gather_rows.labels(table, transport, op),
+                        self.gather_bytes.labels(table, transport, op),
+                    )
+                )
         return recorder
 
     def error(self, reason: str) -> None:
@@ -142,9 +204,15 @@ class ServerMetrics:
     # ------------------------------------------------------------ endpoint
     def serve(self, host: str, port: int, tls_cert: str = "", tls_key: str = "") -> int:
         """Starts the /metrics HTTP endpoint (the daemon's own process only); returns the bound port."""
-        server, thread = start_metrics_server(host, port, self.registry, tls_cert, tls_key,
-                                              before_scrape=self._flush_first.flush,
-                                              probes={"/readyz": self._ready, "/livez": self._live})
+        server, thread = start_metrics_server(
+            host,
+            port,
+            self.registry,
+            tls_cert,
+            tls_key,
+            before_scrape=self._flush_first.flush,
+            probes={"/readyz": self._ready, "/livez": self._live},
+        )
         self._http = (server, thread)
         return server.server_port
 
@@ -190,8 +258,9 @@ class _StateCollector:
         if s is None:
             return
         tables = s.tables
-        serving = GaugeMetricFamily("tableserver_serving", "1 while health reports SERVING (every table pinned "
-                                    "and every transport up), else 0.")
+        serving = GaugeMetricFamily(
+            "tableserver_serving", "1 while health reports SERVING (every table pinned and every transport up), else 0."
+        )
         serving.add_metric([], 1.0 if s.state is not None and s.state.ready else 0.0)
         yield serving
         uptime = GaugeMetricFamily("tableserver_uptime_seconds", "Seconds since the daemon started.")
@@ -202,13 +271,16 @@ class _StateCollector:
             tts.add_metric([], s.time_to_serving)
         yield tts
         count = GaugeMetricFamily("tableserver_tables_loaded", "Tables loaded, pinned and served.")
-        nbytes = GaugeMetricFamily("tableserver_table_bytes", "Bytes of each served table.",
-                                   labels=["table", "layer"])
+        nbytes = GaugeMetricFamily("tableserver_table_bytes", "Bytes of each served table.", labels=["table", "layer"])
         rows = GaugeMetricFamily("tableserver_table_rows", "Rows of each served table.", labels=["table", "layer"])
-        pinned = GaugeMetricFamily("tableserver_pinned_bytes", "Table memory mapped by the daemon, by page size; "
-                                   "locked (mlock or hugetlb) unless --no-mlock.", labels=["page_size"])
-        load = GaugeMetricFamily("tableserver_load_duration_seconds", "Seconds spent loading, verifying and "
-                                 "pinning every table.")
+        pinned = GaugeMetricFamily(
+            "tableserver_pinned_bytes",
+            "Table memory mapped by the daemon, by page size; locked (mlock or hugetlb) unless --no-mlock.",
+            labels=["page_size"],
+        )
+        load = GaugeMetricFamily(
+            "tableserver_load_duration_seconds", "Seconds spent loading, verifying and pinning every table."
+        )
         count.add_metric([], len(tables) if tables is not None else 0)
         if tables is not None:
             by_page: dict[str, int] = {}
@@ -224,8 +296,9 @@ class _StateCollector:
         control = GaugeMetricFamily("tableserver_control_sessions", "Sessions open on the control plane.")
         control.add_metric([], len(s.sessions) if s.sessions is not None else 0)
         yield control
-        active = GaugeMetricFamily("tableserver_sessions", "Sessions attached to each data transport.",
-                                   labels=["transport"])
+        active = GaugeMetricFamily(
+            "tableserver_sessions", "Sessions attached to each data transport.", labels=["transport"]
+        )
         for name, t in list(s.transports.items()):
             active.add_metric([name], t.active_sessions())
         yield active
@@ -233,8 +306,10 @@ class _StateCollector:
         qps = GaugeMetricFamily("tableserver_rdma_qps", "RC queue pairs connected to clients.")
         regions = GaugeMetricFamily("tableserver_rdma_memory_regions", "Read-only memory regions registered.")
         registered = GaugeMetricFamily("tableserver_rdma_registered_bytes", "Table bytes registered for RDMA.")
-        reg_time = GaugeMetricFamily("tableserver_rdma_registration_duration_seconds", "Seconds spent "
-                                     "registering every table with the RDMA device.")
+        reg_time = GaugeMetricFamily(
+            "tableserver_rdma_registration_duration_seconds",
+            "Seconds spent registering every table with the RDMA device.",
+        )
         # 0 without an rdma transport, so dashboards show "none" rather than "no data"
         qps.add_metric([], rdma.session_qps() if rdma is not None else 0)
         regions.add_metric([], len(rdma.regions) if rdma is not None else 0)
@@ -284,14 +359,14 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
                     latency.observe(time.perf_counter() - start)
                     done(context, error)
 
-            return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer,
-                                                       handler.response_serializer)
+            return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)
         streaming = handler.stream_stream or handler.unary_stream
         if streaming is None:
             return handler
         wrap = grpc.stream_stream_rpc_method_handler if handler.stream_stream else grpc.unary_stream_rpc_method_handler
 
         if inspect.isasyncgenfunction(streaming):
+
             async def stream(request, context):
                 error = None
                 try:
@@ -303,6 +378,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
                 finally:
                     done(context, error)
         else:  # a coroutine that writes its responses with context.write (grpc health's Watch)
+
             async def stream(request, context):
                 error = None
                 try:
@@ -330,8 +406,9 @@ def _code_of(context, error) -> str:
     return "UNKNOWN"
 
 
-def start_metrics_server(host: str, port: int, registry, tls_cert: str = "", tls_key: str = "", probes=None,
-                         before_scrape=None):
+def start_metrics_server(
+    host: str, port: int, registry, tls_cert: str = "", tls_key: str = "", probes=None, before_scrape=None
+):
     """prometheus-client's WSGI exporter, bounded: at most HTTP_MAX_REQUESTS connections are served at
     once (more are closed at once), each must send its request within HTTP_TIMEOUT_S, and with a cert
     and key it speaks HTTPS (the TLS handshake runs on the request's thread, under the same timeout).
@@ -386,8 +463,10 @@ def start_metrics_server(host: str, port: int, registry, tls_cert: str = "", tls
                 before_scrape()
             return metrics_app(environ, start_response)
         ok, text = probe()
-        start_response("200 OK" if ok else "503 Service Unavailable",
-                       [("Content-Type", "text/plain; charset=utf-8"), ("Cache-Control", "no-store")])
+        start_response(
+            "200 OK" if ok else "503 Service Unavailable",
+            [("Content-Type", "text/plain; charset=utf-8"), ("Cache-Control", "no-store")],
+        )
         return [text.encode() + b"\n"]
 
     httpd = make_server(host, port, app, Server, handler_class=Handler)

@@ -30,8 +30,10 @@ def pack(output: str, inputs: list[str], version: int = 1) -> str:
             raise TableFileError(f"{path}: pack reads .safetensors files; this is already a table file")
         for spec in src.specs:
             if spec.name in seen:
-                raise TableFileError(f"table {spec.name!r} comes from both {seen[spec.name]} and {path}: "
-                                     "pack them separately or rename a tensor")
+                raise TableFileError(
+                    f"table {spec.name!r} comes from both {seen[spec.name]} and {path}: "
+                    "pack them separately or rename a tensor"
+                )
             seen[spec.name] = path
             sources.append(src)
             specs.append(dataclasses.replace(spec, version=version))
@@ -56,14 +58,16 @@ def inspect_file(path: str, verify: bool = True, out=None) -> int:
     w(f"{path}\n")
     w(f"{'#':>3}  {'name':<24} {'layer':>5} {'rows':>13} {'row_bytes':>9} {'size':>11}  {'dtype':<24} checksum\n")
     for i, s in enumerate(src.specs):
-        w(f"{i:>3}  {s.name:<24} {s.layer:>5} {s.rows:>13,} {s.row_bytes:>9} {human_bytes(s.nbytes):>11}  "
-          f"{s.dtype:<24} {s.checksum or '-'}\n")
+        w(
+            f"{i:>3}  {s.name:<24} {s.layer:>5} {s.rows:>13,} {s.row_bytes:>9} {human_bytes(s.nbytes):>11}  "
+            f"{s.dtype:<24} {s.checksum or '-'}\n"
+        )
     if not verify or isinstance(src, SafetensorsSource):
         return 0
     bad = 0
     data = np.memmap(path, dtype=np.uint8, mode="r")
     for s in src.specs:
-        view = memoryview(data[s.offset:s.offset + s.nbytes])
+        view = memoryview(data[s.offset : s.offset + s.nbytes])
         for c, (a, b) in enumerate(chunk_ranges(s.nbytes, s.chunk_bytes)):
             if not s.chunk_ok(c, view[a:b]):
                 err: ChecksumError = checksum_error(path, s, c)
@@ -71,6 +75,8 @@ def inspect_file(path: str, verify: bool = True, out=None) -> int:
                 bad += 1
                 break
         else:
-            w(f"ok    {s.name}: {len(s.chunk_crcs)} chunks verified "
-              f"({'SHA-256' if s.chunk_sha256 is not None else 'CRC-32'})\n")
+            w(
+                f"ok    {s.name}: {len(s.chunk_crcs)} chunks verified "
+                f"({'SHA-256' if s.chunk_sha256 is not None else 'CRC-32'})\n"
+            )
     return 1 if bad else 0

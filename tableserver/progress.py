@@ -26,8 +26,7 @@ def _eta(seconds: float) -> str:
 
 
 class Progress:
-    def __init__(self, total: int, label: str = "loading", stream=None, mode: str = "auto",
-                 interval: float = 5.0):
+    def __init__(self, total: int, label: str = "loading", stream=None, mode: str = "auto", interval: float = 5.0):
         self.total = max(total, 0)
         self.label = label
         self.stream = stream if stream is not None else sys.stderr
@@ -55,8 +54,10 @@ class Progress:
         rate = self.done / elapsed
         pct = 100.0 * self.done / self.total if self.total else 100.0
         eta = _eta((self.total - self.done) / rate) if rate > 0 else "?"
-        line = (f"{self.label}: {human_bytes(self.done)} / {human_bytes(self.total)} ({pct:5.1f}%) "
-                f"{human_bytes(rate)}/s ETA {eta}")
+        line = (
+            f"{self.label}: {human_bytes(self.done)} / {human_bytes(self.total)} ({pct:5.1f}%) "
+            f"{human_bytes(rate)}/s ETA {eta}"
+        )
         if self.tty:
             self.stream.write("\r" + line + "\x1b[K")
         else:

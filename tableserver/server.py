@@ -25,13 +25,13 @@ import threading
 import time
 
 from tableserver.auth import TokenAuthInterceptor, load_token, server_credentials
+from tableserver.common.verbs import RdmaUnavailable
 from tableserver.control import OpenRate, ServerState, is_loopback, set_serving, start_control_plane
 from tableserver.errors import ConfigError, ListenError, TableServerError
 from tableserver.loader import load_tables
 from tableserver.logs import kv
 from tableserver.metrics import MetricsInterceptor, ServerMetrics
 from tableserver.progress import human_bytes
-from tableserver.common.verbs import RdmaUnavailable
 from tableserver.sessions import SessionRegistry
 from tableserver.transports import AUTO, KNOWN, transport_class
 from tableserver.transports.shm import host_id
@@ -48,8 +48,9 @@ class TableServer:
     def __init__(self, cfg: dict):
         self.cfg = cfg
         if not cfg["tables"]:
-            raise ConfigError("no tables to serve: pass --tables FILE (make a demo file with "
-                              "`tableserver gen-demo demo.bin`)")
+            raise ConfigError(
+                "no tables to serve: pass --tables FILE (make a demo file with `tableserver gen-demo demo.bin`)"
+            )
         self.host, self.port = parse_hostport(cfg["listen"], "--listen")
         names = cfg["transports"]
         bad = [n for n in names if n not in KNOWN and n != "auto"]
@@ -60,8 +61,11 @@ class TableServer:
         self.auto = "auto" in names
         self.transport_names = list(dict.fromkeys(n for x in names for n in (AUTO if x == "auto" else (x,))))
         self.token = load_token(cfg["auth_token"], cfg["auth_token_file"])
-        self.credentials = (server_credentials(cfg["tls_cert"], cfg["tls_key"], cfg["tls_client_ca"])
-                            if cfg["tls_cert"] or cfg["tls_key"] or cfg["tls_client_ca"] else None)
+        self.credentials = (
+            server_credentials(cfg["tls_cert"], cfg["tls_key"], cfg["tls_client_ca"])
+            if cfg["tls_cert"] or cfg["tls_key"] or cfg["tls_client_ca"]
+            else None
+        )
         self.shard, self.rows = parse_row_range(cfg.get("shard", ""), cfg.get("rows", ""))
         self.metrics_host = cfg.get("metrics_host") or "127.0.0.1"
         self.metrics_tls = bool(cfg.get("metrics_tls"))
@@ -94,24 +98,37 @@ class TableServer:
         grpc_server = None
         try:
             rate, catalog = cfg.get("session_open_rate", 20.0), cfg.get("catalog_rate", 50.0)
-            self.state = ServerState(self.sessions, self.transports, cfg["max_rows_per_request"], host_id(),
-                                     self.metrics, node_id=cfg.get("node_id", ""),
-                                     open_rate=OpenRate(rate, max(1, int(rate * 5))),
-                                     catalog_rate=OpenRate(catalog, max(1, int(catalog * 4))),
-                                     max_sessions=cfg.get("max_sessions", 4096),
-                                     max_sessions_per_peer=cfg.get("max_sessions_per_peer", 512),
-                                     peer_prefixes=(cfg.get("peer_prefix_v4", 24), cfg.get("peer_prefix_v6", 64)))
+            self.state = ServerState(
+                self.sessions,
+                self.transports,
+                cfg["max_rows_per_request"],
+                host_id(),
+                self.metrics,
+                node_id=cfg.get("node_id", ""),
+                open_rate=OpenRate(rate, max(1, int(rate * 5))),
+                catalog_rate=OpenRate(catalog, max(1, int(catalog * 4))),
+                max_sessions=cfg.get("max_sessions", 4096),
+                max_sessions_per_peer=cfg.get("max_sessions_per_peer", 512),
+                peer_prefixes=(cfg.get("peer_prefix_v4", 24), cfg.get("peer_prefix_v6", 64)),
+            )
             self._generate_token_if_exposed()
             # metrics first: it also counts the calls the token check refuses
-            interceptors = [MetricsInterceptor(self.metrics)] + ([TokenAuthInterceptor(self.token)]
-                                                                 if self.token else [])
+            interceptors = [MetricsInterceptor(self.metrics)] + (
+                [TokenAuthInterceptor(self.token)] if self.token else []
+            )
             grpc_server, health, self.port = await start_control_plane(
-                self.state, self.host, self.port, credentials=self.credentials, interceptors=interceptors)
+                self.state, self.host, self.port, credentials=self.credentials, interceptors=interceptors
+            )
             self._bind_transports()
             self._start_metrics()
             self._warn_if_exposed()
-            log.info("control plane on %s:%d (%s%s), health NOT_SERVING while loading", self.host, self.port,
-                     "TLS" if self.credentials else "plaintext", ", token auth" if self.token else "")
+            log.info(
+                "control plane on %s:%d (%s%s), health NOT_SERVING while loading",
+                self.host,
+                self.port,
+                "TLS" if self.credentials else "plaintext",
+                ", token auth" if self.token else "",
+            )
             sd_notify(f"STATUS=loading {len(cfg['tables'])} table file(s)")
             self.tables = await loop.run_in_executor(None, self._load)
             for t in self.transports.values():  # rdma registers every table here: keep health answering
@@ -177,8 +194,9 @@ class TableServer:
                 if serving:
                     log.warning("transports recovered: health SERVING again", extra=kv(event="serving"))
                 else:
-                    log.error("health NOT_SERVING: %s", "; ".join(problems),
-                              extra=kv(event="not_serving", reason=problems[0]))
+                    log.error(
+                        "health NOT_SERVING: %s", "; ".join(problems), extra=kv(event="not_serving", reason=problems[0])
+                    )
 
     def request_stop(self, sig=None) -> None:
         if sig is not None:
@@ -211,17 +229,25 @@ class TableServer:
         if self.metrics_port is None:
             return
         try:
-            self.metrics_port = self.metrics.serve(self.metrics_host, self.metrics_port,
-                                                   *((self.cfg["tls_cert"], self.cfg["tls_key"]) if self.metrics_tls
-                                                     else ()))
+            self.metrics_port = self.metrics.serve(
+                self.metrics_host,
+                self.metrics_port,
+                *((self.cfg["tls_cert"], self.cfg["tls_key"]) if self.metrics_tls else ()),
+            )
         except OSError as e:
-            raise ListenError(f"cannot serve metrics on {self.metrics_host}:{self.metrics_port} ({e.strerror}): "
-                              "fix --metrics-host, or pass --metrics-port PORT (0 picks a free port, off "
-                              "disables it)",
-                              errno=e.errno) from None
-        log.info("metrics on %s://%s:%d/metrics", "https" if self.metrics_tls else "http", self.metrics_host,
-                 self.metrics_port,
-                 extra=kv(event="metrics", address=f"{self.metrics_host}:{self.metrics_port}"))
+            raise ListenError(
+                f"cannot serve metrics on {self.metrics_host}:{self.metrics_port} ({e.strerror}): "
+                "fix --metrics-host, or pass --metrics-port PORT (0 picks a free port, off "
+                "disables it)",
+                errno=e.errno,
+            ) from None
+        log.info(
+            "metrics on %s://%s:%d/metrics",
+            "https" if self.metrics_tls else "http",
+            self.metrics_host,
+            self.metrics_port,
+            extra=kv(event="metrics", address=f"{self.metrics_host}:{self.metrics_port}"),
+        )
 
     def _generate_token_if_exposed(self) -> None:
         """Off loopback with no token (and no --allow-anonymous): a random token in a 0600 file."""
@@ -236,17 +262,26 @@ class TableServer:
         token = secrets.token_urlsafe(32)
         _write_atomic(path, token + "\n", mode=0o600)
         self.token, self.token_file = token, path
-        log.warning("listening on %s without a token: generated one in %s (mode 0600); clients pass it as "
-                    "TableClient(token=...) or TABLESERVER_AUTH_TOKEN (--allow-anonymous serves without one)",
-                    self.host, path, extra=kv(event="token_generated", token_file=path))
+        log.warning(
+            "listening on %s without a token: generated one in %s (mode 0600); clients pass it as "
+            "TableClient(token=...) or TABLESERVER_AUTH_TOKEN (--allow-anonymous serves without one)",
+            self.host,
+            path,
+            extra=kv(event="token_generated", token_file=path),
+        )
 
     def _warn_if_exposed(self) -> None:
         if not is_loopback(self.host) and self.credentials is None:
-            log.warning("the control plane listens on %s without TLS: tokens and session secrets travel in "
-                        "clear; pass --tls-cert/--tls-key (and --auth-token)", self.host)
+            log.warning(
+                "the control plane listens on %s without TLS: tokens and session secrets travel in "
+                "clear; pass --tls-cert/--tls-key (and --auth-token)",
+                self.host,
+            )
         if not is_loopback(self.host) and not self.token:
-            log.warning("the control plane listens on %s without --auth-token: any host that reaches it can "
-                        "read every table", self.host)
+            log.warning(
+                "the control plane listens on %s without --auth-token: any host that reaches it can read every table",
+                self.host,
+            )
 
     def _load(self):
         cfg = self.cfg
@@ -255,9 +290,18 @@ class TableServer:
             if self._cancel_load.is_set():
                 raise LoadCancelled("stopped while loading")
 
-        return load_tables(cfg["tables"], hugepages=cfg["hugepages"], lock=cfg["mlock"], verify=cfg["verify"],
-                           progress=cfg["progress"], workers=cfg["load_workers"] or None, cancel=check_cancel,
-                           io=cfg["load_io"], rows=self.rows, shard=self.shard)
+        return load_tables(
+            cfg["tables"],
+            hugepages=cfg["hugepages"],
+            lock=cfg["mlock"],
+            verify=cfg["verify"],
+            progress=cfg["progress"],
+            workers=cfg["load_workers"] or None,
+            cancel=check_cancel,
+            io=cfg["load_io"],
+            rows=self.rows,
+            shard=self.shard,
+        )
 
     def _announce(self) -> None:
         cfg = self.cfg
@@ -266,14 +310,28 @@ class TableServer:
             endpoints[name] = t.describe().split(" ", 1)[1]
         if self.metrics_port is not None:
             endpoints["metrics"] = f"{self.metrics_host}:{self.metrics_port}"
-        log.info("SERVING %d tables (%s) in %.2f s: %s", len(self.tables), human_bytes(self.tables.nbytes),
-                 self.time_to_serving, ", ".join(f"{k} {v}" for k, v in endpoints.items()),
-                 extra=kv(event="serving", tables=len(self.tables), bytes=self.tables.nbytes,
-                          time_to_serving_s=round(self.time_to_serving, 3), **endpoints))
+        log.info(
+            "SERVING %d tables (%s) in %.2f s: %s",
+            len(self.tables),
+            human_bytes(self.tables.nbytes),
+            self.time_to_serving,
+            ", ".join(f"{k} {v}" for k, v in endpoints.items()),
+            extra=kv(
+                event="serving",
+                tables=len(self.tables),
+                bytes=self.tables.nbytes,
+                time_to_serving_s=round(self.time_to_serving, 3),
+                **endpoints,
+            ),
+        )
         if cfg["ready_file"]:
-            doc = dict(endpoints, pid=os.getpid(), tables=[t.name for t in self.tables],
-                       page_sizes={t.name: t.region.page_size for t in self.tables},
-                       time_to_serving_s=self.time_to_serving)
+            doc = dict(
+                endpoints,
+                pid=os.getpid(),
+                tables=[t.name for t in self.tables],
+                page_sizes={t.name: t.region.page_size for t in self.tables},
+                time_to_serving_s=self.time_to_serving,
+            )
             if self.token_file:
                 doc["token_file"] = self.token_file
             _write_atomic(cfg["ready_file"], json.dumps(doc, indent=1))

@@ -21,8 +21,8 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from tableserver.common.wire import SECRET_BYTES, SESSION_ID_BYTES
 
@@ -61,8 +61,9 @@ class SessionRegistry:
         self._lock = threading.Lock()
         self._listeners: list[Callable[[Session], None]] = []
         self._stop = threading.Event()
-        self._reaper = threading.Thread(target=self._reap, args=(reap_interval,), name="tableserver-reaper",
-                                        daemon=True)
+        self._reaper = threading.Thread(
+            target=self._reap, args=(reap_interval,), name="tableserver-reaper", daemon=True
+        )
         self._reaper.start()
 
     def add_listener(self, fn: Callable[[Session], None]) -> None:
@@ -90,11 +91,10 @@ class SessionRegistry:
         if len(payload) != HELLO_BYTES:
             return None, b""
         sid = payload[:SESSION_ID_BYTES]
-        client_nonce = payload[SESSION_ID_BYTES:SESSION_ID_BYTES + CLIENT_NONCE_BYTES]
-        mac = payload[SESSION_ID_BYTES + CLIENT_NONCE_BYTES:]
+        client_nonce = payload[SESSION_ID_BYTES : SESSION_ID_BYTES + CLIENT_NONCE_BYTES]
+        mac = payload[SESSION_ID_BYTES + CLIENT_NONCE_BYTES :]
         s = self.get(sid)
-        if s is None or s.closed or not hmac.compare_digest(hello_mac(s.secret, sid, server_nonce, client_nonce),
-                                                            mac):
+        if s is None or s.closed or not hmac.compare_digest(hello_mac(s.secret, sid, server_nonce, client_nonce), mac):
             return None, b""
         return s, server_proof(s.secret, sid, server_nonce, client_nonce)
 
@@ -144,15 +144,28 @@ class SessionRegistry:
             now = time.monotonic()
             with self._lock:
                 expired = [s.id for s in self._sessions.values() if s.deadline < now]
-                unbound = [] if self.bind_timeout is None else [
-                    s.id for s in self._sessions.values()
-                    if not s.bound and s.created < now - self.bind_timeout and s.deadline >= now]
+                unbound = (
+                    []
+                    if self.bind_timeout is None
+                    else [
+                        s.id
+                        for s in self._sessions.values()
+                        if not s.bound and s.created < now - self.bind_timeout and s.deadline >= now
+                    ]
+                )
             for sid in expired:
-                self.close(sid, f"lease of {self.lease_seconds:g} s lapsed without a keepalive",
-                           _unless=lambda s: s.deadline >= time.monotonic())
+                self.close(
+                    sid,
+                    f"lease of {self.lease_seconds:g} s lapsed without a keepalive",
+                    _unless=lambda s: s.deadline >= time.monotonic(),
+                )
             for sid in unbound:
-                self.close(sid, f"never bound a keepalive stream within {self.bind_timeout:g} s of opening "
-                                "(a client must start KeepAlive right after OpenSession)", _unless=lambda s: s.bound)
+                self.close(
+                    sid,
+                    f"never bound a keepalive stream within {self.bind_timeout:g} s of opening "
+                    "(a client must start KeepAlive right after OpenSession)",
+                    _unless=lambda s: s.bound,
+                )
 
     def close_all(self, reason: str = "server shutting down") -> None:
         self._stop.set()

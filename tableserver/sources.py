@@ -23,14 +23,19 @@ import logging
 import os
 import re
 import struct
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 import numpy as np
 
 from tableserver.errors import TableFileError
 from tableserver.tablefile import (
-    ENGRAM_DTYPE, ENGRAM_ROW_BYTES, MAGIC, TableSpec, check_table_name, read_header,
+    ENGRAM_DTYPE,
+    ENGRAM_ROW_BYTES,
+    MAGIC,
+    TableSpec,
+    check_table_name,
+    read_header,
 )
 
 log = logging.getLogger("tableserver.sources")
@@ -38,11 +43,23 @@ log = logging.getLogger("tableserver.sources")
 Progress = Callable[[int], None]
 
 _ST_DTYPES = {  # safetensors dtype -> (catalog dtype name, element bytes)
-    "BOOL": ("bool", 1), "U8": ("uint8", 1), "I8": ("int8", 1),
-    "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1), "F8_E8M0": ("float8_e8m0fnu", 1),
-    "I16": ("int16", 2), "U16": ("uint16", 2), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
-    "I32": ("int32", 4), "U32": ("uint32", 4), "F32": ("float32", 4),
-    "I64": ("int64", 8), "U64": ("uint64", 8), "F64": ("float64", 8), "C64": ("complex64", 8),
+    "BOOL": ("bool", 1),
+    "U8": ("uint8", 1),
+    "I8": ("int8", 1),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
+    "F8_E8M0": ("float8_e8m0fnu", 1),
+    "I16": ("int16", 2),
+    "U16": ("uint16", 2),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "I32": ("int32", 4),
+    "U32": ("uint32", 4),
+    "F32": ("float32", 4),
+    "I64": ("int64", 8),
+    "U64": ("uint64", 8),
+    "F64": ("float64", 8),
+    "C64": ("complex64", 8),
 }
 _SCALE_SUFFIXES = ("scale", "weight_scale_inv", "scale_inv", "weight_scale")
 _LAYER_RE = re.compile(r"(?:^|\.)layers?\.(\d+)\.")
@@ -57,8 +74,16 @@ class TableFileSource:
         self.header = read_header(path)
         self.specs = list(self.header.tables)
 
-    def load(self, spec: TableSpec, dest: np.ndarray, pool: ThreadPoolExecutor, progress: Progress,
-             verify: bool, direct: bool = False, rows: tuple[int, int] | None = None) -> str:
+    def load(
+        self,
+        spec: TableSpec,
+        dest: np.ndarray,
+        pool: ThreadPoolExecutor,
+        progress: Progress,
+        verify: bool,
+        direct: bool = False,
+        rows: tuple[int, int] | None = None,
+    ) -> str:
         """Reads ``spec``'s bytes into ``dest`` (uint8 [nbytes]); returns its checksum.
 
         Each 64 MiB chunk is read and, when ``verify``, CRC-checked by one
@@ -123,18 +148,28 @@ class TableFileSource:
         while pos < len(buf):
             n = os.preadv(fd, [buf[pos:]], at + pos)
             if n <= 0:
-                raise TableFileError(f"{self.path}: truncated table file: table {spec.name!r} "
-                                     f"ends early at byte {at + pos}: re-copy or re-pack it")
+                raise TableFileError(
+                    f"{self.path}: truncated table file: table {spec.name!r} "
+                    f"ends early at byte {at + pos}: re-copy or re-pack it"
+                )
             pos += n
 
-    def _load_range(self, spec: TableSpec, dest: np.ndarray, pool: ThreadPoolExecutor, progress: Progress,
-                    verify: bool, rows: tuple[int, int]) -> str:
+    def _load_range(
+        self,
+        spec: TableSpec,
+        dest: np.ndarray,
+        pool: ThreadPoolExecutor,
+        progress: Progress,
+        verify: bool,
+        rows: tuple[int, int],
+    ) -> str:
         """Rows [lo, hi) of ``spec`` into ``dest``, each chunk they touch verified whole (buffered reads)."""
         from tableserver.tablefile import checksum_error, chunk_ranges
 
         start, stop = rows[0] * spec.row_bytes, rows[1] * spec.row_bytes
         fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         try:
+
             def read(buf, at):
                 self._pread(fd, buf, at, spec)
 
@@ -149,9 +184,9 @@ class TableFileSource:
                     read(memoryview(whole), spec.offset + a)
                     if not spec.chunk_ok(i, whole):
                         raise checksum_error(self.path, spec, i)
-                    dest[lo - start:hi - start] = whole[lo - a:hi - a]
+                    dest[lo - start : hi - start] = whole[lo - a : hi - a]
                 else:
-                    part = memoryview(dest)[lo - start:hi - start]
+                    part = memoryview(dest)[lo - start : hi - start]
                     read(part, spec.offset + lo)
                     if verify and not spec.chunk_ok(i, part):
                         raise checksum_error(self.path, spec, i)
@@ -230,34 +265,58 @@ class SafetensorsSource:
             if info["dtype"] != "F8_E4M3" or info["shape"][1:] != [ENGRAM_ROW_BYTES - 8] or not name.endswith("weight"):
                 continue
             prefix = name[: -len("weight")]
-            scale = next((prefix + s for s in _SCALE_SUFFIXES if prefix + s in t
-                          and t[prefix + s]["shape"] == [info["shape"][0], 8]
-                          and t[prefix + s]["dtype"] in ("F8_E8M0", "U8", "I8")), None)
+            scale = next(
+                (
+                    prefix + s
+                    for s in _SCALE_SUFFIXES
+                    if prefix + s in t
+                    and t[prefix + s]["shape"] == [info["shape"][0], 8]
+                    and t[prefix + s]["dtype"] in ("F8_E8M0", "U8", "I8")
+                ),
+                None,
+            )
             if scale is None:
                 continue
             layer = _layer_of(name)
             table = f"engram.layer{layer}" if layer >= 0 else prefix.rstrip(".") or name
-            specs.append(TableSpec(name=check_table_name(table), rows=info["shape"][0],
-                                   row_bytes=ENGRAM_ROW_BYTES, dtype=ENGRAM_DTYPE,
-                                   shape=(info["shape"][0], ENGRAM_ROW_BYTES), layer=layer,
-                                   metadata={"weight": name, "scale": scale}))
+            specs.append(
+                TableSpec(
+                    name=check_table_name(table),
+                    rows=info["shape"][0],
+                    row_bytes=ENGRAM_ROW_BYTES,
+                    dtype=ENGRAM_DTYPE,
+                    shape=(info["shape"][0], ENGRAM_ROW_BYTES),
+                    layer=layer,
+                    metadata={"weight": name, "scale": scale},
+                )
+            )
             self._plans[table] = [(name, 256), (scale, 8)]
             used.update((name, scale))
         for name, info in t.items():
             if name in used:
                 continue
             if len(info["shape"]) != 2:
-                log.info("%s: skipping tensor %s of shape %s (only 2-D tensors are tables)",
-                         self.path, name, info["shape"])
+                log.info(
+                    "%s: skipping tensor %s of shape %s (only 2-D tensors are tables)", self.path, name, info["shape"]
+                )
                 continue
             dtype, size = _ST_DTYPES[info["dtype"]]
             rows, cols = info["shape"]
             if cols * size == 0:
-                log.info("%s: skipping tensor %s of shape %s (zero-width rows are no table)",
-                         self.path, name, info["shape"])
+                log.info(
+                    "%s: skipping tensor %s of shape %s (zero-width rows are no table)", self.path, name, info["shape"]
+                )
                 continue
-            specs.append(TableSpec(name=check_table_name(name), rows=rows, row_bytes=cols * size,
-                                   dtype=dtype, shape=(rows, cols), layer=_layer_of(name)))
+            specs.append(
+                TableSpec(
+                    name=check_table_name(name),
+                    rows=rows,
+                    row_bytes=cols * size,
+                    dtype=dtype,
+                    shape=(rows, cols),
+                    layer=_layer_of(name),
+                )
+            )
             self._plans[name] = [(name, cols * size)]
         names = [s.name for s in specs]
         dup = next((n for n in names if names.count(n) > 1), None)
@@ -275,15 +334,25 @@ class SafetensorsSource:
         out = np.empty((stop - start, spec.row_bytes), np.uint8) if out is None else out
         col = 0
         for tensor, width in self._plans[spec.name]:
-            out[:, col:col + width] = self._tensor_rows(tensor, width)[start:stop]
+            out[:, col : col + width] = self._tensor_rows(tensor, width)[start:stop]
             col += width
         return out
 
-    def load(self, spec: TableSpec, dest: np.ndarray, pool: ThreadPoolExecutor, progress: Progress,
-             verify: bool, direct: bool = False, rows: tuple[int, int] | None = None) -> str:
+    def load(
+        self,
+        spec: TableSpec,
+        dest: np.ndarray,
+        pool: ThreadPoolExecutor,
+        progress: Progress,
+        verify: bool,
+        direct: bool = False,
+        rows: tuple[int, int] | None = None,
+    ) -> str:
         if rows is not None and rows != (0, spec.rows):
-            raise TableFileError(f"{self.path}: serving a row range needs a table file with chunk checksums "
-                                 "(the identity clients pin): `tableserver pack` it first")
+            raise TableFileError(
+                f"{self.path}: serving a row range needs a table file with chunk checksums "
+                "(the identity clients pin): `tableserver pack` it first"
+            )
         rows = dest[: spec.nbytes].reshape(spec.rows, spec.row_bytes)
 
         def block(a):
@@ -331,7 +400,7 @@ def compute_checksum(data: np.ndarray, chunk_bytes: int, pool: ThreadPoolExecuto
     from tableserver.tablefile import chunk_ranges, chunk_sha256, table_sha256
 
     view = memoryview(data)
-    return table_sha256(list(pool.map(lambda r: chunk_sha256(view[r[0]:r[1]]), chunk_ranges(len(data), chunk_bytes))))
+    return table_sha256(list(pool.map(lambda r: chunk_sha256(view[r[0] : r[1]]), chunk_ranges(len(data), chunk_bytes))))
 
 
 def _layer_of(name: str) -> int:
@@ -344,7 +413,7 @@ def _read_safetensors_header(path: str) -> tuple[dict, int]:
     try:
         from safetensors import safe_open
     except ImportError:  # pragma: no cover - safetensors is a hard dependency
-        raise TableFileError("reading .safetensors needs the safetensors package: pip install safetensors")
+        raise TableFileError("reading .safetensors needs the safetensors package: pip install safetensors") from None
     try:
         with safe_open(path, framework="numpy") as f:
             keys = set(f.keys())
@@ -373,8 +442,9 @@ def open_source(path: str):
         with open(path, "rb") as f:
             head = f.read(8)
     except FileNotFoundError:
-        raise TableFileError(f"table file {path} not found: check --tables (make a demo file with "
-                             "`tableserver gen-demo PATH`)", errno=2) from None
+        raise TableFileError(
+            f"table file {path} not found: check --tables (make a demo file with `tableserver gen-demo PATH`)", errno=2
+        ) from None
     except IsADirectoryError:
         raise TableFileError(f"table file {path} is a directory: pass a file to --tables", errno=21) from None
     except PermissionError as e:

@@ -33,8 +33,8 @@ import os
 import re
 import struct
 import zlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -163,8 +163,9 @@ def read_header(path: str) -> TableFileHeader:
             file_size = os.fstat(f.fileno()).st_size
             pre = f.read(PREAMBLE.size)
             if len(pre) < PREAMBLE.size:
-                raise _bad(path, f"truncated table file ({file_size} bytes, less than the "
-                           f"{PREAMBLE.size}-byte preamble)")
+                raise _bad(
+                    path, f"truncated table file ({file_size} bytes, less than the {PREAMBLE.size}-byte preamble)"
+                )
             magic, version, _flags, header_bytes, header_crc, _r, data_offset = PREAMBLE.unpack(pre)
             if magic != MAGIC:
                 raise TableFileError(
@@ -181,16 +182,19 @@ def read_header(path: str) -> TableFileHeader:
             raw = f.read(header_bytes)
     except FileNotFoundError:
         raise TableFileError(
-            f"table file {path} not found: check --tables (make a demo file with "
-            "`tableserver gen-demo PATH`)", errno=2) from None
+            f"table file {path} not found: check --tables (make a demo file with `tableserver gen-demo PATH`)", errno=2
+        ) from None
     except IsADirectoryError:
         raise TableFileError(f"table file {path} is a directory: pass a file to --tables", errno=21) from None
     except PermissionError as e:
-        raise TableFileError(f"cannot read table file {path}: permission denied: fix its mode or "
-                             "run as a user that can read it", errno=e.errno) from None
+        raise TableFileError(
+            f"cannot read table file {path}: permission denied: fix its mode or run as a user that can read it",
+            errno=e.errno,
+        ) from None
     if len(raw) < header_bytes:
-        raise _bad(path, f"truncated table file (header needs {PREAMBLE.size + header_bytes} bytes, "
-                   f"file has {file_size})")
+        raise _bad(
+            path, f"truncated table file (header needs {PREAMBLE.size + header_bytes} bytes, file has {file_size})"
+        )
     if zlib.crc32(raw) != header_crc:
         raise _bad(path, "corrupt header (header checksum mismatch)")
     try:
@@ -207,15 +211,21 @@ def _parse_header(path: str, file_size: int, data_offset: int, header_bytes: int
         raise _bad(path, "bad header: no 'tables' list")
     chunk_bytes = doc.get("chunk_bytes", CHUNK_BYTES)
     alignment = doc.get("alignment", ALIGNMENT)
-    if not (isinstance(chunk_bytes, int) and MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES
-            and isinstance(alignment, int) and 0 < alignment <= MAX_CHUNK_BYTES):
-        raise _bad(path, f"bad header: chunk_bytes must be an integer in {MIN_CHUNK_BYTES}..{MAX_CHUNK_BYTES} "
-                   "and alignment a positive integer")
+    if not (
+        isinstance(chunk_bytes, int)
+        and MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES
+        and isinstance(alignment, int)
+        and 0 < alignment <= MAX_CHUNK_BYTES
+    ):
+        raise _bad(
+            path,
+            f"bad header: chunk_bytes must be an integer in {MIN_CHUNK_BYTES}..{MAX_CHUNK_BYTES} "
+            "and alignment a positive integer",
+        )
     if not isinstance(doc.get("metadata") or {}, dict):
         raise _bad(path, "bad header: metadata is not an object")
     if data_offset < PREAMBLE.size + header_bytes or data_offset % alignment:
-        raise _bad(path, f"bad header: data offset {data_offset} overlaps the header or is not "
-                   f"{alignment}-aligned")
+        raise _bad(path, f"bad header: data offset {data_offset} overlaps the header or is not {alignment}-aligned")
     specs: list[TableSpec] = []
     seen: set[str] = set()
     for i, t in enumerate(doc["tables"]):
@@ -226,26 +236,36 @@ def _parse_header(path: str, file_size: int, data_offset: int, header_bytes: int
         except TableFileError as e:
             raise _bad(path, f"bad header: table #{i}: {e}") from None
         if spec.name in seen:
-            raise TableFileError(f"{path}: table name {spec.name!r} appears twice: "
-                                 "table names must be unique; re-pack with distinct names")
+            raise TableFileError(
+                f"{path}: table name {spec.name!r} appears twice: "
+                "table names must be unique; re-pack with distinct names"
+            )
         seen.add(spec.name)
         if spec.offset < data_offset or spec.offset % alignment:
-            raise _bad(path, f"bad header: table {spec.name!r} offset {spec.offset} is before the data "
-                       f"or not {alignment}-aligned")
+            raise _bad(
+                path,
+                f"bad header: table {spec.name!r} offset {spec.offset} is before the data or not {alignment}-aligned",
+            )
         end = spec.offset + spec.nbytes
         if end > file_size:
             raise TableFileError(
                 f"{path}: truncated table file: table {spec.name!r} ends at byte {end} but the file has "
-                f"{file_size} bytes: re-copy or re-pack it")
+                f"{file_size} bytes: re-copy or re-pack it"
+            )
         specs.append(spec)
     ordered = sorted(specs, key=lambda s: s.offset)
     for a, b in zip(ordered, ordered[1:]):
         if a.offset + a.nbytes > b.offset:
             raise _bad(path, f"bad header: tables {a.name!r} and {b.name!r} overlap")
-    return TableFileHeader(path=path, file_size=file_size, data_offset=data_offset,
-                           chunk_bytes=chunk_bytes, tables=tuple(specs),
-                           created_by=str(doc.get("created_by", ""))[:1000],
-                           metadata=dict(doc.get("metadata") or {}))
+    return TableFileHeader(
+        path=path,
+        file_size=file_size,
+        data_offset=data_offset,
+        chunk_bytes=chunk_bytes,
+        tables=tuple(specs),
+        created_by=str(doc.get("created_by", ""))[:1000],
+        metadata=dict(doc.get("metadata") or {}),
+    )
 
 
 def _int(t: dict, key: str, default=None) -> int:
@@ -273,8 +293,11 @@ def _parse_table(t: dict, chunk_bytes: int) -> TableSpec:
         raise ValueError("chunk checksums must be hex strings of up to 8 digits")
     shas = t.get("chunk_sha256")
     if shas is not None:
-        if not isinstance(shas, list) or len(shas) != n_chunks or \
-                not all(isinstance(h, str) and _HEX64.fullmatch(h) for h in shas):
+        if (
+            not isinstance(shas, list)
+            or len(shas) != n_chunks
+            or not all(isinstance(h, str) and _HEX64.fullmatch(h) for h in shas)
+        ):
             raise ValueError(f"chunk_sha256 needs {n_chunks} hex strings of 64 digits")
         shas = tuple(bytes.fromhex(h) for h in shas)
     if not isinstance(t.get("metadata") or {}, dict):
@@ -283,10 +306,20 @@ def _parse_table(t: dict, chunk_bytes: int) -> TableSpec:
     if not isinstance(raw_shape, list) or len(raw_shape) > 8:
         raise ValueError("shape must be a list of at most 8 integers")
     shape = tuple(_int({"shape": x}, "shape") for x in raw_shape)
-    return TableSpec(name=name, rows=rows, row_bytes=row_bytes, dtype=str(t.get("dtype", "uint8"))[:64],
-                     shape=shape, layer=_int(t, "layer", -1), version=_int(t, "version", 1),
-                     offset=offset, chunk_crcs=tuple(int(c, 16) for c in crcs), chunk_bytes=chunk_bytes,
-                     chunk_sha256=shas, metadata=dict(t.get("metadata") or {}))
+    return TableSpec(
+        name=name,
+        rows=rows,
+        row_bytes=row_bytes,
+        dtype=str(t.get("dtype", "uint8"))[:64],
+        shape=shape,
+        layer=_int(t, "layer", -1),
+        version=_int(t, "version", 1),
+        offset=offset,
+        chunk_crcs=tuple(int(c, 16) for c in crcs),
+        chunk_bytes=chunk_bytes,
+        chunk_sha256=shas,
+        metadata=dict(t.get("metadata") or {}),
+    )
 
 
 def verify_table(path: str, spec: TableSpec, data) -> None:
@@ -302,7 +335,8 @@ def checksum_error(path: str, spec: TableSpec, chunk: int) -> ChecksumError:
     return ChecksumError(
         f"{path}: checksum mismatch in table {spec.name!r} bytes {a}..{min(a + spec.chunk_bytes, spec.nbytes)} "
         f"(rows {a // spec.row_bytes}..{min(a + spec.chunk_bytes, spec.nbytes) // spec.row_bytes}): the file is "
-        "corrupt; re-copy or re-pack it (or pass --no-verify to serve it unchecked)")
+        "corrupt; re-copy or re-pack it (or pass --no-verify to serve it unchecked)"
+    )
 
 
 # --------------------------------------------------------------------------- writing
@@ -316,8 +350,16 @@ class TableFileWriter:
     its final name only if the block exits without an exception.
     """
 
-    def __init__(self, path: str, tables: Iterable[TableSpec], *, chunk_bytes: int = CHUNK_BYTES,
-                 alignment: int = ALIGNMENT, metadata: dict | None = None, created_by: str = ""):
+    def __init__(
+        self,
+        path: str,
+        tables: Iterable[TableSpec],
+        *,
+        chunk_bytes: int = CHUNK_BYTES,
+        alignment: int = ALIGNMENT,
+        metadata: dict | None = None,
+        created_by: str = "",
+    ):
         self.path = path
         self.tmp_path = ""
         if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
@@ -354,15 +396,31 @@ class TableFileWriter:
         n_chunks = chunk_count(s.nbytes, self.chunk_bytes)
         crcs = ["00000000"] * n_chunks if placeholder else [f"{c:08x}" for c in self._crcs[i]]
         shas = ["0" * 64] * n_chunks if placeholder else [h.hex() for h in self._shas[i]]
-        return {"name": s.name, "layer": s.layer, "dtype": s.dtype, "shape": list(s.logical_shape),
-                "rows": s.rows, "row_bytes": s.row_bytes, "version": s.version,
-                "offset": 0 if placeholder else self.offsets[i], "nbytes": s.nbytes,
-                "metadata": s.metadata, "chunk_crc32": crcs, "chunk_sha256": shas}
+        return {
+            "name": s.name,
+            "layer": s.layer,
+            "dtype": s.dtype,
+            "shape": list(s.logical_shape),
+            "rows": s.rows,
+            "row_bytes": s.row_bytes,
+            "version": s.version,
+            "offset": 0 if placeholder else self.offsets[i],
+            "nbytes": s.nbytes,
+            "metadata": s.metadata,
+            "chunk_crc32": crcs,
+            "chunk_sha256": shas,
+        }
 
     def _header_bytes(self, placeholder: bool) -> bytes:
-        doc = {"format": "tableserver-tables", "version": FORMAT_VERSION, "alignment": self.alignment,
-               "chunk_bytes": self.chunk_bytes, "created_by": self.created_by, "metadata": self.metadata,
-               "tables": [self._table_doc(i, placeholder) for i in range(len(self._specs))]}
+        doc = {
+            "format": "tableserver-tables",
+            "version": FORMAT_VERSION,
+            "alignment": self.alignment,
+            "chunk_bytes": self.chunk_bytes,
+            "created_by": self.created_by,
+            "metadata": self.metadata,
+            "tables": [self._table_doc(i, placeholder) for i in range(len(self._specs))],
+        }
         raw = json.dumps(doc, separators=(",", ":")).encode()
         if placeholder:
             # Offsets are not known yet: reserve room for the widest offset.
@@ -451,7 +509,7 @@ class TableFileWriter:
         except FileNotFoundError:
             pass
 
-    def __enter__(self) -> "TableFileWriter":
+    def __enter__(self) -> TableFileWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

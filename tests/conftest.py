@@ -69,7 +69,7 @@ def local_tables(path: str) -> dict[str, np.ndarray]:
     """Every table of a file as a read-only ``[rows, row_bytes]`` array."""
     header = read_header(path)
     mm = np.memmap(path, dtype=np.uint8, mode="r")
-    return {s.name: mm[s.offset:s.offset + s.nbytes].reshape(s.rows, s.row_bytes) for s in header.tables}
+    return {s.name: mm[s.offset : s.offset + s.nbytes].reshape(s.rows, s.row_bytes) for s in header.tables}
 
 
 @dataclass
@@ -99,28 +99,56 @@ class Daemon:
 
 def run_cli(*args, env=None, timeout: float = EVENT_TIMEOUT, preexec=None) -> subprocess.CompletedProcess:
     """Runs ``python -m tableserver ARGS`` to completion."""
-    return subprocess.run([sys.executable, "-m", "tableserver", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, preexec_fn=preexec, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "tableserver", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        preexec_fn=preexec,
+        cwd=ROOT,
+    )
 
 
-def start_daemon(workdir: str, *args, env=None, wait: bool = True, timeout: float = EVENT_TIMEOUT,
-                 prefix: tuple = ()) -> Daemon:
+def start_daemon(
+    workdir: str, *args, env=None, wait: bool = True, timeout: float = EVENT_TIMEOUT, prefix: tuple = ()
+) -> Daemon:
     os.makedirs(workdir, exist_ok=True)
     ready = os.path.join(workdir, "ready.json")
     if os.path.exists(ready):
         os.unlink(ready)
     log = open(os.path.join(workdir, "server.log"), "w")
-    cmd = [*prefix, sys.executable, "-m", "tableserver", "serve", "--listen", "127.0.0.1:0", "--ready-file", ready,
-           "--progress", "never", "--shm-socket", os.path.join(workdir, "shm.sock"), "--lease-seconds", TEST_LEASE,
-           "--session-bind-timeout", TEST_BIND_TIMEOUT,
-           *args]  # a later flag wins: a test may pass its own --lease-seconds, --session-bind-timeout
+    cmd = [
+        *prefix,
+        sys.executable,
+        "-m",
+        "tableserver",
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--ready-file",
+        ready,
+        "--progress",
+        "never",
+        "--shm-socket",
+        os.path.join(workdir, "shm.sock"),
+        "--lease-seconds",
+        TEST_LEASE,
+        "--session-bind-timeout",
+        TEST_BIND_TIMEOUT,
+        *args,
+    ]  # a later flag wins: a test may pass its own --lease-seconds, --session-bind-timeout
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     d = Daemon(proc, workdir)
     if not wait:
         return d
     try:
-        wait_for(lambda: os.path.exists(ready) or proc.poll() is not None, lambda: f"tableserver to be ready:\n{d.log()}",
-                 timeout, interval=0.02)
+        wait_for(
+            lambda: os.path.exists(ready) or proc.poll() is not None,
+            lambda: f"tableserver to be ready:\n{d.log()}",
+            timeout,
+            interval=0.02,
+        )
     except AssertionError:
         proc.kill()
         raise

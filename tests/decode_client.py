@@ -26,7 +26,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 import numpy as np  # noqa: E402
-
 from tableclient import TableClient  # noqa: E402
 from tableclient.step import EngramStep, LayerPlan  # noqa: E402
 
@@ -56,11 +55,18 @@ def main() -> int:
     from conftest import local_tables
 
     local = local_tables(args.tables)
-    client = TableClient(args.address, transport="tcp", client_id=args.client_id, liveness_timeout=args.liveness,
-                         dns_refresh=args.dns_refresh, hedge_fraction=0.5)
+    client = TableClient(
+        args.address,
+        transport="tcp",
+        client_id=args.client_id,
+        liveness_timeout=args.liveness,
+        dns_refresh=args.dns_refresh,
+        hedge_fraction=0.5,
+    )
     plans = [LayerPlan(1, "engram.layer1", WINDOWS[1]), LayerPlan(14, "engram.layer14", WINDOWS[14])]
-    step = EngramStep(client, plans, max_tokens=args.batch, policy="fail", timeout=args.timeout,
-                      hedge=not args.no_hedge)
+    step = EngramStep(
+        client, plans, max_tokens=args.batch, policy="fail", timeout=args.timeout, hedge=not args.no_hedge
+    )
     rng = np.random.default_rng(abs(hash(args.client_id)) % 2**32)
     state = {"steps": 0, "failed": 0, "mismatches": 0, "stalls": [], "errors": [], "pid": os.getpid()}
 
@@ -73,8 +79,10 @@ def main() -> int:
 
     publish()
     while not os.path.exists(args.stop):
-        ids = {1: rng.integers(0, local["engram.layer1"].shape[0], (args.batch, 24)),
-               14: rng.integers(0, local["engram.layer14"].shape[0], (args.batch, 24))}
+        ids = {
+            1: rng.integers(0, local["engram.layer1"].shape[0], (args.batch, 24)),
+            14: rng.integers(0, local["engram.layer14"].shape[0], (args.batch, 24)),
+        }
         t0 = time.perf_counter()
         stall = 0.0
         try:

@@ -15,17 +15,23 @@ import math
 import os
 import socket
 import threading
-import time
 from concurrent import futures
 
 import grpc
 import numpy as np
 
+from tableserver.common.wire import (
+    HEADER,
+    HEADER_BYTES,
+    HELLO_BYTES,
+    FrameType,
+    Status,
+    challenge_frame,
+    response_header,
+    server_proof,
+)
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.v1 import tableserver_pb2_grpc as pb_grpc
-from tableserver.common.wire import (
-    HEADER, HEADER_BYTES, HELLO_BYTES, FrameType, Status, challenge_frame, response_header, server_proof,
-)
 
 ROWS, ROW_BYTES, SEED = 1000, 264, 11
 F_SEAL_FUTURE_WRITE = 0x0010
@@ -92,8 +98,20 @@ class ScriptedServer:
 
     # ----------------------------------------------------------------- control plane
     def table_info(self) -> pb.TableInfo:
-        t = dict(index=0, name="t", rows=ROWS, row_bytes=ROW_BYTES, dtype="uint8", shape=[ROWS, ROW_BYTES], layer=1,
-                 version=1, checksum="sha256:" + "ab" * 32, nbytes=ROWS * ROW_BYTES, total_rows=ROWS, row_lo=0)
+        t = dict(
+            index=0,
+            name="t",
+            rows=ROWS,
+            row_bytes=ROW_BYTES,
+            dtype="uint8",
+            shape=[ROWS, ROW_BYTES],
+            layer=1,
+            version=1,
+            checksum="sha256:" + "ab" * 32,
+            nbytes=ROWS * ROW_BYTES,
+            total_rows=ROWS,
+            row_lo=0,
+        )
         b = self.behaviour
         if b == "catalog_row_lo_near_2_64":
             t.update(row_lo=(1 << 64) - 5, total_rows=ROWS)
@@ -108,11 +126,28 @@ class ScriptedServer:
     def catalog(self) -> pb.Catalog:
         tables = [self.table_info()]
         if self.behaviour == "catalog_duplicate_names":
-            tables.append(pb.TableInfo(index=1, name="t", rows=ROWS, row_bytes=ROW_BYTES, nbytes=ROWS * ROW_BYTES,
-                                       total_rows=ROWS, checksum="sha256:" + "cd" * 32))
-        return pb.Catalog(tables=tables, server=pb.ServerInfo(
-            version="0", hostname="hostile", host_id=boot_id(), transports=["shm", "tcp"],
-            max_rows_per_request=65536, node_id="hostile"))
+            tables.append(
+                pb.TableInfo(
+                    index=1,
+                    name="t",
+                    rows=ROWS,
+                    row_bytes=ROW_BYTES,
+                    nbytes=ROWS * ROW_BYTES,
+                    total_rows=ROWS,
+                    checksum="sha256:" + "cd" * 32,
+                )
+            )
+        return pb.Catalog(
+            tables=tables,
+            server=pb.ServerInfo(
+                version="0",
+                hostname="hostile",
+                host_id=boot_id(),
+                transports=["shm", "tcp"],
+                max_rows_per_request=65536,
+                node_id="hostile",
+            ),
+        )
 
     def offers(self, wanted) -> list:
         tcp = pb.TransportOffer(name="tcp", tcp=pb.TcpEndpoint(host="127.0.0.1", port=self.tcp_port))
@@ -137,7 +172,7 @@ class ScriptedServer:
         for i in range(len(data)):
             if not self.sleep(per_byte_s):
                 return
-            conn.sendall(data[i:i + 1])
+            conn.sendall(data[i : i + 1])
 
     def _serve_tcp(self, conn) -> None:
         b = self.behaviour
@@ -171,17 +206,21 @@ class ScriptedServer:
                     return
                 rows = self.rows[ids]
                 if b == "response_wrong_length":
-                    conn.sendall(response_header(FrameType.GATHER, Status.OK, request_id, ROW_BYTES, count + 1)
-                                 + rows.tobytes())
+                    conn.sendall(
+                        response_header(FrameType.GATHER, Status.OK, request_id, ROW_BYTES, count + 1) + rows.tobytes()
+                    )
                 elif b == "response_unknown_request_id":
-                    conn.sendall(response_header(FrameType.GATHER, Status.OK, request_id + 1000, ROW_BYTES, count)
-                                 + rows.tobytes())
+                    conn.sendall(
+                        response_header(FrameType.GATHER, Status.OK, request_id + 1000, ROW_BYTES, count)
+                        + rows.tobytes()
+                    )
                 elif b == "response_huge_error":
                     conn.sendall(response_header(FrameType.GATHER, Status.INTERNAL, request_id, 0, 1 << 31))
                     self.stop.wait()
                 else:
-                    conn.sendall(response_header(FrameType.GATHER, Status.OK, request_id, ROW_BYTES, count)
-                                 + rows.tobytes())
+                    conn.sendall(
+                        response_header(FrameType.GATHER, Status.OK, request_id, ROW_BYTES, count) + rows.tobytes()
+                    )
         except (OSError, ConnectionError):
             pass
         finally:
@@ -252,8 +291,13 @@ class _Service(pb_grpc.TableServiceServicer):
         lease = math.nan if self.s.behaviour == "lease_nan" else 30.0
         if self.s.behaviour == "session_id_short":
             sid = sid[:3]
-        return pb.OpenSessionResponse(session_id=sid, secret=secret, lease_seconds=lease,
-                                      offers=self.s.offers(list(request.transports)), max_rows_per_request=65536)
+        return pb.OpenSessionResponse(
+            session_id=sid,
+            secret=secret,
+            lease_seconds=lease,
+            offers=self.s.offers(list(request.transports)),
+            max_rows_per_request=65536,
+        )
 
     def KeepAlive(self, request_iterator, context):
         for _ in request_iterator:

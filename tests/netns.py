@@ -70,7 +70,7 @@ class Hosts:
     def ip(self, name: str) -> str:
         return f"10.213.{self.net}.{self.names.index(name) + 1}"
 
-    def __enter__(self) -> "Hosts":
+    def __enter__(self) -> Hosts:
         try:
             _run("ip", "link", "add", self.bridge, "type", "bridge")
             _run("ip", "link", "set", self.bridge, "up")
@@ -104,13 +104,41 @@ class Hosts:
     def drop(self, name: str) -> None:
         """Every packet to and from the host vanishes: connects and requests time out, no reset."""
         for chain in ("INPUT", "OUTPUT"):
-            _run("ip", "netns", "exec", self.ns(name), "iptables", "-A", chain, "!", "-o" if chain == "OUTPUT"
-                 else "-i", "lo", "-j", "DROP")
+            _run(
+                "ip",
+                "netns",
+                "exec",
+                self.ns(name),
+                "iptables",
+                "-A",
+                chain,
+                "!",
+                "-o" if chain == "OUTPUT" else "-i",
+                "lo",
+                "-j",
+                "DROP",
+            )
 
     def reject(self, name: str) -> None:
         """Every tcp packet to the host is answered with a reset: connects fail at once."""
-        _run("ip", "netns", "exec", self.ns(name), "iptables", "-A", "INPUT", "!", "-i", "lo", "-p", "tcp", "-j",
-             "REJECT", "--reject-with", "tcp-reset")
+        _run(
+            "ip",
+            "netns",
+            "exec",
+            self.ns(name),
+            "iptables",
+            "-A",
+            "INPUT",
+            "!",
+            "-i",
+            "lo",
+            "-p",
+            "tcp",
+            "-j",
+            "REJECT",
+            "--reject-with",
+            "tcp-reset",
+        )
 
     def heal(self, name: str) -> None:
         for chain in ("INPUT", "OUTPUT"):
@@ -154,10 +182,37 @@ class Cluster:
         if os.path.exists(ready):
             os.unlink(ready)
         log = open(os.path.join(self.workdir, f"{name}.log"), "a")
-        proc = self.hosts.popen(name, [sys.executable, "-m", "tableserver", "serve", "--tables", table, "--listen",
-                                       f"{self.hosts.ip(name)}:{PORT}", "--transports", "tcp", "--node-id", name,
-                                       "--ready-file", ready, "--progress", "never", "--metrics-port", "off",
-                                       "--lease-seconds", "120", "--session-bind-timeout", "3600", *flags], stdout=log, stderr=log, cwd=ROOT)
+        proc = self.hosts.popen(
+            name,
+            [
+                sys.executable,
+                "-m",
+                "tableserver",
+                "serve",
+                "--tables",
+                table,
+                "--listen",
+                f"{self.hosts.ip(name)}:{PORT}",
+                "--transports",
+                "tcp",
+                "--node-id",
+                name,
+                "--ready-file",
+                ready,
+                "--progress",
+                "never",
+                "--metrics-port",
+                "off",
+                "--lease-seconds",
+                "120",
+                "--session-bind-timeout",
+                "3600",
+                *flags,
+            ],
+            stdout=log,
+            stderr=log,
+            cwd=ROOT,
+        )
         self.nodes[name] = proc
         wait_for(lambda: os.path.exists(ready) or proc.poll() is not None, f"{name} to serve")
         assert proc.poll() is None, open(os.path.join(self.workdir, f"{name}.log")).read()[-3000:]
@@ -180,10 +235,29 @@ class Worker:
         self.stop_path = os.path.join(workdir, f"{client_id}.stop")
         self.log = os.path.join(workdir, f"{client_id}.log")
         with open(self.log, "w") as log:
-            self.proc = hosts.popen(host, [sys.executable, os.path.join(ROOT, "tests", "decode_client.py"),
-                                           "--address", address, "--tables", table, "--progress",
-                                           self.progress_path, "--stop", self.stop_path, "--client-id", client_id,
-                                           "--liveness", "1.0", *extra], stdout=log, stderr=log, cwd=ROOT)
+            self.proc = hosts.popen(
+                host,
+                [
+                    sys.executable,
+                    os.path.join(ROOT, "tests", "decode_client.py"),
+                    "--address",
+                    address,
+                    "--tables",
+                    table,
+                    "--progress",
+                    self.progress_path,
+                    "--stop",
+                    self.stop_path,
+                    "--client-id",
+                    client_id,
+                    "--liveness",
+                    "1.0",
+                    *extra,
+                ],
+                stdout=log,
+                stderr=log,
+                cwd=ROOT,
+            )
 
     def progress(self) -> dict:
         try:
@@ -194,9 +268,11 @@ class Worker:
 
     def wait_steps(self, more: int) -> dict:
         target = self.progress().get("steps", 0) + more
-        wait_for(lambda: self.progress().get("steps", 0) >= target or self.proc.poll() is not None,
-                 lambda: f"{more} more decode steps: {self.progress()}\n{open(self.log).read()[-3000:]}",
-                 interval=0.05)
+        wait_for(
+            lambda: self.progress().get("steps", 0) >= target or self.proc.poll() is not None,
+            lambda: f"{more} more decode steps: {self.progress()}\n{open(self.log).read()[-3000:]}",
+            interval=0.05,
+        )
         assert self.proc.poll() is None, open(self.log).read()[-3000:]
         return self.progress()
 

@@ -13,7 +13,6 @@ import urllib.request
 
 import pytest
 import yaml
-
 from conftest import EVENT_TIMEOUT, ROOT, wait_for
 
 helm = pytest.importorskip("helm_python", reason="the dev extra installs helm-python-sdk")
@@ -23,20 +22,40 @@ CHART = os.path.join(ROOT, "deploy", "helm", "tableserver")
 AUTH = {"auth": {"existingSecret": "tableserver-token"}}
 VALUE_SETS = {
     "defaults": (AUTH, ("1.29.0", "1.35.0")),
-    "rdma-2Mi-multus-tls-monitoring": ({
-        **AUTH, "rdma": {"enabled": True, "gidIndex": "3", "resourceName": "rdma/rdma_shared_device_a"},
-        "hugepages": {"size": "2Mi", "amount": "210Gi"}, "multusNetworks": "roce-sriov",
-        "tls": {"existingSecret": "tableserver-tls", "clientCASecret": "tableserver-client-ca"},
-        "metrics": {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True},
-                    "grafanaDashboard": {"enabled": True}},
-        "replicas": 3}, ("1.29.0", "1.35.0")),
-    "daemonset-hostnetwork-pvc": ({
-        "kind": "daemonset", "hostNetwork": True, "transports": ["shm", "tcp"], "auth": {"allowAnonymous": True},
-        "tables": {"file": "engram.bin", "source": "pvc", "pvc": {"claimName": "engram-tables"}},
-        "hugepages": {"size": "off"}}, ("1.29.0", "1.35.0")),
-    "image-volume": ({
-        **AUTH, "tables": {"file": "engram.bin", "source": "image",
-                           "image": {"reference": "registry.example/engram:v4.1"}}}, ("1.31.0", "1.35.0")),
+    "rdma-2Mi-multus-tls-monitoring": (
+        {
+            **AUTH,
+            "rdma": {"enabled": True, "gidIndex": "3", "resourceName": "rdma/rdma_shared_device_a"},
+            "hugepages": {"size": "2Mi", "amount": "210Gi"},
+            "multusNetworks": "roce-sriov",
+            "tls": {"existingSecret": "tableserver-tls", "clientCASecret": "tableserver-client-ca"},
+            "metrics": {
+                "serviceMonitor": {"enabled": True},
+                "prometheusRule": {"enabled": True},
+                "grafanaDashboard": {"enabled": True},
+            },
+            "replicas": 3,
+        },
+        ("1.29.0", "1.35.0"),
+    ),
+    "daemonset-hostnetwork-pvc": (
+        {
+            "kind": "daemonset",
+            "hostNetwork": True,
+            "transports": ["shm", "tcp"],
+            "auth": {"allowAnonymous": True},
+            "tables": {"file": "engram.bin", "source": "pvc", "pvc": {"claimName": "engram-tables"}},
+            "hugepages": {"size": "off"},
+        },
+        ("1.29.0", "1.35.0"),
+    ),
+    "image-volume": (
+        {
+            **AUTH,
+            "tables": {"file": "engram.bin", "source": "image", "image": {"reference": "registry.example/engram:v4.1"}},
+        },
+        ("1.31.0", "1.35.0"),
+    ),
 }
 
 
@@ -101,21 +120,26 @@ def test_chart_renders_lints_and_validates(case):
 
 
 def test_the_chart_carries_the_same_alerts_and_dashboard():
-    for ours, theirs in (("alerts.yml", ("prometheus", "alerts.yml")),
-                         ("dashboard.json", ("grafana", "dashboards", "tableserver.json"))):
+    for ours, theirs in (
+        ("alerts.yml", ("prometheus", "alerts.yml")),
+        ("dashboard.json", ("grafana", "dashboards", "tableserver.json")),
+    ):
         with open(os.path.join(CHART, "files", ours)) as a, open(os.path.join(ROOT, "deploy", *theirs)) as b:
             assert a.read() == b.read(), f"deploy/helm/tableserver/files/{ours} drifted: copy it again"
 
 
-@pytest.mark.parametrize("bad, needle", [
-    ({"replicas": 0}, "replicas"),
-    ({"hugepages": {"size": "3Gi"}}, "size"),
-    ({"tables": {"file": "engram.bin", "source": "ftp"}}, "source"),
-    ({"tables": {"file": "engram.bin", "source": "pvc", "pvc": {"claimName": ""}}}, "claimName"),
-    ({"ports": {"grpc": 70000, "tcp": 7071, "metrics": 7072}}, "grpc"),
-    ({"extraArgs": ["rm -rf /"]}, "extraArgs"),
-    ({"unknownKey": 1}, "unknownKey"),
-])
+@pytest.mark.parametrize(
+    "bad, needle",
+    [
+        ({"replicas": 0}, "replicas"),
+        ({"hugepages": {"size": "3Gi"}}, "size"),
+        ({"tables": {"file": "engram.bin", "source": "ftp"}}, "source"),
+        ({"tables": {"file": "engram.bin", "source": "pvc", "pvc": {"claimName": ""}}}, "claimName"),
+        ({"ports": {"grpc": 70000, "tcp": 7071, "metrics": 7072}}, "grpc"),
+        ({"extraArgs": ["rm -rf /"]}, "extraArgs"),
+        ({"unknownKey": 1}, "unknownKey"),
+    ],
+)
 def test_the_schema_refuses_bad_values(bad, needle):
     with pytest.raises(helm.HelmError, match=needle):
         render({**AUTH, **bad})
@@ -143,17 +167,32 @@ def test_the_daemon_runs_what_the_chart_renders(tmp_path, demo_file, demo_local)
     # the pod's paths and ports, mapped into this test (free ports: others may run here)
     token = tmp_path / "token"
     token.write_text("s3cret\n")
-    config.update({"tables": [demo_file], "auth-token-file": str(token), "shm-socket": str(tmp_path / "s.sock"),
-                   "ready-file": str(tmp_path / "ready.json"), "listen": "0.0.0.0:0", "tcp-listen": "0.0.0.0:0",
-                   "metrics-port": "0"})
+    config.update(
+        {
+            "tables": [demo_file],
+            "auth-token-file": str(token),
+            "shm-socket": str(tmp_path / "s.sock"),
+            "ready-file": str(tmp_path / "ready.json"),
+            "listen": "0.0.0.0:0",
+            "tcp-listen": "0.0.0.0:0",
+            "metrics-port": "0",
+        }
+    )
     conf = tmp_path / "tableserver.toml"
     conf.write_text("\n".join(f"{k} = {json.dumps(v)}" for k, v in config.items()) + "\n")
     args = [str(conf) if a == "/etc/tableserver/tableserver.toml" else a for a in c["args"]]
     env = dict(os.environ, TABLESERVER_NODE_ID="mem-tableserver-0", TABLESERVER_TCP_ADVERTISE="127.0.0.1")
-    assert c["command"] == ["tableserver"] and {e["name"] for e in c["env"]} == {"TABLESERVER_NODE_ID",
-                                                                                "TABLESERVER_TCP_ADVERTISE"}
-    proc = subprocess.Popen([sys.executable, "-m", "tableserver", *args], env=env, cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "log", "w"))
+    assert c["command"] == ["tableserver"] and {e["name"] for e in c["env"]} == {
+        "TABLESERVER_NODE_ID",
+        "TABLESERVER_TCP_ADVERTISE",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tableserver", *args],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "log", "w"),
+    )
     try:
         wait_for(lambda: (tmp_path / "ready.json").exists() or proc.poll() is not None, "SERVING")
         assert proc.poll() is None, (tmp_path / "log").read_text()[-3000:]
@@ -166,9 +205,19 @@ def test_the_daemon_runs_what_the_chart_renders(tmp_path, demo_file, demo_local)
         from tableclient import TableClient
 
         doctor = pod["initContainers"][0]
-        res = subprocess.run([sys.executable, "-m", "tableserver",
-                              *[str(conf) if a == "/etc/tableserver/tableserver.toml" else a for a in doctor["args"]]],
-                             capture_output=True, text=True, cwd=ROOT, env=env, timeout=EVENT_TIMEOUT)
+        res = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tableserver",
+                *[str(conf) if a == "/etc/tableserver/tableserver.toml" else a for a in doctor["args"]],
+            ],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env=env,
+            timeout=EVENT_TIMEOUT,
+        )
         assert "ok    tables:" in res.stdout and "ok    memory plan:" in res.stdout, res.stdout
         with TableClient(f"127.0.0.1:{ports['grpc']}", token="s3cret", transport="tcp") as client:
             assert client._router.primary().server.node_id == "mem-tableserver-0"

@@ -14,11 +14,11 @@ import time
 import grpc
 import numpy as np
 import pytest
-
 from conftest import EVENT_TIMEOUT, wait_for
+from tableclient import ConnectError, TableClient
 from test_faults import assert_still_serving, tuple_of
 from tests_helpers import open_raw_session, tcp_hello
-from tableclient import ConnectError, TableClient
+
 from tableserver.common.wire import REQUEST_MAGIC, FrameType, HandshakeRefused, Status, recv_challenge
 
 
@@ -141,7 +141,7 @@ def _tcp_payloads(packets: list[bytes], port: int, source: bool = False) -> byte
         tcp = ip[ihl:total]
         if struct.unpack("!H", tcp[0:2] if source else tcp[2:4])[0] != port:
             continue
-        out += tcp[(tcp[12] >> 4) * 4:]
+        out += tcp[(tcp[12] >> 4) * 4 :]
     return bytes(out)
 
 
@@ -161,7 +161,7 @@ def test_a_sniffed_hello_is_useless(fresh_daemon, demo_local):
     sent, _ = _capture(port, traffic)  # a real capture on lo
     assert sent.startswith(REQUEST_MAGIC + struct.pack("<H", FrameType.HELLO))  # we saw the handshake
     assert seen["secret"] not in sent
-    hello = sent[:24 + 64]
+    hello = sent[: 24 + 64]
     with socket.create_connection((host, port), timeout=EVENT_TIMEOUT) as s:  # replayed on a new connection
         recv_challenge(s)
         s.sendall(hello)
@@ -176,6 +176,7 @@ def test_a_thread_that_cannot_start_stops_nothing(demo_file, demo_local, monkeyp
     from types import SimpleNamespace
 
     from tableclient.transports.tcp import TcpTransport as ClientTcp
+
     from tableserver.loader import load_tables
     from tableserver.sessions import SessionRegistry
     from tableserver.transports.tcp import TcpTransport
@@ -199,8 +200,7 @@ def test_a_thread_that_cannot_start_stops_nothing(demo_file, demo_local, monkeyp
         session = sessions.open(transports=("tcp",))
         offer = server.offer(session, None)
         offer.tcp.host = "127.0.0.1"
-        clients = [ClientTcp(offer, SimpleNamespace(id=session.id, secret=session.secret), [], 10)
-                   for _ in range(8)]
+        clients = [ClientTcp(offer, SimpleNamespace(id=session.id, secret=session.secret), [], 10) for _ in range(8)]
         table = next(t for t in tables if t.name == "engram.layer1")
         rng = np.random.default_rng(3)
         for client in clients:
@@ -266,7 +266,7 @@ def test_fd_exhaustion_backs_off_and_health_says_so(fresh_daemon, demo_local):
                     s.settimeout(1.0)
                     try:
                         assert tcp_hello(s, resp.session_id, resp.secret)[0] == Status.OK
-                    except socket.timeout:
+                    except TimeoutError:
                         break  # the server cannot accept any more: out of fds
                 else:
                     continue
@@ -294,7 +294,7 @@ def _capture(port: int, fn) -> tuple[bytes, bytes]:
         while True:
             try:
                 frame, addr = sniffer.recvfrom(1 << 16)
-            except socket.timeout:
+            except TimeoutError:
                 break
             if addr[2] != socket.PACKET_OUTGOING:
                 packets.append(frame)
@@ -326,8 +326,11 @@ def test_sealed_tcp_keeps_rows_and_row_ids_private(fresh_daemon, demo_local, sea
 
             np.testing.assert_array_equal(t.gather([7, 7, 8]), table[[7, 7, 8]])
             with pytest.raises(RemoteError):  # a sealed error answer, from the server's own check
-                c._node_transport().gather(c.tables["engram.layer14"].index, np.array([len(table)], np.int64),
-                                           np.empty((1, table.shape[1]), np.uint8)).wait(EVENT_TIMEOUT)
+                c._node_transport().gather(
+                    c.tables["engram.layer14"].index,
+                    np.array([len(table)], np.int64),
+                    np.empty((1, table.shape[1]), np.uint8),
+                ).wait(EVENT_TIMEOUT)
 
     sent, received = _capture(port, traffic)
     assert len(received) > table[ids].nbytes  # the capture saw the rows' worth of bytes

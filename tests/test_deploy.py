@@ -61,12 +61,18 @@ def test_probe_answers_follow_the_server_state():
     from tableserver.metrics import LIVENESS_S, ServerMetrics
 
     m = ServerMetrics()
-    m.bind(SimpleNamespace(state=SimpleNamespace(ready=False, unready_reason="tables are still loading"),
-                           heartbeat=time.monotonic()))
+    m.bind(
+        SimpleNamespace(
+            state=SimpleNamespace(ready=False, unready_reason="tables are still loading"), heartbeat=time.monotonic()
+        )
+    )
     assert m._ready() == (False, "NOT_SERVING: tables are still loading")
     assert m._live() == (True, "alive")
-    m.bind(SimpleNamespace(state=SimpleNamespace(ready=True, unready_reason=""),
-                           heartbeat=time.monotonic() - LIVENESS_S - 5))
+    m.bind(
+        SimpleNamespace(
+            state=SimpleNamespace(ready=True, unready_reason=""), heartbeat=time.monotonic() - LIVENESS_S - 5
+        )
+    )
     assert m._ready() == (True, "SERVING")
     ok, text = m._live()
     assert not ok and "has not run for" in text
@@ -87,9 +93,9 @@ def test_a_cgroup_memory_limit_fails_before_loading(tmp_path):
     import sys
 
     import pytest
-
     from conftest import ROOT
     from test_faults import assert_one_line_error
+
     from tableserver.demo import DemoTable, write_demo_file
 
     made = _memory_cgroup(f"tableserver-test-{os.getpid()}")
@@ -100,12 +106,27 @@ def test_a_cgroup_memory_limit_fails_before_loading(tmp_path):
         with open(os.path.join(group, knob), "w") as f:
             f.write(str(64 << 20))
         table = write_demo_file(str(tmp_path / "t.bin"), [DemoTable("engram.layer1", 400_000, 264, 1)])  # 100 MiB
-        cmd = ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh", sys.executable, "-m", "tableserver",
-               "--tables", table, "--listen", "127.0.0.1:0", "--hugepages", "off", "--shm-socket",
-               str(tmp_path / "s.sock")]
+        cmd = [
+            "sh",
+            "-c",
+            f'echo $$ > {group}/cgroup.procs && exec "$@"',
+            "sh",
+            sys.executable,
+            "-m",
+            "tableserver",
+            "--tables",
+            table,
+            "--listen",
+            "127.0.0.1:0",
+            "--hugepages",
+            "off",
+            "--shm-socket",
+            str(tmp_path / "s.sock"),
+        ]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=EVENT_TIMEOUT, cwd=ROOT)
-        assert_one_line_error(res, f"cgroup /{os.path.basename(group)} allows", knob,
-                              "raise it (Kubernetes: resources.limits.memory")
+        assert_one_line_error(
+            res, f"cgroup /{os.path.basename(group)} allows", knob, "raise it (Kubernetes: resources.limits.memory"
+        )
         assert "loaded" not in res.stderr  # refused before any table was allocated
     finally:
         os.rmdir(group)
@@ -118,7 +139,6 @@ def test_the_systemd_unit_verifies(tmp_path):
     import sys
 
     import pytest
-
     from conftest import ROOT
 
     tool = shutil.which("systemd-analyze")
@@ -139,8 +159,13 @@ def _doctor(*args, prefix=()):
 
     from conftest import ROOT
 
-    res = subprocess.run([*prefix, sys.executable, "-m", "tableserver", "doctor", *args], capture_output=True,
-                         text=True, timeout=EVENT_TIMEOUT, cwd=ROOT)
+    res = subprocess.run(
+        [*prefix, sys.executable, "-m", "tableserver", "doctor", *args],
+        capture_output=True,
+        text=True,
+        timeout=EVENT_TIMEOUT,
+        cwd=ROOT,
+    )
     lines = {line[6:].split(":", 1)[0]: line for line in res.stdout.splitlines()}
     return res, lines
 
@@ -158,8 +183,10 @@ def test_doctor_names_each_problem_and_its_fix(tmp_path, demo_file):
     assert lines["tables"].startswith("ok") and lines["memory plan"].startswith("ok")
 
     if shutil.which("setpriv"):  # root without CAP_IPC_LOCK, under a 64 KiB lock limit
-        res, lines = _doctor(*base, prefix=("setpriv", "--bounding-set=-ipc_lock", "--inh-caps=-ipc_lock",
-                                            "prlimit", "--memlock=65536:65536"))
+        res, lines = _doctor(
+            *base,
+            prefix=("setpriv", "--bounding-set=-ipc_lock", "--inh-caps=-ipc_lock", "prlimit", "--memlock=65536:65536"),
+        )
         assert res.returncode == 1 and lines["memlock"].startswith("FAIL"), res.stdout
         assert "ulimit -l unlimited" in lines["memlock"]
 
@@ -167,7 +194,9 @@ def test_doctor_names_each_problem_and_its_fix(tmp_path, demo_file):
 
     if free_hugepages(HUGE_1G) == 0:
         res, lines = _doctor(*base, "--hugepages", "1g")
-        assert res.returncode == 1 and lines["memory plan"].startswith("FAIL") and "reserve them" in lines["memory plan"]
+        assert (
+            res.returncode == 1 and lines["memory plan"].startswith("FAIL") and "reserve them" in lines["memory plan"]
+        )
         assert lines["hugepages"].startswith("FAIL")
 
     made = _memory_cgroup(f"tableserver-doctor-{os.getpid()}")
@@ -179,10 +208,12 @@ def test_doctor_names_each_problem_and_its_fix(tmp_path, demo_file):
         try:
             with open(os.path.join(group, knob), "w") as f:
                 f.write(str(160 << 20))  # room for the doctor itself, not for the tables
-            res, lines = _doctor("--tables", big, *base[2:],
-                                 prefix=("sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh"))
-            assert lines["memory plan"].startswith("FAIL") and f"cgroup /{os.path.basename(group)}" in \
-                lines["memory plan"], res.stdout
+            res, lines = _doctor(
+                "--tables", big, *base[2:], prefix=("sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh")
+            )
+            assert (
+                lines["memory plan"].startswith("FAIL") and f"cgroup /{os.path.basename(group)}" in lines["memory plan"]
+            ), res.stdout
         finally:
             os.rmdir(group)
 
@@ -194,8 +225,9 @@ def test_doctor_names_each_problem_and_its_fix(tmp_path, demo_file):
         held.bind(("127.0.0.1", 0))
         held.listen(1)
         port = held.getsockname()[1]
-        res, lines = _doctor("--tables", demo_file, "--hugepages", "off", "--listen", f"127.0.0.1:{port}",
-                             "--metrics-port", "off")
+        res, lines = _doctor(
+            "--tables", demo_file, "--hugepages", "off", "--listen", f"127.0.0.1:{port}", "--metrics-port", "off"
+        )
         assert res.returncode == 1 and lines["ports"].startswith("FAIL") and "already in use" in lines["ports"]
 
     res, lines = _doctor("--tables", str(tmp_path / "missing.bin"), "--hugepages", "off")

@@ -10,8 +10,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
+
 from tableserver import doctor
 
 
@@ -24,14 +24,20 @@ def _venv(tmp_path) -> str:
 def _tableserver(python: str, *args) -> subprocess.CompletedProcess:
     """The real CLI in that environment (the doctor needs nothing but the standard library)."""
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run([python, "-m", "tableserver", *args], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=600)
+    return subprocess.run(
+        [python, "-m", "tableserver", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600
+    )
 
 
 def _import_pyverbs(python: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    return subprocess.run([python, "-c", "import pyverbs.device, pyverbs.qp; print(pyverbs.__file__)"],
-                          capture_output=True, text=True, env=env, timeout=600)
+    return subprocess.run(
+        [python, "-c", "import pyverbs.device, pyverbs.qp; print(pyverbs.__file__)"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
 
 
 def _system_pyverbs() -> str:
@@ -46,8 +52,9 @@ def test_fix_pyverbs_in_a_fresh_venv(tmp_path):
     python = _venv(tmp_path)
     before = _tableserver(python, "doctor")
     assert before.returncode == 0, before.stderr
-    assert re.search(r"^warn  pyverbs: not importable .*tableserver doctor --fix-pyverbs", before.stdout, re.M), \
+    assert re.search(r"^warn  pyverbs: not importable .*tableserver doctor --fix-pyverbs", before.stdout, re.M), (
         before.stdout
+    )
     assert _import_pyverbs(python).returncode != 0
 
     fixed = _tableserver(python, "doctor", "--fix-pyverbs")
@@ -57,8 +64,11 @@ def test_fix_pyverbs_in_a_fresh_venv(tmp_path):
     assert imported.returncode == 0, imported.stderr
     assert os.path.realpath(os.path.dirname(imported.stdout.strip())) == os.path.realpath(system)
     # only pyverbs came along, not the rest of the system's site-packages
-    leaked = subprocess.run([python, "-c", "import importlib.util as u; print(u.find_spec('apt') is not None)"],
-                            capture_output=True, text=True).stdout.strip()
+    leaked = subprocess.run(
+        [python, "-c", "import importlib.util as u; print(u.find_spec('apt') is not None)"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     assert leaked == "False"
 
     again = _tableserver(python, "doctor", "--fix-pyverbs")
@@ -82,8 +92,12 @@ def _mismatched_copy(system: str, dest: str) -> str:
 def test_a_pip_installed_pyverbs_for_another_rdma_core_is_named(tmp_path):
     system = _system_pyverbs()
     python = _venv(tmp_path)
-    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             capture_output=True, text=True, check=True).stdout.strip()
+    purelib = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     _mismatched_copy(system, purelib)  # as `pip install pyverbs` would leave it
     assert "IBVERBS_PRIVATE_99" in _import_pyverbs(python).stderr
 
@@ -106,10 +120,13 @@ def test_pyverbs_from_a_directory_that_does_not_load(tmp_path):
     assert _import_pyverbs(python).returncode == 0
 
 
-@pytest.mark.parametrize("files, message", [
-    ([], "not a pyverbs package directory"),
-    (["__init__.py", "device.cpython-399-x86_64-linux-gnu.so"], "no pyverbs here is built for this Python"),
-])
+@pytest.mark.parametrize(
+    "files, message",
+    [
+        ([], "not a pyverbs package directory"),
+        (["__init__.py", "device.cpython-399-x86_64-linux-gnu.so"], "no pyverbs here is built for this Python"),
+    ],
+)
 def test_pyverbs_from_refusals(tmp_path, files, message):
     pkg = tmp_path / "pyverbs"
     pkg.mkdir()
@@ -120,12 +137,15 @@ def test_pyverbs_from_refusals(tmp_path, files, message):
     assert res.returncode == 1 and len(lines) == 1 and message in lines[0], res.stderr
 
 
-@pytest.mark.parametrize("release, hint", [
-    ('ID=debian\nVERSION_ID="12"\n', "apt-get install python3-pyverbs"),
-    ('ID=ubuntu\nID_LIKE=debian\n', "apt-get install python3-pyverbs"),
-    ('ID="rocky"\nID_LIKE="rhel centos fedora"\n', "dnf install python3-pyverbs"),
-    ('ID=arch\n', "your distribution's python3-pyverbs"),
-])
+@pytest.mark.parametrize(
+    "release, hint",
+    [
+        ('ID=debian\nVERSION_ID="12"\n', "apt-get install python3-pyverbs"),
+        ("ID=ubuntu\nID_LIKE=debian\n", "apt-get install python3-pyverbs"),
+        ('ID="rocky"\nID_LIKE="rhel centos fedora"\n', "dnf install python3-pyverbs"),
+        ("ID=arch\n", "your distribution's python3-pyverbs"),
+    ],
+)
 def test_install_hint_by_distribution(tmp_path, release, hint):
     (tmp_path / "os-release").write_text(release)
     assert hint in doctor.install_hint(str(tmp_path / "os-release"))

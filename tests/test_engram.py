@@ -4,14 +4,22 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import sglang_cpu  # noqa: F401  (before sglang: torchvision on a CPU torch)
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import sglang_cpu  # noqa: F401  (before sglang: torchvision on a CPU torch)
 from tableclient.engram import (
-    MM_PAD_SHIFT_VALUE, EngramConfig, EngramHasher, build_layout, engram_row_ids, hash_multipliers,
-    identity_token_map, is_prime, lookback, next_prime, prefill_lookback,
+    MM_PAD_SHIFT_VALUE,
+    EngramConfig,
+    EngramHasher,
+    build_layout,
+    engram_row_ids,
+    hash_multipliers,
+    identity_token_map,
+    is_prime,
+    lookback,
+    next_prime,
+    prefill_lookback,
 )
 
 V41 = EngramConfig(num_embeddings=(384_006_168, 384_016_682))
@@ -31,8 +39,15 @@ def test_v41_layout_matches_released_table_sizes():
 
 
 def test_config_from_model_config():
-    cfg = EngramConfig.from_model_config({"engram_layer_ids": [1, 14], "engram_num_embeddings": [384006168, 384016682],
-                                          "engram_max_ngram_size": 4, "engram_n_heads": 8, "engram_vocab_size": 16000000})
+    cfg = EngramConfig.from_model_config(
+        {
+            "engram_layer_ids": [1, 14],
+            "engram_num_embeddings": [384006168, 384016682],
+            "engram_max_ngram_size": 4,
+            "engram_n_heads": 8,
+            "engram_vocab_size": 16000000,
+        }
+    )
     assert cfg.layer_ids == (1, 14) and cfg.rows_per_token == 24 and cfg.num_embeddings == (384006168, 384016682)
 
 
@@ -63,8 +78,12 @@ def test_tiny_case_by_hand():
     pad = int(token_map[0])
     h2 = (int(token_map[4]) * m0) ^ (pad * m1)
     h3 = h2 ^ (pad * m2)
-    assert EngramHasher(TINY, token_map).step([[4]])[0, 0].tolist() == [h2 % 11, 11 + h2 % 13, 24 + h3 % 17,
-                                                                        41 + h3 % 19]
+    assert EngramHasher(TINY, token_map).step([[4]])[0, 0].tolist() == [
+        h2 % 11,
+        11 + h2 % 13,
+        24 + h3 % 17,
+        41 + h3 % 19,
+    ]
 
 
 @settings(max_examples=30, deadline=None)
@@ -79,9 +98,15 @@ def test_matches_sglang_compute_engram_hash_ids(seed, length):
     tokens, blocked = prefill_lookback(seq, V41.max_ngram_size)
     pad = int(token_map[V41.pad_id])
     ours = engram_row_ids(tokens, blocked, token_map, pad, layout)
-    ref = compute_engram_hash_ids(torch.from_numpy(tokens), torch.from_numpy(blocked), pad, torch.from_numpy(token_map),
-                                  torch.from_numpy(layout.multipliers), torch.from_numpy(layout.primes),
-                                  torch.from_numpy(layout.offsets))
+    ref = compute_engram_hash_ids(
+        torch.from_numpy(tokens),
+        torch.from_numpy(blocked),
+        pad,
+        torch.from_numpy(token_map),
+        torch.from_numpy(layout.multipliers),
+        torch.from_numpy(layout.primes),
+        torch.from_numpy(layout.offsets),
+    )
     np.testing.assert_array_equal(ours, ref.numpy())
 
 
@@ -118,18 +143,35 @@ def test_bad_token_map():
 def _sglang_config(**extra):
     from sglang.srt.configs.deepseek_v41 import DeepseekV41Config
 
-    text = dict(engram_layer_ids=[1, 14], engram_max_ngram_size=4, engram_n_heads=8, engram_vocab_size=2000,
-                engram_head_dim=256, engram_pad_token_id=5, engram_compressed_vocab_size=300)
+    text = dict(
+        engram_layer_ids=[1, 14],
+        engram_max_ngram_size=4,
+        engram_n_heads=8,
+        engram_vocab_size=2000,
+        engram_head_dim=256,
+        engram_pad_token_id=5,
+        engram_compressed_vocab_size=300,
+    )
     return DeepseekV41Config(text_config=text, **extra)
 
 
 def test_config_as_sglang_reads_it_nested_text_config_pad_token_and_image():
     cfg = EngramConfig.from_model_config(_sglang_config())
-    assert (cfg.layer_ids, cfg.max_ngram_size, cfg.n_heads, cfg.vocab_size, cfg.pad_id, cfg.compressed_vocab_size) \
-        == ((1, 14), 4, 8, 2000, 5, 300)
+    assert (cfg.layer_ids, cfg.max_ngram_size, cfg.n_heads, cfg.vocab_size, cfg.pad_id, cfg.compressed_vocab_size) == (
+        (1, 14),
+        4,
+        8,
+        2000,
+        5,
+        300,
+    )
     assert cfg.image_token_id is None  # no vision tower: nothing blocked
-    raw = {"model_type": "deepseek_v41", "image_token_id": 42, "vision_config": {"num_hidden_layers": 2},
-           "text_config": {"engram_layer_ids": [1, 14], "engram_pad_token_id": 7, "engram_n_heads": 8}}
+    raw = {
+        "model_type": "deepseek_v41",
+        "image_token_id": 42,
+        "vision_config": {"num_hidden_layers": 2},
+        "text_config": {"engram_layer_ids": [1, 14], "engram_pad_token_id": 7, "engram_n_heads": 8},
+    }
     cfg = EngramConfig.from_model_config(raw)
     assert (cfg.layer_ids, cfg.pad_id, cfg.image_token_id) == ((1, 14), 7, 42)
     from sglang.srt.models.deepseek_v4 import _engram_image_token_id
@@ -142,8 +184,8 @@ def test_config_as_sglang_reads_it_nested_text_config_pad_token_and_image():
 @given(seed=st.integers(0, 2**32 - 1), length=st.integers(1, 30))
 def test_image_tokens_and_multimodal_pads_block_as_sglang_hashes_them(seed, length):
     """SGLang's EngramHasher.hash_windows (its real class and normalizing tokenizer map) is the oracle."""
-    from sglang.srt.layers.engram import EngramHasher as SGLangHasher, EngramLayout, build_compressed_token_map
-
+    from sglang.srt.layers.engram import EngramHasher as SGLangHasher
+    from sglang.srt.layers.engram import EngramLayout, build_compressed_token_map
     from test_sglang_plugin import make_tokenizer
 
     tokenizer = make_tokenizer()
@@ -154,8 +196,12 @@ def test_image_tokens_and_multimodal_pads_block_as_sglang_hashes_them(seed, leng
     layout = EngramLayout.from_config(sg_cfg)
     theirs = SGLangHasher(layout, tokenizer, sg_cfg.engram_pad_token_id, compressed)
     theirs.image_token_id = image
-    ours = EngramHasher(EngramConfig(layer_ids=(1, 14), vocab_size=2000, compressed_vocab_size=compressed, pad_id=5,
-                                     image_token_id=image), np.asarray(token_map))
+    ours = EngramHasher(
+        EngramConfig(
+            layer_ids=(1, 14), vocab_size=2000, compressed_vocab_size=compressed, pad_id=5, image_token_id=image
+        ),
+        np.asarray(token_map),
+    )
     rng = np.random.default_rng(seed)
     seq = rng.integers(0, len(token_map), length)
     seq[rng.random(length) < 0.15] = image

@@ -11,15 +11,22 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import EVENT_TIMEOUT, ROOT, run_cli, start_daemon, wait_for
-from tests_helpers import open_raw_session, tcp_hello
 from tableclient import RemoteError, TableClient, TransportError
+from tests_helpers import open_raw_session, tcp_hello
+
+from tableserver.common.wire import (
+    HEADER,
+    HEADER_BYTES,
+    FrameType,
+    Status,
+    recv_challenge,
+    recv_exact,
+    request_header,
+    send_all,
+)
 from tableserver.demo import DemoTable, write_demo_file
 from tableserver.tablefile import TableFileWriter, TableSpec
-from tableserver.common.wire import (
-    HEADER, HEADER_BYTES, FrameType, Status, recv_challenge, recv_exact, request_header, send_all,
-)
 
 
 def assert_one_line_error(res, *needles, code=None):
@@ -37,8 +44,9 @@ def assert_one_line_error(res, *needles, code=None):
 
 
 def test_missing_table_file(tmp_path):
-    assert_one_line_error(run_cli("--tables", str(tmp_path / "nope.bin"), "--listen", "127.0.0.1:0"),
-                          "not found", "gen-demo")
+    assert_one_line_error(
+        run_cli("--tables", str(tmp_path / "nope.bin"), "--listen", "127.0.0.1:0"), "not found", "gen-demo"
+    )
 
 
 def test_no_tables():
@@ -65,8 +73,11 @@ def test_checksum_mismatch_is_refused_unless_no_verify(tmp_path, demo_local):
         byte = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0xFF]))
-    assert_one_line_error(run_cli("--tables", path, "--listen", "127.0.0.1:0", "--progress", "never"),
-                          "checksum mismatch in table 't'", "--no-verify")
+    assert_one_line_error(
+        run_cli("--tables", path, "--listen", "127.0.0.1:0", "--progress", "never"),
+        "checksum mismatch in table 't'",
+        "--no-verify",
+    )
     res = run_cli("inspect", path)
     assert res.returncode == 1 and "FAIL" in res.stdout
     d = start_daemon(str(tmp_path / "nv"), "--tables", path, "--no-verify")
@@ -79,8 +90,9 @@ def test_checksum_mismatch_is_refused_unless_no_verify(tmp_path, demo_local):
 
 def test_duplicate_table_names_across_files(tmp_path, demo_file):
     other = write_demo_file(str(tmp_path / "other.bin"), [DemoTable("engram.layer1", 10, 264, 1)])
-    assert_one_line_error(run_cli("--tables", f"{demo_file},{other}", "--listen", "127.0.0.1:0"),
-                          "'engram.layer1' is defined in both")
+    assert_one_line_error(
+        run_cli("--tables", f"{demo_file},{other}", "--listen", "127.0.0.1:0"), "'engram.layer1' is defined in both"
+    )
 
 
 def test_memory_too_small(tmp_path):
@@ -88,8 +100,11 @@ def test_memory_too_small(tmp_path):
     rows = (64 << 30) // 264  # 64 GiB of zeros, sparse on disk: more than this machine has
     with TableFileWriter(path, [TableSpec("huge", rows, 264)]) as w:
         w.fill_zeros(0)
-    assert_one_line_error(run_cli("--tables", path, "--listen", "127.0.0.1:0"),
-                          "the tables need 64.00 GiB of memory but only", "available")
+    assert_one_line_error(
+        run_cli("--tables", path, "--listen", "127.0.0.1:0"),
+        "the tables need 64.00 GiB of memory but only",
+        "available",
+    )
 
 
 def _without_ipc_lock():
@@ -124,18 +139,28 @@ def test_port_in_use(tmp_path, demo_file):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        assert_one_line_error(run_cli("--tables", demo_file, "--listen", f"127.0.0.1:{port}"),
-                              f"control port 127.0.0.1:{port} is already in use", "--listen")
-        assert_one_line_error(run_cli("--tables", demo_file, "--listen", f"127.0.0.1:{_free_port()}",
-                                      "--tcp-listen", f"127.0.0.1:{port}"),
-                              "tcp data port", "already in use", "--tcp-listen")
+        assert_one_line_error(
+            run_cli("--tables", demo_file, "--listen", f"127.0.0.1:{port}"),
+            f"control port 127.0.0.1:{port} is already in use",
+            "--listen",
+        )
+        assert_one_line_error(
+            run_cli(
+                "--tables", demo_file, "--listen", f"127.0.0.1:{_free_port()}", "--tcp-listen", f"127.0.0.1:{port}"
+            ),
+            "tcp data port",
+            "already in use",
+            "--tcp-listen",
+        )
 
 
 def test_bad_flags_exit_2(demo_file):
-    assert_one_line_error(run_cli("--tables", demo_file, "--lease-seconds", "soon"), "expected a number in 0.1..86400",
-                          code=2)
-    assert_one_line_error(run_cli("--tables", demo_file, "--transports", "carrier-pigeon"),
-                          "unknown transport 'carrier-pigeon'", code=2)
+    assert_one_line_error(
+        run_cli("--tables", demo_file, "--lease-seconds", "soon"), "expected a number in 0.1..86400", code=2
+    )
+    assert_one_line_error(
+        run_cli("--tables", demo_file, "--transports", "carrier-pigeon"), "unknown transport 'carrier-pigeon'", code=2
+    )
     assert_one_line_error(run_cli("--tables", demo_file, "--listen", "nohost"), "expected HOST:PORT", code=2)
     assert_one_line_error(run_cli("--tables", demo_file, "--bogus"), "unrecognized arguments", code=2)
     assert_one_line_error(run_cli("--tables", demo_file, "--tls-cert", "x.pem"), "--tls-key", code=2)
@@ -252,10 +277,12 @@ def test_killed_client_session_is_reclaimed(fresh_daemon, demo_local):
     process's death always ends it (before that, only the lease could: a client killed right after
     OpenSession used to escape this way on a busy machine)."""
     d = fresh_daemon("--lease-seconds", "3600")
-    code = ("import sys, numpy as np; from tableclient import TableClient\n"
-            f"c = TableClient({d.address!r}, transport='tcp')\n"
-            "h = c.table('engram.layer14').gather_async(np.arange(60000))\n"
-            "print('ready', flush=True); sys.stdin.read()\n")
+    code = (
+        "import sys, numpy as np; from tableclient import TableClient\n"
+        f"c = TableClient({d.address!r}, transport='tcp')\n"
+        "h = c.table('engram.layer14').gather_async(np.arange(60000))\n"
+        "print('ready', flush=True); sys.stdin.read()\n"
+    )
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stdin=subprocess.PIPE, cwd=ROOT)
     assert child.stdout.readline().strip() == b"ready"
     child.send_signal(signal.SIGKILL)
@@ -332,7 +359,7 @@ class _StallingPeer:
             conn.sendall(challenge_frame(nonce))
             hello = bytearray(HEADER_BYTES + 64)
             recv_exact(conn, memoryview(hello))  # HELLO
-            client_nonce = bytes(hello[HEADER_BYTES + 16:HEADER_BYTES + 32])
+            client_nonce = bytes(hello[HEADER_BYTES + 16 : HEADER_BYTES + 32])
             proof = server_proof(b"s" * 32, b"i" * 16, nonce, client_nonce)
             conn.sendall(response_header(FrameType.HELLO, Status.OK, 0, 0, 32) + proof)
             recv_exact(conn, memoryview(bytearray(HEADER_BYTES + 8 * 100)))  # GATHER of 100 ids

@@ -21,17 +21,17 @@ import zlib
 import grpc
 import numpy as np
 import pytest
+from conftest import EVENT_TIMEOUT
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from conftest import EVENT_TIMEOUT
 from test_faults import assert_still_serving, tuple_of
 from tests_helpers import open_raw_session, tcp_hello
+
+from tableserver.common.wire import HEADER, HEADER_BYTES, REQUEST_MAGIC, RESPONSE_MAGIC, FrameType, Status
 from tableserver.errors import TableServerError
 from tableserver.tablefile import FORMAT_VERSION, MAGIC, PREAMBLE
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.v1 import tableserver_pb2_grpc as pb_grpc
-from tableserver.common.wire import HEADER, HEADER_BYTES, REQUEST_MAGIC, RESPONSE_MAGIC, FrameType, Status
 
 pytestmark = pytest.mark.slow
 
@@ -39,23 +39,35 @@ TCP_EXAMPLES, FRAMES_PER_EXAMPLE = 3_500, 24
 GRPC_EXAMPLES = 10_000
 FILE_EXAMPLES = 12_000
 MAX_ROWS = 4096
-FUZZ = settings(deadline=None, derandomize=True, database=None, print_blob=True,
-                suppress_health_check=list(HealthCheck))
+FUZZ = settings(
+    deadline=None, derandomize=True, database=None, print_blob=True, suppress_health_check=list(HealthCheck)
+)
 
 
 @pytest.fixture(scope="module")
 def target(demo_file, tmp_path_factory):
     from conftest import start_daemon
 
-    d = start_daemon(str(tmp_path_factory.mktemp("fuzz")), "--tables", demo_file, "--max-rows-per-request",
-                     str(MAX_ROWS), "--max-connections-per-session", "64", "--session-open-rate", "100000",
-                     "--lease-seconds", "600")
+    d = start_daemon(
+        str(tmp_path_factory.mktemp("fuzz")),
+        "--tables",
+        demo_file,
+        "--max-rows-per-request",
+        str(MAX_ROWS),
+        "--max-connections-per-session",
+        "64",
+        "--session-open-rate",
+        "100000",
+        "--lease-seconds",
+        "600",
+    )
     yield d
     assert d.proc.poll() is None, d.log()[-3000:]
     d.stop()
 
 
 # ------------------------------------------------------------------------------------------ tcp frames
+
 
 def expected_responses(stream: bytes, tables: list[np.ndarray]) -> list[tuple[int, bytes | None]]:
     """What the protocol says the server answers to ``stream`` (sent after a good HELLO, then EOF):
@@ -94,7 +106,7 @@ def received_responses(data: bytes) -> list[tuple[int, bytes]]:
         assert magic == RESPONSE_MAGIC
         pos += HEADER_BYTES
         n = count * row_bytes if status == Status.OK else count
-        out.append((status, data[pos:pos + n]))
+        out.append((status, data[pos : pos + n]))
         pos += n
     assert pos == len(data)
     return out
@@ -110,16 +122,23 @@ def _frame(magic, ftype, table, ids_or_payload) -> bytes:
 
 
 in_range = st.lists(st.integers(0, 3000), max_size=40)
-some_bad = st.lists(st.one_of(st.integers(0, 3000), st.integers(-2**63, 2**63 - 1),
-                              st.sampled_from([-1, 3000, 3001, 50_000])), max_size=40)
-good_gather = st.builds(lambda t, ids: _frame(REQUEST_MAGIC, FrameType.GATHER, t, ids),
-                        st.sampled_from([0, 0, 1, 1, 2, 3, 4]), st.one_of(in_range, in_range, some_bad))
+some_bad = st.lists(
+    st.one_of(st.integers(0, 3000), st.integers(-(2**63), 2**63 - 1), st.sampled_from([-1, 3000, 3001, 50_000])),
+    max_size=40,
+)
+good_gather = st.builds(
+    lambda t, ids: _frame(REQUEST_MAGIC, FrameType.GATHER, t, ids),
+    st.sampled_from([0, 0, 1, 1, 2, 3, 4]),
+    st.one_of(in_range, in_range, some_bad),
+)
 odd_header = st.builds(
     lambda magic, ftype, table, count, payload: _frame(magic, ftype, table, (payload, count)),
     st.one_of(st.just(REQUEST_MAGIC), st.binary(min_size=4, max_size=4)),
-    st.sampled_from([0, 1, 2, 3, 9, 0xFFFF]), st.integers(0, 2**32 - 1),
+    st.sampled_from([0, 1, 2, 3, 9, 0xFFFF]),
+    st.integers(0, 2**32 - 1),
     st.one_of(st.integers(0, 64), st.sampled_from([MAX_ROWS, MAX_ROWS + 1, 2**32 - 1])),
-    st.binary(max_size=128))
+    st.binary(max_size=128),
+)
 garbage = st.binary(max_size=64)
 # mostly well-formed gathers, so a stream runs on for a while before its first fatal frame
 frame = st.integers(0, 15).flatmap(lambda k: good_gather if k < 14 else odd_header if k == 14 else garbage)
@@ -176,20 +195,28 @@ METHODS = ["GetCatalog", "OpenSession", "CloseSession"]
 text = st.text(max_size=300)
 open_request = st.builds(
     lambda name, host, host_id, pid, transports: pb.OpenSessionRequest(
-        client_name=name, hostname=host, host_id=host_id, pid=pid, transports=transports),
-    text, text, text, st.integers(0, 2**32 - 1),
-    st.lists(st.one_of(st.sampled_from(["tcp", "shm", "rdma", "auto"]), text), max_size=12))
+        client_name=name, hostname=host, host_id=host_id, pid=pid, transports=transports
+    ),
+    text,
+    text,
+    text,
+    st.integers(0, 2**32 - 1),
+    st.lists(st.one_of(st.sampled_from(["tcp", "shm", "rdma", "auto"]), text), max_size=12),
+)
 grpc_call = st.one_of(
     st.tuples(st.sampled_from(METHODS + ["KeepAlive", "NoSuchMethod"]), st.binary(max_size=512)),
     st.tuples(st.just("OpenSession"), open_request.map(lambda r: r.SerializeToString())),
-    st.tuples(st.just("CloseSession"), st.binary(max_size=40).map(
-        lambda b: pb.CloseSessionRequest(session_id=b).SerializeToString())),
+    st.tuples(
+        st.just("CloseSession"),
+        st.binary(max_size=40).map(lambda b: pb.CloseSessionRequest(session_id=b).SerializeToString()),
+    ),
 )
 
 
 def test_fuzz_grpc_requests(target, demo_local):
     seen = {"calls": 0, "codes": set()}
     with grpc.insecure_channel(target.address) as ch:
+
         @settings(FUZZ, max_examples=GRPC_EXAMPLES)
         @given(grpc_call)
         def check(call):
@@ -201,11 +228,13 @@ def test_fuzz_grpc_requests(target, demo_local):
                     list(fn(iter([body]), timeout=2))
                 else:
                     reply = ch.unary_unary(path, request_serializer=None, response_deserializer=None)(
-                        body, timeout=EVENT_TIMEOUT)
+                        body, timeout=EVENT_TIMEOUT
+                    )
                     if method == "OpenSession":  # do not leave sessions behind
                         sid = pb.OpenSessionResponse.FromString(reply).session_id
-                        pb_grpc.TableServiceStub(ch).CloseSession(pb.CloseSessionRequest(session_id=sid),
-                                                                  timeout=EVENT_TIMEOUT)
+                        pb_grpc.TableServiceStub(ch).CloseSession(
+                            pb.CloseSessionRequest(session_id=sid), timeout=EVENT_TIMEOUT
+                        )
                 code = "OK"
             except grpc.RpcError as e:
                 code = e.code().name
@@ -222,25 +251,42 @@ def test_fuzz_grpc_requests(target, demo_local):
 
 # ------------------------------------------------------------------------------------------ file headers
 
-scalar = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False),
-                   st.text(max_size=8))
+scalar = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False), st.text(max_size=8)
+)
 json_value = st.one_of(scalar, st.lists(scalar, max_size=3), st.dictionaries(st.text(max_size=6), scalar, max_size=3))
-table_doc = st.fixed_dictionaries({
-    "name": st.one_of(st.sampled_from(["engram.layer1", "t", ""]), st.text(max_size=40)),
-    "rows": st.one_of(st.integers(0, 5000), json_value), "row_bytes": st.one_of(st.integers(0, 600), json_value),
-    "offset": st.one_of(st.sampled_from([1 << 21, 0, 4096]), json_value),
-    "chunk_crc32": st.one_of(st.lists(st.sampled_from(["00000000", "deadbeef", "x"]), max_size=4), json_value),
-}, optional={"dtype": st.one_of(st.sampled_from(["uint8", "float32", "bogus"]), json_value),
-             "shape": json_value, "layer": json_value, "metadata": json_value, "version": json_value})
-header_doc = st.fixed_dictionaries({"tables": st.one_of(st.lists(table_doc, max_size=3), json_value)},
-                                   optional={"chunk_bytes": st.one_of(st.integers(-5, 2**40), json_value),
-                                             "metadata": json_value})
-st_entry = st.fixed_dictionaries({
-    "dtype": st.one_of(st.sampled_from(["F8_E4M3", "F8_E8M0", "U8", "F32", "BF16", "??"]), json_value),
-    "shape": st.one_of(st.lists(st.integers(-2, 300), max_size=3), json_value),
-    "data_offsets": st.one_of(st.lists(st.integers(-2, 4096), min_size=2, max_size=2), json_value)})
-st_doc = st.dictionaries(st.sampled_from(["layers.1.engram.weight", "layers.1.engram.scale", "w", "__metadata__"]),
-                         st.one_of(st_entry, json_value), max_size=4)
+table_doc = st.fixed_dictionaries(
+    {
+        "name": st.one_of(st.sampled_from(["engram.layer1", "t", ""]), st.text(max_size=40)),
+        "rows": st.one_of(st.integers(0, 5000), json_value),
+        "row_bytes": st.one_of(st.integers(0, 600), json_value),
+        "offset": st.one_of(st.sampled_from([1 << 21, 0, 4096]), json_value),
+        "chunk_crc32": st.one_of(st.lists(st.sampled_from(["00000000", "deadbeef", "x"]), max_size=4), json_value),
+    },
+    optional={
+        "dtype": st.one_of(st.sampled_from(["uint8", "float32", "bogus"]), json_value),
+        "shape": json_value,
+        "layer": json_value,
+        "metadata": json_value,
+        "version": json_value,
+    },
+)
+header_doc = st.fixed_dictionaries(
+    {"tables": st.one_of(st.lists(table_doc, max_size=3), json_value)},
+    optional={"chunk_bytes": st.one_of(st.integers(-5, 2**40), json_value), "metadata": json_value},
+)
+st_entry = st.fixed_dictionaries(
+    {
+        "dtype": st.one_of(st.sampled_from(["F8_E4M3", "F8_E8M0", "U8", "F32", "BF16", "??"]), json_value),
+        "shape": st.one_of(st.lists(st.integers(-2, 300), max_size=3), json_value),
+        "data_offsets": st.one_of(st.lists(st.integers(-2, 4096), min_size=2, max_size=2), json_value),
+    }
+)
+st_doc = st.dictionaries(
+    st.sampled_from(["layers.1.engram.weight", "layers.1.engram.scale", "w", "__metadata__"]),
+    st.one_of(st_entry, json_value),
+    max_size=4,
+)
 
 
 def _table_file(doc_bytes: bytes) -> bytes:
@@ -257,13 +303,16 @@ def test_fuzz_table_and_safetensors_headers(tmp_path):
     os.ftruncate(fd, (1 << 21) + 8192)
 
     @settings(FUZZ, max_examples=FILE_EXAMPLES)
-    @given(st.one_of(
-        header_doc.map(lambda d: ("bin", _table_file(json.dumps(d).encode()))),
-        st.binary(max_size=200).map(lambda b: ("bin", _table_file(b))),
-        st_doc.map(lambda d: ("st", json.dumps(d).encode())).map(
-            lambda x: (x[0], struct.pack("<Q", len(x[1])) + x[1] + bytes(4096))),
-        st.binary(max_size=300).map(lambda b: ("st", b)),
-    ))
+    @given(
+        st.one_of(
+            header_doc.map(lambda d: ("bin", _table_file(json.dumps(d).encode()))),
+            st.binary(max_size=200).map(lambda b: ("bin", _table_file(b))),
+            st_doc.map(lambda d: ("st", json.dumps(d).encode())).map(
+                lambda x: (x[0], struct.pack("<Q", len(x[1])) + x[1] + bytes(4096))
+            ),
+            st.binary(max_size=300).map(lambda b: ("st", b)),
+        )
+    )
     def check(case):
         kind, data = case
         if kind == "bin":  # a header over the same 2 MiB + 8 KiB (sparse) file

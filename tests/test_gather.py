@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import EVENT_TIMEOUT
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from conftest import EVENT_TIMEOUT
 from tableclient import GatherTimeout, TableClient, TableClientError
 
 TRANSPORTS = ["shm", "tcp"]
@@ -21,6 +20,7 @@ def client(request, daemon):
     with pytest.MonkeyPatch.context() as mp:
         if request.param.endswith("numpy take"):
             import tableclient.table
+
             import tableserver.common.take
 
             mp.setattr(tableclient.table, "native_take", None)
@@ -38,8 +38,12 @@ def test_catalog_matches_file(client, demo_file, demo_local):
     assert list(client.tables) == [s.name for s in header.tables]
     for spec in header.tables:
         info = client.tables[spec.name]
-        assert (info.rows, info.row_bytes, info.layer, info.checksum) == (spec.rows, spec.row_bytes, spec.layer,
-                                                                          spec.checksum)
+        assert (info.rows, info.row_bytes, info.layer, info.checksum) == (
+            spec.rows,
+            spec.row_bytes,
+            spec.layer,
+            spec.checksum,
+        )
         assert info.checksum.startswith("sha256:")
     assert client.server.host_id and client.server.max_rows_per_request == 65536
     assert client.table(layer=14).name == "engram.layer14"
@@ -217,8 +221,11 @@ def test_property_bit_exact(transport, data, daemon, demo_local, request):
     table = client.table(name)
     shape = tuple(data.draw(st.lists(st.integers(0, 9), min_size=1, max_size=3)))
     n = int(np.prod(shape))
-    values = data.draw(st.lists(st.one_of(st.integers(0, table.rows - 1), st.sampled_from([0, table.rows - 1])),
-                                min_size=n, max_size=n))
+    values = data.draw(
+        st.lists(
+            st.one_of(st.integers(0, table.rows - 1), st.sampled_from([0, table.rows - 1])), min_size=n, max_size=n
+        )
+    )
     ids = np.array(values, dtype=np.int64).reshape(shape)
     np.testing.assert_array_equal(table.gather(ids), demo_local[name][ids])
 

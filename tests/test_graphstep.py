@@ -13,7 +13,6 @@ import threading
 
 import numpy as np
 import pytest
-
 from conftest import EVENT_TIMEOUT, local_tables, start_daemon
 from tests_helpers import freeze
 
@@ -70,8 +69,11 @@ def one_step(g: GraphStep, rng, local, tokens: int) -> dict:
     return ids, out
 
 
-@pytest.mark.parametrize("modes", [{}, {14: "in_graph"}, {1: "in_graph", 14: "in_graph"}],
-                         ids=["before_replay", "layer14_in_graph", "both_in_graph"])
+@pytest.mark.parametrize(
+    "modes",
+    [{}, {14: "in_graph"}, {1: "in_graph", 14: "in_graph"}],
+    ids=["before_replay", "layer14_in_graph", "both_in_graph"],
+)
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_steps_bit_exact_over_buckets_and_nothing_moves(daemon, local, modes, transport):
     with TableClient(daemon.address, transport=transport) as c:

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "rdma"))
@@ -28,8 +27,9 @@ def test_order_is_dependency_closed_for_the_installed_kernel():
         assert root in names or root in builtin, f"{root} neither loaded nor built in ({names})"
     for i, (name, path) in enumerate(order):
         assert os.path.exists(path), path
-        depends = subprocess.run(["modinfo", "-k", version, "-F", "depends", name], capture_output=True,
-                                 text=True, check=True).stdout.strip()
+        depends = subprocess.run(
+            ["modinfo", "-k", version, "-F", "depends", name], capture_output=True, text=True, check=True
+        ).stdout.strip()
         for dep in filter(None, depends.replace("-", "_").split(",")):
             assert dep in names[:i] or dep in builtin, f"{name} is loaded before its dependency {dep}: {names}"
 
@@ -43,25 +43,33 @@ def _fake_kernel(tmp_path, dep_lines: list[str], builtin: list[str] = ()) -> str
 
 
 def test_order_follows_the_graph_not_the_listing(tmp_path):
-    modules = _fake_kernel(tmp_path, [
-        "kernel/virtio/virtio.ko.xz: kernel/virtio/virtio_ring.ko.xz",
-        "kernel/virtio/virtio_pci.ko.xz: kernel/virtio/virtio.ko.xz kernel/virtio/virtio_ring.ko.xz",
-        "kernel/virtio/virtio_ring.ko.xz:",
-        "kernel/net/9pnet_virtio.ko.xz: kernel/net/9pnet.ko.xz kernel/virtio/virtio.ko.xz",
-        "kernel/net/9pnet.ko.xz:",
-        "kernel/fs/9p.ko.xz: kernel/net/9pnet.ko.xz kernel/fs/net-fs.ko.xz",
-    ], builtin=["fs/net-fs"])  # a dependency built into this kernel: nothing to load
+    modules = _fake_kernel(
+        tmp_path,
+        [
+            "kernel/virtio/virtio.ko.xz: kernel/virtio/virtio_ring.ko.xz",
+            "kernel/virtio/virtio_pci.ko.xz: kernel/virtio/virtio.ko.xz kernel/virtio/virtio_ring.ko.xz",
+            "kernel/virtio/virtio_ring.ko.xz:",
+            "kernel/net/9pnet_virtio.ko.xz: kernel/net/9pnet.ko.xz kernel/virtio/virtio.ko.xz",
+            "kernel/net/9pnet.ko.xz:",
+            "kernel/fs/9p.ko.xz: kernel/net/9pnet.ko.xz kernel/fs/net-fs.ko.xz",
+        ],
+        builtin=["fs/net-fs"],
+    )  # a dependency built into this kernel: nothing to load
     order = [name for name, _ in vm.module_load_order("6.99.0-test", modules_dir=modules)]
     assert order == ["virtio_ring", "virtio", "virtio_pci", "9pnet", "9pnet_virtio", "9p"]
 
 
 def test_missing_module_is_named(tmp_path):
-    modules = _fake_kernel(tmp_path, ["kernel/virtio_pci.ko: kernel/virtio.ko", "kernel/9p.ko:",
-                                      "kernel/9pnet_virtio.ko:"])
+    modules = _fake_kernel(
+        tmp_path, ["kernel/virtio_pci.ko: kernel/virtio.ko", "kernel/9p.ko:", "kernel/9pnet_virtio.ko:"]
+    )
     with pytest.raises(vm.GuestUnavailable, match="no module virtio .needed by virtio_pci"):
         vm.module_load_order("6.99.0-test", modules_dir=modules)
 
 
 def test_kernel_versions_sort_numerically():
-    assert sorted(["6.1.0-9-amd64", "6.1.0-57-amd64", "6.12.1-amd64"], key=vm._version_key) == \
-        ["6.1.0-9-amd64", "6.1.0-57-amd64", "6.12.1-amd64"]
+    assert sorted(["6.1.0-9-amd64", "6.1.0-57-amd64", "6.12.1-amd64"], key=vm._version_key) == [
+        "6.1.0-9-amd64",
+        "6.1.0-57-amd64",
+        "6.12.1-amd64",
+    ]

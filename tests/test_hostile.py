@@ -10,11 +10,11 @@ import time
 import zlib
 
 import pytest
-
 from conftest import run_cli
+from test_faults import assert_one_line_error
+
 from tableserver.demo import DemoTable, write_demo_file
 from tableserver.tablefile import FORMAT_VERSION, MAGIC, PREAMBLE
-from test_faults import assert_one_line_error
 
 
 def _table_file(path, doc: bytes, data_bytes: int = 4 << 20) -> str:
@@ -30,15 +30,33 @@ def _limited_memory():
     resource.setrlimit(resource.RLIMIT_DATA, (512 << 20, 512 << 20))
 
 
-@pytest.mark.parametrize("doc, needle", [
-    ({"tables": [{"name": "t", "rows": (4 << 20) // 264, "row_bytes": 264, "offset": 1 << 21, "chunk_crc32": []}],
-      "chunk_bytes": 1}, "chunk_bytes must be an integer in 4096.."),
-    ({"tables": [], "metadata": "x"}, "metadata is not an object"),
-    ({"tables": [{"name": "t", "rows": 10, "row_bytes": 8, "offset": 1 << 21, "chunk_crc32": ["0"],
-                  "metadata": [1]}]}, "metadata is not an object"),
-    ({"tables": [{"name": "t", "rows": 10, "row_bytes": 8, "offset": 1 << 21, "chunk_crc32": ["nothex"]}]},
-     "hex strings"),
-])
+@pytest.mark.parametrize(
+    "doc, needle",
+    [
+        (
+            {
+                "tables": [
+                    {"name": "t", "rows": (4 << 20) // 264, "row_bytes": 264, "offset": 1 << 21, "chunk_crc32": []}
+                ],
+                "chunk_bytes": 1,
+            },
+            "chunk_bytes must be an integer in 4096..",
+        ),
+        ({"tables": [], "metadata": "x"}, "metadata is not an object"),
+        (
+            {
+                "tables": [
+                    {"name": "t", "rows": 10, "row_bytes": 8, "offset": 1 << 21, "chunk_crc32": ["0"], "metadata": [1]}
+                ]
+            },
+            "metadata is not an object",
+        ),
+        (
+            {"tables": [{"name": "t", "rows": 10, "row_bytes": 8, "offset": 1 << 21, "chunk_crc32": ["nothex"]}]},
+            "hex strings",
+        ),
+    ],
+)
 def test_hostile_table_file_headers_are_one_line_errors_in_bounded_memory(tmp_path, doc, needle):
     path = _table_file(tmp_path / "h.bin", json.dumps(doc).encode())
     for cmd in (("inspect", path), ("--tables", path, "--listen", "127.0.0.1:0")):
@@ -96,9 +114,11 @@ def test_oversized_open_session_requests_are_refused_cheaply(fresh_daemon):
     import grpc
 
     d = fresh_daemon()
-    for fields, code in (({"transports": ["tcp"] * 830_000}, grpc.StatusCode.RESOURCE_EXHAUSTED),  # 3 MB message
-                         ({"transports": ["tcp"] * 1000}, grpc.StatusCode.INVALID_ARGUMENT),
-                         ({"client_name": "x" * 5000}, grpc.StatusCode.INVALID_ARGUMENT)):
+    for fields, code in (
+        ({"transports": ["tcp"] * 830_000}, grpc.StatusCode.RESOURCE_EXHAUSTED),  # 3 MB message
+        ({"transports": ["tcp"] * 1000}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"client_name": "x" * 5000}, grpc.StatusCode.INVALID_ARGUMENT),
+    ):
         with pytest.raises(grpc.RpcError) as e:
             _open(d.address, **fields)
         assert e.value.code() == code, e.value
@@ -124,8 +144,9 @@ def test_session_opens_are_rate_limited_and_capped_per_peer(fresh_daemon):
                 out.append("ok")
             except grpc.RpcError as e:
                 assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
-                out.append("rate" if "retry later" in e.details() else "cap" if "session limit" in e.details()
-                           else e.details())
+                out.append(
+                    "rate" if "retry later" in e.details() else "cap" if "session limit" in e.details() else e.details()
+                )
         return out
 
     capped = fresh_daemon("--session-open-rate", "1000", "--max-sessions-per-peer", "8")
@@ -138,6 +159,7 @@ def test_the_catalog_says_when_it_did_not_verify(fresh_daemon, demo_file):
     """Before: with --no-verify the catalog advertised the file's checksum for data nobody checked.
     Now it says "unverified:", and a client pinning the SHA-256 digest refuses such a server."""
     from tableclient import ConnectError, TableClient
+
     from tableserver.tablefile import read_header
 
     spec = read_header(demo_file).tables[0]
@@ -200,13 +222,17 @@ def test_the_metrics_endpoint_holds_a_bounded_number_of_threads(fresh_daemon):
         for s in idle:
             s.close()
     wait_for(lambda: threads() <= before, "the metrics threads to go")
-    wait_for(lambda: b"tableserver_serving 1.0" in urllib.request.urlopen(f"http://{host}:{port}/metrics",
-                                                                          timeout=10).read(),
-             "a scrape once the idle connections are gone")
+    wait_for(
+        lambda: (
+            b"tableserver_serving 1.0" in urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10).read()
+        ),
+        "a scrape once the idle connections are gone",
+    )
 
 
-@pytest.mark.parametrize("field, value", [("offset", float("inf")), ("rows", 1.5), ("row_bytes", "264"),
-                                          ("layer", True), ("shape", "abc")])
+@pytest.mark.parametrize(
+    "field, value", [("offset", float("inf")), ("rows", 1.5), ("row_bytes", "264"), ("layer", True), ("shape", "abc")]
+)
 def test_header_numbers_must_be_integers(tmp_path, field, value):
     """Found by the fuzzer: an offset of Infinity (JSON allows it) was an OverflowError traceback."""
     t = {"name": "t", "rows": 10, "row_bytes": 8, "offset": 1 << 21, "chunk_crc32": ["0"], field: value}

@@ -13,12 +13,10 @@ and offers raised OverflowError, ValueError, TypeError instead of a ConnectError
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
-
 from conftest import EVENT_TIMEOUT, ROOT
 from hostile_server import ScriptedServer
 
@@ -75,10 +73,20 @@ print(json.dumps({"results": results, "first": first, "last": held()}))
 
 
 def run_client(server: ScriptedServer, transport: str = "tcp", **extra) -> dict:
-    spec = dict(address=server.address, transport=transport, connect_timeout=CONNECT_TIMEOUT,
-                gather_timeout=GATHER_TIMEOUT, **extra)
-    proc = subprocess.run([sys.executable, "-c", CLIENT, json.dumps(spec), ROOT], capture_output=True, text=True,
-                          timeout=EVENT_TIMEOUT, cwd=ROOT)
+    spec = dict(
+        address=server.address,
+        transport=transport,
+        connect_timeout=CONNECT_TIMEOUT,
+        gather_timeout=GATHER_TIMEOUT,
+        **extra,
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", CLIENT, json.dumps(spec), ROOT],
+        capture_output=True,
+        text=True,
+        timeout=EVENT_TIMEOUT,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, f"the client died (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     first, last = report["first"], report["last"]
@@ -114,8 +122,7 @@ CASES = [  # behaviour, transport asked for, the error class or None (served), t
 ]
 
 
-@pytest.mark.parametrize("behaviour, transport, error, text", CASES,
-                         ids=[f"{c[0]}-{c[1]}" for c in CASES])
+@pytest.mark.parametrize("behaviour, transport, error, text", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
 def test_a_hostile_server_ends_in_a_table_client_error(tmp_path, behaviour, transport, error, text):
     with ScriptedServer(behaviour, str(tmp_path)) as server:
         report = run_client(server, transport, gather_for=2.5 if behaviour.startswith("shm_") else 0.0)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import local_tables, start_daemon
 from tableclient import TableClient
+
 from tableserver.demo import DemoRows, DemoTable
 from tableserver.tablefile import TableFileWriter, read_header
 
@@ -40,9 +40,14 @@ def test_large_table_bit_exact(large_file, tmp_path):
     d = start_daemon(str(tmp_path / "d"), "--tables", large_file)
     try:
         rng = np.random.default_rng(0)
-        ids = np.concatenate([rng.integers(a, b, 2000) for a, b in REAL] + [
-            rng.integers(0, ROWS, 500),  # zero regions too
-            np.arange(BOUNDARY_ROW - 3, BOUNDARY_ROW + 4), [0, ROWS - 1]])
+        ids = np.concatenate(
+            [rng.integers(a, b, 2000) for a, b in REAL]
+            + [
+                rng.integers(0, ROWS, 500),  # zero regions too
+                np.arange(BOUNDARY_ROW - 3, BOUNDARY_ROW + 4),
+                [0, ROWS - 1],
+            ]
+        )
         assert (ids.astype(np.int64) * 264 > 1 << 32).sum() > 2000
         for transport in ("shm", "tcp"):
             with TableClient(d.address, transport=transport) as c:

@@ -9,11 +9,11 @@ import socket
 import grpc
 import numpy as np
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from conftest import EVENT_TIMEOUT, start_daemon
-from tests_helpers import run_workers
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tableclient import TableClient
+from tests_helpers import run_workers
+
 from tableserver.tablefile import TableFileWriter, TableSpec
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.v1 import tableserver_pb2_grpc as pb_grpc
@@ -29,13 +29,15 @@ def test_health_not_serving_until_loaded_then_serving_then_not_serving(tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    d = start_daemon(str(tmp_path / "d"), "--tables", path, "--listen", f"127.0.0.1:{port}", "--metrics-port", "0",
-                     wait=False)
+    d = start_daemon(
+        str(tmp_path / "d"), "--tables", path, "--listen", f"127.0.0.1:{port}", "--metrics-port", "0", wait=False
+    )
     seen = []
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-            stream = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""),
-                                                          wait_for_ready=True, timeout=EVENT_TIMEOUT)
+            stream = health_pb2_grpc.HealthStub(ch).Watch(
+                health_pb2.HealthCheckRequest(service=""), wait_for_ready=True, timeout=EVENT_TIMEOUT
+            )
             for resp in stream:
                 seen.append(resp.status)
                 if resp.status == NOT_SERVING and len(seen) == 1:
@@ -102,8 +104,11 @@ def test_server_memory_is_one_copy(daemon):
         total = sum(t.nbytes for t in c.tables.values())
         c.table("engram.layer14").gather(np.arange(1000))
         with open(f"/proc/{pid}/status") as f:
-            status = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f
-                      if line.startswith(("Rss", "VmLck", "HugetlbPages"))}
+            status = {
+                line.split(":")[0]: int(line.split()[1]) * 1024
+                for line in f
+                if line.startswith(("Rss", "VmLck", "HugetlbPages"))
+            }
     # tables on shmem pages, or on hugetlb pages when the machine has some reserved (--hugepages auto)
     resident = status["RssShmem"] + status.get("HugetlbPages", 0)
     assert status["VmLck"] >= total or status.get("HugetlbPages", 0) >= total  # pinned (hugetlb never pages out)

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import signal
 
-import pytest
-
 import netns
+import pytest
 from conftest import wait_for
 from netns import PORT, Cluster, Worker
 from tableclient.routing import rendezvous_score
+
 from tableserver.demo import DemoTable, write_demo_file
 
 pytestmark = pytest.mark.slow
@@ -34,8 +34,10 @@ def needs_namespaces():
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("multihost")
-    return {"v1": write_demo_file(str(d / "v1.bin"), TABLES, seed=1),
-            "v2": write_demo_file(str(d / "v2.bin"), TABLES, seed=2)}
+    return {
+        "v1": write_demo_file(str(d / "v1.bin"), TABLES, seed=1),
+        "v2": write_demo_file(str(d / "v2.bin"), TABLES, seed=2),
+    }
 
 
 def primary_of(client_id: str, names) -> str:
@@ -57,8 +59,12 @@ def test_three_replicas_survive_a_node(tmp_path, files, fault):
         worker = Worker(hosts, "c1", cluster.address(*names), files["v1"], str(tmp_path), f"w-{fault}")
         worker.wait_steps(20)
         victim = primary_of(f"w-{fault}", names)
-        {"kill": lambda: cluster.signal(victim, signal.SIGKILL), "drop": lambda: hosts.drop(victim),
-         "reject": lambda: hosts.reject(victim), "stop": lambda: cluster.signal(victim, signal.SIGSTOP)}[fault]()
+        {
+            "kill": lambda: cluster.signal(victim, signal.SIGKILL),
+            "drop": lambda: hosts.drop(victim),
+            "reject": lambda: hosts.reject(victim),
+            "stop": lambda: cluster.signal(victim, signal.SIGSTOP),
+        }[fault]()
         try:
             after = worker.wait_steps(60)
             assert after["replicas"][cluster.address(victim)]["state"] in ("down", "new"), after["replicas"]
@@ -79,8 +85,10 @@ def test_a_node_restarted_with_other_data_is_refused(tmp_path, files):
         victim = primary_of("w-version", names)
         cluster.signal(victim, signal.SIGKILL)
         cluster.start(victim, files["v2"])  # back on the same address, with another version of the tables
-        wait_for(lambda: worker.progress()["replicas"][cluster.address(victim)]["state"] == "refused",
-                 lambda: f"the restarted node to be refused: {worker.progress()['replicas']}")
+        wait_for(
+            lambda: worker.progress()["replicas"][cluster.address(victim)]["state"] == "refused",
+            lambda: f"the restarted node to be refused: {worker.progress()['replicas']}",
+        )
         worker.wait_steps(40)
         assert_served(worker.stop())
 
@@ -107,13 +115,16 @@ def test_dns_membership_changes(tmp_path, files):
         for n in names:
             cluster.start(n, files["v1"])
         hosts.set_hosts("c1", {"memnodes": [hosts.ip("n1"), hosts.ip("n2")]})
-        worker = Worker(hosts, "c1", f"dns:///memnodes:{PORT}", files["v1"], str(tmp_path), "w-dns",
-                        "--dns-refresh", "0.2")
+        worker = Worker(
+            hosts, "c1", f"dns:///memnodes:{PORT}", files["v1"], str(tmp_path), "w-dns", "--dns-refresh", "0.2"
+        )
         p = worker.wait_steps(20)
         assert set(p["replicas"]) == {cluster.address("n1"), cluster.address("n2")}
         hosts.set_hosts("c1", {"memnodes": [hosts.ip("n2"), hosts.ip("n3")]})  # n3 joins, n1 leaves
-        wait_for(lambda: set(worker.progress()["replicas"]) == {cluster.address("n2"), cluster.address("n3")},
-                 lambda: f"the new membership: {worker.progress()['replicas']}")
+        wait_for(
+            lambda: set(worker.progress()["replicas"]) == {cluster.address("n2"), cluster.address("n3")},
+            lambda: f"the new membership: {worker.progress()['replicas']}",
+        )
         cluster.signal("n1", signal.SIGKILL)  # gone for good
         worker.wait_steps(40)
         assert worker.progress()["replicas"][cluster.address("n3")]["state"] in ("idle", "up")

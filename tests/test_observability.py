@@ -21,26 +21,42 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
+from conftest import EVENT_TIMEOUT, ROOT, run_cli, start_daemon
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-
-from conftest import EVENT_TIMEOUT, ROOT, run_cli, start_daemon
 from tableclient import TableClient
 from tableclient.metrics import ClientMetrics, latency_buckets
+from tests_helpers import open_raw_session, scrape, value
+
+from tableserver.common.wire import HEADER, HEADER_BYTES, FrameType, Status, request_header
 from tableserver.dashboard import DEFAULT_DASHBOARD, check, load_targets, substitute
 from tableserver.logs import RateLimitedLog
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.v1 import tableserver_pb2_grpc as pb_grpc
-from tests_helpers import open_raw_session, scrape, value
-from tableserver.common.wire import HEADER, HEADER_BYTES, FrameType, Status, request_header
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from observe import ALERTS, ClientWorkload, PrometheusServer, prometheus_binary  # noqa: E402
 
 DEPLOY = os.path.join(ROOT, "deploy")
 #: every label our metrics may carry (low cardinality by construction; address: one per memory node of a client)
-ALLOWED_LABELS = {"table", "layer", "transport", "mode", "op", "method", "code", "reason", "page_size", "version",
-                  "python", "grpc", "le", "outcome", "address", "phase"}
+ALLOWED_LABELS = {
+    "table",
+    "layer",
+    "transport",
+    "mode",
+    "op",
+    "method",
+    "code",
+    "reason",
+    "page_size",
+    "version",
+    "python",
+    "grpc",
+    "le",
+    "outcome",
+    "address",
+    "phase",
+}
 UNIT_SUFFIXES = ("_seconds", "_bytes", "_total", "_info", "_rows", "_ratio")
 
 
@@ -77,8 +93,7 @@ def convention_problems(families, prefix: str) -> list[str]:
             problems.append(f"{where}: use base units (seconds, bytes)")
         doc = f.documentation
         if not doc or (doc[0].islower() and not doc.startswith("gRPC")) or not doc.endswith("."):
-            problems.append(f"{where}: help must be a sentence (no lowercase start, final period): "
-                            f"{f.documentation!r}")
+            problems.append(f"{where}: help must be a sentence (no lowercase start, final period): {f.documentation!r}")
         for s in f.samples:
             bad = set(s.labels) - ALLOWED_LABELS
             if bad:
@@ -152,8 +167,9 @@ def test_daemon_counts_gathers_sessions_grpc_codes_and_errors(fresh_daemon):
         # collector: it must still see the request the server deferred (the first scrape since it)
         deadline = time.monotonic() + EVENT_TIMEOUT
         while True:
-            with urllib.request.urlopen(f"http://{metrics}/metrics?name[]=tableserver_gather_rows_total",
-                                        timeout=EVENT_TIMEOUT) as r:
+            with urllib.request.urlopen(
+                f"http://{metrics}/metrics?name[]=tableserver_gather_rows_total", timeout=EVENT_TIMEOUT
+            ) as r:
                 filtered = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
             if value(filtered, "tableserver_gather_rows_total") or time.monotonic() > deadline:
                 break
@@ -170,8 +186,16 @@ def test_daemon_counts_gathers_sessions_grpc_codes_and_errors(fresh_daemon):
     after = scrape(metrics)
     assert value(after, "tableserver_gather_rows_total", table="engram.layer1", transport="tcp") == unique
     assert value(after, "tableserver_gather_bytes_total", table="engram.layer1") == unique * 264
-    assert value(after, "tableserver_gather_duration_seconds", "tableserver_gather_duration_seconds_count",
-                 transport="tcp", op="gather") == 1
+    assert (
+        value(
+            after,
+            "tableserver_gather_duration_seconds",
+            "tableserver_gather_duration_seconds_count",
+            transport="tcp",
+            op="gather",
+        )
+        == 1
+    )
     assert value(after, "tableserver_sessions_opened_total") == 1
     assert value(after, "tableserver_sessions_ended_total", reason="closed") == 1
     assert value(after, "tableserver_sessions", transport="tcp") == 0
@@ -191,10 +215,14 @@ def test_daemon_counts_gathers_sessions_grpc_codes_and_errors(fresh_daemon):
     assert head[2] == Status.ROW_OUT_OF_RANGE
     with grpc.insecure_channel(address) as ch:
         with pytest.raises(grpc.RpcError):
-            pb_grpc.TableServiceStub(ch).OpenSession(pb.OpenSessionRequest(transports=["carrier-pigeon"]), timeout=EVENT_TIMEOUT)
+            pb_grpc.TableServiceStub(ch).OpenSession(
+                pb.OpenSessionRequest(transports=["carrier-pigeon"]), timeout=EVENT_TIMEOUT
+            )
     # an aborted call is counted as its coroutine unwinds, which may be just after the client hears it
-    late = eventually(metrics, lambda f: value(f, "tableserver_grpc_requests_total", method="OpenSession",
-                                               code="INVALID_ARGUMENT") == 1)
+    late = eventually(
+        metrics,
+        lambda f: value(f, "tableserver_grpc_requests_total", method="OpenSession", code="INVALID_ARGUMENT") == 1,
+    )
     assert value(late, "tableserver_errors_total", reason="bad_row_ids") == 1
 
 
@@ -265,8 +293,16 @@ def test_two_client_processes_in_multiprocess_mode_aggregate(daemon, tmp_path):
     mp_dir = tmp_path / "multiproc"
     mp_dir.mkdir()
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(mp_dir))
-    procs = [subprocess.run([sys.executable, "-c", CLIENT_SCRIPT, daemon.address, "tcp", str(seed)], env=env,
-                            capture_output=True, text=True, timeout=EVENT_TIMEOUT) for seed in (1, 2)]
+    procs = [
+        subprocess.run(
+            [sys.executable, "-c", CLIENT_SCRIPT, daemon.address, "tcp", str(seed)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=EVENT_TIMEOUT,
+        )
+        for seed in (1, 2)
+    ]
     for p in procs:
         assert p.returncode == 0, p.stderr
     uniques = [int(x) for p in procs for x in p.stdout.split()]
@@ -281,8 +317,16 @@ def test_two_client_processes_in_multiprocess_mode_aggregate(daemon, tmp_path):
     assert sum(uniques) < 20 * 256 * 24  # each row fetched once: the dedup path ran
     assert value(families, "tableserver_client_unique_rows_total", **lab) == sum(uniques)
     assert value(families, "tableserver_client_read_bytes_total", **lab) == sum(uniques) * 264
-    assert value(families, "tableserver_client_gather_duration_seconds",
-                 "tableserver_client_gather_duration_seconds_count", mode="read", **lab) == 20
+    assert (
+        value(
+            families,
+            "tableserver_client_gather_duration_seconds",
+            "tableserver_client_gather_duration_seconds_count",
+            mode="read",
+            **lab,
+        )
+        == 20
+    )
     assert value(families, "tableserver_client_connects_total", transport="tcp") == 2
     assert value(families, "tableserver_client_sessions", transport="tcp") == 0  # both closed their session
 
@@ -324,18 +368,20 @@ def test_the_library_never_starts_an_http_server(daemon):
 
 def test_step_api_counts_waits_misses_and_windows(daemon):
     from prometheus_client import REGISTRY
-
     from tableclient.step import EngramStep, LayerPlan
 
     def get(name, **labels):
         return REGISTRY.get_sample_value(name, labels) or 0.0
 
-    waits0, misses0 = get("tableserver_client_layer_waits_total", layer="14"), \
-        get("tableserver_client_deadline_misses_total", layer="14")
+    waits0, misses0 = (
+        get("tableserver_client_layer_waits_total", layer="14"),
+        get("tableserver_client_deadline_misses_total", layer="14"),
+    )
     with TableClient(daemon.address, transport="tcp") as c:
         # a window nobody can meet (0 s) and one everybody meets (an hour)
-        step = EngramStep(c, [LayerPlan(14, "engram.layer14", 0.0), LayerPlan(1, "engram.layer1", 3600.0)],
-                          max_tokens=8)
+        step = EngramStep(
+            c, [LayerPlan(14, "engram.layer14", 0.0), LayerPlan(1, "engram.layer1", 3600.0)], max_tokens=8
+        )
         for _ in range(3):
             step.begin_step({1: np.ones((8, 24), np.int64), 14: np.ones((8, 24), np.int64)})
             step.wait(14)
@@ -387,8 +433,10 @@ def test_json_logs_carry_the_catalog_memory_layout_and_time_to_serving(tmp_path,
 
 
 def test_text_logs_have_a_stable_prefix(daemon):
-    pattern = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z tableserver\[\d+\] (DEBUG|INFO|WARNING|ERROR) "
-                         r"tableserver(\.\w+)*: ")
+    pattern = re.compile(
+        r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z tableserver\[\d+\] (DEBUG|INFO|WARNING|ERROR) "
+        r"tableserver(\.\w+)*: "
+    )
     lines = [line for line in daemon.log().splitlines() if line and not line.startswith((" ", "Traceback"))]
     assert lines and all(pattern.match(line) for line in lines), lines[:5]
     assert any("SERVING" in line and "time_to_serving_s=" in line for line in lines)
@@ -425,8 +473,11 @@ def test_deploy_configs_are_valid():
     promtool = prometheus_binary() and os.path.join(os.path.dirname(prometheus_binary()), "promtool")
     if not promtool or not os.path.exists(promtool):
         pytest.skip("promtool missing: apt-get install prometheus (.ci/run installs it)")
-    out = subprocess.run([promtool, "check", "config", os.path.join(DEPLOY, "prometheus", "prometheus.yml")],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [promtool, "check", "config", os.path.join(DEPLOY, "prometheus", "prometheus.yml")],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0 and "1 rule files found" in out.stdout, out.stdout + out.stderr
     out = subprocess.run([promtool, "check", "rules", ALERTS], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -445,8 +496,7 @@ def _wait_rules_evaluated(prom, timeout: float = EVENT_TIMEOUT) -> list:
     while True:
         groups = prom.api._get("/api/v1/rules")["groups"]
         rules = [r for g in groups for r in g["rules"]]
-        if (rules and all(r.get("lastEvaluation", "").startswith("20") for r in rules)) or \
-                time.monotonic() > deadline:
+        if (rules and all(r.get("lastEvaluation", "").startswith("20") for r in rules)) or time.monotonic() > deadline:
             return rules
         time.sleep(0.5)
 
@@ -460,8 +510,12 @@ def test_real_prometheus_evaluates_every_dashboard_query(tmp_path, demo_file):
     work = None
     try:
         work = ClientWorkload(d.address, str(tmp_path / "w"), timeout=EVENT_TIMEOUT)
-        with PrometheusServer({"tableserver": [d.ready["metrics"]], "tableserver-client": [work.exporter_address]},
-                              str(tmp_path / "prom"), rule_files=(ALERTS,), timeout=EVENT_TIMEOUT) as prom:
+        with PrometheusServer(
+            {"tableserver": [d.ready["metrics"]], "tableserver-client": [work.exporter_address]},
+            str(tmp_path / "prom"),
+            rule_files=(ALERTS,),
+            timeout=EVENT_TIMEOUT,
+        ) as prom:
             prom.wait_for("up == 1", min_series=2)
             work.start_workers()
             prom.wait_for("sum by (transport) (rate(tableserver_client_rows_total[10s]))", min_series=2)
@@ -478,11 +532,14 @@ def test_real_prometheus_evaluates_every_dashboard_query(tmp_path, demo_file):
             assert {s["metric"]["transport"]: float(s["value"][1]) for s in sessions} == {"shm": 1.0, "tcp": 1.0}
             # the operator's commands against the same Prometheus
             cli = run_cli("dashboard", "check", "--prometheus", prom.url, "--rate-interval", "20s")
-            assert cli.returncode == 0 and f"{len(targets)} of {len(targets)} dashboard queries return data" in \
-                cli.stdout, cli.stdout + cli.stderr
+            assert (
+                cli.returncode == 0 and f"{len(targets)} of {len(targets)} dashboard queries return data" in cli.stdout
+            ), cli.stdout + cli.stderr
             png = tmp_path / "dash.png"
             cli = run_cli("dashboard", "render", "--prometheus", prom.url, "--out", str(png), "--minutes", "2")
-            assert cli.returncode == 0 and png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG", cli.stderr
+            assert cli.returncode == 0 and png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG", (
+                cli.stderr
+            )
             # every alerting rule of deploy/prometheus/alerts.yml loaded and evaluated against real data
             rules = _wait_rules_evaluated(prom)
             assert len(rules) == 6 and all(r["health"] == "ok" for r in rules), rules

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
-
 from conftest import local_tables, run_cli, start_daemon
+from safetensors.torch import save_file
 from tableclient import TableClient
+
 from tableserver.tablefile import ENGRAM_DTYPE, read_header
 
 N1, N14 = 3_000, 4_321
@@ -28,11 +28,22 @@ def checkpoint(tmp_path_factory):
     w1, s1 = engram(N1)
     w14, s14 = engram(N14)
     dense = torch.randn(500, 64, generator=g).to(torch.bfloat16)
-    save_file({"model.layers.1.engram.embedding.weight": w1, "model.layers.1.engram.embedding.scale": s1,
-               "model.layers.1.engram.norm": torch.ones(256)}, str(d / "a.safetensors"))
-    save_file({"model.layers.14.engram.embedding.weight": w14,
-               "model.layers.14.engram.embedding.weight_scale_inv": s14,
-               "extra.dense": dense}, str(d / "b.safetensors"))
+    save_file(
+        {
+            "model.layers.1.engram.embedding.weight": w1,
+            "model.layers.1.engram.embedding.scale": s1,
+            "model.layers.1.engram.norm": torch.ones(256),
+        },
+        str(d / "a.safetensors"),
+    )
+    save_file(
+        {
+            "model.layers.14.engram.embedding.weight": w14,
+            "model.layers.14.engram.embedding.weight_scale_inv": s14,
+            "extra.dense": dense,
+        },
+        str(d / "b.safetensors"),
+    )
     expected = {
         "engram.layer1": np.concatenate([w1.view(torch.uint8).numpy(), s1.view(torch.uint8).numpy()], axis=1),
         "engram.layer14": np.concatenate([w14.view(torch.uint8).numpy(), s14.view(torch.uint8).numpy()], axis=1),

@@ -6,7 +6,6 @@ import os
 import sys
 
 import numpy as np
-
 from conftest import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))

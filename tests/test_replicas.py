@@ -14,10 +14,10 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import EVENT_TIMEOUT, local_tables, start_daemon, wait_for
-from tests_helpers import freeze, scrape, value
 from tableclient import ConnectError, TableClient
+from tests_helpers import freeze, scrape, value
+
 from tableserver.demo import DemoTable, write_demo_file
 
 TABLES = [DemoTable("engram.layer1", 30_000, 264, 1), DemoTable("engram.layer14", 40_001, 264, 14)]
@@ -57,8 +57,18 @@ def free_port_block(n: int = 3) -> int:
 
 def node(tmp_path, name, table, port=None, *flags):
     port = port or free_port_block()
-    return start_daemon(str(tmp_path / name), "--tables", table, "--listen", f"127.0.0.1:{port}",
-                        "--transports", "tcp", "--node-id", name, *flags)
+    return start_daemon(
+        str(tmp_path / name),
+        "--tables",
+        table,
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--transports",
+        "tcp",
+        "--node-id",
+        name,
+        *flags,
+    )
 
 
 def check(client, local, rng, n=2000):
@@ -204,15 +214,21 @@ def test_hedged_read_wins_over_a_frozen_primary(three, v1):
     from prometheus_client import REGISTRY
 
     local = local_tables(v1)
+
     def counts():
-        return {k: REGISTRY.get_sample_value(name, labels) or 0 for k, name, labels in (
-            ("won", "tableserver_client_hedges_total", {"outcome": "won"}),
-            ("issued", "tableserver_client_hedges_total", {"outcome": "issued"}),
-            ("failovers", "tableserver_client_failovers_total", {}))}
+        return {
+            k: REGISTRY.get_sample_value(name, labels) or 0
+            for k, name, labels in (
+                ("won", "tableserver_client_hedges_total", {"outcome": "won"}),
+                ("issued", "tableserver_client_hedges_total", {"outcome": "issued"}),
+                ("failovers", "tableserver_client_failovers_total", {}),
+            )
+        }
 
     won = counts()["won"]
-    with TableClient(",".join(d.address for d in three), transport="tcp", client_id="hedge",
-                     liveness_timeout=60.0) as c:  # only the hedge can save these gathers
+    with TableClient(
+        ",".join(d.address for d in three), transport="tcp", client_id="hedge", liveness_timeout=60.0
+    ) as c:  # only the hedge can save these gathers
         # the replica this client reads first (rendezvous), once its session is up: a client may start on
         # another one while the first one's session is still opening, and move back to it after
         first = c._router.shards("engram.layer1")[0].replicas[0].address
@@ -268,8 +284,10 @@ def test_a_shard_that_restarts_with_another_range_never_yields_an_unwritten_row(
     the others stay bit-exact, and overlapping or nested layouts are routed to nodes holding the rows."""
     local = local_tables(one_table)["t"]
     port_b = free_port_block()
-    started = [node(tmp_path, "a", one_table, None, "--rows", "0:10000"),
-               node(tmp_path, "b", one_table, port_b, "--rows", "10000:20000")]
+    started = [
+        node(tmp_path, "a", one_table, None, "--rows", "0:10000"),
+        node(tmp_path, "b", one_table, port_b, "--rows", "10000:20000"),
+    ]
     every = np.arange(20_000)
     try:
         with TableClient(",".join(d.address for d in started), transport="tcp") as c:
@@ -310,8 +328,9 @@ def test_a_gather_waiting_when_the_client_closes_ends(tmp_path, v1):
 
     a, b = node(tmp_path, "a", v1), node(tmp_path, "b", v1)
     try:
-        c = TableClient(f"{a.address},{b.address}", transport="tcp", client_id="close", standby=False,
-                        liveness_timeout=600.0)
+        c = TableClient(
+            f"{a.address},{b.address}", transport="tcp", client_id="close", standby=False, liveness_timeout=600.0
+        )
         primary = c.replicas()
         first = c._router.shards("engram.layer1")[0].replicas[0].address
         frozen = a if first == a.address else b

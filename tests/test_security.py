@@ -9,13 +9,12 @@ import socket
 import grpc
 import numpy as np
 import pytest
+from conftest import EVENT_TIMEOUT
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from conftest import EVENT_TIMEOUT
 from tableclient import AuthError, ConnectError, TableClient
 
 TOKEN = "s3cret-token-for-tests"
@@ -26,11 +25,17 @@ def _name(cn):
 
 
 def _cert(subject, issuer_name, issuer_key, key, ca=False, san=None):
-    now = datetime.datetime.now(datetime.timezone.utc)
-    b = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(issuer_name)
-         .public_key(key.public_key()).serial_number(x509.random_serial_number())
-         .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    now = datetime.datetime.now(datetime.UTC)
+    b = (
+        x509.CertificateBuilder()
+        .subject_name(_name(subject))
+        .issuer_name(issuer_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
     if san:
         b = b.add_extension(x509.SubjectAlternativeName([x509.DNSName(s) for s in san]), critical=False)
     return b.sign(issuer_key, hashes.SHA256())
@@ -46,9 +51,11 @@ def pki(tmp_path_factory):
     def write(name, cert, key):
         files[name] = str(d / f"{name}.pem"), str(d / f"{name}.key")
         (d / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        (d / f"{name}.key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                                          serialization.PrivateFormat.PKCS8,
-                                                          serialization.NoEncryption()))
+        (d / f"{name}.key").write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
 
     write("ca", ca, ca_key)
     for who, san in (("server", ["localhost"]), ("client", None)):
@@ -134,6 +141,7 @@ def test_a_token_on_the_command_line_warns(fresh_daemon):
 
 def test_data_port_rejects_forged_sessions(daemon):
     from tests_helpers import shm_hello, tcp_hello
+
     from tableserver.common.wire import HEADER, Status
 
     host, port = daemon.ready["tcp"].rsplit(":", 1)
@@ -195,11 +203,22 @@ def test_shm_socket_is_0660_with_a_group(fresh_daemon, tmp_path):
     d = fresh_daemon("--shm-group", group)
     st = os.stat(d.ready["shm"])
     assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == os.getgid()
-    from test_faults import assert_one_line_error
     from conftest import run_cli
+    from test_faults import assert_one_line_error
 
-    assert_one_line_error(run_cli("--tables", "x.bin", "--listen", "127.0.0.1:0", "--shm-group", "no-such-grp",
-                                  "--shm-socket", str(tmp_path / "s.sock")), "no such group")
+    assert_one_line_error(
+        run_cli(
+            "--tables",
+            "x.bin",
+            "--listen",
+            "127.0.0.1:0",
+            "--shm-group",
+            "no-such-grp",
+            "--shm-socket",
+            str(tmp_path / "s.sock"),
+        ),
+        "no such group",
+    )
 
 
 def test_metrics_over_https(fresh_daemon, pki):
@@ -209,8 +228,9 @@ def test_metrics_over_https(fresh_daemon, pki):
     import urllib.request
 
     cert, key = pki["server"]
-    d = fresh_daemon("--tls-cert", cert, "--tls-key", key, "--auth-token-file", _token_file(pki["ca"][0]),
-                     "--metrics-tls")
+    d = fresh_daemon(
+        "--tls-cert", cert, "--tls-key", key, "--auth-token-file", _token_file(pki["ca"][0]), "--metrics-tls"
+    )
     port = d.ready["metrics"].rsplit(":", 1)[1]
     ctx = ssl.create_default_context(cafile=pki["ca"][0])
     with urllib.request.urlopen(f"https://localhost:{port}/metrics", context=ctx, timeout=EVENT_TIMEOUT) as r:

@@ -15,15 +15,15 @@ import time
 import grpc
 import numpy as np
 import pytest
-
 from conftest import EVENT_TIMEOUT, run_cli, wait_for
 from test_faults import assert_one_line_error
 from tests_helpers import open_raw_session, scrape, tcp_hello, value
+
+from tableserver.common.wire import HEADER, HEADER_BYTES, FrameType, Status, recv_exact, request_header, send_all
 from tableserver.config import SERVE_OPTIONS, add_flags, resolve
 from tableserver.errors import ConfigError
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.v1 import tableserver_pb2_grpc as pb_grpc
-from tableserver.common.wire import HEADER, HEADER_BYTES, FrameType, Status, recv_exact, request_header, send_all
 
 
 def _parse(argv):
@@ -67,8 +67,10 @@ def test_values_outside_the_range_are_one_line_errors_naming_where_they_came_fro
 
 
 def test_values_inside_the_range_are_taken(tmp_path):
-    cfg = resolve(_parse(["--data-threads", "32", "--idle-timeout", "0", "--max-sessions", "1"]),
-                  {"TABLESERVER_LEASE_SECONDS": "86400", "TABLESERVER_DATA_THREADS": "2"})
+    cfg = resolve(
+        _parse(["--data-threads", "32", "--idle-timeout", "0", "--max-sessions", "1"]),
+        {"TABLESERVER_LEASE_SECONDS": "86400", "TABLESERVER_DATA_THREADS": "2"},
+    )
     assert (cfg["data_threads"], cfg["idle_timeout"], cfg["max_sessions"], cfg["lease_seconds"]) == (32, 0, 1, 86400)
     (tmp_path / "c.toml").write_text("data-threads = 4.0\nrdma-gid-index = 3\n")
     cfg = resolve(_parse(["--config", str(tmp_path / "c.toml")]), {})
@@ -90,13 +92,22 @@ def test_the_help_shows_every_range(tmp_path):
 
 def test_the_cli_refuses_an_unbounded_thread_count_in_one_line(demo_file, tmp_path):
     env = dict(os.environ, TABLESERVER_DATA_THREADS="100000000000000000000")
-    assert_one_line_error(run_cli("--tables", demo_file, "--listen", "127.0.0.1:0", env=env),
-                          "TABLESERVER_DATA_THREADS = '100000000000000000000'", "2..32", code=2)
+    assert_one_line_error(
+        run_cli("--tables", demo_file, "--listen", "127.0.0.1:0", env=env),
+        "TABLESERVER_DATA_THREADS = '100000000000000000000'",
+        "2..32",
+        code=2,
+    )
     (tmp_path / "c.toml").write_text("lease-seconds = inf\n")
-    assert_one_line_error(run_cli("--tables", demo_file, "--config", str(tmp_path / "c.toml")),
-                          "lease-seconds = inf", "0.1..86400", code=2)
-    assert_one_line_error(run_cli("--tables", demo_file, "--max-sessions", "0"), "--max-sessions = '0'", "1..65536",
-                          code=2)
+    assert_one_line_error(
+        run_cli("--tables", demo_file, "--config", str(tmp_path / "c.toml")),
+        "lease-seconds = inf",
+        "0.1..86400",
+        code=2,
+    )
+    assert_one_line_error(
+        run_cli("--tables", demo_file, "--max-sessions", "0"), "--max-sessions = '0'", "1..65536", code=2
+    )
 
 
 # ------------------------------------------------------------------ 2. the config file bounded
@@ -109,8 +120,9 @@ def _limit_memory():
 
 def test_a_config_that_is_no_regular_file_is_refused_in_one_line(demo_file, tmp_path):
     env = dict(os.environ, TABLESERVER_CONFIG="/dev/zero")
-    assert_one_line_error(run_cli("--tables", demo_file, env=env, preexec=_limit_memory),
-                          "/dev/zero is not a regular file", code=2)
+    assert_one_line_error(
+        run_cli("--tables", demo_file, env=env, preexec=_limit_memory), "/dev/zero is not a regular file", code=2
+    )
     fifo = str(tmp_path / "fifo")
     os.mkfifo(fifo)  # opening it for reading without a writer would wait forever
     assert_one_line_error(run_cli("--tables", demo_file, "--config", fifo), "is not a regular file", code=2)
@@ -121,8 +133,9 @@ def test_a_config_larger_than_the_limit_is_refused(demo_file, tmp_path):
     big = tmp_path / "big.toml"
     big.write_text("# padding\n" * 120_000)  # 1.2 MB of comments: valid TOML, but no config is that large
     # a bad --listen too: a server that read the file whole would stop there instead of serving
-    assert_one_line_error(run_cli("--tables", demo_file, "--config", str(big), "--listen", "nohost"),
-                          "larger than 1 MiB", code=2)
+    assert_one_line_error(
+        run_cli("--tables", demo_file, "--config", str(big), "--listen", "nohost"), "larger than 1 MiB", code=2
+    )
 
 
 def test_a_deeply_nested_config_is_one_line(demo_file, tmp_path):
@@ -144,13 +157,21 @@ def _write_cert(d, name, not_before, not_after):
 
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(not_before).not_valid_after(not_after)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(not_before)
+        .not_valid_after(not_after)
+        .sign(key, hashes.SHA256())
+    )
     cert_path, key_path = d / f"{name}.pem", d / f"{name}.key"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return str(cert_path), str(key_path)
 
 
@@ -165,7 +186,7 @@ def _start_refused(fresh_daemon, *args):
 
 @pytest.mark.parametrize("when", ["expired", "not yet valid"])
 def test_a_server_refuses_a_certificate_outside_its_validity(fresh_daemon, tmp_path, when):
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     day = datetime.timedelta(days=1)
     if when == "expired":
         cert, key = _write_cert(tmp_path, "old", now - 30 * day, now - day)
@@ -182,7 +203,7 @@ def test_a_server_refuses_a_certificate_outside_its_validity(fresh_daemon, tmp_p
 
 
 def test_a_valid_certificate_still_serves(fresh_daemon, tmp_path):
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert, key = _write_cert(tmp_path, "good", now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=1))
     d = fresh_daemon("--tls-cert", cert, "--tls-key", key)
     assert d.proc.poll() is None and d.ready["control"]
@@ -201,8 +222,10 @@ def test_a_session_without_a_keepalive_stream_is_closed_after_the_bind_timeout(f
     d = fresh_daemon("--session-bind-timeout", "0.5", "--lease-seconds", "3600")
     with TableClient(d.address, client_name="honest", transport="tcp") as c:  # binds its stream at once
         raw = open_raw_session(d.address)
-        wait_for(lambda: "never bound a keepalive stream within 0.5 s" in d.log() and "(raw pid" in d.log(),
-                 lambda: f"the unbound session to be closed:\n{d.log()}")
+        wait_for(
+            lambda: "never bound a keepalive stream within 0.5 s" in d.log() and "(raw pid" in d.log(),
+            lambda: f"the unbound session to be closed:\n{d.log()}",
+        )
         with socket.create_connection(tuple(_hostport(d.ready["tcp"])), timeout=EVENT_TIMEOUT) as s:
             assert tcp_hello(s, raw.session_id, raw.secret)[0] == Status.UNAUTHENTICATED
         ids = np.arange(64).reshape(8, 8)
@@ -259,7 +282,7 @@ class _Forwarder:
     def __init__(self, source: str, upstream: tuple[str, int]):
         self.source, self.upstream = source, upstream
         self.listener = socket.create_server(("127.0.0.1", 0))
-        self.address = "127.0.0.1:%d" % self.listener.getsockname()[1]
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
         self._socks: list[socket.socket] = [self.listener]
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -296,8 +319,9 @@ class _Forwarder:
 
 def _open_from(address: str):
     with grpc.insecure_channel(address) as ch:
-        return pb_grpc.TableServiceStub(ch).OpenSession(pb.OpenSessionRequest(client_name="prefix", transports=["tcp"]),
-                                                        timeout=EVENT_TIMEOUT)
+        return pb_grpc.TableServiceStub(ch).OpenSession(
+            pb.OpenSessionRequest(client_name="prefix", transports=["tcp"]), timeout=EVENT_TIMEOUT
+        )
 
 
 def test_the_per_peer_session_cap_counts_a_whole_prefix(fresh_daemon):
@@ -309,8 +333,9 @@ def test_the_per_peer_session_cap_counts_a_whole_prefix(fresh_daemon):
         pytest.skip(f"this host cannot send from 127.0.0.2 ({e})")
     d = fresh_daemon("--max-sessions-per-peer", "3", "--session-open-rate", "1000")
     upstream = _hostport(d.address)
-    relays = {src: _Forwarder(src, upstream) for src in ("127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5",
-                                                          "127.0.1.2")}
+    relays = {
+        src: _Forwarder(src, upstream) for src in ("127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5", "127.0.1.2")
+    }
     try:
         for src in ("127.0.0.2", "127.0.0.3", "127.0.0.4"):  # three hosts of one /24: the cap of 3
             _open_from(relays[src].address)

@@ -11,16 +11,25 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
 import sglang_cpu  # noqa: F401
 import torch
-
 from test_sglang_plugin import (  # noqa: F401  (fixtures)
-    HC, HIDDEN, LAYERS, build, engram_tables, extend_batch, forward, memnode, model_config, plugin,
+    HC,
+    HIDDEN,
+    LAYERS,
+    build,
+    engram_tables,
+    extend_batch,
+    forward,
+    memnode,
+    model_config,
+    plugin,
 )
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine): "
-                                "the plugin's GPU paths have not run here")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA GPU (none on this machine): the plugin's GPU paths have not run here",
+)
 
 
 def to_cuda(model):
@@ -37,8 +46,15 @@ def test_device_rows_match_sglang_gpu_lookup(plugin, model_config, engram_tables
     for chunks in ([(0, rng.integers(0, 300, 40).tolist())], [(0, rng.integers(0, 300, 7).tolist())] * 3):
         ids, batch = extend_batch(chunks, list(range(len(chunks))))
         ids, batch.input_ids = ids.cuda(), ids.cuda()
-        for name in ("req_pool_indices", "seq_lens", "out_cache_loc", "positions", "extend_seq_lens",
-                     "extend_start_loc", "extend_prefix_lens"):
+        for name in (
+            "req_pool_indices",
+            "seq_lens",
+            "out_cache_loc",
+            "positions",
+            "extend_seq_lens",
+            "extend_start_loc",
+            "extend_prefix_lens",
+        ):
             setattr(batch, name, getattr(batch, name).cuda())
         x = torch.randn((len(ids), HC, HIDDEN), device="cuda").to(torch.bfloat16)
         _, want = forward(local, ids, batch, x)
@@ -48,8 +64,9 @@ def test_device_rows_match_sglang_gpu_lookup(plugin, model_config, engram_tables
             assert torch.equal(a.view(torch.int16), b.view(torch.int16))
     from tableclient.sglang import rows
 
-    assert all(rows().summary()[layer]["prefetched"] == 2 and rows().summary()[layer]["fetched"] == 0
-               for layer in LAYERS), rows().summary()
+    assert all(
+        rows().summary()[layer]["prefetched"] == 2 and rows().summary()[layer]["fetched"] == 0 for layer in LAYERS
+    ), rows().summary()
 
 
 def test_scheduler_staging_of_served_layers(plugin, model_config, engram_tables, memnode):
@@ -65,17 +82,28 @@ def test_scheduler_staging_of_served_layers(plugin, model_config, engram_tables,
     prompts = [rng.integers(0, 300, 30).tolist(), rng.integers(0, 300, 11).tolist()]
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    schedule = SimpleNamespace(forward_mode=ForwardMode.EXTEND, reqs=[SimpleNamespace(full_untruncated_fill_ids=p)
-                                                                      for p in prompts],
-                               prefix_lens=[0, 0], extend_lens=[len(p) for p in prompts], encoder_swa_reset=None)
+    schedule = SimpleNamespace(
+        forward_mode=ForwardMode.EXTEND,
+        reqs=[SimpleNamespace(full_untruncated_fill_ids=p) for p in prompts],
+        prefix_lens=[0, 0],
+        extend_lens=[len(p) for p in prompts],
+        encoder_swa_reset=None,
+    )
     staged = stager.stage(schedule)
     assert staged is not None and len(staged) == len(LAYERS)
     ids, batch = extend_batch([(0, p) for p in prompts], [0, 1])
     batch.engram_staged_rows = staged
     x = torch.randn((len(ids), HC, HIDDEN)).to(torch.bfloat16)
     ids_c, x_c = ids.cuda(), x.cuda()
-    for name in ("req_pool_indices", "seq_lens", "out_cache_loc", "positions", "extend_seq_lens",
-                 "extend_start_loc", "extend_prefix_lens"):
+    for name in (
+        "req_pool_indices",
+        "seq_lens",
+        "out_cache_loc",
+        "positions",
+        "extend_seq_lens",
+        "extend_start_loc",
+        "extend_prefix_lens",
+    ):
         setattr(batch, name, getattr(batch, name).cuda())
     batch.input_ids = ids_c
     _, got = forward((hasher, engrams), ids_c, batch, x_c)

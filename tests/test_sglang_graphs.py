@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 import sglang_cpu  # noqa: F401  (before sglang: torchvision on a CPU torch)
 
 torch = pytest.importorskip("torch")
@@ -24,11 +23,20 @@ from sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend impor
     BreakableCudaGraphBackend,
 )
 from sglang.srt.model_executor.runner_backend.full_cuda_graph_backend import FullCudaGraphBackend  # noqa: E402
-
 from tableclient.sglang import graphs, hooks, rows  # noqa: E402
 from test_sglang_plugin import (  # noqa: E402,F401  (fixtures: one memory node and SGLang's plugin loading)
-    HC, HIDDEN, assert_bit_identical, build, conversation, decode_batch, engram_tables, forward, memnode,
-    model_config, plugin, server_rows,
+    HC,
+    HIDDEN,
+    assert_bit_identical,
+    build,
+    conversation,
+    decode_batch,
+    engram_tables,
+    forward,
+    memnode,
+    model_config,
+    plugin,
+    server_rows,
 )
 
 
@@ -43,8 +51,9 @@ class _Model(torch.nn.Module):
 def runner_for(model, backend=FullCudaGraphBackend, max_bs: int = 8, **flags):
     """SGLang's DecodeCudaGraphRunner, without the __init__ that would capture on a GPU: the attributes
     the plugin reads, as __init__ sets them."""
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from types import SimpleNamespace
+
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     runner = DecodeCudaGraphRunner.__new__(DecodeCudaGraphRunner)
     runner.model_runner = SimpleNamespace(model=_Model(*model))
@@ -59,6 +68,7 @@ def runner_for(model, backend=FullCudaGraphBackend, max_bs: int = 8, **flags):
 def capture(runner, model):
     """The runner's capture as the plugin's hook wraps it: the forward run once per bucket (what a capture's
     warm-up runs) for a batch of dummy tokens."""
+
     def record(self):
         for bs in (1, 2, 4, 8):
             ids, batch = decode_batch([0] * bs, [5] * bs, list(range(bs)))
@@ -98,8 +108,11 @@ def run_graphs(model, runner, seed=0):
 
 
 def test_the_hooks_are_on_sglangs_decode_runner(plugin):
-    for name, fn in (("capture", hooks._runner_capture), ("load_batch", hooks._runner_load_batch),
-                     ("execute", hooks._runner_execute)):
+    for name, fn in (
+        ("capture", hooks._runner_capture),
+        ("load_batch", hooks._runner_load_batch),
+        ("execute", hooks._runner_execute),
+    ):
         assert hooks._wraps(getattr(DecodeCudaGraphRunner, name), fn), name
     assert hooks.check_sglang() == hooks.SUPPORTED_SGLANG  # signatures checked, incl. the runner's
 
@@ -117,8 +130,11 @@ def test_ids_before_replay_equal_sglangs_hasher_and_leave_its_history(plugin, mo
     assert modes == {"EXTEND", "DECODE"}
 
 
-@pytest.mark.parametrize("graph", [{}, {14: "in_graph"}, {1: "in_graph", 14: "in_graph"}],
-                         ids=["before_replay", "layer14_in_graph", "both_in_graph"])
+@pytest.mark.parametrize(
+    "graph",
+    [{}, {14: "in_graph"}, {1: "in_graph", 14: "in_graph"}],
+    ids=["before_replay", "layer14_in_graph", "both_in_graph"],
+)
 def test_decode_steps_in_graphs_are_bit_identical(plugin, model_config, engram_tables, memnode, graph):
     want = _local_outputs(model_config, engram_tables)
     waits = {layer: _graph_waits(layer, graph.get(layer, "before_replay")) for layer in (1, 14)}
@@ -147,8 +163,10 @@ def test_decode_steps_in_graphs_are_bit_identical(plugin, model_config, engram_t
 def _graph_waits(layer: int, phase: str) -> float:
     from prometheus_client import REGISTRY
 
-    return REGISTRY.get_sample_value("tableserver_client_graph_wait_seconds_count",
-                                     {"layer": str(layer), "phase": phase}) or 0
+    return (
+        REGISTRY.get_sample_value("tableserver_client_graph_wait_seconds_count", {"layer": str(layer), "phase": phase})
+        or 0
+    )
 
 
 def _local_outputs(model_config, engram_tables):
@@ -166,11 +184,14 @@ def test_an_eager_break_serves_the_layer_in_a_breakable_graph(plugin, model_conf
     assert rows().summary()[14]["fetched"] > 0  # fetched when the break ran
 
 
-@pytest.mark.parametrize("flags, needle", [
-    ({"enable_two_batch_overlap": True}, "--enable-two-batch-overlap"),
-    ({"enable_pdmux": True}, "--enable-pdmux"),
-    ({"speculative": True}, "--speculative-algorithm"),
-])
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        ({"enable_two_batch_overlap": True}, "--enable-two-batch-overlap"),
+        ({"enable_pdmux": True}, "--enable-pdmux"),
+        ({"speculative": True}, "--speculative-algorithm"),
+    ],
+)
 def test_what_is_not_handled_is_refused_at_start_up(plugin, model_config, engram_tables, memnode, flags, needle):
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
@@ -191,7 +212,10 @@ def test_graph_modes_in_the_configuration():
     from tableclient.sglang import ConfigError, PluginConfig
 
     cfg = PluginConfig.load({"TABLESERVER_ADDRESS": "m:1", "TABLESERVER_GRAPH_MODE": "14=in_graph,1=before_replay"})
-    assert cfg.graph_mode(14) == "in_graph" and cfg.graph_mode(1) == "before_replay" and cfg.graph_mode(7) == \
-        "before_replay"
+    assert (
+        cfg.graph_mode(14) == "in_graph"
+        and cfg.graph_mode(1) == "before_replay"
+        and cfg.graph_mode(7) == "before_replay"
+    )
     with pytest.raises(ConfigError, match="graph.14 = 'sometimes': use one of before_replay, in_graph, eager_break"):
         PluginConfig(address="m:1", graph={14: "sometimes"})

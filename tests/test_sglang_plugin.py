@@ -19,11 +19,11 @@ import signal
 
 import numpy as np
 import pytest
-
 import sglang_cpu  # noqa: F401  (before sglang: torchvision on a CPU torch)
 from conftest import local_tables, start_daemon
-from tableserver.demo import DemoTable, write_demo_file
 from tests_helpers import scrape, value
+
+from tableserver.demo import DemoTable, write_demo_file
 
 torch = pytest.importorskip("torch")
 try:
@@ -38,7 +38,6 @@ from sglang.srt.layers.engram import Engram, EngramHasher, EngramLayout, build_c
 from sglang.srt.layers.engram_staging import EngramRowStager  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
 from sglang.srt.runtime_context import get_parallel  # noqa: E402
-
 from tableclient.sglang import PluginConfig, configure, hooks, rows  # noqa: E402
 
 LAYERS = (1, 14)
@@ -62,12 +61,20 @@ def make_tokenizer():
 def model_config():
     tokenizer = make_tokenizer()
     _, compressed = build_compressed_token_map(tokenizer)
-    engram = dict(engram_layer_ids=list(LAYERS), engram_max_ngram_size=4, engram_n_heads=8, engram_vocab_size=2000,
-                  engram_head_dim=256, engram_pad_token_id=2, engram_compressed_vocab_size=compressed)
+    engram = dict(
+        engram_layer_ids=list(LAYERS),
+        engram_max_ngram_size=4,
+        engram_n_heads=8,
+        engram_vocab_size=2000,
+        engram_head_dim=256,
+        engram_pad_token_id=2,
+        engram_compressed_vocab_size=compressed,
+    )
     probe = EngramLayout.from_config(DeepseekV41Config(text_config=engram))
     engram["engram_num_embeddings"] = [probe.column_bounds(i)[-1] for i in range(len(LAYERS))]
-    cfg = DeepseekV41Config(text_config=dict(engram, hidden_size=HIDDEN, hc_mult=HC, rms_norm_eps=1e-6,
-                                             num_hidden_layers=16))
+    cfg = DeepseekV41Config(
+        text_config=dict(engram, hidden_size=HIDDEN, hc_mult=HC, rms_norm_eps=1e-6, num_hidden_layers=16)
+    )
     return cfg, tokenizer
 
 
@@ -75,8 +82,11 @@ def model_config():
 def engram_tables(model_config, tmp_path_factory):
     cfg, _ = model_config
     path = str(tmp_path_factory.mktemp("sglang") / "engram.bin")
-    write_demo_file(path, [DemoTable(f"engram.layer{layer}", rows, 264, layer)
-                           for layer, rows in zip(LAYERS, cfg.engram_num_embeddings)], seed=11)
+    write_demo_file(
+        path,
+        [DemoTable(f"engram.layer{layer}", rows, 264, layer) for layer, rows in zip(LAYERS, cfg.engram_num_embeddings)],
+        seed=11,
+    )
     return path
 
 
@@ -90,8 +100,8 @@ def memnode(engram_tables, tmp_path_factory):
 @pytest.fixture(scope="module")
 def plugin(memnode):
     """SGLang's own plugin loading, with the plugin's entry point enabled by TABLESERVER_ADDRESS."""
-    from sglang.srt.plugins import load_plugins
     from sglang.srt.layers.engram import EngramEmbedding
+    from sglang.srt.plugins import load_plugins
 
     os.environ["TABLESERVER_ADDRESS"] = memnode.address
     os.environ["SGLANG_PLUGINS"] = "tableserver"  # SGLang's whitelist: ours is the one plugin loaded
@@ -147,20 +157,34 @@ def extend_batch(chunks, slots):
     lens = [len(toks) for _, toks in chunks]
     positions = torch.cat([torch.arange(p, p + len(toks)) for p, toks in chunks])
     starts = torch.tensor(np.concatenate([[0], np.cumsum(lens)[:-1]]), dtype=torch.int64)
-    return ids, ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=len(chunks), input_ids=ids,
-                             req_pool_indices=torch.tensor(slots), seq_lens=torch.tensor([p + n for (p, _), n in
-                                                                                         zip(chunks, lens)]),
-                             out_cache_loc=torch.arange(1, len(ids) + 1), seq_lens_sum=int(sum(lens)),
-                             positions=positions, extend_seq_lens=torch.tensor(lens), extend_start_loc=starts,
-                             extend_seq_lens_cpu=lens, extend_prefix_lens=torch.tensor([p for p, _ in chunks]))
+    return ids, ForwardBatch(
+        forward_mode=ForwardMode.EXTEND,
+        batch_size=len(chunks),
+        input_ids=ids,
+        req_pool_indices=torch.tensor(slots),
+        seq_lens=torch.tensor([p + n for (p, _), n in zip(chunks, lens)]),
+        out_cache_loc=torch.arange(1, len(ids) + 1),
+        seq_lens_sum=int(sum(lens)),
+        positions=positions,
+        extend_seq_lens=torch.tensor(lens),
+        extend_start_loc=starts,
+        extend_seq_lens_cpu=lens,
+        extend_prefix_lens=torch.tensor([p for p, _ in chunks]),
+    )
 
 
 def decode_batch(tokens, positions, slots):
     ids = torch.tensor(tokens, dtype=torch.int64)
-    return ids, ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=len(tokens), input_ids=ids,
-                             req_pool_indices=torch.tensor(slots), seq_lens=torch.tensor(positions) + 1,
-                             out_cache_loc=torch.arange(1, len(ids) + 1), seq_lens_sum=int(sum(positions) + len(ids)),
-                             positions=torch.tensor(positions))
+    return ids, ForwardBatch(
+        forward_mode=ForwardMode.DECODE,
+        batch_size=len(tokens),
+        input_ids=ids,
+        req_pool_indices=torch.tensor(slots),
+        seq_lens=torch.tensor(positions) + 1,
+        out_cache_loc=torch.arange(1, len(ids) + 1),
+        seq_lens_sum=int(sum(positions) + len(ids)),
+        positions=torch.tensor(positions),
+    )
 
 
 def forward(model, ids, batch, x):
@@ -279,7 +303,6 @@ def test_wrong_or_missing_table_fails_at_construction(plugin, model_config, engr
 @pytest.mark.parametrize("policy", ["fail", "zeros", "fallback"])
 def test_failure_policy_when_the_memory_node_dies(plugin, model_config, engram_tables, tmp_path, policy):
     from prometheus_client import REGISTRY
-
     from tableclient import TableClientError
 
     primary = start_daemon(str(tmp_path / "primary"), "--tables", engram_tables)
@@ -287,8 +310,15 @@ def test_failure_policy_when_the_memory_node_dies(plugin, model_config, engram_t
     try:
         local = build(model_config, engram_tables)
         extra = {"fallback_address": backup.address} if backup else {}
-        remote = build(model_config, engram_tables, address=primary.address, placement={1: "local"}, policy=policy,
-                       timeout=30.0, **extra)
+        remote = build(
+            model_config,
+            engram_tables,
+            address=primary.address,
+            placement={1: "local"},
+            policy=policy,
+            timeout=30.0,
+            **extra,
+        )
         rng = np.random.default_rng(3)
         batches = list(conversation(rng))
         x = torch.ones((len(batches[0][0]), HC, HIDDEN), dtype=torch.bfloat16)
@@ -312,8 +342,10 @@ def test_failure_policy_when_the_memory_node_dies(plugin, model_config, engram_t
             zero_out = engram_gate(x, kv, e14.q_weight, e14.k_weight, e14.eps, e14.clamp_value)
             assert torch.equal(got[1].view(torch.int16), zero_out.view(torch.int16))
             assert not torch.equal(got[1], want[1])
-            assert REGISTRY.get_sample_value("tableserver_client_zero_rows_served_total",
-                                             {"layer": "14"}) == zeros_before + 1
+            assert (
+                REGISTRY.get_sample_value("tableserver_client_zero_rows_served_total", {"layer": "14"})
+                == zeros_before + 1
+            )
         else:
             assert torch.equal(got[1].view(torch.int16), want[1].view(torch.int16))
             assert rows().summary()[14]["fallbacks"] >= 1
@@ -324,8 +356,7 @@ def test_failure_policy_when_the_memory_node_dies(plugin, model_config, engram_t
             backup.stop()
 
 
-def test_prefetched_rows_are_used_only_for_the_ids_they_were_fetched_for(plugin, model_config, engram_tables,
-                                                                        memnode):
+def test_prefetched_rows_are_used_only_for_the_ids_they_were_fetched_for(plugin, model_config, engram_tables, memnode):
     """A layer gets the prefetched rows for the very ids the hasher produced (or equal ones, as after a copy
     into a CUDA graph's static buffer), and rows fetched now for any other ids, even of the same shape."""
     hasher, engrams = build(model_config, engram_tables, address=memnode.address)
@@ -358,8 +389,9 @@ def test_scheduler_staging_channel_is_apart_from_the_forward(plugin, model_confi
     staged_ids = hasher(ids_a, batch_a)
     assert rows().prefetch(staged_ids, channel="stage")  # the scheduler, ahead of the forward
     running = hasher(ids_b, batch_b)  # the running forward's step start: its own prefetch
-    out = engrams[1](torch.zeros((len(ids_b), HC, HIDDEN), dtype=torch.bfloat16), running[:, 1], batch_b,
-                     input_ids=ids_b)
+    out = engrams[1](
+        torch.zeros((len(ids_b), HC, HIDDEN), dtype=torch.bfloat16), running[:, 1], batch_b, input_ids=ids_b
+    )
     assert out.shape == (len(ids_b), HC, HIDDEN)
     for column, layer in enumerate(LAYERS):
         got = rows().staged(layer).numpy()
@@ -388,8 +420,13 @@ def _resident(path: str, start: int, end: int) -> float:
             m.close()
 
 
-@pytest.mark.parametrize("iterator", ["buffered_multi_thread_safetensors_weights_iterator",  # SGLang's default
-                                      "safetensors_weights_iterator"])
+@pytest.mark.parametrize(
+    "iterator",
+    [
+        "buffered_multi_thread_safetensors_weights_iterator",  # SGLang's default
+        "safetensors_weights_iterator",
+    ],
+)
 def test_checkpoint_tensors_of_served_tables_are_never_read(plugin, memnode, tmp_path, iterator):
     """SGLang's own safetensors iterators, hooked: layer 14's table (served) is neither yielded nor read
     from disk; layer 1's (local) and every other tensor are, unchanged."""
@@ -397,14 +434,16 @@ def test_checkpoint_tensors_of_served_tables_are_never_read(plugin, memnode, tmp
     import struct
 
     from safetensors.torch import save_file
-
     from sglang.srt.model_loader import weight_utils
     from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
 
     rows = 600_000  # 154 MB of table per layer: far more than the readahead around what is read (8+ MB)
     g = torch.Generator().manual_seed(0)
-    tensors = {f"layers.{layer}.engram.embed.{name}": torch.randint(0, 120, (rows, n), generator=g, dtype=torch.uint8)
-               for layer in LAYERS for name, n in (("weight", 256), ("scale", 8))}
+    tensors = {
+        f"layers.{layer}.engram.embed.{name}": torch.randint(0, 120, (rows, n), generator=g, dtype=torch.uint8)
+        for layer in LAYERS
+        for name, n in (("weight", 256), ("scale", 8))
+    }
     tensors["layers.14.engram.wkv.weight"] = torch.randn(64, 32, generator=g)
     tensors["embed.weight"] = torch.randn(300, 64, generator=g)
     path = str(tmp_path / "model-00001-of-00001.safetensors")
@@ -414,8 +453,11 @@ def test_checkpoint_tensors_of_served_tables_are_never_read(plugin, memnode, tmp
         header = json.loads(f.read(header_len))
         os.fsync(f.fileno())
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    spans = {k: (8 + header_len + v["data_offsets"][0], 8 + header_len + v["data_offsets"][1])
-             for k, v in header.items() if k != "__metadata__"}
+    spans = {
+        k: (8 + header_len + v["data_offsets"][0], 8 + header_len + v["data_offsets"][1])
+        for k, v in header.items()
+        if k != "__metadata__"
+    }
     if max(_resident(path, *span) for span in spans.values()) > 0.5:
         pytest.skip("this filesystem keeps the file in the page cache (tmpfs?): cannot tell what was read")
 
@@ -436,9 +478,15 @@ def test_checkpoint_tensors_of_served_tables_are_never_read(plugin, memnode, tmp
     assert hooks._wraps(DeepseekV4ForCausalLM.load_weights, hooks._load_weights)
     configure(PluginConfig(address=memnode.address, layers={1: "local"}))
     try:
-        assert [hooks._served_key(k) for k in ("layers.14.engram.embed.weight", "model.layers.14.engram.embed.scale",
-                                               "layers.1.engram.embed.weight", "layers.14.engram.wkv.weight")] == \
-            [True, True, False, False]
+        assert [
+            hooks._served_key(k)
+            for k in (
+                "layers.14.engram.embed.weight",
+                "model.layers.14.engram.embed.scale",
+                "layers.1.engram.embed.weight",
+                "layers.14.engram.wkv.weight",
+            )
+        ] == [True, True, False, False]
     finally:
         configure(PluginConfig())
 
@@ -454,8 +502,9 @@ def _launch(env_extra: dict, code: str = "from sglang.srt.plugins import load_pl
     env = {k: v for k, v in os.environ.items() if not k.startswith("TABLESERVER_")}
     env.update(SGLANG_PLUGINS="tableserver", **env_extra)
     prelude = "import sys; sys.path.insert(0, 'tests'); import sglang_cpu\n"
-    return subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True, cwd=ROOT, env=env,
-                          timeout=EVENT_TIMEOUT)
+    return subprocess.run(
+        [sys.executable, "-c", prelude + code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=EVENT_TIMEOUT
+    )
 
 
 def test_enabled_but_misconfigured_stops_start_up_with_one_line(tmp_path):
@@ -463,27 +512,34 @@ def test_enabled_but_misconfigured_stops_start_up_with_one_line(tmp_path):
     bad.write_text('address = "mem:7070"\n[layers]\n14 = "elsewhere"\n')
     res = _launch({"TABLESERVER_SGLANG_CONFIG": str(bad)})
     assert res.returncode != 0
-    assert res.stderr.strip().splitlines()[-1] == \
-        "tableserver plugin: layers.14 = 'elsewhere': use one of remote, node, local"
+    assert (
+        res.stderr.strip().splitlines()[-1]
+        == "tableserver plugin: layers.14 = 'elsewhere': use one of remote, node, local"
+    )
     res = _launch({"TABLESERVER_ADDRESS": "mem:7070", "TABLESERVER_POLICY": "fallback"})
     assert res.returncode != 0 and "needs fallback_address" in res.stderr.strip().splitlines()[-1]
 
 
 def test_other_sglang_versions_are_refused(tmp_path):
     """Until a version is tested, the plugin refuses it at start-up (SGLang itself only logs plugin errors)."""
-    code = ("import importlib.metadata as m; real = m.version\n"
-            "m.version = lambda name: '0.5.24' if name == 'sglang' else real(name)\n"
-            "from sglang.srt.plugins import load_plugins; load_plugins()\n")
+    code = (
+        "import importlib.metadata as m; real = m.version\n"
+        "m.version = lambda name: '0.5.24' if name == 'sglang' else real(name)\n"
+        "from sglang.srt.plugins import load_plugins; load_plugins()\n"
+    )
     res = _launch({"TABLESERVER_ADDRESS": "mem:7070"}, code)
     assert res.returncode != 0
     assert res.stderr.strip().splitlines()[-1] == (
         "tableserver plugin: SGLang 0.5.24 is not supported (tested with 0.5.23, whose Engram internals it hooks): "
-        "install sglang==0.5.23, or unset TABLESERVER_ADDRESS to run SGLang without the plugin")
+        "install sglang==0.5.23, or unset TABLESERVER_ADDRESS to run SGLang without the plugin"
+    )
 
 
 def test_not_configured_leaves_sglang_alone():
-    code = ("from sglang.srt.plugins import load_plugins; load_plugins()\n"
-            "from sglang.srt.layers.engram import EngramEmbedding\n"
-            "print(hasattr(EngramEmbedding.forward, '__wrapped__'))\n")
+    code = (
+        "from sglang.srt.plugins import load_plugins; load_plugins()\n"
+        "from sglang.srt.layers.engram import EngramEmbedding\n"
+        "print(hasattr(EngramEmbedding.forward, '__wrapped__'))\n"
+    )
     res = _launch({}, code)
     assert res.returncode == 0 and res.stdout.strip() == "False", res.stderr[-2000:]

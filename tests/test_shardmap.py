@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from tableclient.shardmap import Shard, ShardMap, build, check, holds, local_ids
 
 
@@ -34,8 +33,10 @@ def layouts(draw):
 
 
 def _map(total, ranges):
-    replicas = [SimpleNamespace(address=f"n{i}", info=_info(max(0, min(lo, hi)), max(0, max(lo, hi))))
-                for i, (lo, hi) in enumerate(ranges)]
+    replicas = [
+        SimpleNamespace(address=f"n{i}", info=_info(max(0, min(lo, hi)), max(0, max(lo, hi))))
+        for i, (lo, hi) in enumerate(ranges)
+    ]
     held = [(r.info.row_lo, r.info.row_lo + r.info.rows, r) for r in replicas]
     return build("t", total, held), replicas
 
@@ -54,14 +55,14 @@ def test_every_id_lands_in_one_part_held_by_its_replicas(layout, seed):
         m, replicas = _map(total, ranges)
         maps.append((m, replicas, list(ranges)))
     rng = np.random.default_rng(seed)
-    for m, replicas, now in maps:
+    for m, replicas, _ranges in maps:
         check("t", total, m.shards)  # sorted, non-overlapping, covering 0..total
         covered = np.zeros(total, bool)
         for r in replicas:
-            covered[r.info.row_lo:r.info.row_lo + r.info.rows] = True
+            covered[r.info.row_lo : r.info.row_lo + r.info.rows] = True
         hole_rows = np.zeros(total, bool)
         for s in m.holes:
-            hole_rows[s.lo:s.hi] = True
+            hole_rows[s.lo : s.hi] = True
         np.testing.assert_array_equal(hole_rows, ~covered)  # a hole is exactly what no node holds
         ids = rng.integers(0, total, int(rng.integers(1, 300)))
         order, ordered, parts = m.split(ids)
@@ -90,19 +91,29 @@ def test_overlapping_and_nested_ranges_route_to_holders():
     c = SimpleNamespace(address="c", info=_info(60, 70))
     m = build("t", 200, [(0, 100, a), (50, 200, b), (60, 70, c)])
     assert [(s.lo, s.hi, [r.address for r in s.replicas]) for s in m.shards] == [
-        (0, 50, ["a"]), (50, 60, ["a", "b"]), (60, 70, ["a", "b", "c"]), (70, 100, ["a", "b"]), (100, 200, ["b"])]
+        (0, 50, ["a"]),
+        (50, 60, ["a", "b"]),
+        (60, 70, ["a", "b", "c"]),
+        (70, 100, ["a", "b"]),
+        (100, 200, ["b"]),
+    ]
     assert m.whole() is None and not m.holes
 
 
 def test_a_shrunken_range_leaves_a_named_hole():
     """The issue's layout: 0:100000 and 100000:200000; the second restarts with 100000:150000."""
-    a, b = SimpleNamespace(address="a", info=_info(0, 100_000)), SimpleNamespace(address="b",
-                                                                               info=_info(100_000, 150_000))
+    a, b = (
+        SimpleNamespace(address="a", info=_info(0, 100_000)),
+        SimpleNamespace(address="b", info=_info(100_000, 150_000)),
+    )
     m = build("t", 200_000, [(0, 100_000, a), (100_000, 150_000, b)])
     assert m.describe_holes() == "rows 150000..199999 of 't' are on no node"
     _, _, parts = m.split(np.array([5, 199_999, 120_000], np.int64))
-    assert [(s.lo, s.hi, len(s.replicas)) for s, _, _ in parts] == [(0, 100_000, 1), (100_000, 150_000, 1),
-                                                                     (150_000, 200_000, 0)]
+    assert [(s.lo, s.hi, len(s.replicas)) for s, _, _ in parts] == [
+        (0, 100_000, 1),
+        (100_000, 150_000, 1),
+        (150_000, 200_000, 0),
+    ]
 
 
 def test_same_replicas_merge_and_one_full_holder_is_whole():
@@ -113,13 +124,16 @@ def test_same_replicas_merge_and_one_full_holder_is_whole():
     assert build("t", 10, []).describe_holes() == "rows 0..9 of 't' are on no node"
 
 
-@pytest.mark.parametrize("shards", [
-    [Shard(0, 5, []), Shard(6, 10, [])],  # a gap
-    [Shard(0, 6, []), Shard(5, 10, [])],  # an overlap
-    [Shard(0, 5, []), Shard(5, 9, [])],  # short of the end
-    [Shard(0, 0, []), Shard(0, 10, [])],  # an empty segment
-    [],
-])
+@pytest.mark.parametrize(
+    "shards",
+    [
+        [Shard(0, 5, []), Shard(6, 10, [])],  # a gap
+        [Shard(0, 6, []), Shard(5, 10, [])],  # an overlap
+        [Shard(0, 5, []), Shard(5, 9, [])],  # short of the end
+        [Shard(0, 0, []), Shard(0, 10, [])],  # an empty segment
+        [],
+    ],
+)
 def test_a_broken_map_is_never_used(shards):
     with pytest.raises(ValueError, match="shard map of 't'"):
         ShardMap("t", 10, shards)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import local_tables, run_cli, start_daemon
 from tableclient import ConnectError, TableClient
 from tableclient.node import NodeOptions, NodeSession
+from test_faults import assert_one_line_error
+
 from tableserver.demo import DemoRows, DemoTable
 from tableserver.tablefile import TableFileWriter, read_header
-from test_faults import assert_one_line_error
 
 ROWS = 20_000
 
@@ -26,11 +26,14 @@ def chunked_file(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("flags, ranges", [
-    (("--shard", "1/3"), lambda rows: (rows // 3, 2 * rows // 3)),
-    (("--shard", "2/3"), lambda rows: (2 * rows // 3, rows)),
-    (("--rows", "5000:12345"), lambda rows: (5000, 12345)),
-])
+@pytest.mark.parametrize(
+    "flags, ranges",
+    [
+        (("--shard", "1/3"), lambda rows: (rows // 3, 2 * rows // 3)),
+        (("--shard", "2/3"), lambda rows: (2 * rows // 3, rows)),
+        (("--rows", "5000:12345"), lambda rows: (5000, 12345)),
+    ],
+)
 def test_a_server_holds_and_serves_its_row_range(chunked_file, tmp_path, flags, ranges):
     local = local_tables(chunked_file)
     full = {s.name: s for s in read_header(chunked_file).tables}
@@ -48,8 +51,12 @@ def test_a_server_holds_and_serves_its_row_range(chunked_file, tmp_path, flags, 
             node.data.gather(info.index, ids, out).wait(60)
             np.testing.assert_array_equal(out, local[name][ids + lo])
         # a client needs every row of every table: one shard alone is refused, naming what is missing
-        with pytest.raises(ConnectError, match=f"rows 0..{ranges(ROWS)[0] - 1} of 'engram.layer1' are on no node"
-                           if ranges(ROWS)[0] else "are on no node"):
+        with pytest.raises(
+            ConnectError,
+            match=f"rows 0..{ranges(ROWS)[0] - 1} of 'engram.layer1' are on no node"
+            if ranges(ROWS)[0]
+            else "are on no node",
+        ):
             TableClient(d.address, transport="tcp")
     finally:
         node.close()
@@ -85,13 +92,16 @@ def test_a_corrupt_byte_outside_the_range_but_inside_a_boundary_chunk_is_caught(
     d.stop()
 
 
-@pytest.mark.parametrize("flags, needle", [
-    (("--shard", "3/3"), "--shard '3/3': expected K/N with 0 <= K < N"),
-    (("--shard", "half"), "--shard 'half': expected K/N"),
-    (("--rows", "9:3"), "--rows '9:3': expected LO:HI with 0 <= LO < HI"),
-    (("--rows", "0:1000000"), "--rows 0:1000000: table 'engram.layer1' has only 20000 rows"),
-    (("--rows", "1:2", "--shard", "0/2"), "--shard and --rows both given"),
-])
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (("--shard", "3/3"), "--shard '3/3': expected K/N with 0 <= K < N"),
+        (("--shard", "half"), "--shard 'half': expected K/N"),
+        (("--rows", "9:3"), "--rows '9:3': expected LO:HI with 0 <= LO < HI"),
+        (("--rows", "0:1000000"), "--rows 0:1000000: table 'engram.layer1' has only 20000 rows"),
+        (("--rows", "1:2", "--shard", "0/2"), "--shard and --rows both given"),
+    ],
+)
 def test_bad_ranges_are_one_line_errors(chunked_file, flags, needle):
     assert_one_line_error(run_cli("--tables", chunked_file, "--listen", "127.0.0.1:0", *flags), needle)
 
@@ -102,5 +112,7 @@ def test_a_range_of_a_safetensors_file_is_refused(tmp_path):
 
     path = str(tmp_path / "t.safetensors")
     save_file({"w": torch.zeros(100, 8)}, path)
-    assert_one_line_error(run_cli("--tables", path, "--listen", "127.0.0.1:0", "--shard", "0/2"),
-                          "serving a row range needs a table file with chunk checksums")
+    assert_one_line_error(
+        run_cli("--tables", path, "--listen", "127.0.0.1:0", "--shard", "0/2"),
+        "serving a row range needs a table file with chunk checksums",
+    )

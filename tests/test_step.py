@@ -8,7 +8,6 @@ import signal
 import numpy as np
 import pytest
 import torch
-
 from conftest import EVENT_TIMEOUT, wait_for
 from tableclient import TableClient, TableClientError
 from tableclient.step import EngramStep, LayerPlan
@@ -42,6 +41,7 @@ def test_order_fixed_buffers_and_bit_exact_rows(daemon, demo_local, transport):
 def test_fenced_reads_of_the_staging_are_waited_for_once(daemon):
     """Events handed to fence() (a caller's own copy out of the staging) are synchronized by the next
     begin_step, before it refills the buffers, and only by that one."""
+
     class Event:
         def __init__(self):
             self.synced = 0

@@ -16,7 +16,14 @@ from tableserver.demo import DemoRows, DemoTable, default_tables, write_demo_fil
 from tableserver.errors import TableFileError
 from tableserver.sources import compute_checksum
 from tableserver.tablefile import (
-    ALIGNMENT, PREAMBLE, TableFileWriter, TableSpec, chunk_ranges, read_header, table_digest, table_sha256,
+    ALIGNMENT,
+    PREAMBLE,
+    TableFileWriter,
+    TableSpec,
+    chunk_ranges,
+    read_header,
+    table_digest,
+    table_sha256,
 )
 
 
@@ -35,7 +42,7 @@ def test_layout_alignment_and_checksums(tmp_path):
     def fill(w, i, s):
         rows = data[s.name]
         for a in range(0, s.rows, 999):  # odd block size: blocks straddle checksum chunks
-            w.append(i, rows[a:a + 999])
+            w.append(i, rows[a : a + 999])
 
     path = _write(tmp_path / "t.bin", specs, fill)
     h = read_header(path)
@@ -44,7 +51,7 @@ def test_layout_alignment_and_checksums(tmp_path):
     with ThreadPoolExecutor(2) as pool:
         for s in h.tables:
             assert s.offset % ALIGNMENT == 0 and s.offset >= h.data_offset
-            got = raw[s.offset:s.offset + s.nbytes].reshape(s.rows, s.row_bytes)
+            got = raw[s.offset : s.offset + s.nbytes].reshape(s.rows, s.row_bytes)
             np.testing.assert_array_equal(got, data[s.name])
             crcs = [zlib.crc32(got.reshape(-1)[a:b]) for a, b in chunk_ranges(s.nbytes, h.chunk_bytes)]
             assert list(s.chunk_crcs) == crcs
@@ -66,7 +73,7 @@ def test_sparse_zero_rows_have_correct_checksums(tmp_path):
 
     path = _write(tmp_path / "z.bin", specs, fill, chunk_bytes=256 << 10)
     s = read_header(path).tables[0]
-    got = np.fromfile(path, dtype=np.uint8)[s.offset:s.offset + s.nbytes]
+    got = np.fromfile(path, dtype=np.uint8)[s.offset : s.offset + s.nbytes]
     assert list(s.chunk_crcs) == [zlib.crc32(got[a:b]) for a, b in chunk_ranges(s.nbytes, 256 << 10)]
     assert list(s.chunk_sha256) == [hashlib.sha256(got[a:b]).digest() for a, b in chunk_ranges(s.nbytes, 256 << 10)]
     rows = got.reshape(s.rows, 264)
@@ -132,20 +139,23 @@ def _rewrite_header(path, mutate):
         f.write(PREAMBLE.pack(magic, version, flags, len(raw), zlib.crc32(raw), r, data_offset) + raw)
 
 
-@pytest.mark.parametrize("case, message", [
-    ("missing", "not found"),
-    ("directory", "is a directory"),
-    ("empty", "truncated table file"),
-    ("magic", "not a tableserver table file"),
-    ("version", "format version 9"),
-    ("header-bytes", "corrupt header"),
-    ("header-cut", "truncated table file"),
-    ("data-cut", "truncated table file: table 't' ends at byte"),
-    ("duplicate", "appears twice"),
-    ("overlap", "overlap"),
-    ("bad-rows", "bad header: table #0"),
-    ("crc-count", "chunk checksums"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing", "not found"),
+        ("directory", "is a directory"),
+        ("empty", "truncated table file"),
+        ("magic", "not a tableserver table file"),
+        ("version", "format version 9"),
+        ("header-bytes", "corrupt header"),
+        ("header-cut", "truncated table file"),
+        ("data-cut", "truncated table file: table 't' ends at byte"),
+        ("duplicate", "appears twice"),
+        ("overlap", "overlap"),
+        ("bad-rows", "bad header: table #0"),
+        ("crc-count", "chunk checksums"),
+    ],
+)
 def test_bad_files_are_named_precisely(good_file, tmp_path, case, message):
     path = good_file
     if case == "missing":
@@ -172,10 +182,12 @@ def test_bad_files_are_named_precisely(good_file, tmp_path, case, message):
     elif case == "duplicate":
         _rewrite_header(path, lambda d: d["tables"].append(dict(d["tables"][0])))
     elif case == "overlap":
+
         def two(d):
             t = dict(d["tables"][0], name="u", rows=10, nbytes=2640)
             t["chunk_crc32"] = ["00000000"]
             d["tables"].append(t)
+
         _rewrite_header(path, two)
     elif case == "bad-rows":
         _rewrite_header(path, lambda d: d["tables"][0].update(rows=-5))
@@ -221,8 +233,11 @@ def test_loader_reads_bit_exact_with_every_io_mode(tmp_path, io):
 
 def test_files_without_chunk_sha256_still_load_by_crc(tmp_path):
     """Files written before the SHA-256 digest: checked and identified by their CRC-32 chunks."""
-    path = _write(tmp_path / "old.bin", [TableSpec("t", 1000, 264)],
-                  lambda w, i, s: w.append(i, np.full((1000, 264), 3, np.uint8)))
+    path = _write(
+        tmp_path / "old.bin",
+        [TableSpec("t", 1000, 264)],
+        lambda w, i, s: w.append(i, np.full((1000, 264), 3, np.uint8)),
+    )
     pre = PREAMBLE.unpack(open(path, "rb").read(PREAMBLE.size))
     with open(path, "r+b") as f:
         f.seek(PREAMBLE.size)

@@ -13,15 +13,22 @@ from tableserver.common.take import in_range, native_check, native_take, numpy_t
 
 ROWS, ROW_BYTES = 1000, 264
 TABLE = np.random.default_rng(0).integers(0, 256, (ROWS, ROW_BYTES), dtype=np.uint8)
-needs_native = pytest.mark.skipif(native_take is None, reason="native take off: not built (no C compiler at install) or TABLESERVER_NATIVE_TAKE=0")
-TAKES = [pytest.param(numpy_take, id="numpy"), pytest.param(native_take, id="native", marks=needs_native),
-         pytest.param(take, id="take")]
+needs_native = pytest.mark.skipif(
+    native_take is None, reason="native take off: not built (no C compiler at install) or TABLESERVER_NATIVE_TAKE=0"
+)
+TAKES = [
+    pytest.param(numpy_take, id="numpy"),
+    pytest.param(native_take, id="native", marks=needs_native),
+    pytest.param(take, id="take"),
+]
 
 
 def test_native_built_where_required():
     """CI (.ci/run) installs a compiler and sets TABLESERVER_REQUIRE_NATIVE=1: the extension must build."""
     if os.environ.get("TABLESERVER_REQUIRE_NATIVE") == "1":
-        assert take_module.NATIVE, "tableserver.common._take did not build: install gcc and python3-dev, then pip install -e ."
+        assert take_module.NATIVE, (
+            "tableserver.common._take did not build: install gcc and python3-dev, then pip install -e ."
+        )
 
 
 @pytest.mark.parametrize("fn", TAKES)
@@ -53,19 +60,22 @@ def test_native_reports_the_first_bad_position():
 
 
 @needs_native
-@pytest.mark.parametrize("ids, out, error", [
-    (np.arange(4, dtype=np.int32), np.empty((4, ROW_BYTES), np.uint8), TypeError),  # not int64
-    (np.arange(4, dtype=np.uint64), np.empty((4, ROW_BYTES), np.uint8), TypeError),
-    (np.arange(4).astype(">i8"), np.empty((4, ROW_BYTES), np.uint8), TypeError),  # byte-swapped
-    (np.arange(4.0), np.empty((4, ROW_BYTES), np.uint8), TypeError),
-    (np.arange(8)[::2], np.empty((4, ROW_BYTES), np.uint8), (TypeError, ValueError, BufferError)),  # strided
-    (np.zeros(40, np.uint8)[4:36].view(np.int64), np.empty((4, ROW_BYTES), np.uint8), TypeError),  # unaligned
-    (np.arange(4), np.empty((4, ROW_BYTES), np.int8), ValueError),  # out not uint8
-    (np.arange(4), np.empty((4, ROW_BYTES + 1), np.uint8), ValueError),  # wrong row size
-    (np.arange(4), np.empty((5, ROW_BYTES), np.uint8), ValueError),
-    (np.arange(4), np.empty((1, 4, ROW_BYTES), np.uint8), ValueError),  # wrong ndim
-    (np.arange(4), np.empty((ROW_BYTES, 4), np.uint8).T, (TypeError, ValueError, BufferError)),  # not C-contiguous
-])
+@pytest.mark.parametrize(
+    "ids, out, error",
+    [
+        (np.arange(4, dtype=np.int32), np.empty((4, ROW_BYTES), np.uint8), TypeError),  # not int64
+        (np.arange(4, dtype=np.uint64), np.empty((4, ROW_BYTES), np.uint8), TypeError),
+        (np.arange(4).astype(">i8"), np.empty((4, ROW_BYTES), np.uint8), TypeError),  # byte-swapped
+        (np.arange(4.0), np.empty((4, ROW_BYTES), np.uint8), TypeError),
+        (np.arange(8)[::2], np.empty((4, ROW_BYTES), np.uint8), (TypeError, ValueError, BufferError)),  # strided
+        (np.zeros(40, np.uint8)[4:36].view(np.int64), np.empty((4, ROW_BYTES), np.uint8), TypeError),  # unaligned
+        (np.arange(4), np.empty((4, ROW_BYTES), np.int8), ValueError),  # out not uint8
+        (np.arange(4), np.empty((4, ROW_BYTES + 1), np.uint8), ValueError),  # wrong row size
+        (np.arange(4), np.empty((5, ROW_BYTES), np.uint8), ValueError),
+        (np.arange(4), np.empty((1, 4, ROW_BYTES), np.uint8), ValueError),  # wrong ndim
+        (np.arange(4), np.empty((ROW_BYTES, 4), np.uint8).T, (TypeError, ValueError, BufferError)),  # not C-contiguous
+    ],
+)
 def test_native_refuses_what_it_does_not_take(ids, out, error):
     with pytest.raises(error):
         native_take(TABLE, ids, out)
@@ -80,7 +90,7 @@ def test_native_refuses_read_only_and_overlapping_buffers():
     raw = np.zeros(4 * ROW_BYTES + 64, np.uint8)  # ids living inside out: the copy would rewrite them
     ids = raw[:32].view(np.int64)
     with pytest.raises(ValueError, match="overlaps"):
-        native_take(TABLE, ids, raw[:4 * ROW_BYTES].reshape(4, ROW_BYTES))
+        native_take(TABLE, ids, raw[: 4 * ROW_BYTES].reshape(4, ROW_BYTES))
     table = np.zeros((10, ROW_BYTES), np.uint8)  # out inside the table
     with pytest.raises(ValueError, match="overlaps"):
         native_take(table, np.arange(2), table[5:7])
@@ -157,6 +167,7 @@ def test_take_checked_raises_for_ids_changed_after_their_check():
     """Callers that checked the ids before (the shm copy thread, the servers) never report success for a
     gather that copied nothing: an id that has left the table since raises, naming it."""
     from tableclient.transports.shm import _Copy
+
     from tableserver.common.take import take_checked
 
     out = np.full((3, ROW_BYTES), 7, np.uint8)

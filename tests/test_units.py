@@ -8,23 +8,26 @@ import socket
 import numpy as np
 import pytest
 import torch
-
 from tableclient.rowids import dedup, prepare_out, to_row_ids
+
+from tableserver.common.wire import HEADER, FrameType, Status, recv_exact, request_header, response_header, send_all
 from tableserver.config import SERVE_OPTIONS, add_flags, resolve
 from tableserver.errors import ConfigError, MemoryLimitError
 from tableserver.memory import plan_memory
-from tableserver.common.wire import HEADER, FrameType, Status, recv_exact, request_header, response_header, send_all
 
 
-@pytest.mark.parametrize("ids, message", [
-    (np.array([0.0, 1.0]), "must be integers"),
-    (np.array([True, False]), "must be integers"),
-    (np.array(["1"]), "must be integers"),
-    (np.array([-1, 3]), "row id -1 is negative"),
-    (np.array([[0, 10]]), "row id 10 is out of range: table 't' has rows 0..9"),
-    (np.array([2**63 + 5], dtype=np.uint64), "out of range"),
-    (torch.tensor([1.0]), "must be integers"),
-])
+@pytest.mark.parametrize(
+    "ids, message",
+    [
+        (np.array([0.0, 1.0]), "must be integers"),
+        (np.array([True, False]), "must be integers"),
+        (np.array(["1"]), "must be integers"),
+        (np.array([-1, 3]), "row id -1 is negative"),
+        (np.array([[0, 10]]), "row id 10 is out of range: table 't' has rows 0..9"),
+        (np.array([2**63 + 5], dtype=np.uint64), "out of range"),
+        (torch.tensor([1.0]), "must be integers"),
+    ],
+)
 def test_bad_row_ids_raise_value_error(ids, message):
     with pytest.raises(ValueError, match=message):
         to_row_ids(ids, 10, "t")
@@ -44,8 +47,13 @@ def test_out_buffer_checks():
     assert arr.shape == (2, 3, 8) and res is arr
     _, res = prepare_out(None, (2,), 8, torch_in=True)
     assert isinstance(res, torch.Tensor)
-    for bad in (np.zeros((2, 3, 7), np.uint8), np.zeros((2, 3, 8), np.int8), np.zeros((3, 2, 8), np.uint8).transpose(1, 0, 2),
-                torch.zeros((2, 3, 8), dtype=torch.int16), [1, 2]):
+    for bad in (
+        np.zeros((2, 3, 7), np.uint8),
+        np.zeros((2, 3, 8), np.int8),
+        np.zeros((3, 2, 8), np.uint8).transpose(1, 0, 2),
+        torch.zeros((2, 3, 8), dtype=torch.int16),
+        [1, 2],
+    ):
         with pytest.raises(ValueError):
             prepare_out(bad, (2, 3), 8, torch_in=False)
     ro = np.zeros((2, 3, 8), np.uint8)
@@ -87,13 +95,16 @@ def test_config_precedence(tmp_path):
     assert {o.name for o in SERVE_OPTIONS} >= {"tables", "listen", "transports", "auth_token", "tls_cert"}
 
 
-@pytest.mark.parametrize("args, env, toml, message", [
-    (["--lease-seconds", "abc"], {}, None, "--lease-seconds = 'abc': expected a number in 0.1..86400"),
-    ([], {"TABLESERVER_MLOCK": "maybe"}, None, "TABLESERVER_MLOCK = 'maybe': expected true or false"),
-    ([], {}, "bogus = 1\n", "unknown key 'bogus'"),
-    ([], {}, "listen = [\n", "not valid TOML"),
-    ([], {"TABLESERVER_MAX_ROWS_PER_REQUEST": "-3"}, None, "expected an integer in 1..1048576"),
-])
+@pytest.mark.parametrize(
+    "args, env, toml, message",
+    [
+        (["--lease-seconds", "abc"], {}, None, "--lease-seconds = 'abc': expected a number in 0.1..86400"),
+        ([], {"TABLESERVER_MLOCK": "maybe"}, None, "TABLESERVER_MLOCK = 'maybe': expected true or false"),
+        ([], {}, "bogus = 1\n", "unknown key 'bogus'"),
+        ([], {}, "listen = [\n", "not valid TOML"),
+        ([], {"TABLESERVER_MAX_ROWS_PER_REQUEST": "-3"}, None, "expected an integer in 1..1048576"),
+    ],
+)
 def test_config_errors(tmp_path, args, env, toml, message):
     if toml is not None:
         (tmp_path / "c.toml").write_text(toml)
@@ -194,9 +205,16 @@ def test_dedup_only_when_it_pays():
 
 def _unique_cases(n):
     rng = np.random.default_rng(n)
-    cases = [rng.integers(0, 5, n), rng.integers(0, 2**40, n), (rng.zipf(1.1, n) % 4_000_000).astype(np.int64),
-             np.full(n, 2**62), rng.integers(-5, 5, n), np.arange(n)[::-1].copy(),
-             rng.integers(0, 1000, 2 * n)[::2], rng.integers(0, 7, n).astype(np.int32)]
+    cases = [
+        rng.integers(0, 5, n),
+        rng.integers(0, 2**40, n),
+        (rng.zipf(1.1, n) % 4_000_000).astype(np.int64),
+        np.full(n, 2**62),
+        rng.integers(-5, 5, n),
+        np.arange(n)[::-1].copy(),
+        rng.integers(0, 1000, 2 * n)[::2],
+        rng.integers(0, 7, n).astype(np.int32),
+    ]
     bits = max(1, (n - 1).bit_length())  # the packing boundary: the largest id that fits, the first that does not
     for top in (2 ** (63 - bits) - 1, 2 ** (63 - bits)):
         cases.append(np.where(rng.integers(0, 2, n) == 1, top, rng.integers(0, 50, n)).astype(np.int64))
@@ -224,6 +242,7 @@ def test_unique_inverse_has_each_id_once_in_first_occurrence_order(n):
     """The native hashing pass (numpy's sort where it is not built): each id exactly once, inverse maps
     back to every id, and natively the order is first occurrence."""
     from tableclient.rowids import unique_inverse
+
     from tableserver.common.take import native_unique
 
     for ids in _unique_cases(n):
@@ -265,13 +284,17 @@ def test_gather_recorder_direct_updates_export_what_the_public_api_does():
     """GatherRecorder calls prometheus_client's value objects directly; the exported samples must be
     exactly those of the public inc()/observe() (and the fallback must work where they are missing)."""
     from prometheus_client import CollectorRegistry, generate_latest
-
     from tableclient.metrics import ClientMetrics, GatherRecorder
 
     def recorder(registry, direct):
         m = ClientMetrics(registry)
-        return GatherRecorder(m.gather_latency.labels("t", "1", "shm", "read"), m.rows.labels("t", "1", "shm"),
-                              m.unique_rows.labels("t", "1", "shm"), m.bytes.labels("t", "1", "shm"), direct=direct)
+        return GatherRecorder(
+            m.gather_latency.labels("t", "1", "shm", "read"),
+            m.rows.labels("t", "1", "shm"),
+            m.unique_rows.labels("t", "1", "shm"),
+            m.bytes.labels("t", "1", "shm"),
+            direct=direct,
+        )
 
     fast_reg, slow_reg = CollectorRegistry(), CollectorRegistry()
     fast, slow = recorder(fast_reg, True), recorder(slow_reg, False)
@@ -285,22 +308,28 @@ def test_gather_recorder_direct_updates_export_what_the_public_api_does():
         return [line for line in generate_latest(registry).decode().splitlines() if "_created" not in line]
 
     assert samples(fast_reg) == samples(slow_reg)
-    assert any(line.startswith("tableserver_client_gather_duration_seconds_count") and line.endswith(" 208.0")
-               for line in samples(fast_reg))
+    assert any(
+        line.startswith("tableserver_client_gather_duration_seconds_count") and line.endswith(" 208.0")
+        for line in samples(fast_reg)
+    )
 
 
 def test_deferred_gathers_are_applied_by_the_next_scrape():
     """The fast paths defer their metrics; a collection of the registry applies them first (so a scrape
     sees every gather), bucketed exactly as one observe() per gather would."""
     from prometheus_client import CollectorRegistry
-
     from tableclient.metrics import ClientMetrics, GatherRecorder
+
     from tableserver.common.recorder import MAX_DEFERRED
 
     def recorder(registry):
         m = ClientMetrics(registry)
-        return GatherRecorder(m.gather_latency.labels("t", "1", "shm", "read"), m.rows.labels("t", "1", "shm"),
-                              m.unique_rows.labels("t", "1", "shm"), m.bytes.labels("t", "1", "shm"))
+        return GatherRecorder(
+            m.gather_latency.labels("t", "1", "shm", "read"),
+            m.rows.labels("t", "1", "shm"),
+            m.unique_rows.labels("t", "1", "shm"),
+            m.bytes.labels("t", "1", "shm"),
+        )
 
     now_reg, later_reg = CollectorRegistry(), CollectorRegistry()
     now, later = recorder(now_reg), recorder(later_reg)
@@ -311,8 +340,12 @@ def test_deferred_gathers_are_applied_by_the_next_scrape():
     assert len(later._deferred) < MAX_DEFERRED  # applied inline once that many waited
 
     def samples(registry):
-        return {(m.name, s.name, tuple(sorted(s.labels.items()))): s.value
-                for m in registry.collect() for s in m.samples if not s.name.endswith("_created")}
+        return {
+            (m.name, s.name, tuple(sorted(s.labels.items()))): s.value
+            for m in registry.collect()
+            for s in m.samples
+            if not s.name.endswith("_created")
+        }
 
     got, want = samples(later_reg), samples(now_reg)  # collecting applies what was still deferred
     assert not later._deferred and got.keys() == want.keys()
@@ -348,8 +381,11 @@ def test_server_gather_metrics_are_deferred_and_applied_by_a_scrape():
     from tableserver.metrics import ServerMetrics
 
     def samples(m):  # {sample: value}; sums compare approximately (added in another order)
-        lines = [line.rsplit(" ", 1) for line in generate_latest(m.registry).decode().splitlines()
-                 if line.startswith("tableserver_gather_") and "_created" not in line]
+        lines = [
+            line.rsplit(" ", 1)
+            for line in generate_latest(m.registry).decode().splitlines()
+            if line.startswith("tableserver_gather_") and "_created" not in line
+        ]
         return {name: float(value) for name, value in lines}
 
     now, later = ServerMetrics(CollectorRegistry()), ServerMetrics(CollectorRegistry())
@@ -365,9 +401,7 @@ def test_server_gather_metrics_are_deferred_and_applied_by_a_scrape():
 def test_copy_buffers_start_half_a_page_in():
     """Buffers a socket copies rows into or out of start OFFSET bytes into a page (no 4K aliasing with
     the kernel's page-aligned socket pages), whatever their size and shape; pinned ones too."""
-    from tableserver.common.buffers import OFFSET, PAGE, copy_buffer, pinned_rows_buffer, rows_buffer
-
-    from tableserver.common.buffers import PLACE_MIN
+    from tableserver.common.buffers import OFFSET, PAGE, PLACE_MIN, copy_buffer, pinned_rows_buffer, rows_buffer
 
     for n in (PLACE_MIN, 405_504, 5 << 20):
         b = copy_buffer(n)

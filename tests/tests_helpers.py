@@ -7,13 +7,12 @@ import urllib.request
 
 import grpc
 import numpy as np
+from conftest import EVENT_TIMEOUT
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import EVENT_TIMEOUT
-
+from tableserver.common.wire import HEADER, HEADER_BYTES, Status, hello_frame, recv_challenge, recv_exact
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.v1 import tableserver_pb2_grpc as pb_grpc
-from tableserver.common.wire import HEADER, HEADER_BYTES, Status, hello_frame, recv_challenge, recv_exact
 
 
 def tcp_hello(s: socket.socket, session_id: bytes, secret: bytes) -> tuple[int, bytes]:
@@ -42,7 +41,9 @@ def open_raw_session(address: str, transports=("tcp",)):
     """A session opened with the generated stubs (no keepalive: the lease reclaims it)."""
     with grpc.insecure_channel(address) as ch:
         stub = pb_grpc.TableServiceStub(ch)
-        return stub.OpenSession(pb.OpenSessionRequest(client_name="raw", transports=list(transports)), timeout=EVENT_TIMEOUT)
+        return stub.OpenSession(
+            pb.OpenSessionRequest(client_name="raw", transports=list(transports)), timeout=EVENT_TIMEOUT
+        )
 
 
 def shm_fds(daemon) -> list[int]:
@@ -73,8 +74,10 @@ def gather_worker(address: str, path: str, seed: int, steps: int, results, batch
             for _ in range(steps):
                 ids1, ids14 = rng.integers(0, l1.rows, (batch, 24)), rng.integers(0, l14.rows, (batch, 24))
                 h1, h14 = c.gather_many([(l1, ids1), (l14, ids14)])
-                if not (np.array_equal(h1.wait(120), local[l1.name][ids1])
-                        and np.array_equal(h14.wait(120), local[l14.name][ids14])):
+                if not (
+                    np.array_equal(h1.wait(120), local[l1.name][ids1])
+                    and np.array_equal(h14.wait(120), local[l14.name][ids14])
+                ):
                     results.put((seed, "mismatch"))
                     return
         results.put((seed, "ok"))
@@ -88,8 +91,10 @@ def run_workers(configs: list[dict], address: str, path: str, steps: int, batch:
 
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=gather_worker, args=(address, path, seed, steps, results, batch), kwargs=kw)
-             for seed, kw in enumerate(configs)]
+    procs = [
+        ctx.Process(target=gather_worker, args=(address, path, seed, steps, results, batch), kwargs=kw)
+        for seed, kw in enumerate(configs)
+    ]
     for p in procs:
         p.start()
     outcomes = dict(results.get(timeout=EVENT_TIMEOUT) for _ in procs)
@@ -110,8 +115,9 @@ def value(families: dict, name: str, sample: str | None = None, **labels) -> flo
     family = name[: -len("_total")] if name.endswith("_total") and name not in families else name
     fam = families[family]
     sample = sample or (family + "_total" if fam.type == "counter" else name)
-    return sum(s.value for s in fam.samples if s.name == sample and all(s.labels.get(k) == v
-                                                                        for k, v in labels.items()))
+    return sum(
+        s.value for s in fam.samples if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def make_cgroup(controller: str, name: str):

@@ -12,12 +12,26 @@ out) and pyverbs is only imported by the rdma transport.
 
 from tableclient.client import TableClient
 from tableclient.errors import (
-    AuthError, ConnectError, GatherTimeout, RemoteError, TableClientError, TransportError,
+    AuthError,
+    ConnectError,
+    GatherTimeout,
+    RemoteError,
+    TableClientError,
+    TransportError,
 )
 from tableclient.table import GatherHandle, RemoteTable, TableInfo
 from tableserver.common.buffers import rows_buffer
 
 __all__ = [
-    "TableClient", "RemoteTable", "GatherHandle", "TableInfo", "TableClientError", "ConnectError",
-    "AuthError", "TransportError", "RemoteError", "GatherTimeout", "rows_buffer",
+    "TableClient",
+    "RemoteTable",
+    "GatherHandle",
+    "TableInfo",
+    "TableClientError",
+    "ConnectError",
+    "AuthError",
+    "TransportError",
+    "RemoteError",
+    "GatherTimeout",
+    "rows_buffer",
 ]

@@ -48,23 +48,49 @@ class TableClient:
     the kernel -- no wake-up when rows arrive within it, for one core busy up to that long per wait.
     """
 
-    def __init__(self, address="127.0.0.1:7070", transport: str = "auto", *, token: str | None = None,
-                 tls: bool = False, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None, tls_server_name: str | None = None, client_name: str = "",
-                 connect_timeout: float = 10.0, mode: str = "read", rdma_device: str | None = None,
-                 rdma_gid_index: int | None = None, rdma_port: int = 1, rdma_qps: int = 4,
-                 rdma_ring_rows: int = 4096, client_id: str = "", checksums: dict | None = None,
-                 request_timeout: float = 30.0, liveness_timeout: float = 2.0, keepalive_interval: float = 0.5,
-                 dns_refresh: float = 5.0, standby: bool = True, hedge_after: float | None = None,
-                 hedge_fraction: float = 0.5, reconnect_wait: float = 0.0, busy_poll: float = 0.0):
+    def __init__(
+        self,
+        address="127.0.0.1:7070",
+        transport: str = "auto",
+        *,
+        token: str | None = None,
+        tls: bool = False,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_server_name: str | None = None,
+        client_name: str = "",
+        connect_timeout: float = 10.0,
+        mode: str = "read",
+        rdma_device: str | None = None,
+        rdma_gid_index: int | None = None,
+        rdma_port: int = 1,
+        rdma_qps: int = 4,
+        rdma_ring_rows: int = 4096,
+        client_id: str = "",
+        checksums: dict | None = None,
+        request_timeout: float = 30.0,
+        liveness_timeout: float = 2.0,
+        keepalive_interval: float = 0.5,
+        dns_refresh: float = 5.0,
+        standby: bool = True,
+        hedge_after: float | None = None,
+        hedge_fraction: float = 0.5,
+        reconnect_wait: float = 0.0,
+        busy_poll: float = 0.0,
+    ):
         if transport != "auto" and transport not in KNOWN:
             raise ValueError(f"unknown transport {transport!r}: use auto, {', '.join(KNOWN)}")
         self.mode = check_mode(mode)
         if not 1 <= rdma_qps <= 64 or rdma_ring_rows < 16:
             raise ValueError("rdma_qps must be 1..64 and rdma_ring_rows at least 16")
-        for name, value in (("connect_timeout", connect_timeout), ("request_timeout", request_timeout),
-                            ("liveness_timeout", liveness_timeout), ("keepalive_interval", keepalive_interval),
-                            ("dns_refresh", dns_refresh)):
+        for name, value in (
+            ("connect_timeout", connect_timeout),
+            ("request_timeout", request_timeout),
+            ("liveness_timeout", liveness_timeout),
+            ("keepalive_interval", keepalive_interval),
+            ("dns_refresh", dns_refresh),
+        ):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
         if not 0 <= busy_poll <= 0.01:
@@ -74,17 +100,35 @@ class TableClient:
         self.connect_timeout = connect_timeout
         self.hedge_after, self.hedge_fraction = hedge_after, hedge_fraction
         self._closed = False
-        options = NodeOptions(transport=transport, token=token, tls=tls, tls_ca=tls_ca, tls_cert=tls_cert,
-                              tls_key=tls_key, tls_server_name=tls_server_name, client_name=client_name,
-                              connect_timeout=connect_timeout, keepalive_interval=keepalive_interval,
-                              busy_poll=busy_poll,
-                              rdma=dict(device=rdma_device, gid_index=rdma_gid_index, port=rdma_port, qps=rdma_qps,
-                                        ring_rows=rdma_ring_rows))
-        self._router = Router(address, options, RoutingOptions(client_id=client_id, request_timeout=request_timeout,
-                                                               liveness_timeout=liveness_timeout,
-                                                               dns_refresh=dns_refresh, standby=standby,
-                                                               reconnect_wait=reconnect_wait),
-                              checksums)
+        options = NodeOptions(
+            transport=transport,
+            token=token,
+            tls=tls,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            tls_server_name=tls_server_name,
+            client_name=client_name,
+            connect_timeout=connect_timeout,
+            keepalive_interval=keepalive_interval,
+            busy_poll=busy_poll,
+            rdma=dict(
+                device=rdma_device, gid_index=rdma_gid_index, port=rdma_port, qps=rdma_qps, ring_rows=rdma_ring_rows
+            ),
+        )
+        self._router = Router(
+            address,
+            options,
+            RoutingOptions(
+                client_id=client_id,
+                request_timeout=request_timeout,
+                liveness_timeout=liveness_timeout,
+                dns_refresh=dns_refresh,
+                standby=standby,
+                reconnect_wait=reconnect_wait,
+            ),
+            checksums,
+        )
         self.address = self._router.address
         self._infos: list[TableInfo] = self._router.infos
         self.tables: dict[str, TableInfo] = self._router.tables
@@ -177,7 +221,7 @@ class TableClient:
         self._router.close()
         flush_deferred()
 
-    def __enter__(self) -> "TableClient":
+    def __enter__(self) -> TableClient:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -90,7 +90,7 @@ class EngramConfig:
     image_token_id: int | None = None  # vision checkpoints: the image token, hashed as blocked
 
     @classmethod
-    def from_model_config(cls, config) -> "EngramConfig":
+    def from_model_config(cls, config) -> EngramConfig:
         """From an HF-style config (dict or object) with ``engram_*`` keys.
 
         As SGLang reads DeepSeek-V4.1 configs: keys of a nested ``text_config`` count as top-level
@@ -104,18 +104,23 @@ class EngramConfig:
         vision = _config_values(values.get("vision_config") or {})
         vision_layers = int(values.get("vision_n_layers", vision.get("num_hidden_layers", 0)) or 0)
         model_type = values.get("model_type", "")
-        image = values.get("image_token_id") if model_type in ("deepseek_v41", "deepseek_v41_text") and \
-            vision_layers > 0 else None
+        image = (
+            values.get("image_token_id")
+            if model_type in ("deepseek_v41", "deepseek_v41_text") and vision_layers > 0
+            else None
+        )
         get = values.get
-        return cls(layer_ids=tuple(get("engram_layer_ids", cls.layer_ids)),
-                   max_ngram_size=int(get("engram_max_ngram_size", cls.max_ngram_size)),
-                   n_heads=int(get("engram_n_heads", cls.n_heads)),
-                   head_dim=int(get("engram_head_dim", cls.head_dim)),
-                   vocab_size=int(get("engram_vocab_size", cls.vocab_size)),
-                   compressed_vocab_size=int(get("engram_compressed_vocab_size", cls.compressed_vocab_size)),
-                   pad_id=int(get("engram_pad_token_id", cls.pad_id)),
-                   num_embeddings=tuple(get("engram_num_embeddings", ()) or ()),
-                   image_token_id=None if image is None else int(image))
+        return cls(
+            layer_ids=tuple(get("engram_layer_ids", cls.layer_ids)),
+            max_ngram_size=int(get("engram_max_ngram_size", cls.max_ngram_size)),
+            n_heads=int(get("engram_n_heads", cls.n_heads)),
+            head_dim=int(get("engram_head_dim", cls.head_dim)),
+            vocab_size=int(get("engram_vocab_size", cls.vocab_size)),
+            compressed_vocab_size=int(get("engram_compressed_vocab_size", cls.compressed_vocab_size)),
+            pad_id=int(get("engram_pad_token_id", cls.pad_id)),
+            num_embeddings=tuple(get("engram_num_embeddings", ()) or ()),
+            image_token_id=None if image is None else int(image),
+        )
 
     @property
     def rows_per_token(self) -> int:
@@ -164,8 +169,10 @@ def build_primes(config: EngramConfig) -> np.ndarray:
 def hash_multipliers(layer_ids, max_ngram_size: int, compressed_vocab_size: int) -> np.ndarray:
     """Odd int64 multipliers [layers, max_ngram] from ``default_rng(10007 * layer_id)``."""
     bound = max(1, (INT64_MAX // compressed_vocab_size) // 2)
-    rows = [np.random.default_rng(10007 * layer).integers(0, bound, size=(max_ngram_size,), dtype=np.int64) * 2 + 1
-            for layer in layer_ids]
+    rows = [
+        np.random.default_rng(10007 * layer).integers(0, bound, size=(max_ngram_size,), dtype=np.int64) * 2 + 1
+        for layer in layer_ids
+    ]
     return np.stack(rows)
 
 
@@ -174,19 +181,23 @@ def build_layout(config: EngramConfig) -> EngramLayout:
     primes = build_primes(config)
     flat = primes.reshape(len(config.layer_ids), -1)
     offsets = np.concatenate([np.zeros((flat.shape[0], 1), np.int64), np.cumsum(flat, axis=1)[:, :-1]], axis=1)
-    layout = EngramLayout(config, primes, offsets,
-                          hash_multipliers(config.layer_ids, config.max_ngram_size, config.compressed_vocab_size))
+    layout = EngramLayout(
+        config, primes, offsets, hash_multipliers(config.layer_ids, config.max_ngram_size, config.compressed_vocab_size)
+    )
     if config.num_embeddings and tuple(config.num_embeddings) != layout.table_rows:
-        raise ValueError(f"Engram layout gives tables of {layout.table_rows} rows but the config says "
-                         f"{tuple(config.num_embeddings)}: check engram_vocab_size / n_heads / max_ngram_size")
+        raise ValueError(
+            f"Engram layout gives tables of {layout.table_rows} rows but the config says "
+            f"{tuple(config.num_embeddings)}: check engram_vocab_size / n_heads / max_ngram_size"
+        )
     return layout
 
 
 # ------------------------------------------------------------------ hashing
 
 
-def engram_row_ids(tokens: np.ndarray, blocked: np.ndarray, token_map: np.ndarray, pad_compressed: int,
-                   layout: EngramLayout) -> np.ndarray:
+def engram_row_ids(
+    tokens: np.ndarray, blocked: np.ndarray, token_map: np.ndarray, pad_compressed: int, layout: EngramLayout
+) -> np.ndarray:
     """Row ids ``int64 [T, layers, (n - 1) * heads]`` for tokens with their look-back.
 
     ``tokens [T, n]``: column 0 is the token itself, column s its s-th
@@ -203,8 +214,10 @@ def engram_row_ids(tokens: np.ndarray, blocked: np.ndarray, token_map: np.ndarra
     bad = (tokens < 0) | (tokens >= token_map.size)
     if bad.any():
         t = int(tokens[bad][0])
-        raise ValueError(f"token id {t} is outside the vocabulary of {token_map.size} (token_map): check the "
-                         "tokenizer and the model config")
+        raise ValueError(
+            f"token id {t} is outside the vocabulary of {token_map.size} (token_map): check the "
+            "tokenizer and the model config"
+        )
     compressed = np.where(blocked, pad_compressed, token_map[tokens]).astype(np.int64)  # [T, n]
     products = compressed[:, None, :] * layout.multipliers[None, :, :]  # [T, L, n]
     rolling = products[..., 0]

@@ -92,10 +92,10 @@ class HostStreamOps:
     def __init__(self, timeout: float = 60.0):
         self.timeout = timeout
 
-    def write(self, flags: "GraphFlags", index: int, value: int) -> None:
+    def write(self, flags: GraphFlags, index: int, value: int) -> None:
         flags.host[index] = value
 
-    def wait(self, flags: "GraphFlags", index: int, value: int) -> None:
+    def wait(self, flags: GraphFlags, index: int, value: int) -> None:
         if not wait_flag(flags.host, index, value, self.timeout):
             raise GraphStepError(f"flag {index} did not become {value} within {self.timeout:g} s")
 
@@ -110,17 +110,22 @@ class CudaStreamOps:
         try:
             from cuda.bindings import driver
         except ImportError:
-            raise GraphStepError("in_graph layers need cuda-python (pip install cuda-python; SGLang requires it "
-                                 "already): or place the layers 'before_replay'") from None
+            raise GraphStepError(
+                "in_graph layers need cuda-python (pip install cuda-python; SGLang requires it "
+                "already): or place the layers 'before_replay'"
+            ) from None
         self.torch, self.driver = torch, driver
         err, dev = driver.cuDeviceGet(torch.cuda.current_device())
         self._check("cuDeviceGet", (err,))
         err, can = driver.cuDeviceGetAttribute(
-            driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS, dev)
+            driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS, dev
+        )
         self._check("cuDeviceGetAttribute", (err,))
         if not can:
-            raise GraphStepError("this GPU (or its driver) has no stream memory operations "
-                                 "(CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS = 0): place the layers 'before_replay'")
+            raise GraphStepError(
+                "this GPU (or its driver) has no stream memory operations "
+                "(CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS = 0): place the layers 'before_replay'"
+            )
         self._eq = int(driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ)
 
     def _stream(self):
@@ -129,23 +134,29 @@ class CudaStreamOps:
     def _check(self, what: str, result) -> None:
         err = result[0] if isinstance(result, tuple) else result
         if err != self.driver.CUresult.CUDA_SUCCESS:
-            raise GraphStepError(f"{what} failed ({err}): the device must support stream memory operations "
-                                 "(CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS); place the layer 'before_replay'")
+            raise GraphStepError(
+                f"{what} failed ({err}): the device must support stream memory operations "
+                "(CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS); place the layer 'before_replay'"
+            )
 
     def device_pointer(self, host_ptr: int) -> int:
         err, ptr = self.driver.cuMemHostGetDevicePointer(host_ptr, 0)
         self._check("cuMemHostGetDevicePointer", (err,))
         return int(ptr)
 
-    def write(self, flags: "GraphFlags", index: int, value: int) -> None:
+    def write(self, flags: GraphFlags, index: int, value: int) -> None:
         d = self.driver
-        self._check("cuStreamWriteValue32", d.cuStreamWriteValue32(
-            self._stream(), d.CUdeviceptr(flags.device_ptr(self, index)), value, 0))
+        self._check(
+            "cuStreamWriteValue32",
+            d.cuStreamWriteValue32(self._stream(), d.CUdeviceptr(flags.device_ptr(self, index)), value, 0),
+        )
 
-    def wait(self, flags: "GraphFlags", index: int, value: int) -> None:
+    def wait(self, flags: GraphFlags, index: int, value: int) -> None:
         d = self.driver
-        self._check("cuStreamWaitValue32", d.cuStreamWaitValue32(
-            self._stream(), d.CUdeviceptr(flags.device_ptr(self, index)), value, self._eq))
+        self._check(
+            "cuStreamWaitValue32",
+            d.cuStreamWaitValue32(self._stream(), d.CUdeviceptr(flags.device_ptr(self, index)), value, self._eq),
+        )
 
 
 class GraphFlags:
@@ -187,9 +198,21 @@ class GraphStep:
     """Everything captured decode graphs touch for the served layers of one client, and the host side of
     each step (see the module docstring)."""
 
-    def __init__(self, client, plans: list, modes: dict, max_tokens: int, *, rows_per_token: int = 24,
-                 policy: str = "fail", fallback=None, device=None, timeout: float = 5.0, stream_ops=None,
-                 pin: bool | None = None):
+    def __init__(
+        self,
+        client,
+        plans: list,
+        modes: dict,
+        max_tokens: int,
+        *,
+        rows_per_token: int = 24,
+        policy: str = "fail",
+        fallback=None,
+        device=None,
+        timeout: float = 5.0,
+        stream_ops=None,
+        pin: bool | None = None,
+    ):
         import torch
 
         self.torch = torch
@@ -213,31 +236,42 @@ class GraphStep:
         self._staging_np = {layer: self._owner[layer].staging[layer].numpy() for layer in self.layers}
         row_bytes = {layer: self._owner[layer].staging[layer].shape[-1] for layer in self.layers}
         # the device side: one packed buffer per layer, the copy's fixed destination
-        self.device_rows = {layer: torch.zeros((max_tokens * rows_per_token, row_bytes[layer]), dtype=torch.uint8,
-                                               device=self.device) for layer in self.layers}
-        self.ids = {p.layer: torch.zeros((max_tokens, rows_per_token), dtype=torch.int64, pin_memory=pin)
-                    for p in post}
+        self.device_rows = {
+            layer: torch.zeros((max_tokens * rows_per_token, row_bytes[layer]), dtype=torch.uint8, device=self.device)
+            for layer in self.layers
+        }
+        self.ids = {p.layer: torch.zeros((max_tokens, rows_per_token), dtype=torch.int64, pin_memory=pin) for p in post}
         self._ids_np = {layer: t.numpy() for layer, t in self.ids.items()}
         self.flags = GraphFlags(torch, len(post), pin)
-        self.ops = stream_ops if stream_ops is not None else (CudaStreamOps(torch) if cuda and post else
-                                                              HostStreamOps(timeout * 4))
+        self.ops = (
+            stream_ops
+            if stream_ops is not None
+            else (CudaStreamOps(torch) if cuda and post else HostStreamOps(timeout * 4))
+        )
         if isinstance(self.ops, CudaStreamOps):
             self.flags.device_ptr(self.ops, 0)  # resolved now, not inside the first capture
-        self._slots = {p.layer: _Slot(p.layer, p, self.flags.index(i, IDS), self.flags.index(i, ROWS))
-                       for i, p in enumerate(post)}
+        self._slots = {
+            p.layer: _Slot(p.layer, p, self.flags.index(i, IDS), self.flags.index(i, ROWS)) for i, p in enumerate(post)
+        }
         self._lock = threading.Lock()
         self._released = threading.Condition(self._lock)
         self._closed = False
         m = metrics()
-        self._waits = {(layer, phase): m.graph_waits.labels(str(layer), phase) for layer in self.layers
-                       for phase in ("before_replay", "in_graph")}
+        self._waits = {
+            (layer, phase): m.graph_waits.labels(str(layer), phase)
+            for layer in self.layers
+            for phase in ("before_replay", "in_graph")
+        }
         self._watchdog_releases = {layer: m.watchdog_releases.labels(str(layer)) for layer in self._slots}
         self._misses = {layer: m.deadline_misses.labels(str(layer)) for layer in self._slots}
-        self._threads = [threading.Thread(target=self._poll, args=(s,), name=f"tableclient-graph-{s.layer}",
-                                          daemon=True) for s in self._slots.values()]
+        self._threads = [
+            threading.Thread(target=self._poll, args=(s,), name=f"tableclient-graph-{s.layer}", daemon=True)
+            for s in self._slots.values()
+        ]
         if self._slots:
-            self._threads.append(threading.Thread(target=self._watchdog, name="tableclient-graph-watchdog",
-                                                  daemon=True))
+            self._threads.append(
+                threading.Thread(target=self._watchdog, name="tableclient-graph-watchdog", daemon=True)
+            )
         for t in self._threads:
             t.start()
 
@@ -303,16 +337,21 @@ class GraphStep:
         host = self.flags.host
         with self._lock:
             while True:
-                busy = [s for s in self._slots.values()
-                        if s.state not in ("idle", "released") or s.owe_ids or host[s.rows_flag] != 0]
+                busy = [
+                    s
+                    for s in self._slots.values()
+                    if s.state not in ("idle", "released") or s.owe_ids or host[s.rows_flag] != 0
+                ]
                 if not busy:
                     break
                 left = end - time.monotonic()
                 if left <= 0:
                     b = busy[0]
-                    raise GraphStepError(f"layer {b.layer}: the last step ({b.state}, rows flag {int(host[b.rows_flag])}) "
-                                         f"was not released and consumed within {self.timeout:g} s: a replay was "
-                                         "armed and never launched (call reset() after a failed replay)")
+                    raise GraphStepError(
+                        f"layer {b.layer}: the last step ({b.state}, rows flag {int(host[b.rows_flag])}) "
+                        f"was not released and consumed within {self.timeout:g} s: a replay was "
+                        "armed and never launched (call reset() after a failed replay)"
+                    )
                 self._released.wait(min(left, 0.0002))  # the GPU's consumption notifies nobody: poll
             deadline = time.monotonic() + self.timeout
             for slot in self._slots.values():
@@ -368,8 +407,11 @@ class GraphStep:
                     self._released.notify_all()
                     continue
                 if slot.state != "armed":  # a replay nobody armed: released with zeros, the GPU never hangs
-                    log.error("layer %d: a graph published ids of a step nobody armed: released with zero rows "
-                              "(the engine must call arm() before each replay)", slot.layer)
+                    log.error(
+                        "layer %d: a graph published ids of a step nobody armed: released with zero rows "
+                        "(the engine must call arm() before each replay)",
+                        slot.layer,
+                    )
                     staging.fill(0)
                     self._release(slot, GraphStepError(f"layer {slot.layer}: step not armed"))
                     continue
@@ -403,8 +445,12 @@ class GraphStep:
         if error is not None and handle is not None:
             handle.cancel()  # a barrier: none of a failed or late gather's rows land after this
         if by_watchdog:
-            log.warning("layer %d: rows not released within %g s: the watchdog releases the step (%s)", slot.layer,
-                        self.timeout, self.policy)
+            log.warning(
+                "layer %d: rows not released within %g s: the watchdog releases the step (%s)",
+                slot.layer,
+                self.timeout,
+                self.policy,
+            )
         staging = self._staging_np[slot.layer][:tokens]
         poison = None
         if error is not None:
@@ -442,8 +488,13 @@ class GraphStep:
                     self._released.wait(min(max(wait, 0.001), 0.5))
                     continue
             for slot, step, tokens in due:
-                self._finish(slot, step, tokens, GatherTimeout(f"layer {slot.layer}: rows not in place within "
-                                                               f"{self.timeout:g} s (watchdog)"), by_watchdog=True)
+                self._finish(
+                    slot,
+                    step,
+                    tokens,
+                    GatherTimeout(f"layer {slot.layer}: rows not in place within {self.timeout:g} s (watchdog)"),
+                    by_watchdog=True,
+                )
 
     def close(self) -> None:
         """Stops the poller and watchdog threads and abandons gathers in flight. Idempotent."""

@@ -29,7 +29,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from tableserver.common.recorder import FlushFirst, Recorder
 
 #: exponential latency buckets, 2 us .. ~0.5 s
-DEFAULT_BUCKETS = tuple(2e-6 * 2 ** k for k in range(19))
+DEFAULT_BUCKETS = tuple(2e-6 * 2**k for k in range(19))
 BUCKETS_ENV = "TABLESERVER_CLIENT_LATENCY_BUCKETS"
 #: error reasons (label values of tableserver_client_errors_total), all exported from the start
 ERROR_REASONS = ("bad_row_ids", "timeout", "remote", "transport", "connect", "auth", "other")
@@ -43,8 +43,9 @@ def latency_buckets(environ=None) -> tuple[float, ...]:
     try:
         buckets = tuple(sorted(float(x) for x in value.split(",") if x.strip()))
     except ValueError:
-        raise ValueError(f"{BUCKETS_ENV}={value!r}: expected comma-separated seconds, e.g. "
-                         "0.00001,0.0001,0.001") from None
+        raise ValueError(
+            f"{BUCKETS_ENV}={value!r}: expected comma-separated seconds, e.g. 0.00001,0.0001,0.001"
+        ) from None
     if not buckets or buckets[0] <= 0:
         raise ValueError(f"{BUCKETS_ENV}={value!r}: expected positive bucket bounds in seconds")
     return buckets
@@ -57,54 +58,124 @@ class ClientMetrics:
         r = registry if registry is not None else REGISTRY
         r.register(_flush_first)  # first: a collection applies deferred gathers before reading ours
         self.gather_latency = Histogram(
-            "tableserver_client_gather_duration_seconds", "Time from issuing a gather to its rows being in "
-            "place in the caller's buffer.", ["table", "layer", "transport", "mode"],
-            buckets=buckets or latency_buckets(), registry=r)
-        self.rows = Counter("tableserver_client_rows_total", "Row ids gathered (duplicates included).",
-                            ["table", "layer", "transport"], registry=r)
-        self.unique_rows = Counter("tableserver_client_unique_rows_total", "Distinct rows fetched from the server "
-                                   "(rows_total minus duplicates a gather fetched once).",
-                                   ["table", "layer", "transport"], registry=r)
-        self.bytes = Counter("tableserver_client_read_bytes_total", "Row bytes fetched from the server.",
-                             ["table", "layer", "transport"], registry=r)
-        self.layer_waits = Counter("tableserver_client_layer_waits_total", "Per-layer waits of the step API "
-                                   "(one per layer per decode step).", ["layer"], registry=r)
-        self.deadline_misses = Counter("tableserver_client_deadline_misses_total", "Per-layer waits whose rows "
-                                       "were not in place by the layer's window.", ["layer"], registry=r)
-        self.window = Gauge("tableserver_client_layer_window_seconds", "Each layer's window: how long after "
-                            "step start its rows are due.", ["layer"], multiprocess_mode="max", registry=r)
-        self.zero_rows = Counter("tableserver_client_zero_rows_served_total", "Steps where a layer was served "
-                                 "zero rows after a failure (failure policy 'zeros').", ["layer"], registry=r)
-        self.fallbacks = Counter("tableserver_client_fallbacks_total", "Steps where a layer's rows came from the "
-                                 "fallback transport (failure policy 'fallback').", ["layer"], registry=r)
+            "tableserver_client_gather_duration_seconds",
+            "Time from issuing a gather to its rows being in place in the caller's buffer.",
+            ["table", "layer", "transport", "mode"],
+            buckets=buckets or latency_buckets(),
+            registry=r,
+        )
+        self.rows = Counter(
+            "tableserver_client_rows_total",
+            "Row ids gathered (duplicates included).",
+            ["table", "layer", "transport"],
+            registry=r,
+        )
+        self.unique_rows = Counter(
+            "tableserver_client_unique_rows_total",
+            "Distinct rows fetched from the server (rows_total minus duplicates a gather fetched once).",
+            ["table", "layer", "transport"],
+            registry=r,
+        )
+        self.bytes = Counter(
+            "tableserver_client_read_bytes_total",
+            "Row bytes fetched from the server.",
+            ["table", "layer", "transport"],
+            registry=r,
+        )
+        self.layer_waits = Counter(
+            "tableserver_client_layer_waits_total",
+            "Per-layer waits of the step API (one per layer per decode step).",
+            ["layer"],
+            registry=r,
+        )
+        self.deadline_misses = Counter(
+            "tableserver_client_deadline_misses_total",
+            "Per-layer waits whose rows were not in place by the layer's window.",
+            ["layer"],
+            registry=r,
+        )
+        self.window = Gauge(
+            "tableserver_client_layer_window_seconds",
+            "Each layer's window: how long after step start its rows are due.",
+            ["layer"],
+            multiprocess_mode="max",
+            registry=r,
+        )
+        self.zero_rows = Counter(
+            "tableserver_client_zero_rows_served_total",
+            "Steps where a layer was served zero rows after a failure (failure policy 'zeros').",
+            ["layer"],
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            "tableserver_client_fallbacks_total",
+            "Steps where a layer's rows came from the fallback transport (failure policy 'fallback').",
+            ["layer"],
+            registry=r,
+        )
         self.graph_waits = Histogram(
-            "tableserver_client_graph_wait_seconds", "Graph-safe steps, per layer: before_replay, from the start "
+            "tableserver_client_graph_wait_seconds",
+            "Graph-safe steps, per layer: before_replay, from the start "
             "of the host's gathers to the layer's rows in place (the GPU waits that long before the step); "
-            "in_graph, from the graph's ids seen to the rows released to it.", ["layer", "phase"],
-            buckets=buckets or latency_buckets(), registry=r)
-        self.watchdog_releases = Counter("tableserver_client_watchdog_releases_total", "Steps of in_graph layers whose "
-                                         "rows the watchdog released at the layer's timeout (filled by the failure "
-                                         "policy), so the GPU never waited forever.", ["layer"], registry=r)
-        self.sessions = Gauge("tableserver_client_sessions", "Open client sessions, by data transport.",
-                              ["transport"], multiprocess_mode="livesum", registry=r)
-        self.connects = Counter("tableserver_client_connects_total", "Sessions opened with a tableserver.",
-                                ["transport"], registry=r)
-        self.reconnects = Counter("tableserver_client_reconnects_total", "Sessions opened with a server whose "
-                                  "previous session in this process had been lost.", registry=r)
-        self.session_losses = Counter("tableserver_client_session_losses_total", "Sessions lost (keepalive "
-                                      "stream broken: server gone or unreachable).", registry=r)
-        self.errors = Counter("tableserver_client_errors_total", "Failed gathers and connects, by reason.",
-                              ["reason"], registry=r)
-        self.replica_up = Gauge("tableserver_client_replica_up", "Whether this client can read from a memory node "
-                                "(1) or has failed it or refused its data (0), by address.", ["address"],
-                                multiprocess_mode="livemin", registry=r)
-        self.failovers = Counter("tableserver_client_failovers_total", "Gather parts re-issued on another replica "
-                                 "after their node failed.", registry=r)
-        self.hedges = Counter("tableserver_client_hedges_total", "Hedged reads: issued on a second replica when the "
-                              "first was late, and won (answered first).", ["outcome"], registry=r)
-        self.version_refusals = Counter("tableserver_client_version_refusals_total", "Nodes refused because a table "
-                                        "there differs from the pinned version (checksum, rows, row size).",
-                                        registry=r)
+            "in_graph, from the graph's ids seen to the rows released to it.",
+            ["layer", "phase"],
+            buckets=buckets or latency_buckets(),
+            registry=r,
+        )
+        self.watchdog_releases = Counter(
+            "tableserver_client_watchdog_releases_total",
+            "Steps of in_graph layers whose "
+            "rows the watchdog released at the layer's timeout (filled by the failure "
+            "policy), so the GPU never waited forever.",
+            ["layer"],
+            registry=r,
+        )
+        self.sessions = Gauge(
+            "tableserver_client_sessions",
+            "Open client sessions, by data transport.",
+            ["transport"],
+            multiprocess_mode="livesum",
+            registry=r,
+        )
+        self.connects = Counter(
+            "tableserver_client_connects_total", "Sessions opened with a tableserver.", ["transport"], registry=r
+        )
+        self.reconnects = Counter(
+            "tableserver_client_reconnects_total",
+            "Sessions opened with a server whose previous session in this process had been lost.",
+            registry=r,
+        )
+        self.session_losses = Counter(
+            "tableserver_client_session_losses_total",
+            "Sessions lost (keepalive stream broken: server gone or unreachable).",
+            registry=r,
+        )
+        self.errors = Counter(
+            "tableserver_client_errors_total", "Failed gathers and connects, by reason.", ["reason"], registry=r
+        )
+        self.replica_up = Gauge(
+            "tableserver_client_replica_up",
+            "Whether this client can read from a memory node (1) or has failed it or refused its data (0), by address.",
+            ["address"],
+            multiprocess_mode="livemin",
+            registry=r,
+        )
+        self.failovers = Counter(
+            "tableserver_client_failovers_total",
+            "Gather parts re-issued on another replica after their node failed.",
+            registry=r,
+        )
+        self.hedges = Counter(
+            "tableserver_client_hedges_total",
+            "Hedged reads: issued on a second replica when the first was late, and won (answered first).",
+            ["outcome"],
+            registry=r,
+        )
+        self.version_refusals = Counter(
+            "tableserver_client_version_refusals_total",
+            "Nodes refused because a table there differs from the pinned version (checksum, rows, row size).",
+            registry=r,
+        )
         for outcome in ("issued", "won"):
             self.hedges.labels(outcome)
         self.failovers.inc(0)
@@ -116,7 +187,7 @@ class ClientMetrics:
         self._recorders: dict[tuple, GatherRecorder] = {}
         self._recorders_lock = threading.Lock()
 
-    def recorder(self, table: str, layer: str, transport: str, mode: str) -> "GatherRecorder":
+    def recorder(self, table: str, layer: str, transport: str, mode: str) -> GatherRecorder:
         """The one recorder of these label values, for the process's life: every RemoteTable of the
         table shares it, so gathers deferred through a table object that is dropped right after
         (``client.table(name).gather(ids)``) are still applied."""
@@ -128,8 +199,10 @@ class ClientMetrics:
                 if recorder is None:
                     recorder = self._recorders[key] = GatherRecorder(
                         self.gather_latency.labels(table, layer, transport, mode),
-                        self.rows.labels(table, layer, transport), self.unique_rows.labels(table, layer, transport),
-                        self.bytes.labels(table, layer, transport))
+                        self.rows.labels(table, layer, transport),
+                        self.unique_rows.labels(table, layer, transport),
+                        self.bytes.labels(table, layer, transport),
+                    )
         return recorder
 
     def error(self, exc: BaseException) -> None:
@@ -147,8 +220,13 @@ def error_reason(exc: BaseException) -> str:
 
     if isinstance(exc, ValueError):
         return "bad_row_ids"  # refused before anything was sent (ids or out buffer)
-    for cls, reason in ((GatherTimeout, "timeout"), (RemoteError, "remote"), (AuthError, "auth"),
-                        (TransportError, "transport"), (ConnectError, "connect")):
+    for cls, reason in (
+        (GatherTimeout, "timeout"),
+        (RemoteError, "remote"),
+        (AuthError, "auth"),
+        (TransportError, "transport"),
+        (ConnectError, "connect"),
+    ):
         if isinstance(exc, cls):
             return reason
     return "transport" if isinstance(exc, (OSError, ConnectionError)) else "other"

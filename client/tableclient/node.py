@@ -31,10 +31,9 @@ from tableclient.metrics import metrics
 from tableclient.table import TableInfo, check_catalog
 from tableclient.transports import AUTO_ORDER, KNOWN, transport_class
 from tableclient.transports.shm import local_host_id
-
+from tableserver.common.wire import SECRET_BYTES, SESSION_ID_BYTES
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.v1 import tableserver_pb2_grpc as pb_grpc
-from tableserver.common.wire import SECRET_BYTES, SESSION_ID_BYTES
 
 #: the longest session lease a client accepts (the bound of the server's --lease-seconds)
 MAX_LEASE_S = 86400.0
@@ -85,14 +84,18 @@ def _read(path: str | None) -> bytes | None:
 
 
 def make_channel(address: str, o: NodeOptions):
-    options = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
-               ("grpc.keepalive_permit_without_calls", 1)]
+    options = [
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
     if o.tls_server_name:
         options.append(("grpc.ssl_target_name_override", o.tls_server_name))
     if not (o.tls or o.tls_ca or o.tls_cert):
         return grpc.insecure_channel(address, options=options)
-    creds = grpc.ssl_channel_credentials(root_certificates=_read(o.tls_ca), private_key=_read(o.tls_key),
-                                         certificate_chain=_read(o.tls_cert))
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=_read(o.tls_ca), private_key=_read(o.tls_key), certificate_chain=_read(o.tls_cert)
+    )
     return grpc.secure_channel(address, creds, options=options)
 
 
@@ -112,8 +115,10 @@ def fetch_catalog(address: str, o: NodeOptions, channel=None, timeout: float | N
     channel = channel or make_channel(address, o)
     try:
         catalog = pb_grpc.TableServiceStub(channel).GetCatalog(
-            pb.GetCatalogRequest(), timeout=max(o.connect_timeout if timeout is None else timeout, 0.001),
-            metadata=o.metadata())
+            pb.GetCatalogRequest(),
+            timeout=max(o.connect_timeout if timeout is None else timeout, 0.001),
+            metadata=o.metadata(),
+        )
     except grpc.RpcError as e:
         raise rpc_error(address, e) from None
     finally:
@@ -122,18 +127,21 @@ def fetch_catalog(address: str, o: NodeOptions, channel=None, timeout: float | N
     try:
         return catalog.server, check_catalog([TableInfo.from_proto(t) for t in catalog.tables])
     except ValueError as e:
-        raise ConnectError(f"tableserver at {address} sent a bad catalog ({e}): not a tableserver, or a "
-                           "broken one; fix or remove that address") from None
+        raise ConnectError(
+            f"tableserver at {address} sent a bad catalog ({e}): not a tableserver, or a "
+            "broken one; fix or remove that address"
+        ) from None
 
 
 def _session_info(address: str, resp) -> SessionInfo:
     """The session the server granted, checked: ConnectError for values no tableserver sends."""
     lease = resp.lease_seconds
-    if len(resp.session_id) != SESSION_ID_BYTES or len(resp.secret) != SECRET_BYTES \
-            or not 0.0 < lease <= MAX_LEASE_S:
-        raise ConnectError(f"tableserver at {address} granted a malformed session (id of {len(resp.session_id)} "
-                           f"bytes, secret of {len(resp.secret)}, lease {lease!r} s): not a tableserver of this "
-                           "version")
+    if len(resp.session_id) != SESSION_ID_BYTES or len(resp.secret) != SECRET_BYTES or not 0.0 < lease <= MAX_LEASE_S:
+        raise ConnectError(
+            f"tableserver at {address} granted a malformed session (id of {len(resp.session_id)} "
+            f"bytes, secret of {len(resp.secret)}, lease {lease!r} s): not a tableserver of this "
+            "version"
+        )
     return SessionInfo(resp.session_id, resp.secret, lease, resp.max_rows_per_request)
 
 
@@ -186,9 +194,11 @@ class NodeSession:
         """Seconds left of the open's deadline; ConnectError once it has passed."""
         left = self._deadline - time.monotonic()
         if left <= 0:
-            raise ConnectError(f"tableserver at {self.address} did not complete the session set-up within "
-                               f"connect_timeout={self.options.connect_timeout:g} s: check the server or raise "
-                               "connect_timeout")
+            raise ConnectError(
+                f"tableserver at {self.address} did not complete the session set-up within "
+                f"connect_timeout={self.options.connect_timeout:g} s: check the server or raise "
+                "connect_timeout"
+            )
         return left
 
     def _call(self, method, request, timeout: float | None = None):
@@ -214,10 +224,17 @@ class NodeSession:
                 wanted.remove("rdma")
                 reasons.append(f"rdma: {e}")
         try:
-            resp = self._call(self._stub.OpenSession, pb.OpenSessionRequest(
-                client_name=client_name or f"tableclient/{os.path.basename(sys.argv[0] or 'python')}",
-                hostname=socket.gethostname(), host_id=local_host_id(), pid=os.getpid(), transports=wanted,
-                rdma=prepared.params() if prepared is not None else None))
+            resp = self._call(
+                self._stub.OpenSession,
+                pb.OpenSessionRequest(
+                    client_name=client_name or f"tableclient/{os.path.basename(sys.argv[0] or 'python')}",
+                    hostname=socket.gethostname(),
+                    host_id=local_host_id(),
+                    pid=os.getpid(),
+                    transports=wanted,
+                    rdma=prepared.params() if prepared is not None else None,
+                ),
+            )
             self.session = _session_info(self.address, resp)
             self._start_keepalive()
             for offer in resp.offers[:MAX_OFFERS]:
@@ -228,8 +245,9 @@ class NodeSession:
                 if offer.name == "tcp":
                     extra = dict(busy_poll=self.options.busy_poll)
                 try:
-                    self._transport = transport_class(offer.name)(offer, self.session, self.infos,
-                                                                  self._left(), **extra)
+                    self._transport = transport_class(offer.name)(
+                        offer, self.session, self.infos, self._left(), **extra
+                    )
                     break
                 except TransportUnavailable as e:
                     reasons.append(f"{offer.name}: {e}")
@@ -285,11 +303,14 @@ class NodeSession:
         self._keepalive_thread = threading.Thread(target=run, name="tableclient-keepalive", daemon=True)
         self._keepalive_thread.start()
         if not bound.wait(self._left()):
-            raise ConnectError(f"tableserver at {self.address} did not answer the session keepalive within "
-                               f"{self.options.connect_timeout:g} s: raise connect_timeout or check the server")
+            raise ConnectError(
+                f"tableserver at {self.address} did not answer the session keepalive within "
+                f"{self.options.connect_timeout:g} s: raise connect_timeout or check the server"
+            )
         if not answered.is_set():
-            raise self.error or ConnectError(f"tableserver at {self.address} ended the session keepalive "
-                                             "before answering it")
+            raise self.error or ConnectError(
+                f"tableserver at {self.address} ended the session keepalive before answering it"
+            )
 
     # --------------------------------------------------------------- public
     @property
@@ -336,8 +357,11 @@ class NodeSession:
             self._transport = None
         if graceful and self.session is not None and self.error is None:
             try:
-                self._stub.CloseSession(pb.CloseSessionRequest(session_id=self.session.id),
-                                        timeout=min(2.0, self.options.connect_timeout), metadata=self._metadata)
+                self._stub.CloseSession(
+                    pb.CloseSessionRequest(session_id=self.session.id),
+                    timeout=min(2.0, self.options.connect_timeout),
+                    metadata=self._metadata,
+                )
             except grpc.RpcError:
                 pass  # the server may be gone; the lease reclaims the session
         self._stop.set()  # after CloseSession, so the server logs why the session ended

@@ -173,8 +173,7 @@ class RoutedPending(Pending):
     def done(self) -> bool:
         if self._event.is_set():
             return True
-        return all(p.done or any(a.pending is not None and a.pending.done() for a in p.attempts)
-                   for p in self.parts)
+        return all(p.done or any(a.pending is not None and a.pending.done() for a in p.attempts) for p in self.parts)
 
     def wait(self, timeout: float | None = None) -> None:
         if self._event.is_set():
@@ -192,8 +191,9 @@ class RoutedPending(Pending):
             raise
         if self.order is not None:
             self.out[self.order] = self.scratch  # the shards' rows back into the caller's order
-        self.completed_at = max((p.winner.pending.completed_at for p in self.parts if p.winner is not None),
-                                default=time.perf_counter())
+        self.completed_at = max(
+            (p.winner.pending.completed_at for p in self.parts if p.winner is not None), default=time.perf_counter()
+        )
         self._event.set()
 
     def cancel(self) -> None:
@@ -209,8 +209,13 @@ class Router(ClientTransport):
 
     expands = False  # rows of duplicate ids are expanded by the table layer, after the scatter
 
-    def __init__(self, address, node_options: NodeOptions, options: RoutingOptions = RoutingOptions(),
-                 checksums: dict | None = None):
+    def __init__(
+        self,
+        address,
+        node_options: NodeOptions,
+        options: RoutingOptions = RoutingOptions(),
+        checksums: dict | None = None,
+    ):
         self.node_options = node_options
         self.options = replace(options, client_id=options.client_id or f"{socket.gethostname()}:{os.getpid()}")
         self.static, self.dns = parse_addresses(address)
@@ -239,8 +244,10 @@ class Router(ClientTransport):
         except BaseException:
             self.close()
             raise
-        self._threads = [threading.Thread(target=self._maintain, name="tableclient-routing", daemon=True),
-                         threading.Thread(target=self._hedger, name="tableclient-hedges", daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._maintain, name="tableclient-routing", daemon=True),
+            threading.Thread(target=self._hedger, name="tableclient-hedges", daemon=True),
+        ]
         for t in self._threads:
             t.start()
 
@@ -278,8 +285,9 @@ class Router(ClientTransport):
                 else:
                     if len(errors) == 1:
                         raise errors[0]
-                    raise ConnectError(f"no session with any node of {self.address}: "
-                                       + "; ".join(f"{e}" for e in errors))
+                    raise ConnectError(
+                        f"no session with any node of {self.address}: " + "; ".join(f"{e}" for e in errors)
+                    )
                 self._warm(shard)
 
     def _probe_all(self, replicas: list) -> list:
@@ -290,8 +298,10 @@ class Router(ClientTransport):
         def probe(i: int) -> None:
             found[i] = self._probe(replicas[i])
 
-        threads = [threading.Thread(target=probe, args=(i,), name="tableclient-probe", daemon=True)
-                   for i in range(len(replicas))]
+        threads = [
+            threading.Thread(target=probe, args=(i,), name="tableclient-probe", daemon=True)
+            for i in range(len(replicas))
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -336,8 +346,10 @@ class Router(ClientTransport):
         replica.failures += 1
         replica.retry_at = time.monotonic() + self.options.backoff_max
         pinned = pin[0] if pin[1] is None else f"{pin[0]} ({pin[1]} rows of {pin[2]} B)"
-        replica.error = (f"table {t.name!r} there is {t.checksum} ({t.total_rows} rows of {t.row_bytes} B) but this "
-                         f"client pinned {pinned}")
+        replica.error = (
+            f"table {t.name!r} there is {t.checksum} ({t.total_rows} rows of {t.row_bytes} B) but this "
+            f"client pinned {pinned}"
+        )
         self._metrics.version_refusals.inc()
         self._gauge(replica)
         log.warning("tableserver %s refused: %s: never mixing rows of two versions", replica.address, replica.error)
@@ -362,8 +374,9 @@ class Router(ClientTransport):
             for name, ranges in held.items():
                 if name not in self.tables:
                     t = ranges[0][2].tables[name]
-                    info = replace(t, index=len(self.infos), rows=t.total_rows, row_lo=0,
-                                   nbytes=t.total_rows * t.row_bytes)
+                    info = replace(
+                        t, index=len(self.infos), rows=t.total_rows, row_lo=0, nbytes=t.total_rows * t.row_bytes
+                    )
                     self.tables[name] = info
                     self.infos.append(info)
                 self._maps[name] = build(name, self.tables[name].rows, ranges, order)
@@ -374,8 +387,9 @@ class Router(ClientTransport):
         return list(self._maps[name].shards)
 
     # ------------------------------------------------------------------ sessions
-    def _session(self, replica: Replica, errors: list | None = None,
-                 deadline: float | None = None) -> NodeSession | None:
+    def _session(
+        self, replica: Replica, errors: list | None = None, deadline: float | None = None
+    ) -> NodeSession | None:
         """The replica's live session, opened now if it has none; None when it cannot be (the reason is
         appended to ``errors`` when given)."""
         node = replica.node
@@ -429,8 +443,7 @@ class Router(ClientTransport):
         """Runs ``fn(replica)`` (a connect or a catalog fetch) on a thread of its own: at most one per
         replica (``busy``, set by the caller), so a node that answers slowly or never holds up no other
         node's reconnect."""
-        threading.Thread(target=self._background, args=(fn, replica), name="tableclient-connect",
-                         daemon=True).start()
+        threading.Thread(target=self._background, args=(fn, replica), name="tableclient-connect", daemon=True).start()
 
     def _background(self, fn, replica) -> None:
         try:
@@ -486,8 +499,12 @@ class Router(ClientTransport):
         for r in list(self.replicas.values()):
             node = r.node
             if node is not None and not node.closed and node.silent_for() > self.options.liveness_timeout:
-                self._set_down(r, ConnectError(f"no keepalive answer from {r.address} for "
-                                               f"{node.silent_for():.1f} s: frozen or unreachable"))
+                self._set_down(
+                    r,
+                    ConnectError(
+                        f"no keepalive answer from {r.address} for {node.silent_for():.1f} s: frozen or unreachable"
+                    ),
+                )
             elif r.state in ("down", "refused", "new") and now >= r.retry_at and not r.busy:
                 r.busy = True
                 self._spawn(self._retry, r)
@@ -624,14 +641,25 @@ class Router(ClientTransport):
         if hit is not None and hit[0] == self._generation:
             return hit[1]
         generation = self._generation
-        limits = [min(r.node.data.request_rows(mode) or 1 << 62, r.node.max_rows_per_request)
-                  for r in list(self.replicas.values()) if r.node is not None and not r.node.closed]
+        limits = [
+            min(r.node.data.request_rows(mode) or 1 << 62, r.node.max_rows_per_request)
+            for r in list(self.replicas.values())
+            if r.node is not None and not r.node.closed
+        ]
         limit = min(limits) if limits else None
         self._rows_limit[mode] = (generation, limit)
         return limit
 
-    def gather(self, table_index: int, ids: np.ndarray, out: np.ndarray, sync: bool = False, mode: str = "read",
-               expand=None, hedge_after: float | None = None) -> Pending:
+    def gather(
+        self,
+        table_index: int,
+        ids: np.ndarray,
+        out: np.ndarray,
+        sync: bool = False,
+        mode: str = "read",
+        expand=None,
+        hedge_after: float | None = None,
+    ) -> Pending:
         name = self.infos[table_index].name
         m = self._maps[name]  # one map for the whole gather: a rebuild meanwhile replaces it, never edits it
         hedge_at = None if hedge_after is None else time.monotonic() + hedge_after
@@ -649,8 +677,14 @@ class Router(ClientTransport):
                 self._schedule_hedge(routed, part)
         return routed
 
-    def _issue(self, routed: RoutedPending, part: _Part, sync: bool = False, wait_until: float | None = None,
-               hedge: bool = False) -> _Attempt | None:
+    def _issue(
+        self,
+        routed: RoutedPending,
+        part: _Part,
+        sync: bool = False,
+        wait_until: float | None = None,
+        hedge: bool = False,
+    ) -> _Attempt | None:
         """Sends the part to the first usable replica not tried yet (a hedge: not the one in flight);
         nothing once the gather is cancelled."""
         while not routed.cancelled:
@@ -668,8 +702,11 @@ class Router(ClientTransport):
                 if not holds(info, part.shard):
                     moved = True  # it no longer holds these rows: never sent a request it would misread
                     continue
-                buf = part.out if not any(a.buf is part.out for a in part.attempts) \
+                buf = (
+                    part.out
+                    if not any(a.buf is part.out for a in part.attempts)
                     else rows_buffer(part.out.shape[:-1], part.out.shape[-1])
+                )
                 try:
                     pending = node.data.gather(info.index, local_ids(part.ids, info), buf, sync, routed.mode)
                 except RemoteError:
@@ -734,8 +771,9 @@ class Router(ClientTransport):
                         part.tried.add(a.replica)
                     self._set_down(a.replica, e)
                     self._metrics.failovers.inc()
-                    log.info("gather of %r: %s failed (%s), re-issuing on another replica", routed.name,
-                             a.replica.address, e)
+                    log.info(
+                        "gather of %r: %s failed (%s), re-issuing on another replica", routed.name, a.replica.address, e
+                    )
                     break
                 self._won(routed, part, a)
                 return
@@ -769,14 +807,20 @@ class Router(ClientTransport):
         holes = [s for s in (m.holes if m is not None else []) if s.lo <= hi and lo < s.hi]
         if not part.shard.replicas or holes:
             where = ", ".join(f"{s.lo}..{s.hi - 1}" for s in holes) or f"{part.shard.lo}..{part.shard.hi - 1}"
-            return (f"rows {where} of {name!r} are on no node (the nodes' row ranges changed): start the node "
-                    "holding them, or restart the others with row ranges that cover the table")
+            return (
+                f"rows {where} of {name!r} are on no node (the nodes' row ranges changed): start the node "
+                "holding them, or restart the others with row ranges that cover the table"
+            )
         if any(r.usable and not holds(r.tables.get(name), part.shard) for r in part.shard.replicas):
-            return (f"rows {lo}..{hi} of {name!r} moved to other nodes while the gather was in flight (the nodes' "
-                    "row ranges changed): gather them again")
+            return (
+                f"rows {lo}..{hi} of {name!r} moved to other nodes while the gather was in flight (the nodes' "
+                "row ranges changed): gather them again"
+            )
         states = ", ".join(f"{r.address} {r.state}{': ' + r.error if r.error else ''}" for r in part.shard.replicas)
-        return (f"no replica of rows {part.shard.lo}..{part.shard.hi - 1} of {name!r} is up ({states}); "
-                "the client reconnects in the background")
+        return (
+            f"no replica of rows {part.shard.lo}..{part.shard.hi - 1} of {name!r} is up ({states}); "
+            "the client reconnects in the background"
+        )
 
     # ------------------------------------------------------------------ hedging
     def _schedule_hedge(self, routed: RoutedPending, part: _Part) -> None:
@@ -814,9 +858,15 @@ class Router(ClientTransport):
     # ------------------------------------------------------------------ state
     def describe(self) -> dict:
         """{address: {node, state, error, transport}} of every replica (for logs, tests and the CLI)."""
-        return {r.address: {"node": r.node_id, "state": r.state, "error": r.error,
-                            "transport": r.node.transport if r.node is not None else ""}
-                for r in list(self.replicas.values())}
+        return {
+            r.address: {
+                "node": r.node_id,
+                "state": r.state,
+                "error": r.error,
+                "transport": r.node.transport if r.node is not None else "",
+            }
+            for r in list(self.replicas.values())
+        }
 
     def close(self) -> None:
         self._closed.set()
@@ -833,4 +883,3 @@ class Router(ClientTransport):
         for t in getattr(self, "_threads", ()):
             if t is not threading.current_thread():
                 t.join(timeout=2.0)
-

@@ -31,8 +31,10 @@ def to_row_ids(row_ids, rows: int, table: str) -> tuple[np.ndarray, bool]:
         torch_in = is_torch(row_ids)
         if torch_in:
             if row_ids.device.type != "cpu":
-                raise ValueError(f"row_ids is on {row_ids.device}: pass a CPU tensor (rows are gathered into "
-                                 "host memory; copy them to the device afterwards)")
+                raise ValueError(
+                    f"row_ids is on {row_ids.device}: pass a CPU tensor (rows are gathered into "
+                    "host memory; copy them to the device afterwards)"
+                )
             if row_ids.dtype.is_floating_point or row_ids.dtype.is_complex:
                 raise ValueError(f"row_ids must be integers, got a tensor of {row_ids.dtype}")
             arr = row_ids.detach().numpy()
@@ -74,14 +76,16 @@ def prepare_out(out, shape: tuple, row_bytes: int, torch_in: bool):
         if out.device.type != "cpu":
             raise ValueError(f"out is on {out.device}: pass a CPU (ideally pinned) tensor")
         if str(out.dtype) != "torch.uint8" or not out.is_contiguous() or tuple(out.shape) != want:
-            raise ValueError(f"out must be a contiguous torch.uint8 tensor of shape {want}, got "
-                             f"{out.dtype} {tuple(out.shape)}")
+            raise ValueError(
+                f"out must be a contiguous torch.uint8 tensor of shape {want}, got {out.dtype} {tuple(out.shape)}"
+            )
         return out.numpy(), out
     if not isinstance(out, np.ndarray):
         raise ValueError(f"out must be a numpy array or torch tensor, got {type(out).__name__}")
     if out.dtype != np.uint8 or out.shape != want or not out.flags.c_contiguous or not out.flags.writeable:
-        raise ValueError(f"out must be a writable C-contiguous uint8 array of shape {want}, got {out.dtype} "
-                         f"{out.shape}")
+        raise ValueError(
+            f"out must be a writable C-contiguous uint8 array of shape {want}, got {out.dtype} {out.shape}"
+        )
     return out, out
 
 
@@ -108,7 +112,7 @@ def dedup(flat_ids: np.ndarray, min_ids: int = 2) -> tuple[np.ndarray, np.ndarra
     if n < max(2, min_ids):
         return flat_ids, None
     step = n // DEDUP_SAMPLE
-    sample = (flat_ids[: step * DEDUP_SAMPLE: step] if step > 1 else flat_ids[:DEDUP_SAMPLE]).tolist()
+    sample = (flat_ids[: step * DEDUP_SAMPLE : step] if step > 1 else flat_ids[:DEDUP_SAMPLE]).tolist()
     k = len(sample)
     repeats = k - len(set(sample))
     if n <= DEDUP_SAMPLE:

@@ -105,8 +105,9 @@ def check(name: str, total_rows: int, shards: list[Shard]) -> None:
             raise ValueError(f"shard map of {name!r} is broken at row {pos} ({s!r}): this is a bug, report it")
         pos = s.hi
     if pos != total_rows or (total_rows and not shards):
-        raise ValueError(f"shard map of {name!r} ends at row {pos}, the table at {total_rows}: this is a bug, "
-                         "report it")
+        raise ValueError(
+            f"shard map of {name!r} ends at row {pos}, the table at {total_rows}: this is a bug, report it"
+        )
 
 
 def holds(info, shard: Shard) -> bool:

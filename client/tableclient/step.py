@@ -69,9 +69,14 @@ class LayerStats:
 
     def summary(self) -> dict:
         lat = np.array(self.latencies) if self.latencies else np.zeros(1)
-        return {"steps": self.steps, "deadline_misses": self.deadline_misses, "zeros_served": self.zeros_served,
-                "fallbacks": self.fallbacks, "p50_s": float(np.percentile(lat, 50)),
-                "p99_s": float(np.percentile(lat, 99))}
+        return {
+            "steps": self.steps,
+            "deadline_misses": self.deadline_misses,
+            "zeros_served": self.zeros_served,
+            "fallbacks": self.fallbacks,
+            "p50_s": float(np.percentile(lat, 50)),
+            "p99_s": float(np.percentile(lat, 99)),
+        }
 
 
 class _Failed:
@@ -97,9 +102,22 @@ class _Done:
 class EngramStep:
     """Issues a step's gathers at step start and hands each layer its rows when it waits."""
 
-    def __init__(self, client, plans: list, max_tokens: int, *, rows_per_token: int = 24, policy: str = "fail",
-                 fallback=None, device=None, pin: bool | None = None, timeout: float = 5.0,
-                 keep_latencies: int = 100_000, deadlines: bool = True, hedge: bool = True):
+    def __init__(
+        self,
+        client,
+        plans: list,
+        max_tokens: int,
+        *,
+        rows_per_token: int = 24,
+        policy: str = "fail",
+        fallback=None,
+        device=None,
+        pin: bool | None = None,
+        timeout: float = 5.0,
+        keep_latencies: int = 100_000,
+        deadlines: bool = True,
+        hedge: bool = True,
+    ):
         if policy not in POLICIES:
             raise ValueError(f"unknown failure policy {policy!r}: use {', '.join(POLICIES)}")
         if policy == "fallback" and fallback is None:
@@ -118,9 +136,15 @@ class EngramStep:
         self.stats = {p.layer: LayerStats() for p in self.plans}
         m = metrics()
         # metric children per layer: (waits, deadline misses, zero rows served, fallbacks)
-        self._inst = {p.layer: (m.layer_waits.labels(str(p.layer)), m.deadline_misses.labels(str(p.layer)),
-                                m.zero_rows.labels(str(p.layer)), m.fallbacks.labels(str(p.layer)))
-                      for p in self.plans}
+        self._inst = {
+            p.layer: (
+                m.layer_waits.labels(str(p.layer)),
+                m.deadline_misses.labels(str(p.layer)),
+                m.zero_rows.labels(str(p.layer)),
+                m.fallbacks.labels(str(p.layer)),
+            )
+            for p in self.plans
+        }
         for p in self.plans if deadlines else ():
             m.window.labels(str(p.layer)).set(p.window_s)
         self._torch = _torch()
@@ -187,8 +211,9 @@ class EngramStep:
                     if self._stream is not None:  # and on its way to the GPU while the next layer is issued
                         self._copy_to_device(p.layer, t)
                 else:
-                    self._handles[p.layer] = self.tables[p.layer].gather_async(ids, out=out,
-                                                                               hedge_after=self._hedge_after(p))
+                    self._handles[p.layer] = self.tables[p.layer].gather_async(
+                        ids, out=out, hedge_after=self._hedge_after(p)
+                    )
             except ValueError:
                 raise  # bad row ids are the caller's bug, whatever the policy
             except (TableClientError, OSError) as e:
@@ -257,8 +282,9 @@ class EngramStep:
         out of the staging) marks a read of this step's staging: the next ``begin_step`` waits for it
         before refilling the buffers."""
         if not callable(getattr(event, "synchronize", None)):
-            raise TypeError(f"fence() needs an event with synchronize() (e.g. torch.cuda.Event), got "
-                            f"{type(event).__name__}")
+            raise TypeError(
+                f"fence() needs an event with synchronize() (e.g. torch.cuda.Event), got {type(event).__name__}"
+            )
         self._fences.append(event)
 
     def _copy_to_device(self, layer: int, tokens: int) -> None:
@@ -311,8 +337,11 @@ class EngramStep:
             return None
         generation = router._generation
         _, node, local = router.reader(table.info.name)
-        self._locals[layer] = None if node is None else (
-            router, generation, weakref.ref(node), None if local is None else weakref.ref(local))
+        self._locals[layer] = (
+            None
+            if node is None
+            else (router, generation, weakref.ref(node), None if local is None else weakref.ref(local))
+        )
         return local
 
     def _plan(self, layer: int) -> LayerPlan:

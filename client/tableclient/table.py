@@ -37,7 +37,7 @@ class TableInfo:
     row_lo: int = 0  # table row id of the first held row
 
     @classmethod
-    def from_proto(cls, t) -> "TableInfo":
+    def from_proto(cls, t) -> TableInfo:
         """The table as a catalog entry describes it; ValueError (naming the field) for values no
         tableserver sends: every number the client computes with stays in int64."""
         total = t.total_rows or t.rows
@@ -46,14 +46,30 @@ class TableInfo:
         if t.row_bytes <= 0:
             raise ValueError(f"table {t.name[:64]!r}: rows of {t.row_bytes} bytes")
         if not (0 <= t.row_lo and t.row_lo + t.rows <= total and total * t.row_bytes < 1 << 63):
-            raise ValueError(f"table {t.name[:64]!r}: rows {t.row_lo}..{t.row_lo + t.rows} of {total} rows of "
-                             f"{t.row_bytes} B")
-        if t.nbytes != t.rows * t.row_bytes or len(t.shape) > 8 or len(t.dtype) > MAX_NAME_CHARS \
-                or len(t.checksum) > MAX_NAME_CHARS:
+            raise ValueError(
+                f"table {t.name[:64]!r}: rows {t.row_lo}..{t.row_lo + t.rows} of {total} rows of {t.row_bytes} B"
+            )
+        if (
+            t.nbytes != t.rows * t.row_bytes
+            or len(t.shape) > 8
+            or len(t.dtype) > MAX_NAME_CHARS
+            or len(t.checksum) > MAX_NAME_CHARS
+        ):
             raise ValueError(f"table {t.name[:64]!r}: nbytes, shape, dtype or checksum out of bounds")
-        return cls(index=t.index, name=t.name, rows=t.rows, row_bytes=t.row_bytes, dtype=t.dtype,
-                   shape=tuple(t.shape), layer=t.layer, version=t.version, checksum=t.checksum, nbytes=t.nbytes,
-                   total_rows=total, row_lo=t.row_lo)
+        return cls(
+            index=t.index,
+            name=t.name,
+            rows=t.rows,
+            row_bytes=t.row_bytes,
+            dtype=t.dtype,
+            shape=tuple(t.shape),
+            layer=t.layer,
+            version=t.version,
+            checksum=t.checksum,
+            nbytes=t.nbytes,
+            total_rows=total,
+            row_lo=t.row_lo,
+        )
 
     @property
     def row_hi(self) -> int:
@@ -114,8 +130,9 @@ class GatherHandle:
                     try:
                         p.wait(max(remaining, 0.0))
                     except GatherTimeout:  # worded with the caller's bound, not what was left of it
-                        raise GatherTimeout(f"gather of {self.rows} rows not complete after {timeout * 1e3:.3f} "
-                                            "ms") from None
+                        raise GatherTimeout(
+                            f"gather of {self.rows} rows not complete after {timeout * 1e3:.3f} ms"
+                        ) from None
         except Exception as e:
             if self._latency is not None:
                 metrics().error(e)
@@ -147,8 +164,10 @@ _INT64, _UINT8 = np.dtype(np.int64), np.dtype(np.uint8)
 
 def check_mode(mode: str) -> str:
     if mode not in MODES:
-        raise ValueError(f"unknown gather mode {mode!r}: use 'read' (one-sided RDMA reads) or 'pack' "
-                         "(the server packs the rows and writes them once)")
+        raise ValueError(
+            f"unknown gather mode {mode!r}: use 'read' (one-sided RDMA reads) or 'pack' "
+            "(the server packs the rows and writes them once)"
+        )
     return mode
 
 
@@ -172,11 +191,14 @@ class RemoteTable:
     layer = property(lambda self: self.info.layer)
 
     def __repr__(self) -> str:
-        return (f"RemoteTable({self.name!r}, rows={self.rows}, row_bytes={self.row_bytes}, layer={self.layer}, "
-                f"mode={self.mode!r})")
+        return (
+            f"RemoteTable({self.name!r}, rows={self.rows}, row_bytes={self.row_bytes}, layer={self.layer}, "
+            f"mode={self.mode!r})"
+        )
 
-    def gather(self, row_ids, out=None, timeout: float | None = None, mode: str | None = None,
-               hedge_after: float | None = None):
+    def gather(
+        self, row_ids, out=None, timeout: float | None = None, mode: str | None = None, hedge_after: float | None = None
+    ):
         """Rows ``row_ids`` (int array/tensor of any shape) as uint8 ``[..., row_bytes]``.
 
         On an error or timeout the gather is cancelled: rows arriving later never touch ``out``.
@@ -194,8 +216,9 @@ class RemoteTable:
                     except (TypeError, ValueError, BufferError):
                         n = -1  # anything else: _gather_local's checks take it
                     if n > 0:
-                        (self._shm_recorder or self._shm_instruments()).defer(n, n, out.nbytes,
-                                                                              time.perf_counter() - t0)
+                        (self._shm_recorder or self._shm_instruments()).defer(
+                            n, n, out.nbytes, time.perf_counter() - t0
+                        )
                         return out
                 return self._gather_local(local, row_ids, out, t0, tried)
             if node is not None and hedge_after is None and getattr(client, "hedge_after", None) is None:
@@ -261,9 +284,16 @@ class RemoteTable:
                     (self._shm_recorder or self._shm_instruments()).defer(n, n, out.nbytes, time.perf_counter() - t0)
                     return out
         info = self.info
-        if type(row_ids) is np.ndarray and row_ids.dtype == _INT64 and type(out) is np.ndarray \
-                and out.dtype == _UINT8 and out.shape == row_ids.shape + (info.row_bytes,) and out.flags.carray \
-                and row_ids.size and in_range(row_ids, info.rows):
+        if (
+            type(row_ids) is np.ndarray
+            and row_ids.dtype == _INT64
+            and type(out) is np.ndarray
+            and out.dtype == _UINT8
+            and out.shape == row_ids.shape + (info.row_bytes,)
+            and out.flags.carray
+            and row_ids.size
+            and in_range(row_ids, info.rows)
+        ):
             ids, dest, result = row_ids, out, out
         else:
             ids, dest, result = self._fast_checked(row_ids, out) or self._checked(row_ids, out)
@@ -317,8 +347,9 @@ class RemoteTable:
         recorder.defer(n, unique.size, dest.nbytes, time.perf_counter() - t0)
         return result
 
-    def gather_async(self, row_ids, out=None, mode: str | None = None,
-                     hedge_after: float | None = None) -> GatherHandle:
+    def gather_async(
+        self, row_ids, out=None, mode: str | None = None, hedge_after: float | None = None
+    ) -> GatherHandle:
         """Starts a gather and returns at once; ``handle.wait()`` returns the rows."""
         client = self._client
         if not client._closed:
@@ -368,11 +399,18 @@ class RemoteTable:
                     scratch = rows_buffer(unique.size, info.row_bytes)
                     pendings = self._post(transport, unique, scratch, sync, mode, hedge_after)
                     # inverse indexes scratch by construction
-                    return GatherHandle(pendings, result, lambda: take_checked(scratch, inverse, flat_out),
-                                        flat_ids.size, t0, recorder)
+                    return GatherHandle(
+                        pendings, result, lambda: take_checked(scratch, inverse, flat_out), flat_ids.size, t0, recorder
+                    )
             recorder.count(flat_ids.size, flat_ids.size, flat_out.nbytes)
-            return GatherHandle(self._post(transport, flat_ids, flat_out, sync, mode, hedge_after), result, None,
-                                flat_ids.size, t0, recorder)
+            return GatherHandle(
+                self._post(transport, flat_ids, flat_out, sync, mode, hedge_after),
+                result,
+                None,
+                flat_ids.size,
+                t0,
+                recorder,
+            )
         except Exception as e:
             metrics().error(e)
             raise
@@ -387,19 +425,23 @@ class RemoteTable:
         table object (labels() costs microseconds)."""
         inst = self._inst.get((transport, mode))
         if inst is None:  # the process-wide recorder of these labels (a race makes the same one twice)
-            inst = self._inst[(transport, mode)] = metrics().recorder(self.info.name, str(self.info.layer),
-                                                                      transport, mode)
+            inst = self._inst[(transport, mode)] = metrics().recorder(
+                self.info.name, str(self.info.layer), transport, mode
+            )
         return inst
 
     def _request_rows(self, transport, mode: str) -> int:
         """Most ids one request may carry: the session's limit and the transport's."""
         return min(self._client.max_rows_per_request, transport.request_rows(mode) or 1 << 62)
 
-    def _post(self, transport, ids: np.ndarray, out: np.ndarray, sync: bool, mode: str,
-              hedge_after: float | None = None) -> list:
+    def _post(
+        self, transport, ids: np.ndarray, out: np.ndarray, sync: bool, mode: str, hedge_after: float | None = None
+    ) -> list:
         step = self._request_rows(transport, mode)
         extra = {} if hedge_after is None else {"hedge_after": hedge_after}
         if ids.size <= step:
             return [transport.gather(self.info.index, ids, out, sync, mode, **extra)]
-        return [transport.gather(self.info.index, ids[a:a + step], out[a:a + step], sync, mode, **extra)
-                for a in range(0, ids.size, step)]
+        return [
+            transport.gather(self.info.index, ids[a : a + step], out[a : a + step], sync, mode, **extra)
+            for a in range(0, ids.size, step)
+        ]

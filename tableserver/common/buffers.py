@@ -33,7 +33,7 @@ def copy_buffer(nbytes: int) -> np.ndarray:
         return np.empty(nbytes, dtype=np.uint8)
     raw = np.empty(nbytes + PAGE, dtype=np.uint8)
     start = (OFFSET - raw.ctypes.data) % PAGE
-    return raw[start:start + nbytes]
+    return raw[start : start + nbytes]
 
 
 def rows_buffer(shape, row_bytes: int) -> np.ndarray:
@@ -43,11 +43,14 @@ def rows_buffer(shape, row_bytes: int) -> np.ndarray:
         shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
         row_bytes = int(row_bytes)
     except (TypeError, ValueError):
-        raise ValueError(f"rows_buffer needs a shape of ints and an int row size, got {shape!r}, "
-                         f"{row_bytes!r}") from None
+        raise ValueError(
+            f"rows_buffer needs a shape of ints and an int row size, got {shape!r}, {row_bytes!r}"
+        ) from None
     if any(s < 0 for s in shape) or row_bytes <= 0:
-        raise ValueError(f"rows_buffer needs a shape of sizes >= 0 and row_bytes > 0 (a table's row size, e.g. "
-                         f"264), got {shape!r}, {row_bytes!r}")
+        raise ValueError(
+            f"rows_buffer needs a shape of sizes >= 0 and row_bytes > 0 (a table's row size, e.g. "
+            f"264), got {shape!r}, {row_bytes!r}"
+        )
     return copy_buffer(math.prod(shape) * row_bytes).reshape(*shape, row_bytes)
 
 
@@ -61,4 +64,4 @@ def pinned_rows_buffer(torch, shape, row_bytes: int, pin: bool):
         return torch.empty(shape, dtype=torch.uint8, pin_memory=pin)
     raw = torch.empty(n + PAGE, dtype=torch.uint8, pin_memory=pin)
     start = (OFFSET - raw.data_ptr()) % PAGE
-    return raw[start:start + n].view(shape)
+    return raw[start : start + n].view(shape)

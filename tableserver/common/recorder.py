@@ -29,8 +29,7 @@ MAX_DEFERRED = 1024
 class Recorder:
     """One latency histogram child and N counter children: ``defer(*amounts, seconds)`` per gather."""
 
-    __slots__ = ("latency", "counters", "_incs", "_sum", "_buckets", "_bounds", "_deferred", "_applying",
-                 "__weakref__")
+    __slots__ = ("latency", "counters", "_incs", "_sum", "_buckets", "_bounds", "_deferred", "_applying", "__weakref__")
 
     def __init__(self, latency, *counters, direct: bool = True):
         self.latency, self.counters = latency, counters
@@ -116,7 +115,7 @@ class FlushFirst:
     """A collector that yields nothing and, registered before the metrics it guards, applies their
     recorders' deferred gathers at the start of every collection of its registry."""
 
-    def __init__(self, recorders: "weakref.WeakSet[Recorder] | None" = None):
+    def __init__(self, recorders: weakref.WeakSet[Recorder] | None = None):
         self.recorders: weakref.WeakSet = recorders if recorders is not None else weakref.WeakSet()
 
     def add(self, recorder: Recorder) -> Recorder:

@@ -31,14 +31,12 @@ def _aead():
     try:
         from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
     except ImportError:  # pragma: no cover - a dependency of tableserver
-        raise RuntimeError("sealed tcp connections need the cryptography package: pip install cryptography") \
-            from None
+        raise RuntimeError("sealed tcp connections need the cryptography package: pip install cryptography") from None
     return Cipher, algorithms, modes
 
 
 def derive_key(secret: bytes, direction: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
-    return hmac.new(secret, b"tableserver-seal-" + direction + server_nonce + client_nonce,
-                    hashlib.sha256).digest()
+    return hmac.new(secret, b"tableserver-seal-" + direction + server_nonce + client_nonce, hashlib.sha256).digest()
 
 
 class Direction:
@@ -96,12 +94,12 @@ def crypt_into(ctx, src: memoryview, dst: memoryview, step: int = 1 << 20) -> No
     while pos < n:
         m = min(step, n - pos)
         if pos + m + _SLACK <= len(dst):
-            ctx.update_into(src[pos:pos + m], dst[pos:pos + m + _SLACK])
+            ctx.update_into(src[pos : pos + m], dst[pos : pos + m + _SLACK])
         else:
             if tail is None or len(tail) < m + _SLACK:
                 tail = bytearray(m + _SLACK)
-            ctx.update_into(src[pos:pos + m], tail)
-            dst[pos:pos + m] = memoryview(tail)[:m]
+            ctx.update_into(src[pos : pos + m], tail)
+            dst[pos : pos + m] = memoryview(tail)[:m]
         pos += m
 
 

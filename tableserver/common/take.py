@@ -33,7 +33,9 @@ import os
 import numpy as np
 
 try:
-    from tableserver.common._take import check as native_check, take as native_take, unique as native_unique
+    from tableserver.common._take import check as native_check
+    from tableserver.common._take import take as native_take
+    from tableserver.common._take import unique as native_unique
 except ImportError:  # built without a C compiler: numpy's path
     native_check = native_take = native_unique = None
 
@@ -130,7 +132,9 @@ def take_checked(table: np.ndarray, row_ids, out) -> int:
     n = take(table, row_ids, out)
     if n < 0:
         pos = -1 - n
-        raise ValueError(f"row id {int(np.asarray(row_ids).reshape(-1)[pos])} at position {pos} is outside "
-                         f"0..{table.shape[0] - 1}: the ids changed after they were checked (leave row_ids "
-                         f"alone until the gather is done)")
+        raise ValueError(
+            f"row id {int(np.asarray(row_ids).reshape(-1)[pos])} at position {pos} is outside "
+            f"0..{table.shape[0] - 1}: the ids changed after they were checked (leave row_ids "
+            f"alone until the gather is done)"
+        )
     return n

@@ -56,15 +56,17 @@ def verbs():
             import pyverbs.wr as wr
             from pyverbs.pyverbs_error import PyverbsError
         except ImportError as e:
-            raise RdmaUnavailable(f"pyverbs is not importable ({e}): install this host's pyverbs (Debian/Ubuntu: "
-                                  "apt-get install python3-pyverbs), then run `tableserver doctor --fix-pyverbs`") \
-                from None
+            raise RdmaUnavailable(
+                f"pyverbs is not importable ({e}): install this host's pyverbs (Debian/Ubuntu: "
+                "apt-get install python3-pyverbs), then run `tableserver doctor --fix-pyverbs`"
+            ) from None
         try:
             import pyverbs.libibverbs_enums as enums  # rdma-core >= 59
         except ImportError:
             import pyverbs.enums as enums  # rdma-core 44
         _verbs = collections.namedtuple("Verbs", "addr cq device mr pd qp wr e Error")(
-            addr, cq, device, mr, pd, qp, wr, enums, PyverbsError)
+            addr, cq, device, mr, pd, qp, wr, enums, PyverbsError
+        )
     return _verbs
 
 
@@ -103,8 +105,10 @@ class Device:
         v = verbs()
         names = list_devices()
         if not names:
-            raise RdmaUnavailable("no RDMA device on this host (rdma link shows none): load a driver, or for "
-                                  "testing create Soft-RoCE with `rdma link add rxe0 type rxe netdev IFACE`")
+            raise RdmaUnavailable(
+                "no RDMA device on this host (rdma link shows none): load a driver, or for "
+                "testing create Soft-RoCE with `rdma link add rxe0 type rxe netdev IFACE`"
+            )
         if name and name not in names:
             raise RdmaUnavailable(f"RDMA device {name!r} not found: this host has {', '.join(names)}")
         self.name = name or names[0]
@@ -152,8 +156,9 @@ class Device:
             rank = (0 if v2 else 1) if addr.ipv4_mapped is not None else (2 if not addr.is_link_local else 3)
             ranked.append((rank, i))
         if not ranked:
-            raise RdmaUnavailable(f"RDMA device {self.name} port {self.port} has no usable GID: configure an "
-                                  "IP address on its netdev")
+            raise RdmaUnavailable(
+                f"RDMA device {self.name} port {self.port} has no usable GID: configure an IP address on its netdev"
+            )
         return min(ranked)[1]
 
     def register(self, address: int, length: int, access: int):
@@ -162,8 +167,10 @@ class Device:
         try:
             return v.mr.MR(self.pd, length, access, address=address)
         except v.Error as e:
-            raise RdmaError(f"Failed to register MR of {length} bytes at {address:#x} on {self.name}: {e}",
-                            errno=getattr(e, "error_code", None)) from None
+            raise RdmaError(
+                f"Failed to register MR of {length} bytes at {address:#x} on {self.name}: {e}",
+                errno=getattr(e, "error_code", None),
+            ) from None
 
     def close(self) -> None:
         if self._closed:
@@ -172,7 +179,7 @@ class Device:
         self.pd.close()
         self.context.close()
 
-    def __enter__(self) -> "Device":
+    def __enter__(self) -> Device:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -228,8 +235,9 @@ class RegisteredBuffer:
 
         import numpy as np
 
-        self.mm = mmap.mmap(-1, max(nbytes, mmap.PAGESIZE),
-                            flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+        self.mm = mmap.mmap(
+            -1, max(nbytes, mmap.PAGESIZE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
+        )
         self.array = np.frombuffer(self.mm, dtype=np.uint8)
         self.addr = self.array.ctypes.data
         self.mr = dev.register(self.addr, len(self.mm), access)
@@ -294,4 +302,3 @@ class RingAllocator:
     def in_use(self) -> int:
         with self._lock:
             return len(self._blocks)
-

@@ -66,12 +66,12 @@ class Status(enum.IntEnum):
     BUSY = 8  # the server has no room for this connection (connection caps): retry later
 
 
-FATAL = frozenset({Status.BAD_FRAME, Status.UNAUTHENTICATED, Status.TOO_MANY_ROWS, Status.SESSION_CLOSED,
-                   Status.BUSY})
+FATAL = frozenset({Status.BAD_FRAME, Status.UNAUTHENTICATED, Status.TOO_MANY_ROWS, Status.SESSION_CLOSED, Status.BUSY})
 
 
-def hello_mac(secret: bytes, session_id: bytes, server_nonce: bytes, client_nonce: bytes,
-              role: bytes = b"tableserver-hello") -> bytes:
+def hello_mac(
+    secret: bytes, session_id: bytes, server_nonce: bytes, client_nonce: bytes, role: bytes = b"tableserver-hello"
+) -> bytes:
     """The proof one side holds the session secret, bound to this connection's nonces."""
     import hashlib
     import hmac
@@ -109,7 +109,7 @@ def parse_challenge(frame: bytes) -> bytes:
     if len(frame) < HEADER_BYTES:
         raise ValueError(f"expected a CHALLENGE frame, got {len(frame)} bytes: not a tableserver data port?")
     magic, ftype, status, _rid, _rb, count = HEADER.unpack_from(frame)
-    body = bytes(frame[HEADER_BYTES:HEADER_BYTES + count])
+    body = bytes(frame[HEADER_BYTES : HEADER_BYTES + count])
     if magic != RESPONSE_MAGIC:
         raise ValueError("the server did not open with a CHALLENGE frame: not a tableserver data port?")
     if status != Status.OK:
@@ -153,7 +153,7 @@ def _arm(sock: socket.socket, deadline: float | None) -> None:
     if deadline is not None:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise socket.timeout("deadline passed")
+            raise TimeoutError("deadline passed")
         sock.settimeout(left)
 
 

@@ -43,7 +43,7 @@ class ServerTransport(abc.ABC):
     def offer(self, session: Session, request: pb.OpenSessionRequest) -> pb.TransportOffer | None:
         """This transport's endpoint for ``session``; None if it cannot serve that client."""
 
-    def release(self, session: Session) -> None:
+    def release(self, session: Session) -> None:  # noqa: B027 - a hook most transports leave empty
         """Frees what ``session`` holds in this transport (connections, QPs)."""
 
     def active_sessions(self) -> int:

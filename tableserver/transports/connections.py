@@ -54,8 +54,19 @@ READ, WRITE, CLOSE = "read", "write", "close"
 #: accept errors that mean "out of a resource": back off instead of spinning
 _EXHAUSTED = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 #: accept errors about one connection that is already gone: skip it
-_TRANSIENT = {errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.EINTR, errno.ENETDOWN, errno.ENOPROTOOPT,
-              errno.EHOSTDOWN, errno.ENONET, errno.EHOSTUNREACH, errno.EOPNOTSUPP, errno.ENETUNREACH}
+_TRANSIENT = {
+    errno.ECONNABORTED,
+    errno.EPROTO,
+    errno.EPERM,
+    errno.EINTR,
+    errno.ENETDOWN,
+    errno.ENOPROTOOPT,
+    errno.EHOSTDOWN,
+    errno.ENONET,
+    errno.EHOSTUNREACH,
+    errno.EOPNOTSUPP,
+    errno.ENETUNREACH,
+}
 _ONESHOT = select.EPOLLONESHOT
 _EVENTS = {READ: select.EPOLLIN | _ONESHOT, WRITE: select.EPOLLOUT | _ONESHOT}
 
@@ -136,8 +147,9 @@ class Protocol:
 
 
 class ConnectionLoop:
-    def __init__(self, name: str, listener: socket.socket, protocol: Protocol, limits: Limits, workers: int,
-                 metrics=None):
+    def __init__(
+        self, name: str, listener: socket.socket, protocol: Protocol, limits: Limits, workers: int, metrics=None
+    ):
         self.name = name
         self.listener = listener
         self.protocol = protocol
@@ -172,8 +184,10 @@ class ConnectionLoop:
                 t.start()
             except RuntimeError as e:
                 self.close()
-                raise RuntimeError(f"cannot start the {self.name} worker threads ({e}): raise the pids/"
-                                   f"tasks limit (TasksMax, pids.max) or lower --data-threads") from None
+                raise RuntimeError(
+                    f"cannot start the {self.name} worker threads ({e}): raise the pids/"
+                    f"tasks limit (TasksMax, pids.max) or lower --data-threads"
+                ) from None
             self._threads.append(t)
 
     def close(self) -> None:
@@ -204,8 +218,11 @@ class ConnectionLoop:
         with self._lock:
             conns = self._by_session.setdefault(id(session), set())
             if len(conns) >= self.limits.max_per_session:
-                raise Refused(Status.BUSY, f"this session already holds {len(conns)} {self.name} connections "
-                                           f"(the limit is {self.limits.max_per_session}): reuse them")
+                raise Refused(
+                    Status.BUSY,
+                    f"this session already holds {len(conns)} {self.name} connections "
+                    f"(the limit is {self.limits.max_per_session}): reuse them",
+                )
             conns.add(conn)
             conn.session = session
             self._handshakes.pop(conn.fd, None)
@@ -234,8 +251,11 @@ class ConnectionLoop:
             return False, f"{self.name} worker {dead[0]} died"
         since = self._accept_failing_since
         if since and time.monotonic() - since > 2.0:
-            return False, f"{self.name} cannot accept connections for {time.monotonic() - since:.0f} s " \
-                          f"({self._last_accept_error})"
+            return (
+                False,
+                f"{self.name} cannot accept connections for {time.monotonic() - since:.0f} s "
+                f"({self._last_accept_error})",
+            )
         return True, ""
 
     _last_accept_error = ""
@@ -257,8 +277,7 @@ class ConnectionLoop:
                     else:
                         self._ready(fd, ev)
                 except Exception:  # never lose a worker
-                    self._ratelog.log(logging.ERROR, "worker", "%s: internal error in a worker (continuing)",
-                                      self.name)
+                    self._ratelog.log(logging.ERROR, "worker", "%s: internal error in a worker (continuing)", self.name)
                     log.debug("worker error", exc_info=True)
 
     def _ready(self, fd: int, events: int) -> None:
@@ -334,10 +353,19 @@ class ConnectionLoop:
         self._accept_resume = now + self._backoff
         if self.metrics is not None:
             self.metrics.error("accept")
-        hint = (" (the open-file limit: raise LimitNOFILE/ulimit -n or lower --max-connections)"
-                if e.errno in (errno.EMFILE, errno.ENFILE) else "")
-        self._ratelog.warning(f"accept-{e.errno}", "%s: cannot accept connections: %s%s; retrying in %.2f s",
-                              self.name, self._last_accept_error, hint, self._backoff)
+        hint = (
+            " (the open-file limit: raise LimitNOFILE/ulimit -n or lower --max-connections)"
+            if e.errno in (errno.EMFILE, errno.ENFILE)
+            else ""
+        )
+        self._ratelog.warning(
+            f"accept-{e.errno}",
+            "%s: cannot accept connections: %s%s; retrying in %.2f s",
+            self.name,
+            self._last_accept_error,
+            hint,
+            self._backoff,
+        )
         self._evict_oldest_handshake()  # frees an fd when a flood holds them
 
     def _admit(self, sock: socket.socket, addr) -> None:
@@ -365,8 +393,11 @@ class ConnectionLoop:
         if victim is not None:
             self._evict(victim)
         if refuse:
-            self._refuse(sock, f"the {self.name} port is at its limit of {limits.max_connections} connections: "
-                               f"retry later, or raise --max-connections")
+            self._refuse(
+                sock,
+                f"the {self.name} port is at its limit of {limits.max_connections} connections: "
+                f"retry later, or raise --max-connections",
+            )
             return
         try:
             greeting = self.protocol.greeting(conn)
@@ -428,15 +459,23 @@ class ConnectionLoop:
                     since = conn.send_since
                     if since and now - since > limits.send_timeout:
                         slow.append(conn)
-                    elif conn.session is not None and limits.idle_timeout and \
-                            now - conn.last_active > limits.idle_timeout:
+                    elif (
+                        conn.session is not None
+                        and limits.idle_timeout
+                        and now - conn.last_active > limits.idle_timeout
+                    ):
                         expired.append(conn)
             for conn in expired:
                 if conn.session is None:
                     if self.metrics is not None:
                         self.metrics.error("handshake_timeout")
-                    self._ratelog.info("handshake-timeout", "%s %s: no HELLO within %g s; closed", self.name,
-                                       conn.peer, limits.handshake_timeout)
+                    self._ratelog.info(
+                        "handshake-timeout",
+                        "%s %s: no HELLO within %g s; closed",
+                        self.name,
+                        conn.peer,
+                        limits.handshake_timeout,
+                    )
                 with self._lock:
                     self._handshakes.pop(conn.fd, None)
                 conn.shutdown()
@@ -444,9 +483,13 @@ class ConnectionLoop:
                 conn.send_since = 0.0  # counted once; the worker that gets the shutdown drops it
                 if self.metrics is not None:
                     self.metrics.error("send_timeout")
-                self._ratelog.warning("send-timeout", "%s %s: a response not taken within %g s of its start "
-                                      "(--send-timeout); dropped the connection", self.name, conn.peer,
-                                      limits.send_timeout)
+                self._ratelog.warning(
+                    "send-timeout",
+                    "%s %s: a response not taken within %g s of its start (--send-timeout); dropped the connection",
+                    self.name,
+                    conn.peer,
+                    limits.send_timeout,
+                )
                 conn.shutdown()
 
 

@@ -34,15 +34,29 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tableserver.logs import RateLimitedLog
-from tableserver.common.verbs import Device, QpInfo, RdmaUnavailable, RegisteredBuffer, connect_rc_qp, create_rc_qp, verbs
-from tableserver.sessions import Session
 from tableserver.common.take import in_range, take_checked
+from tableserver.common.verbs import (
+    Device,
+    QpInfo,
+    RdmaUnavailable,
+    RegisteredBuffer,
+    connect_rc_qp,
+    create_rc_qp,
+    verbs,
+)
+from tableserver.common.wire import (
+    PACK_ERROR,
+    PACK_ERROR_MAGIC,
+    PACK_REPLY_BYTES,
+    PACK_REQUEST,
+    PACK_REQUEST_MAGIC,
+    ROW_ID_BYTES,
+    Status,
+)
+from tableserver.logs import RateLimitedLog
+from tableserver.sessions import Session
 from tableserver.transports.base import ServerTransport
 from tableserver.v1 import tableserver_pb2 as pb
-from tableserver.common.wire import (
-    PACK_ERROR, PACK_ERROR_MAGIC, PACK_REPLY_BYTES, PACK_REQUEST, PACK_REQUEST_MAGIC, ROW_ID_BYTES, Status,
-)
 
 log = logging.getLogger("tableserver.common.verbs")
 
@@ -65,9 +79,14 @@ class Region:
 
     def proto(self, qp_rkeys: list[int] | None = None) -> pb.RdmaRegion:
         """The region as a session sees it: the shared MR rkey, or that session's window rkey per QP."""
-        return pb.RdmaRegion(table=self.table, table_offset=self.table_offset, addr=self.addr,
-                             rkey=qp_rkeys[0] if qp_rkeys else self.mr.rkey, length=self.length,
-                             qp_rkeys=qp_rkeys or [])
+        return pb.RdmaRegion(
+            table=self.table,
+            table_offset=self.table_offset,
+            addr=self.addr,
+            rkey=qp_rkeys[0] if qp_rkeys else self.mr.rkey,
+            length=self.length,
+            qp_rkeys=qp_rkeys or [],
+        )
 
 
 @dataclass(eq=False)
@@ -138,8 +157,14 @@ class RdmaTransport(ServerTransport):
             self.dev = Device(self.device_name, self.port_num, self.gid_index if self.gid_index >= 0 else None)
         except RdmaUnavailable as e:
             raise RdmaUnavailable(f"rdma transport: {e}") from None
-        log.info("rdma: device %s port %d, GID index %d, MTU %d, max MR %d bytes", self.dev.name, self.dev.port,
-                 self.dev.gid_index, 128 << self.dev.mtu, self.dev.max_mr_size)
+        log.info(
+            "rdma: device %s port %d, GID index %d, MTU %d, max MR %d bytes",
+            self.dev.name,
+            self.dev.port,
+            self.dev.gid_index,
+            128 << self.dev.mtu,
+            self.dev.max_mr_size,
+        )
 
     def start(self, tables) -> None:
         """Registers every table read-only before the server reports SERVING."""
@@ -152,12 +177,16 @@ class RdmaTransport(ServerTransport):
         if self.rkeys_mode == "session" and not max_mw:
             from tableserver.errors import ConfigError
 
-            raise ConfigError(f"--rdma-rkeys session: device {self.dev.name} has no memory windows (max_mw 0): "
-                              "pass --rdma-rkeys shared (one rkey for every session) or use a device with them")
+            raise ConfigError(
+                f"--rdma-rkeys session: device {self.dev.name} has no memory windows (max_mw 0): "
+                "pass --rdma-rkeys shared (one rkey for every session) or use a device with them"
+            )
         self.windows = self.rkeys_mode != "shared" and max_mw > 0
         if not self.windows:
-            log.warning("rdma: one rkey per table region for every session (%s): a session's rkeys stay valid "
-                        "after it ends", "device without memory windows" if not max_mw else "--rdma-rkeys shared")
+            log.warning(
+                "rdma: one rkey per table region for every session (%s): a session's rkeys stay valid after it ends",
+                "device without memory windows" if not max_mw else "--rdma-rkeys shared",
+            )
         access = e.IBV_ACCESS_MW_BIND if self.windows else e.IBV_ACCESS_REMOTE_READ
         jobs = []
         for t in tables:
@@ -177,9 +206,14 @@ class RdmaTransport(ServerTransport):
         with ThreadPoolExecutor(4, thread_name_prefix="tableserver-reg") as pool:
             self.regions = list(pool.map(register, jobs))
         self.register_seconds = time.monotonic() - t0
-        log.info("rdma: registered %d %s MRs over %d tables (%.2f GiB) in %.2f s", len(self.regions),
-                 "window-only (per-session rkeys)" if self.windows else "read-only", len(tables),
-                 tables.nbytes / 2**30, self.register_seconds)
+        log.info(
+            "rdma: registered %d %s MRs over %d tables (%.2f GiB) in %.2f s",
+            len(self.regions),
+            "window-only (per-session rkeys)" if self.windows else "read-only",
+            len(tables),
+            tables.nbytes / 2**30,
+            self.register_seconds,
+        )
         self._packer = threading.Thread(target=self._pack_loop, name="tableserver-rdma-pack", daemon=True)
         self._packer.start()
 
@@ -218,7 +252,7 @@ class RdmaTransport(ServerTransport):
         cq = v.cq.CQ(dev.context, len(params.qps) * (RECV_DEPTH + SEND_DEPTH) + 16)
         s = _SessionQPs(session, cq, [], [])
         try:
-            for remote in params.qps:
+            for _ in params.qps:
                 qp, info = create_rc_qp(dev, cq, SEND_DEPTH, RECV_DEPTH, e.IBV_ACCESS_REMOTE_READ)
                 s.qps.append(qp)
                 s.infos.append(info)
@@ -233,12 +267,17 @@ class RdmaTransport(ServerTransport):
             raise
         with self._lock:
             self._sessions[session.id] = s
-        log.info("rdma: session %s connected %d QPs (reads in flight per QP: %d)", session.label, len(s.qps),
-                 rd_atomic)
-        return pb.TransportOffer(name="rdma", rdma=pb.RdmaEndpoint(
-            qps=[pb.RdmaQueuePair(qp_num=i.qp_num, psn=i.psn, gid=i.gid, mtu=i.mtu) for i in s.infos],
-            regions=[r.proto(s.rkeys[i] if s.rkeys else None) for i, r in enumerate(self.regions)], device=dev.name,
-            pack_max_rows=self.pack_max_rows, max_rd_atomic=rd_atomic))
+        log.info("rdma: session %s connected %d QPs (reads in flight per QP: %d)", session.label, len(s.qps), rd_atomic)
+        return pb.TransportOffer(
+            name="rdma",
+            rdma=pb.RdmaEndpoint(
+                qps=[pb.RdmaQueuePair(qp_num=i.qp_num, psn=i.psn, gid=i.gid, mtu=i.mtu) for i in s.infos],
+                regions=[r.proto(s.rkeys[i] if s.rkeys else None) for i, r in enumerate(self.regions)],
+                device=dev.name,
+                pack_max_rows=self.pack_max_rows,
+                max_rd_atomic=rd_atomic,
+            ),
+        )
 
     def _bind_windows(self, s: _SessionQPs, timeout: float = 10.0) -> None:
         """Binds a type-2 memory window per (QP, region), REMOTE_READ only, on that QP; fills s.rkeys."""
@@ -264,8 +303,9 @@ class RdmaTransport(ServerTransport):
             for i, r in enumerate(self.regions):
                 mw = v.mr.MW(self.dev.pd, e.IBV_MW_TYPE_2)
                 s.windows.append(mw)
-                wr = v.wr.SendWR(wr_id=(3 << 40) | len(s.windows), opcode=e.IBV_WR_BIND_MW,
-                                 send_flags=e.IBV_SEND_SIGNALED)
+                wr = v.wr.SendWR(
+                    wr_id=(3 << 40) | len(s.windows), opcode=e.IBV_WR_BIND_MW, send_flags=e.IBV_SEND_SIGNALED
+                )
                 wr.set_bind_wr(mw, v.mr.MWBindInfo(r.mr, r.addr, r.length, e.IBV_ACCESS_REMOTE_READ))
                 qp.post_send(wr)
                 posted.append(wr)
@@ -345,13 +385,20 @@ class RdmaTransport(ServerTransport):
                 self._reply_done(s, wc)
             elif wc.status != e.IBV_WC_SUCCESS:
                 self.metrics.error("qp_error")
-                self._ratelog.warning("wc", "rdma: session %s: completion error status %d opcode %d", s.session.label,
-                                      wc.status, wc.opcode)
+                self._ratelog.warning(
+                    "wc",
+                    "rdma: session %s: completion error status %d opcode %d",
+                    s.session.label,
+                    wc.status,
+                    wc.opcode,
+                )
             elif wc.opcode == e.IBV_WC_RECV:
                 s.backlog.append((wc.wr_id, wc.byte_len, wc.qp_num))
         if s.inflight is not None and time.monotonic() > s.inflight[1]:
-            raise _Stalled(f"a pack reply was not taken for {PACK_REPLY_TIMEOUT_S:g} s (the client stopped "
-                           "posting receive buffers)")
+            raise _Stalled(
+                f"a pack reply was not taken for {PACK_REPLY_TIMEOUT_S:g} s (the client stopped "
+                "posting receive buffers)"
+            )
         served = False
         while s.inflight is None and s.backlog:
             self._serve_pack(s, *s.backlog.pop(0))
@@ -364,8 +411,9 @@ class RdmaTransport(ServerTransport):
         if wc.status != verbs().e.IBV_WC_SUCCESS:
             raise RuntimeError(f"pack reply failed with status {wc.status}")
         if table_index is not None:
-            self._instruments(table_index).defer(count, count * self.tables[table_index].row_bytes,
-                                                 time.perf_counter() - started)
+            self._instruments(table_index).defer(
+                count, count * self.tables[table_index].row_bytes, time.perf_counter() - started
+            )
 
     def _qp_of(self, s: _SessionQPs, qp_num: int):
         for qp, info in zip(s.qps, s.infos):
@@ -379,7 +427,7 @@ class RdmaTransport(ServerTransport):
         v = verbs()
         e = v.e
         base = k * s.slot
-        raw = s.recv.array[base:base + byte_len]
+        raw = s.recv.array[base : base + byte_len]
         qp = self._qp_of(s, qp_num)
         request_id = 0
         try:
@@ -389,25 +437,34 @@ class RdmaTransport(ServerTransport):
             if magic != PACK_REQUEST_MAGIC:
                 raise _Refuse(Status.BAD_FRAME, f"bad pack request magic {bytes(magic)!r}")
             if count > self.pack_max_rows:
-                raise _Refuse(Status.TOO_MANY_ROWS, f"{count} rows in one pack request, the limit is "
-                                                    f"{self.pack_max_rows}")
+                raise _Refuse(
+                    Status.TOO_MANY_ROWS, f"{count} rows in one pack request, the limit is {self.pack_max_rows}"
+                )
             if byte_len != PACK_REQUEST.size + count * ROW_ID_BYTES:
                 raise _Refuse(Status.BAD_FRAME, f"pack request of {byte_len} bytes for {count} ids")
             if table_index >= len(self.tables):
                 raise _Refuse(Status.UNKNOWN_TABLE, f"no table #{table_index}")
             table = self.tables[table_index]
-            ids = raw[PACK_REQUEST.size:].view("<i8")
+            ids = raw[PACK_REQUEST.size :].view("<i8")
             if not in_range(ids, table.rows):
                 lo, hi = int(ids.min()), int(ids.max())
-                raise _Refuse(Status.ROW_OUT_OF_RANGE, f"row id {lo if lo < 0 else hi} out of range for "
-                                                       f"table {table.name!r} (0..{table.rows - 1})")
+                raise _Refuse(
+                    Status.ROW_OUT_OF_RANGE,
+                    f"row id {lo if lo < 0 else hi} out of range for table {table.name!r} (0..{table.rows - 1})",
+                )
             start = time.perf_counter()
             nbytes = count * table.row_bytes
             rows = s.staging.array[:nbytes].reshape(count, table.row_bytes)
             take_checked(table.data, ids, rows)  # checked above
             sge = v.wr.SGE(s.staging.addr, nbytes, s.staging.mr.lkey)
-            wr = v.wr.SendWR(wr_id=1 << 40, opcode=e.IBV_WR_RDMA_WRITE_WITH_IMM, num_sge=1, sg=[sge],
-                             imm_data=request_id, send_flags=e.IBV_SEND_SIGNALED)
+            wr = v.wr.SendWR(
+                wr_id=1 << 40,
+                opcode=e.IBV_WR_RDMA_WRITE_WITH_IMM,
+                num_sge=1,
+                sg=[sge],
+                imm_data=request_id,
+                send_flags=e.IBV_SEND_SIGNALED,
+            )
             wr.set_wr_rdma(rkey, dest)
             qp.post_send(wr)
             s.inflight = (wr, time.monotonic() + PACK_REPLY_TIMEOUT_S, table_index, count, start)
@@ -416,7 +473,7 @@ class RdmaTransport(ServerTransport):
             self._ratelog.warning(r.status.name, "rdma: session %s pack request refused: %s", s.session.label, r)
             msg = str(r).encode()[: PACK_REPLY_BYTES - PACK_ERROR.size]
             body = PACK_ERROR.pack(PACK_ERROR_MAGIC, request_id, r.status, len(msg)) + msg
-            s.reply.array[:len(body)] = np.frombuffer(body, np.uint8)
+            s.reply.array[: len(body)] = np.frombuffer(body, np.uint8)
             sge = v.wr.SGE(s.reply.addr, len(body), s.reply.mr.lkey)
             wr = v.wr.SendWR(wr_id=1 << 41, opcode=e.IBV_WR_SEND, num_sge=1, sg=[sge], send_flags=e.IBV_SEND_SIGNALED)
             qp.post_send(wr)
@@ -439,4 +496,3 @@ class _Refuse(Exception):
     def __init__(self, status: Status, message: str):
         super().__init__(message)
         self.status = status
-

@@ -35,6 +35,17 @@ import socket
 import stat
 import tempfile
 
+from tableserver.common.wire import (
+    HEADER,
+    HEADER_BYTES,
+    HELLO_BYTES,
+    NONCE_BYTES,
+    REQUEST_MAGIC,
+    FrameType,
+    Status,
+    challenge_frame,
+    response_header,
+)
 from tableserver.errors import ConfigError, ListenError, TableServerError
 from tableserver.logs import RateLimitedLog
 from tableserver.memory import F_SEAL_FUTURE_WRITE
@@ -42,10 +53,6 @@ from tableserver.transports.base import ServerTransport
 from tableserver.transports.connections import CLOSE, READ, Connection, ConnectionLoop, Protocol, Refused
 from tableserver.transports.tcp import connection_limits
 from tableserver.v1 import tableserver_pb2 as pb
-from tableserver.common.wire import (
-    HEADER, HEADER_BYTES, HELLO_BYTES, NONCE_BYTES, REQUEST_MAGIC, FrameType, Status, challenge_frame,
-    response_header,
-)
 
 log = logging.getLogger("tableserver.shm")
 
@@ -87,13 +94,17 @@ def check_read_only(region) -> None:
     """TableServerError unless the table memfd can only ever be mapped read-only (mode 0400 + seals)."""
     mode = os.fstat(region.fd).st_mode & 0o777
     if mode & 0o377:
-        raise TableServerError(f"table memory {region.name!r} has mode {mode:o}, expected 0400: shm clients could "
-                          "reopen it writable; this is a bug, report it")
+        raise TableServerError(
+            f"table memory {region.name!r} has mode {mode:o}, expected 0400: shm clients could "
+            "reopen it writable; this is a bug, report it"
+        )
     seals = fcntl.fcntl(region.fd, fcntl.F_GET_SEALS)
     if seals & REQUIRED_SEALS != REQUIRED_SEALS:
-        raise TableServerError(f"the kernel did not seal table memory {region.name!r} against writes "
-                          f"(seals {seals:#x}, F_SEAL_FUTURE_WRITE needs Linux >= 5.1): shm clients could write "
-                          "to it; serve without shm (--transports tcp or rdma) or upgrade the kernel")
+        raise TableServerError(
+            f"the kernel did not seal table memory {region.name!r} against writes "
+            f"(seals {seals:#x}, F_SEAL_FUTURE_WRITE needs Linux >= 5.1): shm clients could write "
+            "to it; serve without shm (--transports tcp or rdma) or upgrade the kernel"
+        )
 
 
 class ShmTransport(ServerTransport):
@@ -113,8 +124,10 @@ class ShmTransport(ServerTransport):
             try:
                 self._gid = int(self.group) if self.group.isdigit() else grp.getgrnam(self.group).gr_gid
             except KeyError:
-                raise ConfigError(f"--shm-group {self.group!r}: no such group: name an existing group "
-                                  "(its members may use the shm transport)") from None
+                raise ConfigError(
+                    f"--shm-group {self.group!r}: no such group: name an existing group "
+                    "(its members may use the shm transport)"
+                ) from None
 
     def bind(self) -> None:
         if not self.path:
@@ -130,8 +143,11 @@ class ShmTransport(ServerTransport):
             sock.listen(256)
         except OSError as e:
             sock.close()
-            raise ListenError(f"cannot listen on shm socket {self.path} ({e.strerror}): pass --shm-socket PATH "
-                              "in a writable directory", errno=e.errno) from None
+            raise ListenError(
+                f"cannot listen on shm socket {self.path} ({e.strerror}): pass --shm-socket PATH "
+                "in a writable directory",
+                errno=e.errno,
+            ) from None
         self._sock = sock
 
     def start(self, tables) -> None:
@@ -174,12 +190,17 @@ class ShmTransport(ServerTransport):
                 pass
 
     def tables_message(self, req_id: int, proof: bytes) -> tuple[bytes, list[int]]:
-        doc = {"tables": [{"index": t.index, "name": t.name, "rows": t.rows, "row_bytes": t.row_bytes,
-                           "size": t.region.size} for t in self.tables],
-               "proof": proof.hex()}
+        doc = {
+            "tables": [
+                {"index": t.index, "name": t.name, "rows": t.rows, "row_bytes": t.row_bytes, "size": t.region.size}
+                for t in self.tables
+            ],
+            "proof": proof.hex(),
+        }
         body = json.dumps(doc).encode()
-        return response_header(FrameType.HELLO, Status.OK, req_id, 0, len(body)) + body, \
-            [t.region.readonly_fd() for t in self.tables]
+        return response_header(FrameType.HELLO, Status.OK, req_id, 0, len(body)) + body, [
+            t.region.readonly_fd() for t in self.tables
+        ]
 
 
 class _ShmProtocol(Protocol):
@@ -220,8 +241,9 @@ class _ShmProtocol(Protocol):
                 raise Refused(Status.BAD_FRAME, "expected one HELLO frame")
             session, proof = self.t.sessions.authenticate_hello(msg[HEADER_BYTES:], conn.state)
             if session is None or "shm" not in session.transports:
-                raise Refused(Status.UNAUTHENTICATED,
-                              "unknown session, wrong proof, or shm not granted: open a session over gRPC")
+                raise Refused(
+                    Status.UNAUTHENTICATED, "unknown session, wrong proof, or shm not granted: open a session over gRPC"
+                )
             self.t._loop.attach(conn, session)
         except Refused as e:
             body = str(e).encode()

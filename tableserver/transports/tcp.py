@@ -37,19 +37,39 @@ import time
 import numpy as np
 
 from tableserver.common.buffers import copy_buffer
+from tableserver.common.seal import C2S, S2C, TAG_BYTES, BadTag, Direction, crypt_into, derive_key
+from tableserver.common.take import in_range, take_checked
+from tableserver.common.wire import (
+    CLIENT_NONCE_BYTES,
+    FATAL,
+    HEADER,
+    HEADER_BYTES,
+    HELLO_BYTES,
+    HELLO_SEALED,
+    NONCE_BYTES,
+    REQUEST_MAGIC,
+    SESSION_ID_BYTES,
+    FrameType,
+    Status,
+    challenge_frame,
+    response_header,
+)
 from tableserver.errors import ListenError
 from tableserver.logs import RateLimitedLog
 from tableserver.transports.base import ServerTransport
 from tableserver.transports.connections import (
-    CLOSE, READ, WRITE, Connection, ConnectionLoop, Limits, Protocol, Refused, cpu_workers, wait_writable,
+    CLOSE,
+    READ,
+    WRITE,
+    Connection,
+    ConnectionLoop,
+    Limits,
+    Protocol,
+    Refused,
+    cpu_workers,
+    wait_writable,
 )
 from tableserver.v1 import tableserver_pb2 as pb
-from tableserver.common.seal import C2S, S2C, TAG_BYTES, BadTag, Direction, crypt_into, derive_key
-from tableserver.common.take import in_range, take_checked
-from tableserver.common.wire import (
-    CLIENT_NONCE_BYTES, FATAL, HEADER, HEADER_BYTES, HELLO_BYTES, HELLO_SEALED, NONCE_BYTES, REQUEST_MAGIC,
-    SESSION_ID_BYTES, FrameType, Status, challenge_frame, response_header,
-)
 
 log = logging.getLogger("tableserver.tcp")
 
@@ -86,20 +106,26 @@ def bind_listener(host: str, port: int, what: str, flag: str) -> socket.socket:
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:
-            raise ListenError(f"{what} port {host}:{port} is already in use: stop the other server or pass "
-                              f"{flag} HOST:PORT (port 0 picks a free port)", errno=e.errno) from None
-        raise ListenError(f"cannot listen on {host}:{port} for {what} ({e.strerror}): fix {flag}",
-                          errno=e.errno) from None
+            raise ListenError(
+                f"{what} port {host}:{port} is already in use: stop the other server or pass "
+                f"{flag} HOST:PORT (port 0 picks a free port)",
+                errno=e.errno,
+            ) from None
+        raise ListenError(
+            f"cannot listen on {host}:{port} for {what} ({e.strerror}): fix {flag}", errno=e.errno
+        ) from None
     return sock
 
 
 def connection_limits(options) -> Limits:
-    return Limits(handshake_timeout=float(options.get("handshake_timeout", 5.0)),
-                  idle_timeout=float(options.get("idle_timeout", 0.0)),
-                  send_timeout=float(options.get("send_timeout", 10.0)),
-                  max_connections=int(options.get("max_connections", 0)),
-                  max_per_session=int(options.get("max_connections_per_session", 8)),
-                  max_handshakes=int(options.get("max_handshakes", 256)))
+    return Limits(
+        handshake_timeout=float(options.get("handshake_timeout", 5.0)),
+        idle_timeout=float(options.get("idle_timeout", 0.0)),
+        send_timeout=float(options.get("send_timeout", 10.0)),
+        max_connections=int(options.get("max_connections", 0)),
+        max_per_session=int(options.get("max_connections_per_session", 8)),
+        max_handshakes=int(options.get("max_handshakes", 256)),
+    )
 
 
 class TcpTransport(ServerTransport):
@@ -173,9 +199,33 @@ class TcpTransport(ServerTransport):
 class _State:
     """One tcp connection's protocol state."""
 
-    __slots__ = ("nonce", "head", "got", "need", "target", "ftype", "req_id", "table", "count", "ids_buf",
-                 "chunk_buf", "parts", "next_row", "chunk_busy", "sending", "closing", "started", "hello", "error", "rx", "tx", "enc", "cipher_buf",
-                 "sealed_buf", "client_nonce")
+    __slots__ = (
+        "nonce",
+        "head",
+        "got",
+        "need",
+        "target",
+        "ftype",
+        "req_id",
+        "table",
+        "count",
+        "ids_buf",
+        "chunk_buf",
+        "parts",
+        "next_row",
+        "chunk_busy",
+        "sending",
+        "closing",
+        "started",
+        "hello",
+        "error",
+        "rx",
+        "tx",
+        "enc",
+        "cipher_buf",
+        "sealed_buf",
+        "client_nonce",
+    )
 
     def __init__(self, nonce: bytes):
         self.nonce = nonce
@@ -278,7 +328,7 @@ class _TcpProtocol(Protocol):
         while True:
             if st.got < st.need:
                 try:
-                    n = sock.recv_into(st.target[st.got:], st.need - st.got)
+                    n = sock.recv_into(st.target[st.got :], st.need - st.got)
                 except (BlockingIOError, InterruptedError):
                     return False
                 if n == 0:
@@ -307,8 +357,10 @@ class _TcpProtocol(Protocol):
                 raise Refused(Status.BAD_FRAME, f"bad frame magic {magic!r}: not a tableserver client")
             if ftype == FrameType.HELLO:
                 if count != HELLO_BYTES:
-                    raise Refused(Status.BAD_FRAME, f"HELLO carries {count} bytes, expected {HELLO_BYTES} "
-                                                    "(a client older than this server?)")
+                    raise Refused(
+                        Status.BAD_FRAME,
+                        f"HELLO carries {count} bytes, expected {HELLO_BYTES} (a client older than this server?)",
+                    )
                 st.got, st.need, st.target = 0, HELLO_BYTES, memoryview(st.hello)
                 return True
             if conn.session is None:
@@ -316,8 +368,10 @@ class _TcpProtocol(Protocol):
             if ftype != FrameType.GATHER:
                 raise Refused(Status.BAD_FRAME, f"unknown frame type {ftype}")
             if count > self.t.max_rows:
-                raise Refused(Status.TOO_MANY_ROWS, f"{count} row ids in one request, the limit is "
-                                                    f"{self.t.max_rows}: split the gather")
+                raise Refused(
+                    Status.TOO_MANY_ROWS,
+                    f"{count} row ids in one request, the limit is {self.t.max_rows}: split the gather",
+                )
             st.got, st.need = 0, count * 8
             if st.rx is not None:  # sealed: ciphertext + tag land aside, then decrypt into the id buffer
                 st.need += TAG_BYTES
@@ -344,8 +398,14 @@ class _TcpProtocol(Protocol):
             if st.ftype == FrameType.HELLO:
                 proof = self._hello(conn)
                 # row_bytes of the HELLO answer carries flags: SEALED when the payloads that follow are sealed
-                st.parts = [memoryview(response_header(FrameType.HELLO, Status.OK, st.req_id,
-                                                       HELLO_SEALED if self.t.seal else 0, len(proof)) + proof)]
+                st.parts = [
+                    memoryview(
+                        response_header(
+                            FrameType.HELLO, Status.OK, st.req_id, HELLO_SEALED if self.t.seal else 0, len(proof)
+                        )
+                        + proof
+                    )
+                ]
                 st.count = 0
                 if self.t.seal:
                     self._seal(conn)
@@ -387,8 +447,12 @@ class _TcpProtocol(Protocol):
         n = st.count * 8
         header = bytes(st.head)
         try:
-            st.rx.open_into(header, memoryview(st.cipher_buf)[:n], bytes(st.cipher_buf[n:n + TAG_BYTES]),
-                            memoryview(st.ids(st.count)).cast("B"))
+            st.rx.open_into(
+                header,
+                memoryview(st.cipher_buf)[:n],
+                bytes(st.cipher_buf[n : n + TAG_BYTES]),
+                memoryview(st.ids(st.count)).cast("B"),
+            )
         except BadTag as e:
             raise Refused(Status.BAD_FRAME, str(e)) from None
 
@@ -397,7 +461,7 @@ class _TcpProtocol(Protocol):
         if conn.session is not None:
             raise Refused(Status.BAD_FRAME, "a second HELLO on one connection")
         session, proof = self.t.sessions.authenticate_hello(bytes(st.hello), st.nonce)
-        st.client_nonce = bytes(st.hello[SESSION_ID_BYTES:SESSION_ID_BYTES + CLIENT_NONCE_BYTES])
+        st.client_nonce = bytes(st.hello[SESSION_ID_BYTES : SESSION_ID_BYTES + CLIENT_NONCE_BYTES])
         if session is None:
             raise Refused(Status.UNAUTHENTICATED, "unknown session or wrong proof: open a session over gRPC")
         if "tcp" not in session.transports:
@@ -410,12 +474,13 @@ class _TcpProtocol(Protocol):
         if st.table >= len(tables):
             raise Refused(Status.UNKNOWN_TABLE, f"no table #{st.table}: the catalog has {len(tables)} tables")
         table = tables[st.table]
-        ids = st.ids_buf[:st.count]
+        ids = st.ids_buf[: st.count]
         if not in_range(ids, table.rows):
             lo, hi = int(ids.min()), int(ids.max())
             bad = lo if lo < 0 else hi
-            raise Refused(Status.ROW_OUT_OF_RANGE,
-                          f"row id {bad} out of range for table {table.name!r} (0..{table.rows - 1})")
+            raise Refused(
+                Status.ROW_OUT_OF_RANGE, f"row id {bad} out of range for table {table.name!r} (0..{table.rows - 1})"
+            )
         return table
 
     def _pump(self, conn: Connection) -> bool:
@@ -428,18 +493,18 @@ class _TcpProtocol(Protocol):
                 table = self.t.tables[st.table]
                 n = min(st.count - st.next_row, max(1, CHUNK_BYTES // table.row_bytes))
                 rows = st.chunk(n, table.row_bytes)
-                take_checked(table.data, st.ids_buf[st.next_row:st.next_row + n], rows)  # checked in _check
+                take_checked(table.data, st.ids_buf[st.next_row : st.next_row + n], rows)  # checked in _check
                 st.next_row += n
                 view = memoryview(rows.reshape(-1))
                 if st.enc is not None:
                     if len(st.sealed_buf) < len(view) + 15 + TAG_BYTES:
                         st.sealed_buf = copy_buffer(max(len(view), CHUNK_BYTES) + 15 + TAG_BYTES)
-                    crypt_into(st.enc, view, memoryview(st.sealed_buf)[:len(view) + 15])
-                    view = memoryview(st.sealed_buf)[:len(view)]
+                    crypt_into(st.enc, view, memoryview(st.sealed_buf)[: len(view) + 15])
+                    view = memoryview(st.sealed_buf)[: len(view)]
                     if st.next_row == st.count:  # the last chunk carries the tag
                         st.enc.finalize()
-                        memoryview(st.sealed_buf)[len(view):len(view) + TAG_BYTES] = st.enc.tag
-                        view = memoryview(st.sealed_buf)[:len(view) + TAG_BYTES]
+                        memoryview(st.sealed_buf)[len(view) : len(view) + TAG_BYTES] = st.enc.tag
+                        view = memoryview(st.sealed_buf)[: len(view) + TAG_BYTES]
                         st.enc = None
                 st.parts.append(view)
                 st.chunk_busy = True
@@ -470,8 +535,9 @@ class _TcpProtocol(Protocol):
         st.sending = False
         conn.send_since = 0.0
         if st.ftype == FrameType.GATHER and st.count and not st.closing:
-            self.t._instruments(st.table).defer(st.count, st.count * self.t.tables[st.table].row_bytes,
-                                                time.perf_counter() - st.started)
+            self.t._instruments(st.table).defer(
+                st.count, st.count * self.t.tables[st.table].row_bytes, time.perf_counter() - st.started
+            )
         if st.closing:
             try:  # the error frame is out: half-close, then drain what the peer still sends
                 conn.sock.shutdown(socket.SHUT_WR)
@@ -493,4 +559,3 @@ class _TcpProtocol(Protocol):
             if not chunk:
                 return CLOSE
         return READ
-

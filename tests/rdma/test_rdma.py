@@ -14,12 +14,12 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import EVENT_TIMEOUT, ROOT, local_tables, start_daemon, wait_for
-from tests_helpers import run_workers, scrape, value
 from tableclient import ConnectError, GatherTimeout, RemoteError, TableClient, TransportError
-from tableserver.demo import DemoRows, DemoTable
+from tests_helpers import run_workers, scrape, value
+
 from tableserver.common.verbs import list_devices, verbs
+from tableserver.demo import DemoRows, DemoTable
 from tableserver.tablefile import TableFileWriter
 
 pytestmark = pytest.mark.rdma
@@ -30,8 +30,15 @@ MODES = ["read", "pack"]
 @pytest.fixture(scope="module")
 def rdma_daemon(demo_file, tmp_path_factory):
     """shm off; 3 MiB MR chunks so the larger tables span several regions."""
-    d = start_daemon(str(tmp_path_factory.mktemp("rdma")), "--tables", demo_file, "--transports", "rdma,tcp",
-                     "--rdma-mr-chunk-bytes", str(3 << 20))
+    d = start_daemon(
+        str(tmp_path_factory.mktemp("rdma")),
+        "--tables",
+        demo_file,
+        "--transports",
+        "rdma,tcp",
+        "--rdma-mr-chunk-bytes",
+        str(3 << 20),
+    )
     yield d
     d.stop()
 
@@ -111,8 +118,13 @@ def test_rdma_metrics(rdma_daemon, demo_local):
     from prometheus_client import REGISTRY
 
     def client_count(mode):
-        return REGISTRY.get_sample_value("tableserver_client_gather_duration_seconds_count",
-                                         dict(table="engram.layer1", layer="1", transport="rdma", mode=mode)) or 0
+        return (
+            REGISTRY.get_sample_value(
+                "tableserver_client_gather_duration_seconds_count",
+                dict(table="engram.layer1", layer="1", transport="rdma", mode=mode),
+            )
+            or 0
+        )
 
     metrics = rdma_daemon.ready["metrics"]
     before = scrape(metrics)
@@ -130,8 +142,10 @@ def test_rdma_metrics(rdma_daemon, demo_local):
         np.testing.assert_array_equal(t.gather(ids, mode="read"), demo_local[t.name][ids])
     after = scrape(metrics)
     lab = dict(table="engram.layer1", transport="rdma", op="pack")
-    assert value(after, "tableserver_gather_rows_total", **lab) - value(before, "tableserver_gather_rows_total",
-                                                                        **lab) == ids.size
+    assert (
+        value(after, "tableserver_gather_rows_total", **lab) - value(before, "tableserver_gather_rows_total", **lab)
+        == ids.size
+    )
     assert client_count("read") - reads == 1 and client_count("pack") - packs == 1
 
 
@@ -170,8 +184,13 @@ def post_remote_write(client, wr_id: int):
     state = t._tables[client.tables["engram.layer1"].index]
     local = t._register(4096, e.IBV_ACCESS_LOCAL_WRITE)
     local.array[:264] = 0xAB
-    wr = v.wr.SendWR(wr_id=wr_id, opcode=e.IBV_WR_RDMA_WRITE, num_sge=1,
-                     sg=[v.wr.SGE(local.addr, 264, local.mr.lkey)], send_flags=e.IBV_SEND_SIGNALED)
+    wr = v.wr.SendWR(
+        wr_id=wr_id,
+        opcode=e.IBV_WR_RDMA_WRITE,
+        num_sge=1,
+        sg=[v.wr.SGE(local.addr, 264, local.mr.lkey)],
+        send_flags=e.IBV_SEND_SIGNALED,
+    )
     wr.set_wr_rdma(int(state.rkeys[0, 0]), int(state.addrs[0]))
     t._qps[0].post_send(wr)
     return t, local, wr  # keep them referenced while the WRITE is in flight (pyverbs keeps raw pointers)
@@ -202,8 +221,13 @@ def read_with(transport, rkey: int, addr: int, wr_id: int):
     v = verbs()
     e = v.e
     local = transport._register(4096, e.IBV_ACCESS_LOCAL_WRITE)
-    wr = v.wr.SendWR(wr_id=wr_id, opcode=e.IBV_WR_RDMA_READ, num_sge=1,
-                     sg=[v.wr.SGE(local.addr, 264, local.mr.lkey)], send_flags=e.IBV_SEND_SIGNALED)
+    wr = v.wr.SendWR(
+        wr_id=wr_id,
+        opcode=e.IBV_WR_RDMA_READ,
+        num_sge=1,
+        sg=[v.wr.SGE(local.addr, 264, local.mr.lkey)],
+        send_flags=e.IBV_SEND_SIGNALED,
+    )
     wr.set_wr_rdma(rkey, addr)
     with transport._poll_lock:
         transport._qps[0].post_send(wr)
@@ -253,8 +277,9 @@ def test_a_client_that_stops_taking_pack_replies_stalls_only_itself(rdma_daemon,
             pass
 
     rows = demo_local["engram.layer1"]
-    with TableClient(rdma_daemon.address, transport="rdma", mode="pack", rdma_qps=1, rdma_ring_rows=64,
-                     client_name="stalls") as x:
+    with TableClient(
+        rdma_daemon.address, transport="rdma", mode="pack", rdma_qps=1, rdma_ring_rows=64, client_name="stalls"
+    ) as x:
         tx = x._node_transport()
         tx._recv_wrs = [(Dropped(), wr) for _qp, wr in tx._recv_wrs]
         for i in range(16):  # each reply uses up one of its 16 receive buffers
@@ -279,12 +304,12 @@ def test_reconnects_after_a_qp_error(rdma_daemon, demo_local):
         with pytest.raises(ConnectError):
             for _ in range(50):  # the first gathers may still complete before the error surfaces
                 c.table("engram.layer1").gather([0, 1], timeout=EVENT_TIMEOUT)
-        wait_for(lambda: c.replicas()[rdma_daemon.address]["state"] == "up",
-                 lambda: f"a new session: {c.replicas()}")
+        wait_for(lambda: c.replicas()[rdma_daemon.address]["state"] == "up", lambda: f"a new session: {c.replicas()}")
         assert c._node_transport() is not t
         ids = np.arange(0, 50_000, 501)
-        np.testing.assert_array_equal(c.table("engram.layer1").gather(ids, timeout=EVENT_TIMEOUT),
-                                      demo_local["engram.layer1"][ids])
+        np.testing.assert_array_equal(
+            c.table("engram.layer1").gather(ids, timeout=EVENT_TIMEOUT), demo_local["engram.layer1"][ids]
+        )
 
 
 def test_concurrent_client_processes(rdma_daemon, demo_file):
@@ -294,23 +319,29 @@ def test_concurrent_client_processes(rdma_daemon, demo_file):
 
 
 def test_client_killed_mid_gather(rdma_daemon, demo_local):
-    code = ("import sys, numpy as np; from tableclient import TableClient\n"
-            f"c = TableClient({rdma_daemon.address!r}, transport='rdma', rdma_ring_rows=1024)\n"
-            "t = c.table('engram.layer14')\n"
-            "rng = np.random.default_rng()\n"
-            "t.gather(rng.integers(0, t.rows, 4000))\n"
-            "print('gathering', flush=True)\n"
-            "while True: t.gather(rng.integers(0, t.rows, 4000))\n")
+    code = (
+        "import sys, numpy as np; from tableclient import TableClient\n"
+        f"c = TableClient({rdma_daemon.address!r}, transport='rdma', rdma_ring_rows=1024)\n"
+        "t = c.table('engram.layer14')\n"
+        "rng = np.random.default_rng()\n"
+        "t.gather(rng.integers(0, t.rows, 4000))\n"
+        "print('gathering', flush=True)\n"
+        "while True: t.gather(rng.integers(0, t.rows, 4000))\n"
+    )
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, cwd=ROOT)
     assert child.stdout.readline().strip() == b"gathering"  # from here on, it is (almost) always mid-gather
     child.send_signal(signal.SIGKILL)
     child.wait()
-    wait_for(lambda: rdma_daemon.log().count("destroyed") >= 1 + rdma_daemon.log().count("closed by client"),
-             lambda: f"the killed client's QPs to be destroyed:\n{rdma_daemon.log()[-3000:]}", interval=0.2)
+    wait_for(
+        lambda: rdma_daemon.log().count("destroyed") >= 1 + rdma_daemon.log().count("closed by client"),
+        lambda: f"the killed client's QPs to be destroyed:\n{rdma_daemon.log()[-3000:]}",
+        interval=0.2,
+    )
     with TableClient(rdma_daemon.address, transport="rdma", rdma_ring_rows=256) as c:
         ids = np.arange(0, 70_001, 997)
-        np.testing.assert_array_equal(c.table("engram.layer14").gather(ids, timeout=EVENT_TIMEOUT),
-                                      demo_local["engram.layer14"][ids])
+        np.testing.assert_array_equal(
+            c.table("engram.layer14").gather(ids, timeout=EVENT_TIMEOUT), demo_local["engram.layer14"][ids]
+        )
 
 
 def test_server_gone_fails_gathers_cleanly(demo_file, tmp_path):

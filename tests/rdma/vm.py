@@ -38,8 +38,19 @@ from dataclasses import dataclass
 
 from tableserver.doctor import fix_pyverbs
 
-DEBIAN_PACKAGES = ("qemu-system-x86", "linux-image-amd64", "busybox-static", "rdma-core", "ibverbs-providers",
-                   "ibverbs-utils", "perftest", "python3-pyverbs", "iproute2", "kmod", "cpio")
+DEBIAN_PACKAGES = (
+    "qemu-system-x86",
+    "linux-image-amd64",
+    "busybox-static",
+    "rdma-core",
+    "ibverbs-providers",
+    "ibverbs-utils",
+    "perftest",
+    "python3-pyverbs",
+    "iproute2",
+    "kmod",
+    "cpio",
+)
 # What the initramfs must provide: the virtio PCI transport, 9p over virtio, the 9p file system. Their
 # dependencies, and the order to load them in, come from the installed kernel's own modules.dep.
 INITRAMFS_ROOTS = ("virtio_pci", "9pnet_virtio", "9p")
@@ -116,8 +127,10 @@ def module_load_order(version: str, roots=INITRAMFS_ROOTS, modules_dir: str = "/
         if state.get(name) == "done" or name in builtin and name not in paths:
             return
         if name not in paths:
-            raise GuestUnavailable(f"kernel {version} has no module {name} (needed by {wanted_by}): install a "
-                                   f"kernel with 9p over virtio, e.g. linux-image-amd64")
+            raise GuestUnavailable(
+                f"kernel {version} has no module {name} (needed by {wanted_by}): install a "
+                f"kernel with 9p over virtio, e.g. linux-image-amd64"
+            )
         if state.get(name) == "visiting":
             raise GuestUnavailable(f"kernel {version}: modules.dep has a dependency cycle through {name}")
         state[name] = "visiting"
@@ -142,8 +155,13 @@ def missing() -> list[str]:
         need.append("busybox-static")
     if not os.path.isdir(DEBIAN_PYVERBS):
         need.append("python3-pyverbs")
-    for tool, pkg in (("ibv_devices", "ibverbs-utils"), ("ib_read_bw", "perftest"), ("rdma", "iproute2"),
-                      ("cpio", "cpio"), ("modprobe", "kmod")):
+    for tool, pkg in (
+        ("ibv_devices", "ibverbs-utils"),
+        ("ib_read_bw", "perftest"),
+        ("rdma", "iproute2"),
+        ("cpio", "cpio"),
+        ("modprobe", "kmod"),
+    ):
         if shutil.which(tool) is None:
             need.append(pkg)
     if not glob.glob("/usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav*.so"):
@@ -166,12 +184,17 @@ def ensure_host_packages(install: bool = True) -> None:
     if not need:
         return
     if not install or os.geteuid() != 0 or shutil.which("apt-get") is None:
-        raise GuestUnavailable(f"Soft-RoCE guest needs: {', '.join(need)} (install as root: apt-get install "
-                               f"{' '.join(DEBIAN_PACKAGES)})")
+        raise GuestUnavailable(
+            f"Soft-RoCE guest needs: {', '.join(need)} (install as root: apt-get install {' '.join(DEBIAN_PACKAGES)})"
+        )
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
-    subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *DEBIAN_PACKAGES], check=True,
-                   env=env, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *DEBIAN_PACKAGES],
+        check=True,
+        env=env,
+        stdout=subprocess.DEVNULL,
+    )
     still = missing()
     if still:
         raise GuestUnavailable(f"installed the packages but still missing: {', '.join(still)}")
@@ -237,8 +260,9 @@ def build_initramfs(path: str, version: str) -> str:
             with open(p, "w") as f:
                 f.write(text)
             os.chmod(p, 0o755)
-        cpio = subprocess.run("find . | cpio -o -H newc --quiet", shell=True, cwd=root, check=True,
-                              capture_output=True).stdout
+        cpio = subprocess.run(
+            "find . | cpio -o -H newc --quiet", shell=True, cwd=root, check=True, capture_output=True
+        ).stdout
         with gzip.open(path, "wb", compresslevel=1) as f:
             f.write(cpio)
         return path
@@ -246,8 +270,16 @@ def build_initramfs(path: str, version: str) -> str:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def run_guest(script: str, *, workdir: str | None = None, timeout: float = 1800, memory_mb: int = 6144,
-              cpus: int = 2, env: dict | None = None, echo: bool = False) -> GuestResult:
+def run_guest(
+    script: str,
+    *,
+    workdir: str | None = None,
+    timeout: float = 1800,
+    memory_mb: int = 6144,
+    cpus: int = 2,
+    env: dict | None = None,
+    echo: bool = False,
+) -> GuestResult:
     """Boots the guest, runs ``script`` (sh) in the chroot, returns its exit code and console."""
     ensure_host_packages(install=os.geteuid() == 0)
     version = kernel_version()
@@ -262,9 +294,16 @@ def run_guest(script: str, *, workdir: str | None = None, timeout: float = 1800,
         f.write("set -u\n" + script + "\n")
     # The host's / (with /tmp, where a checkout may live) is read-only in the guest; scratch space is
     # a tmpfs under /run.
-    base_env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/run/tmp",
-                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1", "TMPDIR": "/run/tmp",
-                "TABLESERVER_IN_GUEST": "1", "TABLESERVER_GUEST_RESULTS": results, "LANG": "C.UTF-8"}
+    base_env = {
+        "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "HOME": "/run/tmp",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONUNBUFFERED": "1",
+        "TMPDIR": "/run/tmp",
+        "TABLESERVER_IN_GUEST": "1",
+        "TABLESERVER_GUEST_RESULTS": results,
+        "LANG": "C.UTF-8",
+    }
     base_env.update(env or {})
     with open(os.path.join(results, "env.sh"), "w") as f:
         for k, v in base_env.items():
@@ -272,15 +311,36 @@ def run_guest(script: str, *, workdir: str | None = None, timeout: float = 1800,
     rc_file = os.path.join(results, "rc")
     if os.path.exists(rc_file):
         os.unlink(rc_file)
-    cmd = [QEMU, "-accel", "tcg,thread=multi", "-cpu", "max", "-smp", str(cpus), "-m", str(memory_mb),
-           "-nographic", "-no-reboot", "-net", "none", "-kernel", f"/boot/vmlinuz-{version}", "-initrd", initrd,
-           "-append", f"console=ttyS0 quiet loglevel=3 panic=-1 tsresults={results}",
-           "-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap",
-           "-virtfs", f"local,path={results},mount_tag=results,security_model=none,multidevs=remap"]
+    cmd = [
+        QEMU,
+        "-accel",
+        "tcg,thread=multi",
+        "-cpu",
+        "max",
+        "-smp",
+        str(cpus),
+        "-m",
+        str(memory_mb),
+        "-nographic",
+        "-no-reboot",
+        "-net",
+        "none",
+        "-kernel",
+        f"/boot/vmlinuz-{version}",
+        "-initrd",
+        initrd,
+        "-append",
+        f"console=ttyS0 quiet loglevel=3 panic=-1 tsresults={results}",
+        "-virtfs",
+        "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap",
+        "-virtfs",
+        f"local,path={results},mount_tag=results,security_model=none,multidevs=remap",
+    ]
     start = time.monotonic()
     console = io.StringIO()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            text=True, errors="replace")
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, errors="replace"
+    )
 
     def pump():
         for line in proc.stdout:
@@ -299,7 +359,9 @@ def run_guest(script: str, *, workdir: str | None = None, timeout: float = 1800,
         proc.kill()
         proc.wait()
         reader.join(5)
-        raise TimeoutError(f"guest did not finish in {timeout:.0f} s; console tail:\n{console.getvalue()[-4000:]}")
+        raise TimeoutError(
+            f"guest did not finish in {timeout:.0f} s; console tail:\n{console.getvalue()[-4000:]}"
+        ) from None
     reader.join(5)
     try:
         with open(rc_file) as f:
@@ -330,8 +392,12 @@ def main() -> int:
     ensure_host_packages(install=args.install)
     print(fix_pyverbs().line())  # `tableserver doctor --fix-pyverbs`: the host's pyverbs in this venv
     command = " ".join(args.command[1:] if args.command[:1] == ["--"] else args.command) or "ibv_devinfo"
-    res = run_guest(("" if args.no_rxe else RXE_SETUP) + f"cd {os.getcwd()}\n" + command, echo=True,
-                    memory_mb=args.memory, timeout=args.timeout)
+    res = run_guest(
+        ("" if args.no_rxe else RXE_SETUP) + f"cd {os.getcwd()}\n" + command,
+        echo=True,
+        memory_mb=args.memory,
+        timeout=args.timeout,
+    )
     print(f"\n[guest exit {res.rc} after {res.seconds:.1f} s]")
     return res.rc
 

@@ -52,13 +52,22 @@ from dataclasses import dataclass, field, fields
 PLACEMENTS = ("remote", "node", "local")
 GRAPH_MODES = ("before_replay", "in_graph", "eager_break")
 POLICIES = ("fail", "zeros", "fallback")
-ENV = {"address": "TABLESERVER_ADDRESS", "node_address": "TABLESERVER_NODE_ADDRESS",
-       "transport": "TABLESERVER_TRANSPORT", "mode": "TABLESERVER_MODE", "token": "TABLESERVER_AUTH_TOKEN",
-       "tls_ca": "TABLESERVER_TLS_CA", "policy": "TABLESERVER_POLICY",
-       "fallback_address": "TABLESERVER_FALLBACK_ADDRESS", "timeout": "TABLESERVER_TIMEOUT",
-       "max_tokens": "TABLESERVER_MAX_TOKENS", "table_prefix": "TABLESERVER_TABLE_PREFIX",
-       "layers": "TABLESERVER_PLACEMENT", "graph": "TABLESERVER_GRAPH_MODE",
-       "switch_interval": "TABLESERVER_SWITCH_INTERVAL"}
+ENV = {
+    "address": "TABLESERVER_ADDRESS",
+    "node_address": "TABLESERVER_NODE_ADDRESS",
+    "transport": "TABLESERVER_TRANSPORT",
+    "mode": "TABLESERVER_MODE",
+    "token": "TABLESERVER_AUTH_TOKEN",
+    "tls_ca": "TABLESERVER_TLS_CA",
+    "policy": "TABLESERVER_POLICY",
+    "fallback_address": "TABLESERVER_FALLBACK_ADDRESS",
+    "timeout": "TABLESERVER_TIMEOUT",
+    "max_tokens": "TABLESERVER_MAX_TOKENS",
+    "table_prefix": "TABLESERVER_TABLE_PREFIX",
+    "layers": "TABLESERVER_PLACEMENT",
+    "graph": "TABLESERVER_GRAPH_MODE",
+    "switch_interval": "TABLESERVER_SWITCH_INTERVAL",
+}
 #: DeepSeek-V4.1's measured windows (seed paper): layer 1's rows are due 0.3 ms after step start, layer 14's
 #: 9.3 ms. Other layers: the line through those two points (a window grows with the layers before it).
 KNOWN_WINDOWS = {1: 0.3e-3, 14: 9.3e-3}
@@ -95,8 +104,10 @@ class PluginConfig:
         if self.policy not in POLICIES:
             raise ConfigError(f"policy = {self.policy!r}: use one of {', '.join(POLICIES)}")
         if self.policy == "fallback" and not self.fallback_address:
-            raise ConfigError("policy = 'fallback' needs fallback_address (TABLESERVER_FALLBACK_ADDRESS): the "
-                              "second tableserver to read from when the first fails")
+            raise ConfigError(
+                "policy = 'fallback' needs fallback_address (TABLESERVER_FALLBACK_ADDRESS): the "
+                "second tableserver to read from when the first fails"
+            )
         if self.mode not in ("read", "pack"):
             raise ConfigError(f"mode = {self.mode!r}: use read or pack")
         if self.transport not in ("auto", "rdma", "tcp", "shm"):
@@ -104,8 +115,9 @@ class PluginConfig:
         if not self.timeout > 0 or self.max_tokens < 1:
             raise ConfigError("timeout must be > 0 seconds and max_tokens at least 1")
         if not 0 <= self.switch_interval <= 0.1:
-            raise ConfigError(f"switch_interval = {self.switch_interval!r}: expected seconds in 0..0.1 (0: leave "
-                              "the interpreter's)")
+            raise ConfigError(
+                f"switch_interval = {self.switch_interval!r}: expected seconds in 0..0.1 (0: leave the interpreter's)"
+            )
         for name in ("layers", "tables", "windows", "graph"):
             object.__setattr__(self, name, _by_layer(name, getattr(self, name)))
         for layer, placement in self.layers.items():
@@ -115,12 +127,14 @@ class PluginConfig:
             if mode not in GRAPH_MODES:
                 raise ConfigError(f"graph.{layer} = {mode!r}: use one of {', '.join(GRAPH_MODES)}")
         if any(p == "remote" for p in self.layers.values()) and not self.address:
-            raise ConfigError("a layer is placed 'remote' but no address is set: set address "
-                              "(TABLESERVER_ADDRESS) to the memory node, or place the layer 'node' or 'local'")
+            raise ConfigError(
+                "a layer is placed 'remote' but no address is set: set address "
+                "(TABLESERVER_ADDRESS) to the memory node, or place the layer 'node' or 'local'"
+            )
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def load(cls, environ=None) -> "PluginConfig":
+    def load(cls, environ=None) -> PluginConfig:
         environ = os.environ if environ is None else environ
         values: dict = {}
         path = environ.get("TABLESERVER_SGLANG_CONFIG")
@@ -145,8 +159,9 @@ class PluginConfig:
                 try:
                     values[name] = kind(values[name])
                 except (TypeError, ValueError):
-                    raise ConfigError(f"{name} = {values[name]!r}: expected "
-                                      f"{'seconds' if kind is float else 'a whole number'}") from None
+                    raise ConfigError(
+                        f"{name} = {values[name]!r}: expected {'seconds' if kind is float else 'a whole number'}"
+                    ) from None
         return cls(**values)
 
     @property
@@ -178,6 +193,7 @@ class PluginConfig:
 
     def describe(self, layers) -> str:
         """``1 local, 14 remote (memnode:7070)``: one phrase for a log line."""
+
         def where(placement: str) -> str:
             return "SGLang's own table" if placement == "local" else self.address_of(placement)
 

@@ -58,7 +58,9 @@ class ServedLayer:
     window_s: float
     dim: int
     hash_index: int | None = None  # column of the hasher's output, when known
-    graph_mode: str = "before_replay"  # how its rows reach a captured decode graph (client/tableclient/sglang/graphs.py)
+    graph_mode: str = (
+        "before_replay"  # how its rows reach a captured decode graph (client/tableclient/sglang/graphs.py)
+    )
 
 
 class EngramRows:
@@ -93,12 +95,19 @@ class EngramRows:
         transport = {"remote": c.transport, "node": "shm", "fallback": "auto"}[role]
         factory = self._client_factory or TableClient
         try:
-            client = factory(address, transport=transport, token=c.token or None, tls_ca=c.tls_ca or None,
-                             mode=c.mode, client_name=f"sglang-{role}-{os.getpid()}")
+            client = factory(
+                address,
+                transport=transport,
+                token=c.token or None,
+                tls_ca=c.tls_ca or None,
+                mode=c.mode,
+                client_name=f"sglang-{role}-{os.getpid()}",
+            )
         except TableClientError as e:
             key = {"remote": "address", "node": "node_address", "fallback": "fallback_address"}[role]
-            raise EngramRowsError(f"tableserver plugin: cannot reach the {role} tableserver at {address} ({e}); "
-                                  f"start it or fix {key}") from None
+            raise EngramRowsError(
+                f"tableserver plugin: cannot reach the {role} tableserver at {address} ({e}); start it or fix {key}"
+            ) from None
         log.info("tableserver plugin: %s tableserver %s connected over %s", role, address, client.transport)
         return client
 
@@ -111,18 +120,24 @@ class EngramRows:
         row_bytes = dim + dim // FP8_BLOCK
         where = c.address_of(placement)
         if info is None:
-            raise EngramRowsError(f"tableserver plugin: layer {layer} is placed {placement} but {where} serves no "
-                                  f"table {served.table!r} (it has {', '.join(client.tables) or 'none'}): name it "
-                                  f"under [tables] or place the layer 'local'")
+            raise EngramRowsError(
+                f"tableserver plugin: layer {layer} is placed {placement} but {where} serves no "
+                f"table {served.table!r} (it has {', '.join(client.tables) or 'none'}): name it "
+                f"under [tables] or place the layer 'local'"
+            )
         if (info.rows, info.row_bytes) != (num_embeddings, row_bytes):
-            raise EngramRowsError(f"tableserver plugin: table {served.table!r} on {where} has {info.rows} rows of "
-                                  f"{info.row_bytes} B but layer {layer} of this model needs {num_embeddings} rows "
-                                  f"of {row_bytes} B: serve this model's tables (tableserver pack)")
+            raise EngramRowsError(
+                f"tableserver plugin: table {served.table!r} on {where} has {info.rows} rows of "
+                f"{info.row_bytes} B but layer {layer} of this model needs {num_embeddings} rows "
+                f"of {row_bytes} B: serve this model's tables (tableserver pack)"
+            )
         if c.policy == "fallback":
             fb = self.client("fallback").tables.get(served.table)
             if fb is None or (fb.rows, fb.row_bytes) != (info.rows, info.row_bytes):
-                raise EngramRowsError(f"tableserver plugin: the fallback tableserver {c.fallback_address} does not "
-                                      f"serve {served.table!r} with {info.rows} rows of {info.row_bytes} B")
+                raise EngramRowsError(
+                    f"tableserver plugin: the fallback tableserver {c.fallback_address} does not "
+                    f"serve {served.table!r} with {info.rows} rows of {info.row_bytes} B"
+                )
         with self._lock:
             self.layers[layer] = served
             self.served.setdefault(layer, {"prefetched": 0, "staged": 0, "fetched": 0})
@@ -142,10 +157,15 @@ class EngramRows:
         if step is None:
             layers = [s for s in self.layers.values() if s.placement == placement]
             c = self.config
-            step = EngramStep(self.client(placement), [LayerPlan(s.layer, s.table, s.window_s, c.mode) for s in layers],
-                              c.max_tokens, policy=c.policy,
-                              fallback=self.client("fallback") if c.policy == "fallback" else None,
-                              timeout=c.timeout, deadlines=channel == "forward")
+            step = EngramStep(
+                self.client(placement),
+                [LayerPlan(s.layer, s.table, s.window_s, c.mode) for s in layers],
+                c.max_tokens,
+                policy=c.policy,
+                fallback=self.client("fallback") if c.policy == "fallback" else None,
+                timeout=c.timeout,
+                deadlines=channel == "forward",
+            )
             self._steps[(channel, placement)] = step
         return step
 
@@ -164,10 +184,15 @@ class EngramRows:
                 if not layers:
                     continue
                 out[placement] = GraphStep(
-                    self.client(placement), [LayerPlan(s.layer, s.table, s.window_s, c.mode) for s in layers],
-                    {s.layer: s.graph_mode for s in layers}, max_tokens, policy=c.policy,
-                    fallback=self.client("fallback") if c.policy == "fallback" else None, device=device,
-                    timeout=c.timeout)
+                    self.client(placement),
+                    [LayerPlan(s.layer, s.table, s.window_s, c.mode) for s in layers],
+                    {s.layer: s.graph_mode for s in layers},
+                    max_tokens,
+                    policy=c.policy,
+                    fallback=self.client("fallback") if c.policy == "fallback" else None,
+                    device=device,
+                    timeout=c.timeout,
+                )
         return out
 
     # ------------------------------------------------------------------ a step
@@ -196,8 +221,10 @@ class EngramRows:
                 self._step(placement, channel).begin_step(by_placement[placement])
             if channel == "forward":
                 root = hash_ids if hash_ids._base is None else hash_ids._base
-                self._pending = (weakref.ref(root), {s.layer: (_geometry(hash_ids[:, s.hash_index]),
-                                                               host[:, s.hash_index]) for s in served})
+                self._pending = (
+                    weakref.ref(root),
+                    {s.layer: (_geometry(hash_ids[:, s.hash_index]), host[:, s.hash_index]) for s in served},
+                )
             return True
 
     def rows(self, layer: int, indices):
@@ -237,8 +264,9 @@ class EngramRows:
 
         with self._lock:
             self.served[layer]["fetched"] += 1
-            return torch.from_numpy(self._step(self.layers[layer].placement, channel).gather_now(
-                layer, ids.detach().to("cpu").numpy()))
+            return torch.from_numpy(
+                self._step(self.layers[layer].placement, channel).gather_now(layer, ids.detach().to("cpu").numpy())
+            )
 
     def staged(self, layer: int, channel: str = "stage"):
         """The rows of ``layer`` issued by ``prefetch(..., channel)``: ``[T, C, row_bytes]`` of its staging."""

@@ -23,8 +23,17 @@ from tableclient.sglang.hooks import PluginError, configure, rows
 
 log = logging.getLogger("tableclient.sglang")
 
-__all__ = ["register", "configure", "rows", "PluginConfig", "ConfigError", "PluginError", "EngramRows",
-           "EngramRowsError", "dequantize"]
+__all__ = [
+    "register",
+    "configure",
+    "rows",
+    "PluginConfig",
+    "ConfigError",
+    "PluginError",
+    "EngramRows",
+    "EngramRowsError",
+    "dequantize",
+]
 
 
 def register() -> bool:
@@ -36,8 +45,10 @@ def register() -> bool:
     try:
         config = PluginConfig.load()
         if not config.enabled:
-            log.info("tableserver plugin installed but not configured (set TABLESERVER_ADDRESS or "
-                     "TABLESERVER_SGLANG_CONFIG): SGLang keeps its own Engram tables")
+            log.info(
+                "tableserver plugin installed but not configured (set TABLESERVER_ADDRESS or "
+                "TABLESERVER_SGLANG_CONFIG): SGLang keeps its own Engram tables"
+            )
             return False
         version = hooks.check_sglang()
         configure(config)
@@ -46,9 +57,14 @@ def register() -> bool:
         if not isinstance(e, (ConfigError, PluginError)) and not any(k.startswith("TABLESERVER_") for k in os.environ):
             raise
         text = str(e).removeprefix("tableserver plugin: ")
-        raise SystemExit(f"tableserver plugin: {text if isinstance(e, (ConfigError, PluginError)) else repr(e)}") \
-            from None
-    log.info("tableserver plugin: hooks in place in SGLang %s (%s)", version,
-             "every Engram layer remote" if not config.layers else
-             ", ".join(f"layer {k} {v}" for k, v in sorted(config.layers.items())))
+        raise SystemExit(
+            f"tableserver plugin: {text if isinstance(e, (ConfigError, PluginError)) else repr(e)}"
+        ) from None
+    log.info(
+        "tableserver plugin: hooks in place in SGLang %s (%s)",
+        version,
+        "every Engram layer remote"
+        if not config.layers
+        else ", ".join(f"layer {k} {v}" for k, v in sorted(config.layers.items())),
+    )
     return True

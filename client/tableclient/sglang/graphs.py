@@ -77,25 +77,35 @@ def check_runner(runner, modes: dict) -> None:
 
     spec = getattr(runner, "speculative_algorithm", None)
     if spec is not None and not (spec.is_none() if hasattr(spec, "is_none") else not spec):
-        raise PluginError("tableserver plugin: served Engram layers in decode CUDA graphs do not handle speculative "
-                          "decoding (its verify graphs hash blocks and commit after accept): drop "
-                          "--speculative-algorithm, launch with --cuda-graph-backend-decode disabled, or place the "
-                          "layers 'local'")
+        raise PluginError(
+            "tableserver plugin: served Engram layers in decode CUDA graphs do not handle speculative "
+            "decoding (its verify graphs hash blocks and commit after accept): drop "
+            "--speculative-algorithm, launch with --cuda-graph-backend-decode disabled, or place the "
+            "layers 'local'"
+        )
     if getattr(runner, "enable_two_batch_overlap", False):
-        raise PluginError("tableserver plugin: served Engram layers in decode CUDA graphs do not handle two-batch "
-                          "overlap: drop --enable-two-batch-overlap, or place the layers 'local'")
+        raise PluginError(
+            "tableserver plugin: served Engram layers in decode CUDA graphs do not handle two-batch "
+            "overlap: drop --enable-two-batch-overlap, or place the layers 'local'"
+        )
     if getattr(runner, "enable_pdmux", False):
-        raise PluginError("tableserver plugin: served Engram layers in decode CUDA graphs do not handle PDMux (one "
-                          "graph set per stream group): drop --enable-pdmux, or place the layers 'local'")
+        raise PluginError(
+            "tableserver plugin: served Engram layers in decode CUDA graphs do not handle PDMux (one "
+            "graph set per stream group): drop --enable-pdmux, or place the layers 'local'"
+        )
     breakable = type(runner.backend).__name__ == "BreakableCudaGraphBackend"
     eager = sorted(layer for layer, mode in modes.items() if mode == "eager_break")
     if eager and not breakable:
-        raise PluginError(f"tableserver plugin: layer {eager[0]} is graph mode 'eager_break', which needs "
-                          "--cuda-graph-backend-decode breakable: launch with it, or use before_replay/in_graph")
+        raise PluginError(
+            f"tableserver plugin: layer {eager[0]} is graph mode 'eager_break', which needs "
+            "--cuda-graph-backend-decode breakable: launch with it, or use before_replay/in_graph"
+        )
     if breakable and any(mode == "in_graph" for mode in modes.values()) and _debug_cuda_graph():
-        raise PluginError("tableserver plugin: with --debug-cuda-graph the whole decode forward runs as one eager "
-                          "break, so in_graph layers would never see their graph: drop --debug-cuda-graph, or "
-                          "place the layers 'before_replay'")
+        raise PluginError(
+            "tableserver plugin: with --debug-cuda-graph the whole decode forward runs as one eager "
+            "break, so in_graph layers would never see their graph: drop --debug-cuda-graph, or "
+            "place the layers 'before_replay'"
+        )
 
 
 def _debug_cuda_graph() -> bool:
@@ -110,44 +120,61 @@ def _debug_cuda_graph() -> bool:
 def prepare(runner, rows) -> _Session | None:
     """Before a decode runner captures: the session of its graphs (None when no layer is served)."""
     import torch
-
     from sglang.srt.layers.engram import EngramHasher
 
     from tableclient.sglang.hooks import PluginError
 
     old = session()
     if old is not None and old.runner is not runner:
-        raise PluginError("tableserver plugin: a second decode CUDA graph runner in one process (a draft model's?) "
-                          "is not supported with served Engram layers: drop the speculative model, or place the "
-                          "layers 'local'")
+        raise PluginError(
+            "tableserver plugin: a second decode CUDA graph runner in one process (a draft model's?) "
+            "is not supported with served Engram layers: drop the speculative model, or place the "
+            "layers 'local'"
+        )
     close()  # the same runner capturing again: its old graphs go with the old session
     if not rows.layers:
         return None
     hashers = [m for m in runner.model_runner.model.modules() if isinstance(m, EngramHasher)]
     if len(hashers) != 1 or hashers[0].history is None:
-        raise EngramRowsError(f"tableserver plugin: expected one Engram hasher with its history in the model, found "
-                              f"{len(hashers)}: the plugin cannot serve this model's decode graphs")
+        raise EngramRowsError(
+            f"tableserver plugin: expected one Engram hasher with its history in the model, found "
+            f"{len(hashers)}: the plugin cannot serve this model's decode graphs"
+        )
     modes = {layer: s.graph_mode for layer, s in rows.layers.items()}
     check_runner(runner, modes)
     missing = [layer for layer, s in rows.layers.items() if s.hash_index is None]
     if missing:
-        raise EngramRowsError(f"tableserver plugin: layer {missing[0]} has no hash column: the plugin's Engram hook "
-                              "did not run")
+        raise EngramRowsError(
+            f"tableserver plugin: layer {missing[0]} has no hash column: the plugin's Engram hook did not run"
+        )
     tokens = int(runner.max_bs) * int(getattr(runner, "captured_req_width", 1))
     device = hashers[0].history.device
     steps = rows.graph_steps(tokens, device if device.type == "cuda" else torch.device("cpu"))
-    s = _Session(runner, hashers[0], steps, dict(rows.layers), type(runner.backend).__name__ ==
-                 "BreakableCudaGraphBackend", tokens)
+    s = _Session(
+        runner,
+        hashers[0],
+        steps,
+        dict(rows.layers),
+        type(runner.backend).__name__ == "BreakableCudaGraphBackend",
+        tokens,
+    )
     _session["active"] = s
     interval = rows.config.switch_interval
     if interval and any(sl.graph_mode == "in_graph" for sl in rows.layers.values()):
         import sys
 
-        log.info("tableserver plugin: GIL switch interval %g s -> %g s (switch_interval): in_graph layers' poller "
-                 "gathers in Python", sys.getswitchinterval(), interval)
+        log.info(
+            "tableserver plugin: GIL switch interval %g s -> %g s (switch_interval): in_graph layers' poller "
+            "gathers in Python",
+            sys.getswitchinterval(),
+            interval,
+        )
         sys.setswitchinterval(interval)
-    log.info("tableserver plugin: decode CUDA graphs of up to %d tokens: %s", tokens,
-             ", ".join(f"layer {layer} {s.mode(layer)}" for layer in sorted(rows.layers)))
+    log.info(
+        "tableserver plugin: decode CUDA graphs of up to %d tokens: %s",
+        tokens,
+        ", ".join(f"layer {layer} {s.mode(layer)}" for layer in sorted(rows.layers)),
+    )
     return s
 
 
@@ -181,8 +208,7 @@ def before_replay(s: _Session, forward_batch, tokens: int) -> None:
         by_placement: dict = {}
         for layer, sl in pre.items():
             by_placement.setdefault(sl.placement, {})[layer] = ids[:, sl.hash_index].numpy()
-        for placement, row_ids in sorted(by_placement.items(), key=lambda kv: min(s.layers[k].window_s
-                                                                                  for k in kv[1])):
+        for placement, row_ids in sorted(by_placement.items(), key=lambda kv: min(s.layers[k].window_s for k in kv[1])):
             s.steps[placement].before_replay(row_ids)
     for step in s.steps.values():
         step.arm(tokens)
@@ -235,7 +261,7 @@ def captured_rows(s: _Session, embed, layer: int, indices):
     packed = s.step_of(layer).rows(layer, tokens, graph=_recording(s, indices))  # [tokens * 24, row_bytes]
     if not indices.is_cuda:
         return dequantize(packed.view(*indices.shape, -1), embed.dim)
-    weight, scale = packed[:, :embed.dim].contiguous(), packed[:, embed.dim:].contiguous()
+    weight, scale = packed[:, : embed.dim].contiguous(), packed[:, embed.dim :].contiguous()
     copied = s.events[layer]
     copied.record()
     return embed.dequant_staged(weight, scale, copied, indices.shape)

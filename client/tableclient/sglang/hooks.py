@@ -38,9 +38,9 @@ import inspect
 import logging
 import re
 
-from tableclient.sglang import graphs
 from tableclient.engine.config import PluginConfig
 from tableclient.engine.rows import EngramRows, dequantize
+from tableclient.sglang import graphs
 
 log = logging.getLogger("tableclient.sglang")
 
@@ -51,8 +51,10 @@ RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner"
 WEIGHTS = "sglang.srt.model_loader.weight_utils"
 #: checkpoint tensors of a layer's table (names as in the checkpoint and after SGLang's remap)
 TABLE_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.engram\.embed\.(?:weight|scale)$")
-GRAPH_ADVICE = ("rows from a tableserver can be replayed in decode CUDA graphs and breakable prefill graphs only: "
-                "launch SGLang with --cuda-graph-backend-prefill breakable (or disabled), or place the layer 'local'")
+GRAPH_ADVICE = (
+    "rows from a tableserver can be replayed in decode CUDA graphs and breakable prefill graphs only: "
+    "launch SGLang with --cuda-graph-backend-prefill breakable (or disabled), or place the layer 'local'"
+)
 
 _state: dict = {"config": None, "rows": None, "registered": False}
 
@@ -94,26 +96,32 @@ def check_sglang() -> str:
     except importlib.metadata.PackageNotFoundError:
         raise PluginError("tableserver plugin: sglang is not installed in this environment") from None
     if version != SUPPORTED_SGLANG:
-        raise PluginError(f"tableserver plugin: SGLang {version} is not supported (tested with {SUPPORTED_SGLANG}, "
-                          f"whose Engram internals it hooks): install sglang=={SUPPORTED_SGLANG}, or unset "
-                          "TABLESERVER_ADDRESS to run SGLang without the plugin")
+        raise PluginError(
+            f"tableserver plugin: SGLang {version} is not supported (tested with {SUPPORTED_SGLANG}, "
+            f"whose Engram internals it hooks): install sglang=={SUPPORTED_SGLANG}, or unset "
+            "TABLESERVER_ADDRESS to run SGLang without the plugin"
+        )
     from sglang.srt.layers import engram, engram_staging
     from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
 
-    expected = {DecodeCudaGraphRunner.capture: ["self"],
-                DecodeCudaGraphRunner.load_batch: ["self", "forward_batch", "pp_proxy_tensors"],
-                DecodeCudaGraphRunner.execute: ["self", "forward_batch", "pp_proxy_tensors"],
-                engram.EngramHasher.init_history: ["self", "num_req_slots", "device"],  # graphs read its history
-                engram.EngramEmbedding.__init__: ["self", "num_embeddings", "dim", "layer_id", "column_bounds"],
-                engram.EngramEmbedding.forward: ["self", "indices", "forward_batch", "cp_all_tokens"],
-                engram.EngramEmbedding.dequant_staged: ["self", "rows", "scales", "copied", "hash_shape"],
-                engram.EngramHasher.forward: ["self", "input_ids", "forward_batch"],
-                engram_staging.EngramRowStager.stage: ["self", "batch"]}
+    expected = {
+        DecodeCudaGraphRunner.capture: ["self"],
+        DecodeCudaGraphRunner.load_batch: ["self", "forward_batch", "pp_proxy_tensors"],
+        DecodeCudaGraphRunner.execute: ["self", "forward_batch", "pp_proxy_tensors"],
+        engram.EngramHasher.init_history: ["self", "num_req_slots", "device"],  # graphs read its history
+        engram.EngramEmbedding.__init__: ["self", "num_embeddings", "dim", "layer_id", "column_bounds"],
+        engram.EngramEmbedding.forward: ["self", "indices", "forward_batch", "cp_all_tokens"],
+        engram.EngramEmbedding.dequant_staged: ["self", "rows", "scales", "copied", "hash_shape"],
+        engram.EngramHasher.forward: ["self", "input_ids", "forward_batch"],
+        engram_staging.EngramRowStager.stage: ["self", "batch"],
+    }
     for fn, params in expected.items():
         got = list(inspect.signature(inspect.unwrap(fn)).parameters)
         if got != params:
-            raise PluginError(f"tableserver plugin: SGLang's {fn.__qualname__}{tuple(got)} is not the layout this "
-                              f"plugin hooks ({tuple(params)}): install sglang=={SUPPORTED_SGLANG}")
+            raise PluginError(
+                f"tableserver plugin: SGLang's {fn.__qualname__}{tuple(got)} is not the layout this "
+                f"plugin hooks ({tuple(params)}): install sglang=={SUPPORTED_SGLANG}"
+            )
     return version
 
 
@@ -124,18 +132,20 @@ def register_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     around, after = HookType.AROUND, HookType.AFTER
-    hooks = [(f"{ENGRAM}.EngramEmbedding.__init__", _embedding_init, around),
-             (f"{ENGRAM}.EngramEmbedding.forward", _embedding_forward, around),
-             (f"{ENGRAM}.Engram.__init__", _engram_init, after),
-             (f"{ENGRAM}.EngramHasher.forward", _hasher_forward, after),
-             (f"{RUNNER}.DecodeCudaGraphRunner.capture", _runner_capture, around),
-             (f"{RUNNER}.DecodeCudaGraphRunner.load_batch", _runner_load_batch, after),
-             (f"{RUNNER}.DecodeCudaGraphRunner.execute", _runner_execute, around),
-             (f"{STAGING}.EngramRowStager.from_model", _stager_from_model, around),
-             (f"{STAGING}.EngramRowStager.stage", _stager_stage, around),
-             (f"{WEIGHTS}.safetensors_weights_iterator", _skip_served_tables, around),
-             (f"{WEIGHTS}.buffered_multi_thread_safetensors_weights_iterator", _skip_served_tables, around),
-             ("sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM.load_weights", _load_weights, around)]
+    hooks = [
+        (f"{ENGRAM}.EngramEmbedding.__init__", _embedding_init, around),
+        (f"{ENGRAM}.EngramEmbedding.forward", _embedding_forward, around),
+        (f"{ENGRAM}.Engram.__init__", _engram_init, after),
+        (f"{ENGRAM}.EngramHasher.forward", _hasher_forward, after),
+        (f"{RUNNER}.DecodeCudaGraphRunner.capture", _runner_capture, around),
+        (f"{RUNNER}.DecodeCudaGraphRunner.load_batch", _runner_load_batch, after),
+        (f"{RUNNER}.DecodeCudaGraphRunner.execute", _runner_execute, around),
+        (f"{STAGING}.EngramRowStager.from_model", _stager_from_model, around),
+        (f"{STAGING}.EngramRowStager.stage", _stager_stage, around),
+        (f"{WEIGHTS}.safetensors_weights_iterator", _skip_served_tables, around),
+        (f"{WEIGHTS}.buffered_multi_thread_safetensors_weights_iterator", _skip_served_tables, around),
+        ("sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM.load_weights", _load_weights, around),
+    ]
     for target, fn, kind in hooks:
         HookRegistry.register(target, fn, kind)
     HookRegistry.apply_hooks()  # SGLang's load_plugins applies them too; doing it here lets us check
@@ -144,8 +154,9 @@ def register_hooks() -> None:
     for target, fn, _ in hooks:
         owner, attr = target.rsplit(".", 1)
         if not _wraps(getattr(pkgutil.resolve_name(owner), attr), fn):
-            raise PluginError(f"tableserver plugin: SGLang did not apply the hook on {target} (see its log): "
-                              "the plugin cannot engage")
+            raise PluginError(
+                f"tableserver plugin: SGLang did not apply the hook on {target} (see its log): the plugin cannot engage"
+            )
     _state["registered"] = True
 
 
@@ -153,8 +164,7 @@ def _wraps(fn, hook) -> bool:
     """Whether SGLang's wrapper chain around ``fn`` calls ``hook``."""
     fn = getattr(fn, "__func__", fn)
     while fn is not None:
-        if any(cell.cell_contents is hook for cell in (getattr(fn, "__closure__", None) or ())
-               if _cell_set(cell)):
+        if any(cell.cell_contents is hook for cell in (getattr(fn, "__closure__", None) or ()) if _cell_set(cell)):
             return True
         fn = getattr(fn, "__wrapped__", None)
     return False
@@ -162,7 +172,7 @@ def _wraps(fn, hook) -> bool:
 
 def _cell_set(cell) -> bool:
     try:
-        cell.cell_contents
+        _ = cell.cell_contents
     except ValueError:
         return False
     return True
@@ -173,7 +183,6 @@ def _embedding_init(original, self, num_embeddings, dim, layer_id, column_bounds
     if not served(layer_id):
         return original(self, num_embeddings, dim, layer_id, column_bounds, *args, **kwargs)
     import torch
-
     from sglang.srt.runtime_context import get_parallel
 
     torch.nn.Module.__init__(self)
@@ -189,8 +198,13 @@ def _embedding_init(original, self, num_embeddings, dim, layer_id, column_bounds
     self.staged_by_scheduler = True  # a breakable prefill graph runs the lookup between its segments
     self._tableserver_layer = layer_id
     where = config().address if placement == "remote" else config().node_address
-    log.info("tableserver plugin: Engram layer %d reads table %r from %s (%s); no local table allocated",
-             layer_id, config().table(layer_id), where, placement)
+    log.info(
+        "tableserver plugin: Engram layer %d reads table %r from %s (%s); no local table allocated",
+        layer_id,
+        config().table(layer_id),
+        where,
+        placement,
+    )
 
 
 def _engram_init(result, self, cfg, layer_id, layout, *args, **kwargs):
@@ -298,7 +312,6 @@ def _runner_execute(original, self, forward_batch, *args, **kwargs):
 # ---------------------------------------------------------------------- scheduler-side staging
 def _stager_from_model(original, cls, model, hasher, device):
     import torch
-
     from sglang.srt.environ import envs
     from sglang.srt.layers.engram import Engram
     from sglang.srt.layers.engram_staging import _GATHER_THREADS
@@ -312,17 +325,28 @@ def _stager_from_model(original, cls, model, hasher, device):
     if not served_layers:
         return original(cls, model, hasher, device)
     local = [e for e in engrams if e not in served_layers]
-    if (not torch.cuda.is_available() or torch.device(device).type != "cuda" or get_parallel().attn_cp_size > 1
-            or (local and not (envs.SGLANG_OPT_DSV41_ENGRAM_HOST_STAGING.get()
-                               and all(e.embed.shared_host_table_without_ats for e in local)))):
+    if (
+        not torch.cuda.is_available()
+        or torch.device(device).type != "cuda"
+        or get_parallel().attn_cp_size > 1
+        or (
+            local
+            and not (
+                envs.SGLANG_OPT_DSV41_ENGRAM_HOST_STAGING.get()
+                and all(e.embed.shared_host_table_without_ats for e in local)
+            )
+        )
+    ):
         return None  # no scheduler staging: the forward prefetches at step start
     from concurrent.futures import ThreadPoolExecutor
 
     stager = cls.__new__(cls)
     stager.hasher, stager.device = hasher, torch.device(device)
     # per hash column: SGLang's (weight, scale) byte views of a local table, or None for a served layer
-    stager.tables = [None if e in served_layers else (e.embed.weight.data.view(torch.uint8),
-                                                      e.embed.scale.data.view(torch.uint8)) for e in engrams]
+    stager.tables = [
+        None if e in served_layers else (e.embed.weight.data.view(torch.uint8), e.embed.scale.data.view(torch.uint8))
+        for e in engrams
+    ]
     stager.pool = ThreadPoolExecutor(_GATHER_THREADS)
     stager.copy_stream = torch.cuda.Stream(stager.device)
     stager._tableserver = [getattr(e.embed, "_tableserver_layer", None) for e in engrams]
@@ -339,16 +363,21 @@ def _verify(engrams) -> None:
     for e in engrams:
         layer_id = getattr(e, "_tableserver_layer_id", None)  # set by the Engram.__init__ hook
         if layer_id is None:
-            raise PluginError("tableserver plugin: an Engram layer was built without the plugin's hooks: "
-                              "the plugin cannot engage")
+            raise PluginError(
+                "tableserver plugin: an Engram layer was built without the plugin's hooks: the plugin cannot engage"
+            )
         layers.append(layer_id)
         if served(layer_id) and getattr(e.embed, "_tableserver_layer", None) is None:
-            raise PluginError(f"tableserver plugin: Engram layer {layer_id} is placed {cfg.placement(layer_id)} but "
-                              "SGLang built its own table: the plugin's hooks did not engage")
+            raise PluginError(
+                f"tableserver plugin: Engram layer {layer_id} is placed {cfg.placement(layer_id)} but "
+                "SGLang built its own table: the plugin's hooks did not engage"
+            )
     unknown = sorted(set(cfg.layers) - set(layers))
     if unknown:
-        raise PluginError(f"tableserver plugin: [layers] names layer {unknown[0]}, which is not an Engram layer of "
-                          f"this model (it has {', '.join(map(str, layers))}): fix the placement")
+        raise PluginError(
+            f"tableserver plugin: [layers] names layer {unknown[0]}, which is not an Engram layer of "
+            f"this model (it has {', '.join(map(str, layers))}): fix the placement"
+        )
     log.info("tableserver plugin engaged: %s", cfg.describe(layers))
 
 

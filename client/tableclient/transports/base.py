@@ -118,8 +118,15 @@ class ClientTransport(abc.ABC):
     expands: bool = False
 
     @abc.abstractmethod
-    def gather(self, table_index: int, ids: np.ndarray, out: np.ndarray, sync: bool = False,
-               mode: str = "read", expand: np.ndarray | None = None) -> Pending:
+    def gather(
+        self,
+        table_index: int,
+        ids: np.ndarray,
+        out: np.ndarray,
+        sync: bool = False,
+        mode: str = "read",
+        expand: np.ndarray | None = None,
+    ) -> Pending:
         """Starts moving rows ``ids`` of table ``table_index`` into ``out``.
 
         ``sync`` says the caller will wait at once: a local transport then

@@ -40,12 +40,26 @@ import numpy as np
 from tableclient.errors import ConnectError, GatherTimeout, RemoteError, TransportError, TransportUnavailable
 from tableclient.transports.base import ClientTransport, Pending
 from tableserver.common.verbs import (
-    Device, QpInfo, RdmaError, RdmaUnavailable, RegisteredBuffer, RingAllocator, connect_rc_qp, create_rc_qp, verbs,
+    Device,
+    QpInfo,
+    RdmaError,
+    RdmaUnavailable,
+    RegisteredBuffer,
+    RingAllocator,
+    connect_rc_qp,
+    create_rc_qp,
+    verbs,
+)
+from tableserver.common.wire import (
+    PACK_ERROR,
+    PACK_ERROR_MAGIC,
+    PACK_REPLY_BYTES,
+    PACK_REQUEST,
+    PACK_REQUEST_MAGIC,
+    ROW_ID_BYTES,
+    Status,
 )
 from tableserver.v1 import tableserver_pb2 as pb
-from tableserver.common.wire import (
-    PACK_ERROR, PACK_ERROR_MAGIC, PACK_REPLY_BYTES, PACK_REQUEST, PACK_REQUEST_MAGIC, ROW_ID_BYTES, Status,
-)
 
 log = logging.getLogger("tableclient.rdma")
 
@@ -69,7 +83,9 @@ class Prepared:
     def params(self) -> pb.RdmaClientParams:
         return pb.RdmaClientParams(
             qps=[pb.RdmaQueuePair(qp_num=i.qp_num, psn=i.psn, gid=i.gid, mtu=i.mtu) for i in self.infos],
-            device=self.dev.name, max_rd_atomic=self.dev.max_rd_atomic)
+            device=self.dev.name,
+            max_rd_atomic=self.dev.max_rd_atomic,
+        )
 
     def close(self) -> None:
         for qp in self.qps:
@@ -86,12 +102,24 @@ class _ReadRing:
         self.slots = RingAllocator(rows)
         lkey = staging.mr.lkey
         addr0 = staging.addr + base_row * row_bytes
-        self.chain = [v.wr.SendWR(opcode=e.IBV_WR_RDMA_READ, num_sge=1,
-                                  sg=[v.wr.SGE(addr0 + i * row_bytes, row_bytes, lkey)], send_flags=0)
-                      for i in range(rows)]
-        self.last = [v.wr.SendWR(opcode=e.IBV_WR_RDMA_READ, num_sge=1,
-                                 sg=[v.wr.SGE(addr0 + i * row_bytes, row_bytes, lkey)],
-                                 send_flags=e.IBV_SEND_SIGNALED) for i in range(rows)]
+        self.chain = [
+            v.wr.SendWR(
+                opcode=e.IBV_WR_RDMA_READ,
+                num_sge=1,
+                sg=[v.wr.SGE(addr0 + i * row_bytes, row_bytes, lkey)],
+                send_flags=0,
+            )
+            for i in range(rows)
+        ]
+        self.last = [
+            v.wr.SendWR(
+                opcode=e.IBV_WR_RDMA_READ,
+                num_sge=1,
+                sg=[v.wr.SGE(addr0 + i * row_bytes, row_bytes, lkey)],
+                send_flags=e.IBV_SEND_SIGNALED,
+            )
+            for i in range(rows)
+        ]
         for a, b in zip(self.chain, self.chain[1:]):
             a.next_wr = b
         self.base_row = base_row
@@ -186,8 +214,14 @@ class RdmaTransport(ClientTransport):
     expands = True
 
     @staticmethod
-    def prepare(device: str | None = None, gid_index: int | None = None, port: int = 1, qps: int = 4,
-                ring_rows: int = 4096, tables: int = 1) -> Prepared:
+    def prepare(
+        device: str | None = None,
+        gid_index: int | None = None,
+        port: int = 1,
+        qps: int = 4,
+        ring_rows: int = 4096,
+        tables: int = 1,
+    ) -> Prepared:
         """Opens the device and makes ``qps`` RC QPs in INIT; TransportUnavailable if none is usable.
 
         Each QP's send queue holds a full ring per table plus the pack sends;
@@ -206,13 +240,20 @@ class RdmaTransport(ClientTransport):
         fit = ((max_cqe - 64) // qps - RECV_DEPTH - extra) // tables
         rows = max(16, min(ring_rows, fit, (dev.max_qp_wr - extra) // tables))
         if rows < ring_rows:
-            log.info("rdma: ring of %d rows per table and QP (asked %d) to fit %s's CQ of %d entries", rows,
-                     ring_rows, dev.name, max_cqe)
+            log.info(
+                "rdma: ring of %d rows per table and QP (asked %d) to fit %s's CQ of %d entries",
+                rows,
+                ring_rows,
+                dev.name,
+                max_cqe,
+            )
         send_wr = rows * tables + extra
         try:
             cq = v.cq.CQ(dev.context, min(max_cqe, qps * (send_wr + RECV_DEPTH) + 64))
-            made = [create_rc_qp(dev, cq, send_wr, RECV_DEPTH, e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE)
-                    for _ in range(qps)]
+            made = [
+                create_rc_qp(dev, cq, send_wr, RECV_DEPTH, e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE)
+                for _ in range(qps)
+            ]
         except (RdmaError, v.Error) as err:
             dev.close()
             raise TransportUnavailable(f"cannot create RDMA QPs: {err}") from None
@@ -255,11 +296,15 @@ class RdmaTransport(ClientTransport):
         for info in catalog:
             regions = sorted(by_table.get(info.index, []), key=lambda r: r.table_offset)
             # rkeys[region, qp]: a session's own memory-window rkey per QP, or the region's one rkey on all
-            rkeys = np.array([list(r.qp_rkeys) if r.qp_rkeys else [r.rkey] * len(self._qps) for r in regions],
-                             np.int64).reshape(len(regions), len(self._qps))
+            rkeys = np.array(
+                [list(r.qp_rkeys) if r.qp_rkeys else [r.rkey] * len(self._qps) for r in regions], np.int64
+            ).reshape(len(regions), len(self._qps))
             self._tables[info.index] = _TableState(
-                info, np.array([r.table_offset for r in regions], np.int64),
-                np.array([r.addr for r in regions], np.uint64), rkeys)
+                info,
+                np.array([r.table_offset for r in regions], np.int64),
+                np.array([r.addr for r in regions], np.uint64),
+                rkeys,
+            )
         if self.pack_max_rows:
             self._setup_pack()
         self._probe(connect_timeout)
@@ -288,8 +333,9 @@ class RdmaTransport(ClientTransport):
         self._send_sges = [v.wr.SGE(self._send.addr + i * slot, slot, self._send.mr.lkey) for i in range(SEND_SLOTS)]
         self._send_wrs = []
         for i, sge in enumerate(self._send_sges):
-            wr = v.wr.SendWR(wr_id=_SEND_TAG | i, opcode=e.IBV_WR_SEND, num_sge=1, sg=[sge],
-                             send_flags=e.IBV_SEND_SIGNALED)
+            wr = v.wr.SendWR(
+                wr_id=_SEND_TAG | i, opcode=e.IBV_WR_SEND, num_sge=1, sg=[sge], send_flags=e.IBV_SEND_SIGNALED
+            )
             wr.sg_list = sge  # point at the SGE object itself so its length can change per request
             self._send_wrs.append(wr)
         self._recv = self._register(PACK_REPLY_BYTES * RECV_DEPTH * len(self._qps), e.IBV_ACCESS_LOCAL_WRITE)
@@ -318,8 +364,15 @@ class RdmaTransport(ClientTransport):
     def request_rows(self, mode: str = "read") -> int:
         return self.pack_max_rows if mode == "pack" else self.ring_rows * len(self._qps)
 
-    def gather(self, table_index: int, ids: np.ndarray, out: np.ndarray, sync: bool = False,
-               mode: str = "read", expand: np.ndarray | None = None) -> Pending:
+    def gather(
+        self,
+        table_index: int,
+        ids: np.ndarray,
+        out: np.ndarray,
+        sync: bool = False,
+        mode: str = "read",
+        expand: np.ndarray | None = None,
+    ) -> Pending:
         if self._error is not None:
             raise self._error
         if mode == "pack":
@@ -371,15 +424,17 @@ class RdmaTransport(ClientTransport):
             start = ring.alloc(n)
         return start
 
-    def _gather_pack(self, table_index: int, ids: np.ndarray, out: np.ndarray,
-                     expand: np.ndarray | None = None) -> Pending:
+    def _gather_pack(
+        self, table_index: int, ids: np.ndarray, out: np.ndarray, expand: np.ndarray | None = None
+    ) -> Pending:
         t = self._tables[table_index]
         rb, n = t.info.row_bytes, ids.size
         if n > self.pack_max_rows:
             raise ValueError(f"{n} rows in one pack request, the server allows {self.pack_max_rows}")
         if t.pack is None:
-            t.pack = self._register(2 * self.pack_max_rows * rb,
-                                    self._e.IBV_ACCESS_LOCAL_WRITE | self._e.IBV_ACCESS_REMOTE_WRITE)
+            t.pack = self._register(
+                2 * self.pack_max_rows * rb, self._e.IBV_ACCESS_LOCAL_WRITE | self._e.IBV_ACCESS_REMOTE_WRITE
+            )
             t.pack_ring = RingAllocator(2 * self.pack_max_rows)
             t.pack_rows = t.pack.array[: 2 * self.pack_max_rows * rb].reshape(-1, rb)
         batch = _Batch(self, next(self._tokens) & 0xFFFFFFFF or 1, out)
@@ -394,11 +449,13 @@ class RdmaTransport(ClientTransport):
                     raise self._error
             slot = self._send_free.pop()
             base = slot * self._send_slot
-            hdr = PACK_REQUEST.pack(PACK_REQUEST_MAGIC, batch.token, table_index, n, t.pack.addr + start * rb,
-                                    t.pack.mr.rkey)
-            self._send.array[base:base + PACK_REQUEST.size] = np.frombuffer(hdr, np.uint8)
-            self._send.array[base + PACK_REQUEST.size:base + PACK_REQUEST.size + n * ROW_ID_BYTES] = \
-                ids.view(np.uint8)
+            hdr = PACK_REQUEST.pack(
+                PACK_REQUEST_MAGIC, batch.token, table_index, n, t.pack.addr + start * rb, t.pack.mr.rkey
+            )
+            self._send.array[base : base + PACK_REQUEST.size] = np.frombuffer(hdr, np.uint8)
+            self._send.array[base + PACK_REQUEST.size : base + PACK_REQUEST.size + n * ROW_ID_BYTES] = ids.view(
+                np.uint8
+            )
             self._send_sges[slot].length = PACK_REQUEST.size + n * ROW_ID_BYTES
             batch.parts = 1
             self._inflight[batch.token] = batch
@@ -428,8 +485,12 @@ class RdmaTransport(ClientTransport):
         e = self._e
         wr_id = wc.wr_id
         if wc.status != e.IBV_WC_SUCCESS:
-            self._fail_all(TransportError(f"RDMA completion error on {self.device}: status {wc.status} "
-                                          f"(opcode {wc.opcode}, vendor error {wc.vendor_err})"))
+            self._fail_all(
+                TransportError(
+                    f"RDMA completion error on {self.device}: status {wc.status} "
+                    f"(opcode {wc.opcode}, vendor error {wc.vendor_err})"
+                )
+            )
             return
         if wr_id & _SEND_TAG:
             self._send_free.append(wr_id & 0xFFFF)
@@ -463,7 +524,7 @@ class RdmaTransport(ClientTransport):
         batch.complete(error)
 
     def _pack_error(self, k: int, nbytes: int) -> None:
-        raw = self._recv.array[k * PACK_REPLY_BYTES:k * PACK_REPLY_BYTES + nbytes].tobytes()
+        raw = self._recv.array[k * PACK_REPLY_BYTES : k * PACK_REPLY_BYTES + nbytes].tobytes()
         if len(raw) < PACK_ERROR.size:
             return
         magic, token, status, length = PACK_ERROR.unpack_from(raw)
@@ -471,7 +532,7 @@ class RdmaTransport(ClientTransport):
         if magic != PACK_ERROR_MAGIC or batch is None:
             return
         name = Status(status).name if status in Status._value2member_map_ else str(status)
-        self._finish(batch, RemoteError(name, raw[PACK_ERROR.size:PACK_ERROR.size + length].decode(errors="replace")))
+        self._finish(batch, RemoteError(name, raw[PACK_ERROR.size : PACK_ERROR.size + length].decode(errors="replace")))
 
     def _fail_all(self, error: TransportError) -> None:
         if self._error is None:

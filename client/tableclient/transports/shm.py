@@ -30,7 +30,14 @@ from tableclient.errors import AuthError, ConnectError, TransportUnavailable
 from tableclient.transports.base import DONE, ClientTransport, Pending
 from tableserver.common.take import take_checked
 from tableserver.common.wire import (
-    HEADER, HEADER_BYTES, RESPONSE_MAGIC, HandshakeRefused, Status, hello_frame, parse_challenge, server_proof,
+    HEADER,
+    HEADER_BYTES,
+    RESPONSE_MAGIC,
+    HandshakeRefused,
+    Status,
+    hello_frame,
+    parse_challenge,
+    server_proof,
 )
 
 
@@ -66,10 +73,13 @@ def _table_entries(reply, catalog, path: str) -> list:
             raise ConnectError(f"shm handshake on {path}: a table entry no tableserver sends")
         index, rows, row_bytes, size = fields
         info = by_index.get(index)
-        if info is None or index in seen or (info.rows, info.row_bytes) != (rows, row_bytes) \
-                or not info.rows * info.row_bytes <= size <= info.rows * info.row_bytes + MAX_MAPPING_SLACK:
-            raise ConnectError(f"shm table {str(entry.get('name'))[:64]!r} (index {index}) does not match the "
-                               "catalog")
+        if (
+            info is None
+            or index in seen
+            or (info.rows, info.row_bytes) != (rows, row_bytes)
+            or not info.rows * info.row_bytes <= size <= info.rows * info.row_bytes + MAX_MAPPING_SLACK
+        ):
+            raise ConnectError(f"shm table {str(entry.get('name'))[:64]!r} (index {index}) does not match the catalog")
         seen.add(index)
         out.append((info, size))
     return out
@@ -83,11 +93,11 @@ def check_mappable(fd: int, size: int, name: str) -> None:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
         length = os.fstat(fd).st_size
     except OSError as e:
-        raise TransportUnavailable(f"table {name!r}: the descriptor sent is no sealed memfd ({e.strerror})") \
-            from None
+        raise TransportUnavailable(f"table {name!r}: the descriptor sent is no sealed memfd ({e.strerror})") from None
     if seals & REQUIRED_SEALS != REQUIRED_SEALS:
-        raise TransportUnavailable(f"table {name!r}: memory not sealed against shrinking and writes (seals "
-                                   f"{seals:#x}): not mapped")
+        raise TransportUnavailable(
+            f"table {name!r}: memory not sealed against shrinking and writes (seals {seals:#x}): not mapped"
+        )
     if length < size:
         raise TransportUnavailable(f"table {name!r}: {length} bytes sent for {size}: not mapped")
 
@@ -163,7 +173,7 @@ class ShmTransport(ClientTransport):
         """Arms the socket with what is left of the handshake's deadline (socket.timeout once passed)."""
         left = self._deadline - time.monotonic()
         if left <= 0:
-            raise socket.timeout("the handshake's deadline passed")
+            raise TimeoutError("the handshake's deadline passed")
         self._sock.settimeout(left)
         return left
 
@@ -178,9 +188,10 @@ class ShmTransport(ClientTransport):
             msg, fds, _flags, _addr = socket.recv_fds(self._sock, MAX_REPLY_BYTES, len(catalog) + 16)
         except HandshakeRefused as e:
             raise ConnectError(f"shm socket {self.path} refused the connection: {e}") from None
-        except socket.timeout:
-            raise ConnectError(f"shm handshake on {self.path} did not complete within the connect deadline "
-                               "(connect_timeout)") from None
+        except TimeoutError:
+            raise ConnectError(
+                f"shm handshake on {self.path} did not complete within the connect deadline (connect_timeout)"
+            ) from None
         except ValueError as e:
             raise ConnectError(f"shm handshake on {self.path} failed: {e}") from None
         except OSError as e:
@@ -189,7 +200,7 @@ class ShmTransport(ClientTransport):
             if len(msg) < HEADER_BYTES:
                 raise ConnectError(f"shm handshake on {self.path} failed: server closed the connection")
             magic, _t, status, _rid, _rb, count = HEADER.unpack_from(msg)
-            body = msg[HEADER_BYTES:HEADER_BYTES + count]
+            body = msg[HEADER_BYTES : HEADER_BYTES + count]
             if magic != RESPONSE_MAGIC or status != Status.OK:
                 text = body.decode(errors="replace")[:1024]
                 if status == Status.UNAUTHENTICATED:
@@ -199,16 +210,18 @@ class ShmTransport(ClientTransport):
                 reply = json.loads(body)
                 proof_hex = reply["proof"]
                 ok = isinstance(proof_hex, str) and hmac.compare_digest(
-                    bytes.fromhex(proof_hex), server_proof(session.secret, session.id, nonce, client_nonce))
+                    bytes.fromhex(proof_hex), server_proof(session.secret, session.id, nonce, client_nonce)
+                )
             except (ValueError, TypeError, KeyError, RecursionError):
                 raise ConnectError(f"shm handshake on {self.path}: a reply no tableserver sends") from None
             if not ok:
-                raise AuthError(f"shm socket {self.path} could not prove it holds the session secret: not the "
-                                "server that opened this session")
+                raise AuthError(
+                    f"shm socket {self.path} could not prove it holds the session secret: not the "
+                    "server that opened this session"
+                )
             entries = _table_entries(reply, catalog, self.path)
             if len(fds) != len(entries):
-                raise ConnectError(f"shm handshake on {self.path}: {len(entries)} tables but {len(fds)} "
-                                   "descriptors")
+                raise ConnectError(f"shm handshake on {self.path}: {len(entries)} tables but {len(fds)} descriptors")
             for (info, size), fd in zip(entries, fds):
                 check_mappable(fd, size, info.name)  # sealed, and as large as it says: nothing to SIGBUS us
                 # MAP_POPULATE builds this process's page tables now, so no gather
@@ -217,8 +230,7 @@ class ShmTransport(ClientTransport):
                 mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
                 self._maps.append(mm)
                 nbytes = info.rows * info.row_bytes
-                self._tables[info.index] = np.frombuffer(mm, np.uint8, count=nbytes).reshape(info.rows,
-                                                                                           info.row_bytes)
+                self._tables[info.index] = np.frombuffer(mm, np.uint8, count=nbytes).reshape(info.rows, info.row_bytes)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -226,8 +238,9 @@ class ShmTransport(ClientTransport):
     def local_table(self, table_index: int):
         return self._tables.get(table_index)
 
-    def gather(self, table_index: int, ids: np.ndarray, out: np.ndarray, sync: bool = False,
-               mode: str = "read", expand=None) -> Pending:
+    def gather(
+        self, table_index: int, ids: np.ndarray, out: np.ndarray, sync: bool = False, mode: str = "read", expand=None
+    ) -> Pending:
         if sync:  # the caller waits at once: a thread handoff would only add latency
             take_checked(self._tables[table_index], ids, out)  # checked by the caller; again here
             return DONE

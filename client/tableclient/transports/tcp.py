@@ -41,8 +41,22 @@ from tableclient.transports.base import ClientTransport, Pending
 from tableserver.common.buffers import copy_buffer
 from tableserver.common.seal import C2S, S2C, TAG_BYTES, BadTag, Direction, derive_key
 from tableserver.common.wire import (
-    FATAL, HEADER, HEADER_BYTES, HELLO_SEALED, MAC_BYTES, MAX_HANDSHAKE_MESSAGE, RESPONSE_MAGIC, FrameType,
-    HandshakeRefused, Status, hello_frame, recv_challenge, recv_exact, request_header, send_all, server_proof,
+    FATAL,
+    HEADER,
+    HEADER_BYTES,
+    HELLO_SEALED,
+    MAC_BYTES,
+    MAX_HANDSHAKE_MESSAGE,
+    RESPONSE_MAGIC,
+    FrameType,
+    HandshakeRefused,
+    Status,
+    hello_frame,
+    recv_challenge,
+    recv_exact,
+    request_header,
+    send_all,
+    server_proof,
 )
 
 log = logging.getLogger("tableclient.tcp")
@@ -62,7 +76,7 @@ RECV_SLICE_S = 0.25
 def _connect(address: tuple, deadline: float) -> socket.socket:
     """A connected socket to the first address of ``address`` that answers, all by ``deadline``
     (socket.create_connection gives each address the whole timeout)."""
-    last: OSError = socket.timeout("the connect deadline passed")
+    last: OSError = TimeoutError("the connect deadline passed")
     for family, kind, proto, _, sockaddr in socket.getaddrinfo(*address, type=socket.SOCK_STREAM):
         left = deadline - time.monotonic()
         if left <= 0:
@@ -140,8 +154,10 @@ class TcpTransport(ClientTransport):
         try:
             sock = _connect((ep.host, ep.port), deadline)
         except OSError as e:
-            raise ConnectError(f"cannot connect to the tcp data port {self.endpoint}: {e.strerror or e}: "
-                               "check that the server's --tcp-listen/--tcp-advertise address is reachable") from None
+            raise ConnectError(
+                f"cannot connect to the tcp data port {self.endpoint}: {e.strerror or e}: "
+                "check that the server's --tcp-listen/--tcp-advertise address is reachable"
+            ) from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = sock
         self._seal_tx = self._seal_rx = None  # seal.Direction each way when the server seals this connection
@@ -184,10 +200,12 @@ class TcpTransport(ClientTransport):
         except HandshakeRefused as e:
             self._sock.close()
             raise ConnectError(f"tcp data port {self.endpoint} refused the connection: {e}") from None
-        except socket.timeout:
+        except TimeoutError:
             self._sock.close()
-            raise ConnectError(f"tcp handshake with {self.endpoint} did not complete within the connect deadline "
-                               "(connect_timeout): the server is overloaded or not a tableserver") from None
+            raise ConnectError(
+                f"tcp handshake with {self.endpoint} did not complete within the connect deadline "
+                "(connect_timeout): the server is overloaded or not a tableserver"
+            ) from None
         except (OSError, ValueError) as e:
             self._sock.close()
             raise ConnectError(f"tcp handshake with {self.endpoint} failed: {e}") from None
@@ -199,8 +217,10 @@ class TcpTransport(ClientTransport):
             raise ConnectError(f"tcp handshake with {self.endpoint} failed: {text}")
         if not hmac.compare_digest(bytes(msg), server_proof(secret, session_id, nonce, client_nonce)):
             self._sock.close()
-            raise AuthError(f"tcp data port {self.endpoint} could not prove it holds the session secret: "
-                            "not the server that opened this session")
+            raise AuthError(
+                f"tcp data port {self.endpoint} could not prove it holds the session secret: "
+                "not the server that opened this session"
+            )
         if flags & HELLO_SEALED:  # every payload from here on is AES-GCM sealed (tableserver/common/seal.py)
             self._seal_tx = Direction(derive_key(secret, C2S, nonce, client_nonce))
             self._seal_rx = Direction(derive_key(secret, S2C, nonce, client_nonce))
@@ -210,8 +230,9 @@ class TcpTransport(ClientTransport):
         """Why the connection broke, once it has (every request then fails with it)."""
         return self._error
 
-    def gather(self, table_index: int, ids: np.ndarray, out: np.ndarray, sync: bool = False,
-               mode: str = "read", expand=None) -> Pending:
+    def gather(
+        self, table_index: int, ids: np.ndarray, out: np.ndarray, sync: bool = False, mode: str = "read", expand=None
+    ) -> Pending:
         with self._send_lock:
             if self._error is not None:
                 raise self._error
@@ -327,12 +348,12 @@ class TcpTransport(ClientTransport):
                         spin_until = 0.0  # spun long enough: sleep in the kernel from here
                         continue
                     try:
-                        n = sock.recv_into(view[r.got:], 0, socket.MSG_DONTWAIT)
+                        n = sock.recv_into(view[r.got :], 0, socket.MSG_DONTWAIT)
                     except (BlockingIOError, InterruptedError):
                         continue
                 elif deadline is None:
                     self._timeout(None)
-                    n = sock.recv_into(view[r.got:], 0, socket.MSG_WAITALL)
+                    n = sock.recv_into(view[r.got :], 0, socket.MSG_WAITALL)
                 else:
                     left = deadline - time.monotonic()
                     if left > 0 and (r.got or r.p is not None):  # mid-response
@@ -345,7 +366,7 @@ class TcpTransport(ClientTransport):
                             continue
                         flags = socket.MSG_DONTWAIT
                     try:
-                        n = sock.recv_into(view[r.got:], 0, flags)
+                        n = sock.recv_into(view[r.got :], 0, flags)
                     except (BlockingIOError, InterruptedError):  # the slice passed with nothing read
                         if left <= 0:
                             return False
