@@ -29,7 +29,9 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 import numpy as np  # noqa: E402
 
-WINDOW_14 = 9.3e-3
+from tableserver.common.model import ROW_BYTES, WINDOWS_S  # noqa: E402
+
+WINDOW_14 = WINDOWS_S[14]
 
 
 def run(
@@ -92,7 +94,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         table = write_demo_file(
             os.path.join(tmp, "t.bin"),
-            [DemoTable("engram.layer1", 600_000, 264, 1), DemoTable("engram.layer14", 600_000, 264, 14)],
+            [DemoTable("engram.layer1", 600_000, ROW_BYTES, 1), DemoTable("engram.layer14", 600_000, ROW_BYTES, 14)],
         )
         for fault in ("kill", "drop", "freeze"):
             for hedge in (True, False):

@@ -41,12 +41,11 @@ from tableclient.engram import EngramHasher  # noqa: E402
 from tableclient.step import EngramStep, LayerPlan  # noqa: E402
 
 from tableserver.common.buffers import OFFSET, PAGE, pinned_rows_buffer  # noqa: E402
+from tableserver.common.model import ROW_BYTES, ROWS_PER_TOKEN, WINDOWS_S  # noqa: E402
 from tableserver.common.take import NATIVE, take  # noqa: E402
 from tableserver.demo import DEFAULT_ROWS  # noqa: E402
-from tableserver.demo_run import WINDOWS_S, ensure_demo_file, start_server  # noqa: E402
+from tableserver.demo_run import ensure_demo_file, start_server  # noqa: E402
 from tableserver.tablefile import read_header  # noqa: E402
-
-ROW = 264
 
 
 def pct(a, q) -> float:
@@ -57,16 +56,16 @@ def copy_section(torch, reps: int) -> list[str]:
     """H2D copy of n staged rows from three kinds of host memory: GPU time (events) and caller's time."""
     lines = [f"{'rows':>7}  {'host memory':<30}{'GPU us p50':>12}{'GB/s':>7}{'copy+sync us p50':>18}{'p99':>8}"]
     stream = torch.cuda.Stream()
-    for n in (24, 1536, 12288):
-        dev = torch.empty((n, ROW), dtype=torch.uint8, device="cuda")
-        placed = pinned_rows_buffer(torch, (n,), ROW, True)
+    for n in (ROWS_PER_TOKEN, 64 * ROWS_PER_TOKEN, 512 * ROWS_PER_TOKEN):  # 24, 1,536, 12,288
+        dev = torch.empty((n, ROW_BYTES), dtype=torch.uint8, device="cuda")
+        placed = pinned_rows_buffer(torch, (n,), ROW_BYTES, True)
         sources = {
             "pinned, placed": placed,
-            "pinned, page-aligned": torch.empty((n, ROW), dtype=torch.uint8, pin_memory=True),
-            "pageable": torch.empty((n, ROW), dtype=torch.uint8),
+            "pinned, page-aligned": torch.empty((n, ROW_BYTES), dtype=torch.uint8, pin_memory=True),
+            "pageable": torch.empty((n, ROW_BYTES), dtype=torch.uint8),
         }
         for buf in sources.values():
-            buf.numpy()[:] = np.random.default_rng(n).integers(0, 256, (n, ROW), dtype=np.uint8)
+            buf.numpy()[:] = np.random.default_rng(n).integers(0, 256, (n, ROW_BYTES), dtype=np.uint8)
         gpu, host = {k: [] for k in sources}, {k: [] for k in sources}
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         order = np.random.default_rng(0)
@@ -86,7 +85,7 @@ def copy_section(torch, reps: int) -> list[str]:
             g = pct(gpu[name], 50)
             where = f" (offset {sources[name].data_ptr() % PAGE})" if name.startswith("pinned") else ""
             lines.append(
-                f"{n:>7}  {name + where:<30}{g * 1e6:>12.1f}{n * ROW / g / 1e9:>7.1f}"
+                f"{n:>7}  {name + where:<30}{g * 1e6:>12.1f}{n * ROW_BYTES / g / 1e9:>7.1f}"
                 f"{pct(host[name], 50) * 1e6:>18.1f}{pct(host[name], 99) * 1e6:>8.1f}"
             )
         ratio = pct(gpu["pinned, placed"], 50) / pct(gpu["pinned, page-aligned"], 50)
@@ -101,9 +100,9 @@ def step_section(torch, client, name: str, hasher, local1: np.ndarray, batch: in
     plans = [LayerPlan(1, "engram.layer1", WINDOWS_S[1]), LayerPlan(14, "engram.layer14", WINDOWS_S[14])]
     step = EngramStep(client, plans, max_tokens=batch, device="cuda")
     assert all(b.is_pinned() for b in step.staging.values()), "the step's staging is not pinned"
-    bare_host = torch.empty((batch * 24, ROW), dtype=torch.uint8, pin_memory=True)
+    bare_host = torch.empty((batch * ROWS_PER_TOKEN, ROW_BYTES), dtype=torch.uint8, pin_memory=True)
     bare_np = bare_host.numpy()
-    bare_dev = torch.empty((batch * 24, ROW), dtype=torch.uint8, device="cuda")
+    bare_dev = torch.empty((batch * ROWS_PER_TOKEN, ROW_BYTES), dtype=torch.uint8, device="cuda")
     stream, event = torch.cuda.Stream(), torch.cuda.Event()
     traffic = Traffic(batch, seed=batch)
     rng = np.random.default_rng(batch)
@@ -141,7 +140,7 @@ def step_section(torch, client, name: str, hasher, local1: np.ndarray, batch: in
         if i == 20:  # once: the device rows are the table's rows (bit-exact), and so are the bare path's
             n = ids[1].size
             want = local1[ids[1].reshape(-1)]
-            assert np.array_equal(dev.reshape(n, ROW).cpu().numpy(), want), f"{name}: device rows differ"
+            assert np.array_equal(dev.reshape(n, ROW_BYTES).cpu().numpy(), want), f"{name}: device rows differ"
             assert np.array_equal(bare_dev[:n].cpu().numpy(), want), "bare device rows differ"
         if i >= 20:
             via_step.append(took[0])
@@ -151,9 +150,9 @@ def step_section(torch, client, name: str, hasher, local1: np.ndarray, batch: in
 
 
 def graph_section(torch, reps: int) -> list[str]:
-    n = 64 * 24
-    src = pinned_rows_buffer(torch, (n,), ROW, True)
-    dev = torch.empty((n, ROW), dtype=torch.uint8, device="cuda")
+    n = 64 * ROWS_PER_TOKEN
+    src = pinned_rows_buffer(torch, (n,), ROW_BYTES, True)
+    dev = torch.empty((n, ROW_BYTES), dtype=torch.uint8, device="cuda")
     stream = torch.cuda.Stream()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
@@ -248,7 +247,7 @@ def main() -> int:
                         w = WINDOWS_S[1]
                         inside = f"{'yes' if pct(got, 50) <= w else 'no'}/{'yes' if pct(got, 99) <= w else 'no'}"
                         lines.append(
-                            f"{name:<10}{batch:>6}{batch * 24:>7}{pct(got, 50) * 1e6:>13.0f}"
+                            f"{name:<10}{batch:>6}{batch * ROWS_PER_TOKEN:>7}{pct(got, 50) * 1e6:>13.0f}"
                             f"{pct(got, 99) * 1e6:>8.0f}{pct(issued, 50) * 1e6:>12.0f}"
                             f"{pct(bare, 50) * 1e6:>10.0f}"
                             f"{pct(bare, 99) * 1e6:>8.0f}{pct(got, 50) / pct(bare, 50):>10.2f}x"

@@ -46,7 +46,8 @@ from tableclient import TableClient  # noqa: E402
 from tableclient.graphstep import GraphStep, HostStreamOps  # noqa: E402
 from tableclient.step import LayerPlan  # noqa: E402
 
-from tableserver.demo_run import WINDOWS_S, ensure_demo_file, start_server  # noqa: E402
+from tableserver.common.model import ROWS_PER_TOKEN, WINDOWS_S  # noqa: E402
+from tableserver.demo_run import ensure_demo_file, start_server  # noqa: E402
 from tableserver.tablefile import read_header  # noqa: E402
 
 MODES = {"before_replay": {}, "layer14_in_graph": {14: "in_graph"}, "both_in_graph": {1: "in_graph", 14: "in_graph"}}
@@ -65,11 +66,13 @@ class Model:
         self.tokens = torch.zeros(max_bs, dtype=torch.int64, device=device)  # load_batch's static input
         rng = np.random.default_rng(7)
         # the stand-in hasher: id = (token * mult + add) % rows, per layer and column
-        self.mult = {layer: torch.from_numpy(rng.integers(1, 1 << 20, 24)).to(device) for layer in rows}
-        self.add = {layer: torch.from_numpy(rng.integers(0, 1 << 20, 24)).to(device) for layer in rows}
+        self.mult = {layer: torch.from_numpy(rng.integers(1, 1 << 20, ROWS_PER_TOKEN)).to(device) for layer in rows}
+        self.add = {layer: torch.from_numpy(rng.integers(0, 1 << 20, ROWS_PER_TOKEN)).to(device) for layer in rows}
         self.rows = rows
         self.out = {
-            layer: torch.zeros((max_bs * 24, g.device_rows[layer].shape[1]), dtype=torch.uint8, device=device)
+            layer: torch.zeros(
+                (max_bs * ROWS_PER_TOKEN, g.device_rows[layer].shape[1]), dtype=torch.uint8, device=device
+            )
             for layer in rows
         }
         self.gap_a = torch.randn(256, 256, device=device)
@@ -90,13 +93,13 @@ class Model:
         ids = {layer: self.ids(layer, bs) for layer in self.rows}
         for layer in self.rows:
             g.publish_ids(layer, ids[layer], graph=graph)
-        self.out[1][: bs * 24].copy_(g.rows(1, bs, graph=graph))
+        self.out[1][: bs * ROWS_PER_TOKEN].copy_(g.rows(1, bs, graph=graph))
         x = self.gap_a
         for _ in range(self.gap_iters):
             x = (x @ self.gap_a).tanh()
         if self.cuda and graph:
             self.before.record()
-        self.out[14][: bs * 24].copy_(g.rows(14, bs, graph=graph))
+        self.out[14][: bs * ROWS_PER_TOKEN].copy_(g.rows(14, bs, graph=graph))
         if self.cuda and graph:
             self.after.record()
 
@@ -169,7 +172,7 @@ def run_mode(
             tokens, host_s, step_s = step(bs)
             host_ids = {layer: model.host_ids(tokens, layer) for layer in rows}
             for p in PLANS:
-                got = model.out[p.layer][: bs * 24].cpu().numpy()
+                got = model.out[p.layer][: bs * ROWS_PER_TOKEN].cpu().numpy()
                 want = local[p.table][host_ids[p.layer].reshape(-1)]
                 if not np.array_equal(got, want):
                     raise SystemExit(
@@ -198,7 +201,7 @@ def run_mode(
             act()  # the server freezes, then dies: each next replay must still complete, layer 14 zero-filled
             bs = buckets[-1]
             tokens, _, took = step(bs)
-            got = model.out[14][: bs * 24].cpu().numpy()
+            got = model.out[14][: bs * ROWS_PER_TOKEN].cpu().numpy()
             want = local["engram.layer14"][model.host_ids(tokens, 14).reshape(-1)]
             # zero rows (the policy), or the table's rows where they were still mapped (shm): nothing else
             seen[fault] = (
@@ -249,13 +252,13 @@ def gil_section(torch, client, local: dict, steps: int) -> list[str]:
             took = []
             try:
                 for _ in range(steps):
-                    ids = rng.integers(0, local["engram.layer14"].shape[0], (8, 24))
+                    ids = rng.integers(0, local["engram.layer14"].shape[0], (8, ROWS_PER_TOKEN))
                     g.arm(8)
                     t0 = time.perf_counter()
                     g.publish_ids(14, torch.from_numpy(ids))
                     got = g.rows(14, 8)
                     took.append(time.perf_counter() - t0)
-                    if not np.array_equal(got.numpy().reshape(8, 24, -1), local["engram.layer14"][ids]):
+                    if not np.array_equal(got.numpy().reshape(8, ROWS_PER_TOKEN, -1), local["engram.layer14"][ids]):
                         raise SystemExit("FAIL: in_graph rows differ from the table file")
             finally:
                 stop.set()

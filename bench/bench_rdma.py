@@ -33,6 +33,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "rdma")]
 
+from tableserver.common.model import ROW_BYTES  # noqa: E402
+
 
 class _FakeMR:
     lkey = 0x1234
@@ -61,7 +63,7 @@ def native() -> None:
     v = verbs()
     e = v.e
     rdma_t._set_rdma = v.wr.SendWR.set_wr_rdma
-    row_bytes, qps, ring_rows = 264, 4, 4096
+    row_bytes, qps, ring_rows = ROW_BYTES, 4, 4096
     staging = _FakeStaging(qps * ring_rows * row_bytes)
     t0 = time.perf_counter()
     rings = [rdma_t._ReadRing(v, staging, q * ring_rows, ring_rows, row_bytes) for q in range(qps)]
@@ -123,12 +125,12 @@ def native() -> None:
 
 def _ib_read_bw(n: int) -> float:
     """ib_read_bw message rate (messages/s) at 264 B, loopback on rxe_lo."""
-    args = ["ib_read_bw", "-d", "rxe_lo", "-x", "1", "-s", "264", "-n", str(n), "-F", "-q", "1"]
+    args = ["ib_read_bw", "-d", "rxe_lo", "-x", "1", "-s", str(ROW_BYTES), "-n", str(n), "-F", "-q", "1"]
     server = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     time.sleep(2.0)
     out = subprocess.run(args + ["127.0.0.1"], capture_output=True, text=True, timeout=600).stdout
     server.wait(60)
-    m = re.search(r"^\s*264\s+\d+\s+[\d.]+\s+([\d.]+)\s+([\d.]+)", out, re.M)
+    m = re.search(rf"^\s*{ROW_BYTES}\s+\d+\s+[\d.]+\s+([\d.]+)\s+([\d.]+)", out, re.M)
     if not m:
         raise RuntimeError(f"cannot parse ib_read_bw output:\n{out}")
     return float(m.group(2)) * 1e6  # MsgRate[Mpps]
@@ -163,12 +165,12 @@ def in_guest(rounds: int = 3) -> None:
     ratios: dict[str, list] = {"random, 1 in flight": [], "random, 2 in flight": [], "consecutive, 2 in flight": []}
     ib_rates = []
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_demo_file(os.path.join(tmp, "t.bin"), [DemoTable("engram.layer1", 200_000, 264, 1)])
+        path = write_demo_file(os.path.join(tmp, "t.bin"), [DemoTable("engram.layer1", 200_000, ROW_BYTES, 1)])
         d = start_daemon(os.path.join(tmp, "d"), "--tables", path, "--transports", "rdma")
         try:
             with TableClient(d.address, transport="rdma", rdma_ring_rows=4096, rdma_qps=4) as c:
                 t = c.table("engram.layer1")
-                outs = [np.empty((1536, 264), np.uint8) for _ in range(2)]
+                outs = [np.empty((1536, ROW_BYTES), np.uint8) for _ in range(2)]
                 _our_rate(t, random_sets[:4], outs, 4 * 1536, 2)  # warm-up: chains built, code paths translated
                 # Interleaved rounds: ib_read_bw and ours alternate, so each ratio compares one stretch of
                 # this noisy emulated machine; the median ratio is reported.
@@ -180,7 +182,7 @@ def in_guest(rounds: int = 3) -> None:
                     ratios["consecutive, 2 in flight"].append(_our_rate(t, local_sets, outs, n_ib, 2) / ib)
                 lat = {}
                 for n in (1536, 12288):
-                    buf = np.empty((n, 264), np.uint8)
+                    buf = np.empty((n, ROW_BYTES), np.uint8)
                     for mode in ("read", "pack"):
                         samples = []
                         for _ in range(8 if n == 1536 else 4):
@@ -192,7 +194,7 @@ def in_guest(rounds: int = 3) -> None:
         finally:
             d.stop()
     med = lambda xs: float(np.median(xs))  # noqa: E731
-    print("\nSoft-RoCE (rxe_lo, QEMU TCG) — same boot, 264-byte rows:")
+    print(f"\nSoft-RoCE (rxe_lo, QEMU TCG) — same boot, {ROW_BYTES}-byte rows:")
     print(
         f"  ib_read_bw        {med(ib_rates):>12,.0f} READs/s  (median of {rounds}; {n_ib} messages, 1 QP: "
         f"{' '.join(f'{x:,.0f}' for x in ib_rates)})"

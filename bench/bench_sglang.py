@@ -36,6 +36,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
+from tableserver.common.model import ROW_BYTES, ROWS_PER_TOKEN  # noqa: E402
+
 CASES = {"local": {}, "mixed": {1: "local", 14: "remote"}, "remote": {1: "remote", 14: "remote"}}
 
 
@@ -59,7 +61,7 @@ def engram_config(rows_per_layer: int):
         engram_max_ngram_size=4,
         engram_n_heads=8,
         engram_head_dim=256,
-        engram_vocab_size=max(rows_per_layer // 24, 100),
+        engram_vocab_size=max(rows_per_layer // ROWS_PER_TOKEN, 100),
         engram_pad_token_id=2,
         engram_compressed_vocab_size=300,
         hidden_size=64,
@@ -153,7 +155,9 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         table = os.path.join(tmp, "engram.bin")
-        write_demo_file(table, [DemoTable(f"engram.layer{layer}", n, 264, layer) for layer, n in zip((1, 14), rows)])
+        write_demo_file(
+            table, [DemoTable(f"engram.layer{layer}", n, ROW_BYTES, layer) for layer, n in zip((1, 14), rows)]
+        )
         proc, ready = start_server(table, tmp)
         try:
             results = []
@@ -184,8 +188,8 @@ def main() -> int:
             proc.wait(30)
     gib = 1 << 30
     lines = [
-        f"SGLang 0.5.23 Engram layers 1 and 14, tables of {rows[0]:,} and {rows[1]:,} rows x 264 B "
-        f"({sum(rows) * 264 / gib:.2f} GiB), loaded as SGLang loads them; one process per placement",
+        f"SGLang 0.5.23 Engram layers 1 and 14, tables of {rows[0]:,} and {rows[1]:,} rows x {ROW_BYTES} B "
+        f"({sum(rows) * ROW_BYTES / gib:.2f} GiB), loaded as SGLang loads them; one process per placement",
         f"{'placement':<10}{'table params GiB':>18}{'memory growth GiB':>19}{'vs local':>10}{'decode step p50 ms':>20}",
     ]
     base = results[0]["rss_growth"]

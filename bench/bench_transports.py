@@ -67,6 +67,7 @@ from common import Hugepages, bench_table
 from tableclient import TableClient, rows_buffer
 
 from tableserver.common.buffers import copy_buffer
+from tableserver.common.model import ROW_BYTES
 from tableserver.common.take import NATIVE, take
 from tableserver.demo_run import start_server
 from tableserver.tablefile import read_header
@@ -205,7 +206,7 @@ def interleaved(
     paths: dict, rows: int, n: int, iters: int, gap: float = 0.0, warm: bool = False, busy: bool = False
 ) -> dict:
     rng = np.random.default_rng(n)
-    out = rows_buffer(n, 264)  # every path fills the same buffer, placed as tableclient places its own
+    out = rows_buffer(n, ROW_BYTES)  # every path fills the same buffer, placed as tableclient places its own
     times = {k: np.empty(iters) for k in paths}
     fixed = rng.integers(0, rows, n)
     names = list(paths)
@@ -285,7 +286,8 @@ def main() -> int:
     spec = read_header(path).tables[0]
     print(f"loading the in-process copy ({spec.nbytes / 2**30:.2f} GiB) ...", flush=True)
     mm = np.memmap(path, dtype=np.uint8, mode="r")
-    local = np.array(mm[spec.offset : spec.offset + spec.nbytes]).reshape(spec.rows, 264)  # private, resident copy
+    # a private, resident copy
+    local = np.array(mm[spec.offset : spec.offset + spec.nbytes]).reshape(spec.rows, ROW_BYTES)
     del mm
     results: dict = {}
     pages = Hugepages(0 if args.server_pages == "4k" else spec.nbytes, "2m" if args.server_pages == "2m" else "1g")
@@ -324,7 +326,7 @@ def main() -> int:
             for ids in (np.arange(5), np.random.default_rng(1).integers(0, spec.rows, 12288)):  # correctness first
                 for t in (t_shm, t_tcp, t_sealed, t_tcp_bp):
                     np.testing.assert_array_equal(t.gather(ids), local[ids])
-                out = rows_buffer(ids.size, 264)
+                out = rows_buffer(ids.size, ROW_BYTES)
                 floor_gather(ids, out)
                 np.testing.assert_array_equal(out, local[ids])
             flat = local.reshape(-1)
@@ -368,7 +370,7 @@ def main() -> int:
                         p50, p99, rps = stats(v, n)
                         results[(warm, n, k)] = (p50, p99, rps)
                         say(
-                            f"{n:>6}  {k:<13}{p50 * 1e6:>9.0f}{p99 * 1e6:>9.0f}{rps:>13,.0f}{rps * 264 / 1e9:>7.2f}"
+                            f"{n:>6}  {k:<13}{p50 * 1e6:>9.0f}{p99 * 1e6:>9.0f}{rps:>13,.0f}{rps * ROW_BYTES / 1e9:>7.2f}"
                             f"{rps / base:>14.2f}x"
                         )
             say("\neach path alone (its own loop, nothing interleaved), cold rows, p50 us")
@@ -382,7 +384,7 @@ def main() -> int:
                 say(f"{n:>6}  " + "".join(f"{v * 1e6:>14.0f}" for v in alone.values()))
             # each target's paths by themselves, interleaved (random order) for more iterations: the other
             # paths' sockets and server wake-ups no longer land between them, and pairing cancels drift
-            mapped = shm._router.local_table("bench")
+            mapped = shm.reader("bench").local()  # the rows shm maps here
             pairs = {
                 "shm": {
                     "in-process": paths["in-process"],
@@ -441,7 +443,7 @@ def main() -> int:
             tcp_node = tcp._node_transport()
             say(f"{'rows':>6}  {'path':<34}{'library us':>11}{'bare us':>9}{'per call us':>12}")
             for n in (1, 1536):
-                out = rows_buffer(n, 264)
+                out = rows_buffer(n, ROW_BYTES)
                 pairs = {
                     "shm: gather vs take from the mapping": (
                         lambda ids: t_shm.gather(ids, out=out),
@@ -472,7 +474,7 @@ def main() -> int:
                 ("Zipf(1.1)", 49152, lambda n: (rng.zipf(1.1, n) % spec.rows).astype(np.int64)),
             ):
                 batches = [make(size) for _ in range(args.iters // (2 if size == 12288 else 4))]
-                out = rows_buffer(size, 264)
+                out = rows_buffer(size, ROW_BYTES)
                 t = {"decision": [], "never": []}
                 for i, ids in enumerate(batches):
                     for arm in ("decision", "never") if i % 2 else ("never", "decision"):  # alternate who goes first
@@ -517,11 +519,11 @@ def main() -> int:
         f"{alone['tcp'] / alone['min req/resp']:.2f}x)"
     )
     pair = results[("paired", 12288)]
-    bw, floor_bw = 12288 * 264 / pair["tcp"], 12288 * 264 / pair["min req/resp"]
+    bw, floor_bw = 12288 * ROW_BYTES / pair["tcp"], 12288 * ROW_BYTES / pair["min req/resp"]
     say(
         f"  tcp row bytes/s at 12,288 rows >= 0.6x loopback bulk ({bulk / 1e9:.2f} GB/s): {bw / bulk:.2f}x "
         f"[{'met' if bw >= 0.6 * bulk else 'MISSED'}] (paired; interleaved with every path: "
-        f"{results[(False, 12288, 'tcp')][2] * 264 / bulk:.2f}x; the minimal request/response, paired: "
+        f"{results[(False, 12288, 'tcp')][2] * ROW_BYTES / bulk:.2f}x; the minimal request/response, paired: "
         f"{floor_bw / bulk:.2f}x)"
     )
     gp99 = results[("gap", "shm")][1]

@@ -8,16 +8,17 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tableserver.common.model import ROW_BYTES  # noqa: E402
 from tableserver.demo import DemoTable, write_demo_file  # noqa: E402
 from tableserver.demo_run import cache_dir  # noqa: E402
 
 
 def bench_table(gib: float) -> str:
-    rows = int(gib * 2**30) // 264
+    rows = int(gib * 2**30) // ROW_BYTES
     path = os.path.join(cache_dir(), f"bench-{rows}.bin")
     if not os.path.exists(path):
         print(f"generating {path} ({gib} GiB) ...", flush=True)
-        write_demo_file(path, [DemoTable("bench", rows, 264, 1)])
+        write_demo_file(path, [DemoTable("bench", rows, ROW_BYTES, 1)])
     return path
 
 

@@ -208,7 +208,7 @@ def _worker(address: str, transport: str, stop_file: str, batch: int, pace_s: fl
     from tableclient import TableClient
     from tableclient.step import EngramStep, LayerPlan
 
-    from tableserver.demo_run import WINDOWS_S
+    from tableserver.common.model import ROWS_PER_TOKEN, WINDOWS_S
 
     rng = np.random.default_rng(os.getpid())
     with TableClient(address, transport=transport, client_name=f"observe-{transport}") as client:
@@ -221,7 +221,9 @@ def _worker(address: str, transport: str, stop_file: str, batch: int, pace_s: fl
             # batches under its dedup minimum -- 4,096 ids; these are 1,536 -- fetch their duplicates)
             ids = {
                 layer: np.where(
-                    rng.random((batch, 24)) < 0.3, rng.integers(0, 512, (batch, 24)), rng.integers(0, n, (batch, 24))
+                    rng.random((batch, ROWS_PER_TOKEN)) < 0.3,
+                    rng.integers(0, 512, (batch, ROWS_PER_TOKEN)),
+                    rng.integers(0, n, (batch, ROWS_PER_TOKEN)),
                 )
                 for layer, n in rows.items()
             }

@@ -54,9 +54,10 @@ from tableclient import TableClient  # noqa: E402
 from tableclient.engram import EngramConfig, EngramHasher  # noqa: E402
 from tableclient.step import EngramStep, LayerPlan  # noqa: E402
 
+from tableserver.common.model import ROWS_PER_TOKEN, WINDOWS_S  # noqa: E402
 from tableserver.common.take import NATIVE, take  # noqa: E402
 from tableserver.demo import DEFAULT_ROWS  # noqa: E402
-from tableserver.demo_run import WINDOWS_S, ensure_demo_file, start_server  # noqa: E402
+from tableserver.demo_run import ensure_demo_file, start_server  # noqa: E402
 
 VOCAB = 50_000
 # A prime search start so each layer's 24 head tables fit a demo table of DEFAULT_ROWS rows.
@@ -315,7 +316,7 @@ def main() -> int:
                         cdf[(name, batch)] = replay
                         err_s = f"{err * 100:.1f}%"
                         lines.append(
-                            f"{name:<10}{batch:>6}{batch * 24:>11}{np.percentile(replay[:, 0], 50) * 1e6:>11.0f}"
+                            f"{name:<10}{batch:>6}{batch * ROWS_PER_TOKEN:>11}{np.percentile(replay[:, 0], 50) * 1e6:>11.0f}"
                             f"{np.percentile(replay[:, 4], 50) * 1e6:>9.0f}"
                             f"{np.percentile(replay[:, 0], 99) * 1e6:>11.0f}"
                             f"{np.percentile(replay[:, 1], 99) * 1e6:>11.0f}{predicted * 1e6:>14.1f}"

@@ -32,6 +32,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tableserver.common.model import ROW_BYTES  # noqa: E402
 from tableserver.demo import DemoTable, write_demo_file  # noqa: E402
 
 CLIENTS = [(t, m) for t in ("shm", "tcp") for m in ("sync", "async")] * 4  # 16 processes
@@ -186,7 +187,7 @@ def pct(samples: list, lo: float, hi: float) -> tuple[float, float, int]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=20.0, help="length of each half (default 20)")
-    ap.add_argument("--rows", type=int, default=200_000, help="rows of the soak table (264 B each)")
+    ap.add_argument("--rows", type=int, default=200_000, help=f"rows of the soak table ({ROW_BYTES} B each)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "soak.txt"))
     args = ap.parse_args()
     from tableserver.demo_run import start_server
@@ -198,7 +199,7 @@ def main() -> int:
         lines.append(text)
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_demo_file(os.path.join(tmp, "soak.bin"), [DemoTable("soak", args.rows, 264, 1)], seed=5)
+        path = write_demo_file(os.path.join(tmp, "soak.bin"), [DemoTable("soak", args.rows, ROW_BYTES, 1)], seed=5)
         proc, ready = start_server(
             path, tmp, ["--hugepages", "off", "--session-open-rate", "20"], prefix=["prlimit", "--nofile=1024:1024"]
         )
@@ -234,7 +235,7 @@ def main() -> int:
     failed = sum(r["failed"] for r in clients)
     say(
         f"soak: {len(clients)} client processes ({BATCH}-row gathers), 2 x {args.seconds:g} s, "
-        f"server under LimitNOFILE=1024, {args.rows} rows x 264 B"
+        f"server under LimitNOFILE=1024, {args.rows} rows x {ROW_BYTES} B"
     )
     say(f"flood (second half): {json.dumps(flood_counts)}")
     say(f"rows checked: {rows:,}   mismatches: {bad}   failed gathers: {failed}")

@@ -15,7 +15,9 @@ import os
 from dataclasses import dataclass
 
 ROOT = "/sys/fs/cgroup"
-UNLIMITED = 1 << 62  # v1 reports "no limit" as a huge page-rounded number
+#: cgroup v1 has no "max": an unlimited knob reads as a huge page-rounded number (0x7ffffffffffff000 on
+#: x86-64 with 4 KiB pages); a v1 limit at or above this one is none (v2 writes "max")
+V1_NO_LIMIT_FROM = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -77,9 +79,9 @@ def _allowance(v2: tuple[str, str], v1: tuple[str, str, str], root: str, proc: s
     found = []
     for hid, controllers, path in _memberships(proc):
         if hid == "0" and not controllers:
-            base, (limit_file, used_file), unlimited = _v2_mount(root), v2, None
+            base, (limit_file, used_file), no_limit_from = _v2_mount(root), v2, None
         elif v1[0] in controllers:
-            base, (limit_file, used_file), unlimited = os.path.join(root, v1[0]), v1[1:], UNLIMITED
+            base, (limit_file, used_file), no_limit_from = os.path.join(root, v1[0]), v1[1:], V1_NO_LIMIT_FROM
         else:
             continue
         if base is None:
@@ -87,7 +89,7 @@ def _allowance(v2: tuple[str, str], v1: tuple[str, str, str], root: str, proc: s
         for p in _ancestors(path):
             d = os.path.join(base, p.lstrip("/"))
             limit = _read_int(os.path.join(d, limit_file))
-            if limit is not None and (unlimited is None or limit < unlimited):
+            if limit is not None and (no_limit_from is None or limit < no_limit_from):
                 used = _read_int(os.path.join(d, used_file)) or 0
                 found.append(Allowance(max(0, limit - used), limit, p, limit_file))
     return _tightest(found)

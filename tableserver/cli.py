@@ -21,6 +21,7 @@ import sys
 import time
 
 from tableserver import __version__, logs
+from tableserver.common.model import ROW_BYTES, TABLE_ROWS
 from tableserver.errors import ConfigError, TableServerError
 
 COMMANDS = ("serve", "gen-demo", "pack", "inspect", "demo", "dashboard", "doctor")
@@ -49,8 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("gen-demo", help="write deterministic Engram-shaped demo tables")
     g.add_argument("path", help="output table file")
     g.add_argument("--rows", type=_positive_int, default=None, help="rows per table (default 600000)")
-    g.add_argument("--row-bytes", type=_positive_int, default=264, help="bytes per row (default 264)")
-    g.add_argument("--layers", default="1,14", help="one table per layer (default 1,14)")
+    g.add_argument("--row-bytes", type=_positive_int, default=ROW_BYTES, help=f"bytes per row (default {ROW_BYTES})")
+    layers = ",".join(map(str, TABLE_ROWS))
+    g.add_argument("--layers", default=layers, help=f"one table per layer (default {layers})")
     g.add_argument("--seed", type=int, default=0)
 
     k = sub.add_parser("pack", help="build a table file from safetensors files")

@@ -392,6 +392,14 @@ def option(name: str) -> Option:
     return _BY_NAME[name]
 
 
+def parse_hostport(value: str, what: str) -> tuple[str, int]:
+    """'HOST:PORT' or '[V6]:PORT' -> (host, port); ConfigError naming ``what`` (the flag) otherwise."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535 or not host:
+        raise ConfigError(f"{what} {value!r}: expected HOST:PORT, e.g. {option('listen').default}")
+    return host.strip("[]"), int(port)
+
+
 def add_flags(parser: argparse.ArgumentParser, options=SERVE_OPTIONS) -> None:
     parser.add_argument(
         "--config",

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tableserver.tablefile import ENGRAM_DTYPE, ENGRAM_ROW_BYTES, TableFileWriter, TableSpec
+from tableserver.common.model import FP8_BYTES, ROW_BYTES, SCALE_BYTES, TABLE_ROWS
+from tableserver.tablefile import ENGRAM_DTYPE, TableFileWriter, TableSpec
 
 DEFAULT_ROWS = 600_000  # x 264 B x 2 tables = 317 MB
-DEFAULT_LAYERS = (1, 14)
+DEFAULT_LAYERS = tuple(TABLE_ROWS)  # (1, 14): the layers DeepSeek-V4.1 has a table for
 _POOL_ROWS = 1 << 16
 _BLOCK_ROWS = 1 << 16
 
@@ -31,12 +32,12 @@ _BLOCK_ROWS = 1 << 16
 class DemoTable:
     name: str
     rows: int
-    row_bytes: int = ENGRAM_ROW_BYTES
+    row_bytes: int = ROW_BYTES
     layer: int = -1
 
     @property
     def engram(self) -> bool:
-        return self.row_bytes == ENGRAM_ROW_BYTES
+        return self.row_bytes == ROW_BYTES
 
     def spec(self) -> TableSpec:
         dtype = ENGRAM_DTYPE if self.engram else "uint8"
@@ -50,9 +51,7 @@ class DemoTable:
         )
 
 
-def default_tables(
-    rows: int = DEFAULT_ROWS, row_bytes: int = ENGRAM_ROW_BYTES, layers=DEFAULT_LAYERS
-) -> list[DemoTable]:
+def default_tables(rows: int = DEFAULT_ROWS, row_bytes: int = ROW_BYTES, layers=DEFAULT_LAYERS) -> list[DemoTable]:
     """The two tables DeepSeek-V4.1 has, named for their layers, at demo size."""
     return [DemoTable(f"engram.layer{layer}", rows, row_bytes, layer) for layer in layers]
 
@@ -74,7 +73,7 @@ class DemoRows:
         rng = np.random.default_rng([seed, zlib.crc32(table.name.encode())])
         pool = rng.integers(0, 256, size=(_POOL_ROWS, table.row_bytes), dtype=np.uint8)
         if table.engram:
-            fp8 = pool[:, :256]
+            fp8 = pool[:, :FP8_BYTES]
             fp8[(fp8 & 0x7F) == 0x7F] ^= 1  # 0x7f/0xff are NaN in e4m3: use +-448 instead
         self.pool = pool
 
@@ -84,8 +83,8 @@ class DemoRows:
         pick = (_mix64(r ^ self.salt) % np.uint64(_POOL_ROWS)).astype(np.intp)
         out = np.take(self.pool, pick, axis=0)
         if self.table.engram:
-            shifts = np.arange(0, 32, 4, dtype=np.uint64)
-            out[:, 256:264] = (np.uint64(112) + ((r[:, None] >> shifts) & np.uint64(0xF))).astype(np.uint8)
+            shifts = np.arange(0, 4 * SCALE_BYTES, 4, dtype=np.uint64)  # one nibble of r per scale byte
+            out[:, FP8_BYTES:ROW_BYTES] = (np.uint64(112) + ((r[:, None] >> shifts) & np.uint64(0xF))).astype(np.uint8)
         else:
             k = min(8, self.table.row_bytes)
             stamp = (r ^ self.salt).astype("<u8").view(np.uint8).reshape(-1, 8)

@@ -28,28 +28,21 @@ import re
 import subprocess
 import sys
 import sysconfig
-from dataclasses import dataclass
 
+from tableserver import host_checks
 from tableserver.atomic import write_atomic
 from tableserver.errors import TableServerError
+from tableserver.findings import Finding, failed
 
 LINK_DIR_NAME = "tableserver-pyverbs"
 PTH_NAME = "tableserver-pyverbs.pth"
 _VERSION_RE = re.compile(rb"IBVERBS_(?:PRIVATE_\d+|1\.\d+)")
+#: how long probing pyverbs in a fresh interpreter may take (it imports pyverbs and lists the RDMA devices)
+PROBE_TIMEOUT_S = 120
 
 
 class DoctorError(TableServerError):
     """A check the user asked to pass (``--fix-pyverbs``) cannot pass here; the message says why and what to do."""
-
-
-@dataclass
-class Finding:
-    check: str
-    status: str  # "ok", "warn" or "FAIL"
-    message: str
-
-    def line(self) -> str:
-        return f"{self.status:<4}  {self.check}: {self.message}"
 
 
 # ------------------------------------------------------------------ where pyverbs comes from
@@ -147,7 +140,7 @@ print(json.dumps(out))
 def probe(python: str = sys.executable) -> dict:
     """Imports pyverbs in a fresh ``python`` and reports what it loaded (never raises for a failed import)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    res = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, env=env, timeout=120)
+    res = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, env=env, timeout=PROBE_TIMEOUT_S)
     try:
         return json.loads(res.stdout.strip().splitlines()[-1])
     except (IndexError, ValueError):
@@ -377,12 +370,10 @@ def run(fix_pyverbs_: bool = False, pyverbs_from: str | None = None, out=sys.std
     if fix_pyverbs_ or pyverbs_from:
         print(fix_pyverbs(source=pyverbs_from).line(), file=out)
         return 0
-    from tableserver import host_checks
-
     wants_rdma = bool(cfg) and "rdma" in cfg.get("transports", [])
     findings = [check_pyverbs(), check_rdma_devices(required=wants_rdma), check_native_take()]
     if cfg is not None:
         findings += host_checks.run(cfg, rdma=wants_rdma or (bool(cfg) and "auto" in cfg.get("transports", [])))
     for f in findings:
         print(f.line(), file=out)
-    return 1 if any(f.status == "FAIL" for f in findings) else 0
+    return 1 if failed(findings) else 0

@@ -40,3 +40,14 @@ class MemoryLimitError(TableServerError):
 
 class ListenError(TableServerError):
     """A listening socket could not be opened (port in use, bad address)."""
+
+
+class TransportUnavailable(TableServerError):
+    """A data transport cannot run on this host (rdma: no pyverbs, no device, its port down).
+
+    ``--transports auto`` then goes without it; asked for by name, the server stops with this line."""
+
+
+class TransportError(TableServerError):
+    """A data transport's resources could not be set up (rdma: a verbs call failed, e.g. registering a
+    table's memory against the locked-memory limit)."""

@@ -1,6 +1,6 @@
 """``tableserver doctor`` with a serve configuration: will this host run that server?
 
-One :class:`~tableserver.doctor.Finding` per check, each naming the fix: the table files (reachable,
+One :class:`~tableserver.findings.Finding` per check, each naming the fix: the table files (reachable,
 valid), the memory plan as ``serve`` would make it (hugepages free per size and per NUMA node, cgroup
 memory and hugetlb limits, MemAvailable, locked-memory limit and CAP_IPC_LOCK), the ports (free to bind),
 RDMA GIDs (one matches the address clients are told), and the clock (synchronized: TLS certificates and
@@ -17,8 +17,8 @@ import ipaddress
 import os
 import socket
 
-from tableserver.doctor import Finding
 from tableserver.errors import TableServerError
+from tableserver.findings import Finding
 
 
 def run(cfg: dict, rdma: bool) -> list[Finding]:
@@ -139,11 +139,11 @@ def check_cgroup() -> Finding:
 
 
 def check_ports(cfg: dict) -> list[Finding]:
-    from tableserver.transports.tcp import parse_hostport
+    from tableserver.config import option, parse_hostport
 
     found = []
     try:
-        host, port = parse_hostport(cfg.get("listen", "127.0.0.1:7070"), "--listen")
+        host, port = parse_hostport(cfg.get("listen", option("listen").default), "--listen")
     except TableServerError as e:
         return [Finding("ports", "FAIL", str(e))]
     wanted = [("--listen", host, port)]

@@ -25,17 +25,16 @@ import threading
 import time
 
 from tableserver.auth import TokenAuthInterceptor, load_token, server_credentials
-from tableserver.common.verbs import RdmaUnavailable
+from tableserver.common.host import host_id
+from tableserver.config import parse_hostport
 from tableserver.control import OpenRate, ServerState, is_loopback, set_serving, start_control_plane
-from tableserver.errors import ConfigError, ListenError, TableServerError
+from tableserver.errors import ConfigError, ListenError, TableServerError, TransportUnavailable
 from tableserver.loader import load_tables
 from tableserver.logs import kv
 from tableserver.metrics import MetricsInterceptor, ServerMetrics
 from tableserver.progress import human_bytes
 from tableserver.sessions import SessionRegistry
-from tableserver.transports import AUTO, KNOWN, transport_class
-from tableserver.transports.shm import host_id
-from tableserver.transports.tcp import parse_hostport
+from tableserver.transports import AUTO, KNOWN, open_transport
 
 log = logging.getLogger("tableserver.server")
 
@@ -215,12 +214,12 @@ class TableServer:
         options = dict(cfg, tcp_listen=tcp, control_port=self.port, metrics=self.metrics)
         for name in self.transport_names:
             try:
-                t = transport_class(name)(self.sessions, options)
+                t = open_transport(name, self.sessions, options)
                 t.bind()
-            except RdmaUnavailable as e:
+            except TransportUnavailable as e:  # this host cannot run it: auto goes without it
                 if not self.auto:
                     raise
-                log.info("transports auto: no rdma (%s)", e)
+                log.info("transports auto: no %s (%s)", name, e)
                 continue
             self.transports[name] = t
 

@@ -28,10 +28,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from tableserver.common.model import FP8_BYTES, ROW_BYTES, SCALE_BYTES
 from tableserver.errors import TableFileError
 from tableserver.tablefile import (
     ENGRAM_DTYPE,
-    ENGRAM_ROW_BYTES,
     MAGIC,
     TableSpec,
     check_table_name,
@@ -262,7 +262,7 @@ class SafetensorsSource:
         used: set[str] = set()
         specs: list[TableSpec] = []
         for name, info in t.items():
-            if info["dtype"] != "F8_E4M3" or info["shape"][1:] != [ENGRAM_ROW_BYTES - 8] or not name.endswith("weight"):
+            if info["dtype"] != "F8_E4M3" or info["shape"][1:] != [FP8_BYTES] or not name.endswith("weight"):
                 continue
             prefix = name[: -len("weight")]
             scale = next(
@@ -270,7 +270,7 @@ class SafetensorsSource:
                     prefix + s
                     for s in _SCALE_SUFFIXES
                     if prefix + s in t
-                    and t[prefix + s]["shape"] == [info["shape"][0], 8]
+                    and t[prefix + s]["shape"] == [info["shape"][0], SCALE_BYTES]
                     and t[prefix + s]["dtype"] in ("F8_E8M0", "U8", "I8")
                 ),
                 None,
@@ -283,14 +283,14 @@ class SafetensorsSource:
                 TableSpec(
                     name=check_table_name(table),
                     rows=info["shape"][0],
-                    row_bytes=ENGRAM_ROW_BYTES,
+                    row_bytes=ROW_BYTES,
                     dtype=ENGRAM_DTYPE,
-                    shape=(info["shape"][0], ENGRAM_ROW_BYTES),
+                    shape=(info["shape"][0], ROW_BYTES),
                     layer=layer,
                     metadata={"weight": name, "scale": scale},
                 )
             )
-            self._plans[table] = [(name, 256), (scale, 8)]
+            self._plans[table] = [(name, FP8_BYTES), (scale, SCALE_BYTES)]
             used.update((name, scale))
         for name, info in t.items():
             if name in used:

@@ -57,9 +57,8 @@ MAX_CHUNK_BYTES = 1 << 40
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,254}$")
 
 #: dtype name of DeepSeek-V4.1 packed Engram rows: 256 FP8 e4m3 values then
-#: 8 ue8m0 scales (one per 32 values), 264 bytes.
+#: 8 ue8m0 scales (one per 32 values), ``tableserver.common.model.ROW_BYTES`` (264) bytes.
 ENGRAM_DTYPE = "engram_fp8_e4m3_ue8m0"
-ENGRAM_ROW_BYTES = 264
 
 
 def align_up(value: int, alignment: int) -> int:

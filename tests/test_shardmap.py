@@ -1,4 +1,4 @@
-"""The client's shard map (tableclient.shardmap), as pure logic: random layouts and restarts.
+"""The client's shard map (tableclient.routing.shardmap), as pure logic: random layouts and restarts.
 
 Before: the router rebuilt its map after a node came back with another row range without checking that
 the shards still tiled the table; ids past the last shard were dropped by the split and the caller got
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tableclient.shardmap import Shard, ShardMap, build, check, holds, local_ids
+from tableclient.routing.shardmap import Shard, ShardMap, build, check, holds, local_ids
 
 
 def _info(lo: int, hi: int):

@@ -221,9 +221,9 @@ def test_a_late_layers_copy_does_not_wait_for_the_steps_earlier_layers(daemon, d
 
 
 def test_a_step_does_not_keep_a_dead_nodes_tables_mapped(fresh_daemon, demo_local):
-    """EngramStep remembers each layer's mapping between steps (weakly): once the memory node dies, the
-    client releases its table memory without another step, and the next step fails cleanly instead
-    of reading the old mapping."""
+    """EngramStep reads each layer's mapping through the table's reader, which keeps it between steps
+    until a replica changes: once the memory node dies, the client releases its table memory without
+    another step, and the next step fails cleanly instead of reading the old mapping."""
     d = fresh_daemon()
     c = TableClient(d.address, transport="shm")
     maps = lambda: [ln for ln in open(f"/proc/{os.getpid()}/maps") if "tableserver:" in ln]  # noqa: E731
@@ -235,7 +235,8 @@ def test_a_step_does_not_keep_a_dead_nodes_tables_mapped(fresh_daemon, demo_loca
             step.begin_step(ids)
             np.testing.assert_array_equal(np.asarray(step.wait(1)), demo_local["engram.layer1"][ids[1]])
             step.wait(14)
-        assert step._locals[1] is not None and step._locals[1][3] is not None  # layer 1 mapped, remembered
+        reader = step.tables[1].reader
+        assert reader.local() is not None and reader.route() is reader.route()  # layer 1 mapped, remembered
         assert maps()
         d.stop(signal.SIGKILL)
         wait_for(lambda: not maps(), "the mapping of the dead server's tables to be released")

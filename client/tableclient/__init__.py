@@ -6,6 +6,10 @@
         out = rows_buffer(row_ids.shape, 264)  # a buffer to reuse, placed so tcp's copies into it are fast
         client.table("engram.layer1").gather(row_ids, out=out)
 
+Options come as keyword arguments or grouped (``TableClient(address, options=ClientOptions(...))``,
+tableclient.options): ``NodeOptions`` (how each node is reached), ``TransportOptions`` (its data
+transports' set-up) and ``RoutingOptions`` (replicas, fail-over, timeouts).
+
 Depends on grpcio, protobuf and numpy; torch is optional (tensors in, tensors
 out) and pyverbs is only imported by the rdma transport.
 """
@@ -19,11 +23,19 @@ from tableclient.errors import (
     TableClientError,
     TransportError,
 )
+from tableclient.node import NodeOptions
+from tableclient.options import ClientOptions
+from tableclient.routing import RoutingOptions
 from tableclient.table import GatherHandle, RemoteTable, TableInfo
+from tableclient.transports import TransportOptions
 from tableserver.common.buffers import rows_buffer
 
 __all__ = [
     "TableClient",
+    "ClientOptions",
+    "NodeOptions",
+    "RoutingOptions",
+    "TransportOptions",
     "RemoteTable",
     "GatherHandle",
     "TableInfo",

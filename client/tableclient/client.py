@@ -24,111 +24,55 @@ import logging
 
 from tableclient.errors import TableClientError
 from tableclient.metrics import flush_deferred
-from tableclient.node import NodeOptions
-from tableclient.routing import Router, RoutingOptions
-from tableclient.table import GatherHandle, RemoteTable, TableInfo, check_mode
-from tableclient.transports import KNOWN
+from tableclient.options import ClientOptions, client_options
+from tableclient.routing import Router, TableReader
+from tableclient.table import GatherHandle, RemoteTable, TableInfo
 
 log = logging.getLogger("tableclient")
+
+#: most ids per request while no session is up to say (a session's own limit replaces it)
+DEFAULT_ROWS_PER_REQUEST = 65536
 
 
 class TableClient:
     """Sessions with one or more tableservers. Thread-safe for gathers; use as a context manager.
 
-    Routing options: ``client_id`` (rendezvous key: which replica this client reads first; default
-    hostname:pid), ``checksums`` ({table: checksum} to pin instead of the first seen),
-    ``request_timeout`` (a gather waited for without a timeout, seconds), ``liveness_timeout`` (a node
-    that answers no keepalive for this long is failed: frozen or unreachable), ``keepalive_interval``,
-    ``dns_refresh``, ``standby`` (a warm session on each shard's second replica), ``hedge_after``
-    (plain gathers: re-issue on another replica when still missing after this many seconds; the step
-    API hedges each layer at ``hedge_fraction`` of its window instead), ``reconnect_wait`` (a gather
-    whose rows are on no node that is up waits this long for one to come back; 0: it fails at once
-    with ConnectError, and the client keeps reconnecting in the background). ``busy_poll`` (tcp,
-    seconds, default 0): whoever reads a response spins on the socket this long before sleeping in
-    the kernel -- no wake-up when rows arrive within it, for one core busy up to that long per wait.
+    ``options`` (:class:`~tableclient.options.ClientOptions`) holds every setting in groups:
+    ``connection`` (:class:`~tableclient.node.NodeOptions`, how each node is reached: ``transport``,
+    ``token``, TLS, ``connect_timeout``, ``keepalive_interval``, and in ``transport_options`` the data
+    transports' set-up: ``busy_poll``, tcp's seconds a reader spins on the socket before sleeping in
+    the kernel, no wake-up when rows arrive within it for one core busy up to that long per wait;
+    rdma's device, queue pairs and rings), ``routing`` (:class:`~tableclient.routing.RoutingOptions`:
+    ``client_id``, the rendezvous key of which replica this client reads first, default hostname:pid;
+    ``request_timeout``, a gather waited for without a timeout; ``liveness_timeout``, a node that
+    answers no keepalive this long is failed, frozen or unreachable; ``dns_refresh``; ``standby``, a warm
+    session on each shard's second replica; ``reconnect_wait``, how long a gather whose rows are on no
+    node that is up waits for one to come back, 0: it fails at once with ConnectError while the client
+    keeps reconnecting in the background), and ``mode``, ``hedge_after`` (plain gathers: re-issue on
+    another replica when still missing after this many seconds; the step API hedges each layer at
+    ``hedge_fraction`` of its window instead) and ``checksums`` ({table: checksum} to pin instead of
+    the first seen).
+
+    Every option is also a keyword argument of its own (``transport`` the second positional one),
+    applied on top of ``options``.
     """
 
     def __init__(
         self,
         address="127.0.0.1:7070",
-        transport: str = "auto",
+        transport: str | None = None,
         *,
-        token: str | None = None,
-        tls: bool = False,
-        tls_ca: str | None = None,
-        tls_cert: str | None = None,
-        tls_key: str | None = None,
-        tls_server_name: str | None = None,
-        client_name: str = "",
-        connect_timeout: float = 10.0,
-        mode: str = "read",
-        rdma_device: str | None = None,
-        rdma_gid_index: int | None = None,
-        rdma_port: int = 1,
-        rdma_qps: int = 4,
-        rdma_ring_rows: int = 4096,
-        client_id: str = "",
-        checksums: dict | None = None,
-        request_timeout: float = 30.0,
-        liveness_timeout: float = 2.0,
-        keepalive_interval: float = 0.5,
-        dns_refresh: float = 5.0,
-        standby: bool = True,
-        hedge_after: float | None = None,
-        hedge_fraction: float = 0.5,
-        reconnect_wait: float = 0.0,
-        busy_poll: float = 0.0,
+        options: ClientOptions | None = None,
+        **settings,
     ):
-        if transport != "auto" and transport not in KNOWN:
-            raise ValueError(f"unknown transport {transport!r}: use auto, {', '.join(KNOWN)}")
-        self.mode = check_mode(mode)
-        if not 1 <= rdma_qps <= 64 or rdma_ring_rows < 16:
-            raise ValueError("rdma_qps must be 1..64 and rdma_ring_rows at least 16")
-        for name, value in (
-            ("connect_timeout", connect_timeout),
-            ("request_timeout", request_timeout),
-            ("liveness_timeout", liveness_timeout),
-            ("keepalive_interval", keepalive_interval),
-            ("dns_refresh", dns_refresh),
-        ):
-            if not value > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
-        if not 0 <= busy_poll <= 0.01:
-            raise ValueError(f"busy_poll must be 0..0.01 seconds (a core spins this long per wait), got {busy_poll!r}")
-        if not 0 < hedge_fraction <= 1 or (hedge_after is not None and not hedge_after > 0):
-            raise ValueError("hedge_fraction must be in (0, 1] and hedge_after > 0 seconds")
-        self.connect_timeout = connect_timeout
-        self.hedge_after, self.hedge_fraction = hedge_after, hedge_fraction
+        if transport is not None:
+            settings["transport"] = transport
+        self.options = o = client_options(options, **settings)
+        self.mode = o.mode
+        self.connect_timeout = o.connection.connect_timeout
+        self.hedge_after, self.hedge_fraction = o.hedge_after, o.hedge_fraction
         self._closed = False
-        options = NodeOptions(
-            transport=transport,
-            token=token,
-            tls=tls,
-            tls_ca=tls_ca,
-            tls_cert=tls_cert,
-            tls_key=tls_key,
-            tls_server_name=tls_server_name,
-            client_name=client_name,
-            connect_timeout=connect_timeout,
-            keepalive_interval=keepalive_interval,
-            busy_poll=busy_poll,
-            rdma=dict(
-                device=rdma_device, gid_index=rdma_gid_index, port=rdma_port, qps=rdma_qps, ring_rows=rdma_ring_rows
-            ),
-        )
-        self._router = Router(
-            address,
-            options,
-            RoutingOptions(
-                client_id=client_id,
-                request_timeout=request_timeout,
-                liveness_timeout=liveness_timeout,
-                dns_refresh=dns_refresh,
-                standby=standby,
-                reconnect_wait=reconnect_wait,
-            ),
-            checksums,
-        )
+        self._router = Router(address, o.connection, o.routing, o.checksums)
         self.address = self._router.address
         self._infos: list[TableInfo] = self._router.infos
         self.tables: dict[str, TableInfo] = self._router.tables
@@ -165,11 +109,17 @@ class TableClient:
     @property
     def max_rows_per_request(self) -> int:
         node = self._router.primary()
-        return node.max_rows_per_request if node is not None else 65536
+        return node.max_rows_per_request if node is not None else DEFAULT_ROWS_PER_REQUEST
 
     def replicas(self) -> dict:
         """{address: {node, state, error, transport}} of every memory node this client knows."""
         return self._router.describe()
+
+    def reader(self, name: str) -> TableReader:
+        """How table ``name`` is read now (which node and mapping serve it; see ``tableclient.routing.reader``)."""
+        if name not in self.tables:
+            raise KeyError(f"no table {name!r} on {self.address}: it serves {', '.join(self.tables) or 'none'}")
+        return self._router.reader(name)
 
     def table(self, name: str | None = None, *, layer: int | None = None, mode: str | None = None) -> RemoteTable:
         """A table by name, or by model layer (``client.table(layer=1)``); ``mode`` "read" or "pack"."""
@@ -200,11 +150,6 @@ class TableClient:
             t = table if isinstance(table, RemoteTable) else self.table(table)
             handles.append(t.gather_async(ids, out, hedge_after=hedge))
         return handles
-
-    def _data_transport(self):
-        if self._closed:
-            raise TableClientError("client is closed")
-        return self._router
 
     def _node_transport(self, name: str | None = None):
         """The data transport of the node read first (tests and tools that speak to one node)."""

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tableserver.common.model import FP8_BYTES, HEADS, NGRAM_ORDERS, TABLE_ROWS
+
 INT64_MAX = np.iinfo(np.int64).max
 MM_PAD_SHIFT_VALUE = 1_000_000  # SGLang: multimodal pad ids start here (sglang.srt.managers.schedule_batch)
 
@@ -79,10 +81,10 @@ def next_prime(after: int, taken: set) -> int:
 class EngramConfig:
     """The Engram part of a model config (DeepSeek-V4.1 defaults)."""
 
-    layer_ids: tuple = (1, 14)
-    max_ngram_size: int = 4
-    n_heads: int = 8
-    head_dim: int = 256
+    layer_ids: tuple = tuple(TABLE_ROWS)  # (1, 14)
+    max_ngram_size: int = NGRAM_ORDERS + 1  # 4: orders 2..4
+    n_heads: int = HEADS  # 8
+    head_dim: int = FP8_BYTES  # 256 FP8 values a row
     vocab_size: int = 16_000_000  # engram_vocab_size: where the prime search starts
     compressed_vocab_size: int = 99_092  # bounds the hash multipliers
     pad_id: int = 2  # original token id whose compressed id pads look-back before the start

@@ -3,7 +3,12 @@
 Bad arguments (row ids out of range, wrong dtype or shape, a bad ``out``)
 raise ``ValueError`` before anything is sent. Everything else derives from
 :class:`TableClientError`; the subclasses also derive from the matching
-built-in (ConnectionError, TimeoutError) so generic handlers work.
+built-in (ConnectionError, TimeoutError) so generic handlers work. ``errno``
+carries the OS error number when one caused the failure (a verbs call's).
+
+Errors of the layers below (the shared verbs plumbing's ``VerbsError``, the
+wire's ``Refused``) never escape: each transport turns them into these where
+they arise.
 """
 
 from __future__ import annotations
@@ -11,6 +16,10 @@ from __future__ import annotations
 
 class TableClientError(Exception):
     """Base class of errors raised by tableclient."""
+
+    def __init__(self, message: str = "", errno: int | None = None):
+        super().__init__(message)
+        self.errno = errno
 
 
 class ConnectError(TableClientError, ConnectionError):

@@ -29,7 +29,7 @@ import grpc
 from tableclient.errors import AuthError, ConnectError, TableClientError, TransportUnavailable
 from tableclient.metrics import metrics
 from tableclient.table import TableInfo, check_catalog
-from tableclient.transports import AUTO_ORDER, KNOWN, transport_class
+from tableclient.transports import AUTO_ORDER, KNOWN, TransportOptions, open_transport, prepare_transport
 from tableclient.transports.shm import local_host_id
 from tableserver.common.wire import SECRET_BYTES, SESSION_ID_BYTES
 from tableserver.v1 import tableserver_pb2 as pb
@@ -65,8 +65,8 @@ class NodeOptions:
     client_name: str = ""
     connect_timeout: float = 10.0
     keepalive_interval: float = 0.5  # seconds between pings; the server answers each
-    rdma: dict = field(default_factory=dict)  # device, gid_index, port, qps, ring_rows
-    busy_poll: float = 0.0  # tcp: seconds a reader spins on the socket before sleeping (0: never spins)
+    #: how the data transports are set up (tcp busy-polling, rdma device and rings, ...)
+    transport_options: TransportOptions = field(default_factory=TransportOptions)
 
     def metadata(self) -> tuple:
         token = self.token if self.token is not None else os.environ.get("TABLESERVER_AUTH_TOKEN") or None
@@ -214,16 +214,21 @@ class NodeSession:
                 wanted.remove("shm")  # another host: do not even ask for it
             wanted = [t for t in wanted if t in self.server.transports] or wanted
         reasons, skipped = [], 0
-        prepared = None
-        if "rdma" in wanted:  # the handshake carries our QPs, so they exist before the session
-            try:
-                prepared = transport_class("rdma").prepare(**self.options.rdma, tables=len(self.infos))
-            except TransportUnavailable as e:
-                if transport == "rdma":
-                    raise ConnectError(f"transport='rdma' to {self.address}: {e}") from None
-                wanted.remove("rdma")
-                reasons.append(f"rdma: {e}")
+        options = self.options.transport_options
+        prepared = {}  # name -> what it made before the session (rdma: QPs the handshake carries)
         try:
+            for name in list(wanted):
+                try:
+                    made = prepare_transport(name, options, self.infos)
+                except TransportUnavailable as e:
+                    if transport == name:
+                        raise ConnectError(f"transport={name!r} to {self.address}: {e}") from None
+                    wanted.remove(name)
+                    reasons.append(f"{name}: {e}")
+                    continue
+                if made is not None:
+                    prepared[name] = made
+            fields = {k: v for made in prepared.values() for k, v in made.request_fields().items()}
             resp = self._call(
                 self._stub.OpenSession,
                 pb.OpenSessionRequest(
@@ -232,7 +237,7 @@ class NodeSession:
                     host_id=local_host_id(),
                     pid=os.getpid(),
                     transports=wanted,
-                    rdma=prepared.params() if prepared is not None else None,
+                    **fields,
                 ),
             )
             self.session = _session_info(self.address, resp)
@@ -241,26 +246,25 @@ class NodeSession:
                 if offer.name not in wanted:  # not asked for (or unknown to this client): never tried
                     skipped += 1
                     continue
-                extra = dict(prepared=prepared) if offer.name == "rdma" else {}
-                if offer.name == "tcp":
-                    extra = dict(busy_poll=self.options.busy_poll)
+                made = prepared.pop(offer.name, None)  # the transport takes it over (and frees it if it fails)
                 try:
-                    self._transport = transport_class(offer.name)(
-                        offer, self.session, self.infos, self._left(), **extra
+                    self._transport = open_transport(
+                        offer.name, offer, self.session, self.infos, self._left(), options, made
                     )
                     break
                 except TransportUnavailable as e:
                     reasons.append(f"{offer.name}: {e}")
                 except TableClientError:
+                    if made is not None:
+                        made.close()
                     raise
                 except Exception as e:  # an offer this client cannot use as sent: the next one, never a crash
                     reasons.append(f"{offer.name}: malformed offer ({type(e).__name__}: {e})")
-                if offer.name == "rdma" and prepared is not None:
-                    prepared.close()
-                    prepared = None
+                if made is not None:
+                    made.close()  # idempotent: freed already unless it failed before taking it over
         finally:
-            if prepared is not None and (self._transport is None or self._transport.name != "rdma"):
-                prepared.close()
+            for made in prepared.values():  # never handed to a transport
+                made.close()
         if self._transport is None:
             if skipped:
                 reasons.append(f"{skipped} offer(s) of transports not asked for, skipped")
@@ -323,6 +327,12 @@ class NodeSession:
         """The data transport (raises once the session is closed)."""
         if self._transport is None:
             raise TableClientError(f"session with {self.address} is closed")
+        return self._transport
+
+    @property
+    def data_or_none(self):
+        """The data transport, or None once the session is closed (never raises: for the per-gather path;
+        read it once and keep the reference, a close may clear it meanwhile)."""
         return self._transport
 
     @property

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,6 +47,8 @@ from tableserver.common.buffers import pinned_rows_buffer, rows_buffer
 log = logging.getLogger("tableclient.step")
 
 POLICIES = ("fail", "zeros", "fallback")
+#: the earliest a layer's gather is hedged after step start, however short its window
+MIN_HEDGE_S = 1e-4
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,6 @@ class EngramStep:
                 self._events[p.layer] = torch.cuda.Event()
         self._handles: dict = {}
         self._ids: dict = {}
-        self._locals: dict = {}  # layer -> (router, its generation, weak node, weak mapped rows or None): _local
         self._tokens = 0
         self._t0 = 0.0
         self.issue_order: list = []
@@ -202,11 +202,12 @@ class EngramStep:
             self._ids[p.layer] = ids  # a reference, for the fallback policy
             out = self._staging_np[p.layer][:t]
             try:
-                local = self._local(p.layer) if not self.issue_order else None
+                table = self.tables[p.layer]
+                local = table.reader.local() if not self.issue_order else None
                 if local is not None:
                     # the shortest window's rows are mapped here (shm): one copy now, in this thread, beats
                     # handing it to a worker (a wake-up) while this thread races on to the next layer
-                    self.tables[p.layer]._gather_local(local, ids, out)
+                    table.take_local(local, ids, out)
                     self._handles[p.layer] = _Done()
                     if self._stream is not None:  # and on its way to the GPU while the next layer is issued
                         self._copy_to_device(p.layer, t)
@@ -312,37 +313,7 @@ class EngramStep:
         """With replicas: re-issue a layer's gather elsewhere once this share of its window has passed."""
         if not self.hedge or not getattr(self.client, "replicated", False):
             return None
-        return max(plan.window_s * self.client.hedge_fraction, 1e-4)
-
-    def _local(self, layer: int):
-        """The layer's table rows when this process maps them (shm), else None.
-
-        ``begin_step`` asks before its first take, so the answer is kept per layer for as long as the
-        router's replica states are unchanged (its generation) and the node is open: three attribute
-        reads, where asking the router again took ~4 us with caches cold. Node and mapping are held
-        weakly: a dead node's table memory is released when the router lets go of it, steps or not."""
-        hit = self._locals.get(layer)
-        if hit is not None and hit[0]._generation == hit[1]:
-            node = hit[2]()
-            if node is not None and not node._closed:
-                local = hit[3]
-                if local is None:
-                    return None  # the node is read over tcp or rdma
-                local = local()
-                if local is not None:
-                    return local
-        table = self.tables[layer]
-        router = getattr(getattr(table, "_client", None), "_router", None)
-        if router is None:
-            return None
-        generation = router._generation
-        _, node, local = router.reader(table.info.name)
-        self._locals[layer] = (
-            None
-            if node is None
-            else (router, generation, weakref.ref(node), None if local is None else weakref.ref(local))
-        )
-        return local
+        return max(plan.window_s * self.client.hedge_fraction, MIN_HEDGE_S)
 
     def _plan(self, layer: int) -> LayerPlan:
         return next(p for p in self.plans if p.layer == layer)

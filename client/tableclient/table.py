@@ -18,6 +18,7 @@ from tableclient.errors import GatherTimeout, RemoteError, TableClientError
 from tableclient.metrics import GatherRecorder, metrics
 from tableclient.rowids import dedup, in_range, prepare_out, to_row_ids
 from tableserver.common.buffers import rows_buffer
+from tableserver.common.model import NO_LIMIT
 from tableserver.common.take import native_take, take_checked
 
 
@@ -172,7 +173,7 @@ def check_mode(mode: str) -> str:
 
 
 class RemoteTable:
-    """A table of the server, bound to the client's session and transport.
+    """A table of the server, read through its client's :class:`~tableclient.routing.TableReader`.
 
     ``mode`` matters for rdma only: "read" posts one-sided READs, "pack" asks
     the server to gather the rows and RDMA-WRITE them packed. Both are bit-exact.
@@ -182,6 +183,8 @@ class RemoteTable:
         self._client = client
         self.info = info
         self.mode = check_mode(mode)
+        #: how this table is read now: the node (and shm mapping) that serves it, or routing
+        self.reader = client.reader(info.name)
         self._inst: dict[tuple, GatherRecorder] = {}  # (transport, mode) -> the process-wide recorder
         self._shm_recorder = None  # the shm path's, once made (read on every shm gather)
 
@@ -205,26 +208,13 @@ class RemoteTable:
         ``hedge_after``: with replicas, re-issue on another one if still missing after this long.
         """
         t0 = time.perf_counter()
-        client = self._client
-        if not client._closed:
-            replica, node, local = client._router.reader(self.info.name)
-            if local is not None:  # shm: the rows are mapped here; one bounds-safe take, no round trip
-                tried = native_take is not None and type(row_ids) is np.ndarray and type(out) is np.ndarray
-                if tried:
-                    try:  # the common call (int64 ids, a uint8 out of their shape): the native take checks it all
-                        n = native_take(local, row_ids, out)
-                    except (TypeError, ValueError, BufferError):
-                        n = -1  # anything else: _gather_local's checks take it
-                    if n > 0:
-                        (self._shm_recorder or self._shm_instruments()).defer(
-                            n, n, out.nbytes, time.perf_counter() - t0
-                        )
-                        return out
-                return self._gather_local(local, row_ids, out, t0, tried)
-            if node is not None and hedge_after is None and getattr(client, "hedge_after", None) is None:
-                result = self._gather_direct(replica, node, row_ids, out, timeout, mode)
-                if result is not None:
-                    return result
+        route = self.reader.route()
+        if route.local is not None:  # shm: the rows are mapped here; one bounds-safe take, no round trip
+            return self.take_local(route.local, row_ids, out, t0)
+        if route.node is not None and hedge_after is None and getattr(self._client, "hedge_after", None) is None:
+            result = self._gather_direct(route, row_ids, out, timeout, mode)
+            if result is not None:
+                return result
         handle = self._submit(row_ids, out, True, mode, hedge_after)
         try:
             return handle.wait(timeout)
@@ -233,8 +223,23 @@ class RemoteTable:
             raise
 
     def _checked(self, row_ids, out):
-        """(flat int64 ids, flat output rows, what the caller gets back); ValueError (counted) if bad."""
+        """(flat int64 ids, flat output rows, what the caller gets back); ValueError (counted) if bad.
+
+        The common call -- int64 numpy ids, a numpy ``out`` of the right shape or none -- is checked
+        inline (a handful of attribute checks and one ``in_range``); anything else, bad ids included,
+        takes the general checks (``tableclient.rowids``), which word the error."""
         info = self.info
+        if type(row_ids) is np.ndarray and row_ids.dtype == _INT64 and row_ids.size and in_range(row_ids, info.rows):
+            if out is None:
+                out = rows_buffer(row_ids.shape, info.row_bytes)
+                return row_ids.ravel(), out.reshape(-1, info.row_bytes), out
+            if (
+                type(out) is np.ndarray
+                and out.dtype == _UINT8
+                and out.shape == row_ids.shape + (info.row_bytes,)
+                and out.flags.carray  # C-contiguous, aligned and writeable (one flags object, not two)
+            ):
+                return row_ids.ravel(), out.reshape(-1, info.row_bytes), out
         try:
             ids, torch_in = to_row_ids(row_ids, info.rows, info.name)
             out_arr, result = prepare_out(out, ids.shape, info.row_bytes, torch_in)
@@ -243,103 +248,69 @@ class RemoteTable:
             raise
         return ids.reshape(-1), out_arr.reshape(-1, info.row_bytes), result
 
-    def _fast_checked(self, row_ids, out):
-        """``_checked`` for the common call -- int64 numpy ids, a numpy ``out`` of the right shape or
-        none -- inline (a handful of attribute checks and one ``in_range``); None for anything else,
-        bad ids included, which the general checks then take (and word the error)."""
-        if type(row_ids) is not np.ndarray or row_ids.dtype != _INT64 or not row_ids.size:
-            return None
-        info = self.info
-        if not in_range(row_ids, info.rows):
-            return None
-        want = row_ids.shape + (info.row_bytes,)
-        if out is None:
-            out = rows_buffer(row_ids.shape, info.row_bytes)
-        elif type(out) is not np.ndarray or out.dtype != _UINT8 or out.shape != want or not out.flags.carray:
-            return None  # carray: C-contiguous, aligned and writeable (one flags object, not two)
-        return row_ids.ravel(), out.reshape(-1, info.row_bytes), out
-
-    def _gather_local(self, local: np.ndarray, row_ids, out, t0: float | None = None, tried: bool = False):
-        """The shm path: checks, one ``take`` (``tableserver.common.take``), and the metrics deferred (one deque
-        append; applied in batches). Nothing else runs per call. ``gather`` first tries the common call
-        -- int64 numpy ids, a C-contiguous writeable uint8 ``out`` of shape ``ids.shape + (row_bytes,)``
-        -- as one native take, which checks all of that and the ids itself; everything else comes here,
-        as does EngramStep's shm layer: strided ids are compacted once and the common call is again one
-        native take; without the extension it is checked inline and taken in its own shape (``take``
-        along axis 0 maps ids of any shape to rows of that shape: no reshapes), and anything else, bad
-        ids included, goes through the general checks, which word the error. ``tried``: ``gather``
-        already tried these ids natively."""
+    def take_local(self, local: np.ndarray, row_ids, out, t0: float | None = None):
+        """The shm path: the rows of ``row_ids`` taken from ``local`` (this table's rows as mapped here,
+        ``reader.local()``) into ``out`` in the caller's thread, and the metrics deferred (one deque
+        append; applied in batches). Nothing else runs per call. The common call -- int64 numpy ids, a
+        C-contiguous writeable uint8 ``out`` of shape ``ids.shape + (row_bytes,)`` -- is one native take
+        (``tableserver.common.take``), which checks all of that and the ids itself (strided ids, e.g. one
+        layer's slice of a step's ``[T, layers, 24]`` ids, are compacted first); everything else, or
+        every call without the extension, goes through ``_checked`` and one checked take."""
         if t0 is None:
             t0 = time.perf_counter()
-        if type(row_ids) is np.ndarray:
+        if type(row_ids) is np.ndarray and native_take is not None and type(out) is np.ndarray:
             if not row_ids.flags.c_contiguous:
-                row_ids = np.ascontiguousarray(row_ids)  # one layer's slice of a step's [T, layers, 24] ids
-                tried = False
-            if native_take is not None and type(out) is np.ndarray and not tried:
-                try:  # the common call, as in gather: the native take checks it all
-                    n = native_take(local, row_ids, out)
-                except (TypeError, ValueError, BufferError):
-                    n = -1
-                if n > 0:
-                    (self._shm_recorder or self._shm_instruments()).defer(n, n, out.nbytes, time.perf_counter() - t0)
-                    return out
-        info = self.info
-        if (
-            type(row_ids) is np.ndarray
-            and row_ids.dtype == _INT64
-            and type(out) is np.ndarray
-            and out.dtype == _UINT8
-            and out.shape == row_ids.shape + (info.row_bytes,)
-            and out.flags.carray
-            and row_ids.size
-            and in_range(row_ids, info.rows)
-        ):
-            ids, dest, result = row_ids, out, out
-        else:
-            ids, dest, result = self._fast_checked(row_ids, out) or self._checked(row_ids, out)
+                row_ids = np.ascontiguousarray(row_ids)
+            try:  # the native take checks it all
+                n = native_take(local, row_ids, out)
+            except (TypeError, ValueError, BufferError):
+                n = -1  # anything else: the checks below take it
+            if n > 0:
+                (self._shm_recorder or self._shm_instruments()).defer(n, n, out.nbytes, time.perf_counter() - t0)
+                return out
+        ids, dest, result = self._checked(row_ids, out)
         n = ids.size
         if n:
             take_checked(local, ids, dest)  # in range by the checks (ValueError if changed since)
             (self._shm_recorder or self._shm_instruments()).defer(n, n, dest.nbytes, time.perf_counter() - t0)
         return result
 
-    def _gather_direct(self, replica, node, row_ids, out, timeout, mode):
-        """A synchronous gather sent straight to the one node that holds the whole table (tcp, rdma):
-        no routing objects, the caller's thread reads the answer, each distinct row fetched once when
-        dedup pays. None (nothing sent) when the gather needs several requests, or when the node fails:
-        routing then marks it down and re-issues the gather on another replica."""
+    def _gather_direct(self, route, row_ids, out, timeout, mode):
+        """A synchronous gather sent straight to the one node that holds the whole table (tcp, rdma),
+        along the reader's ``route``: no routing objects, the caller's thread reads the answer, each
+        distinct row fetched once when dedup pays. None (nothing sent) when the gather needs several
+        requests, or when the node fails: the reader then marks it down and the caller re-issues the
+        gather through routing, on another replica."""
         t0 = time.perf_counter()
         info = self.info
-        transport = node._transport
-        if transport is None:
-            return None
+        transport = route.transport
         mode = check_mode(mode) if mode is not None else self.mode
-        flat_ids, flat_out, result = self._fast_checked(row_ids, out) or self._checked(row_ids, out)
+        flat_ids, flat_out, result = self._checked(row_ids, out)
         n = flat_ids.size
         if n == 0:
             return result
         unique, inverse = dedup(flat_ids, transport.dedup_min_ids) if transport.dedups else (flat_ids, None)
-        if unique.size > min(node.max_rows_per_request, transport.request_rows(mode) or 1 << 62):
+        if unique.size > min(route.node.max_rows_per_request, transport.request_rows(mode) or NO_LIMIT):
             return None
         # rows of repeated ids are fetched once into scratch, then expanded into place
         dest = flat_out if inverse is None else rows_buffer(unique.size, info.row_bytes)
         try:
-            pending = transport.gather(node.tables[info.name].index, unique, dest, True, mode)
+            pending = transport.gather(route.index, unique, dest, True, mode)
         except (GatherTimeout, RemoteError) as e:
             metrics().error(e)
             raise
         except TableClientError as e:
-            self._client._router.fail(replica, e)
+            self.reader.fail(route, e)
             return None
         try:
-            pending.wait(timeout if timeout is not None else self._client._router.options.request_timeout)
+            pending.wait(timeout if timeout is not None else self.reader.request_timeout)
         except (GatherTimeout, RemoteError) as e:
             pending.cancel()  # a barrier: its rows never land after this
             metrics().error(e)
             raise
         except TableClientError as e:
             pending.cancel()
-            self._client._router.fail(replica, e)
+            self.reader.fail(route, e)
             return None
         if inverse is not None:  # inverse indexes dest by construction
             take_checked(dest, inverse, flat_out)
@@ -351,13 +322,9 @@ class RemoteTable:
         self, row_ids, out=None, mode: str | None = None, hedge_after: float | None = None
     ) -> GatherHandle:
         """Starts a gather and returns at once; ``handle.wait()`` returns the rows."""
-        client = self._client
-        if not client._closed:
-            _, node, local = client._router.reader(self.info.name)
-            # the shm transport's copy thread, read once (a close may clear node._transport meanwhile)
-            take_async = getattr(node._transport, "take_async", None) if local is not None else None
-            if take_async is not None:
-                return self._gather_local_async(take_async, local, row_ids, out, mode)
+        route = self.reader.route()
+        if route.local is not None:
+            return self._gather_local_async(route.transport.take_async, route.local, row_ids, out, mode)
         return self._submit(row_ids, out, False, mode, hedge_after)
 
     def _gather_local_async(self, take_async, local: np.ndarray, row_ids, out, mode: str | None) -> GatherHandle:
@@ -368,7 +335,7 @@ class RemoteTable:
         t0 = time.perf_counter()
         if mode is not None:
             check_mode(mode)
-        ids, dest, result = self._fast_checked(row_ids, out) or self._checked(row_ids, out)
+        ids, dest, result = self._checked(row_ids, out)
         n = ids.size
         if n == 0:
             return GatherHandle([], result)
@@ -385,7 +352,7 @@ class RemoteTable:
         flat_ids, flat_out, result = self._checked(row_ids, out)
         if flat_ids.size == 0:
             return GatherHandle([], result)
-        transport = self._client._data_transport()
+        transport = self.reader.transport()
         recorder = self._instruments(transport.name, mode if mode in transport.modes else "read")
         try:
             if transport.dedups:
@@ -432,16 +399,15 @@ class RemoteTable:
 
     def _request_rows(self, transport, mode: str) -> int:
         """Most ids one request may carry: the session's limit and the transport's."""
-        return min(self._client.max_rows_per_request, transport.request_rows(mode) or 1 << 62)
+        return min(self._client.max_rows_per_request, transport.request_rows(mode) or NO_LIMIT)
 
     def _post(
         self, transport, ids: np.ndarray, out: np.ndarray, sync: bool, mode: str, hedge_after: float | None = None
     ) -> list:
         step = self._request_rows(transport, mode)
-        extra = {} if hedge_after is None else {"hedge_after": hedge_after}
         if ids.size <= step:
-            return [transport.gather(self.info.index, ids, out, sync, mode, **extra)]
+            return [transport.gather(self.info.index, ids, out, sync, mode, hedge_after)]
         return [
-            transport.gather(self.info.index, ids[a : a + step], out[a : a + step], sync, mode, **extra)
+            transport.gather(self.info.index, ids[a : a + step], out[a : a + step], sync, mode, hedge_after)
             for a in range(0, ids.size, step)
         ]

@@ -4,12 +4,9 @@ The kernel copies a tcp payload between the caller's buffer and its own socket p
 (or near) a page boundary. When the user buffer starts at the same offset within a 4 KiB page -- the
 first 64 bytes of a page, as every large ``malloc``/``np.empty`` (an mmap, offset 16) and every
 page-aligned pinned buffer does -- each load of the copy aliases a store a few bytes before it (the
-CPU matches addresses on their low 12 bits: "4K aliasing") and the copy stalls. Measured on this
-project's 2-vCPU VM (AMD EPYC), 1,536 rows of 264 B over loopback: the daemon's send buffer at page
-offset 0 or 16 made a gather 1.5-1.7x the minimal request/response, at 64, 1,296 or 2,048 1.2x; the
-receiving ``out`` at offset 16 instead of 2,048 made the minimal request/response itself 40-70 % slower
-(bench/bench_transports.py measures with such buffers). Half a page is as far as an offset gets from
-the kernel's.
+CPU matches addresses on their low 12 bits: "4K aliasing") and the copy stalls, on the sending and
+the receiving side alike (bench/bench_transports.py measures with such buffers; figures in
+docs/perf.md and bench/README.md). Half a page is as far as an offset gets from the kernel's.
 """
 
 from __future__ import annotations

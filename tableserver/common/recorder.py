@@ -1,8 +1,8 @@
 """Per-gather metrics recorded off the hot path: counters and one latency histogram, updated together.
 
 Client and server both record once per gather (rows, bytes, latency). prometheus_client's public
-``inc``/``observe`` check their arguments and take a lock per value; with caches cold after a gather
-that is ~6 us a request. A :class:`Recorder` instead appends one tuple to a deque (``defer``) and
+``inc``/``observe`` check their arguments and take a lock per value, several microseconds a request
+with caches cold after a gather. A :class:`Recorder` instead appends one tuple to a deque (``defer``) and
 applies the batch later (``flush``): counters summed, latencies bucketed in one vectorized pass.
 Whoever owns a registry registers :class:`FlushFirst` in it before its metrics, so every collection
 (a scrape, ``get_sample_value``) first applies what waits: a scrape sees every gather that returned

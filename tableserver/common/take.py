@@ -10,11 +10,10 @@ checked before, which raises if they changed since.
 Both are native (``tableserver/common/_take.c``, built with the package where a C compiler is present) or numpy:
 
 * native: one C pass checks the ids, then a copy loop that prefetches 16 rows ahead. A random gather
-  is bound by memory latency, and ``np.take`` leaves the next rows' misses to the CPU: the prefetching
-  loop measured 1.14-1.37x ``np.take(mode="clip")`` at 1,536 and 12,288 rows of 264 B on this
-  project's VM. A check costs no numpy calls either: the daemon's check of 1,536 ids between two
-  gathers (caches cold) took 13-15 us through numpy, 5-7 natively. Any buffer the native code does
-  not take (dtype, shape, contiguity, overlap: TypeError or ValueError) goes to numpy's path.
+  is bound by memory latency, and ``np.take`` leaves the next rows' misses to the CPU, where the
+  prefetching loop overlaps them (bench/bench_transports.py times both; figures in docs/perf.md). A
+  check costs no numpy calls either, which matters with caches cold between two gathers. Any buffer
+  the native code does not take (dtype, shape, contiguity, overlap: TypeError or ValueError) goes to numpy's path.
 * numpy (no compiler at install, or ``TABLESERVER_NATIVE_TAKE=0``): ``in_range`` views the ids as
   uint64 (a negative id is huge) and takes one ``argmax``; ``take`` is ``in_range``, then
   ``np.take(mode="clip")`` -- "clip" copies without a temporary, and never reads outside the table even
@@ -76,8 +75,7 @@ def in_range(ids: np.ndarray, rows: int) -> bool:
     Both sides use it: the client before sending (or reading a mapping), the server before gathering.
 
     numpy's path: ``argmax`` rather than ``max``, which skips the ufunc reduction machinery, whose
-    set-up costs several microseconds more per call, most of all with caches cold after a gather
-    (bench: 8 vs 13 us at 1,536 ids, 16 vs 22 us at 12,288 on a 2-vCPU VM)."""
+    set-up costs several microseconds more per call, most of all with caches cold after a gather."""
     if native_check is not None:
         try:
             return native_check(ids, rows) < 0

@@ -17,6 +17,12 @@ What lives here:
 * :class:`RingAllocator`: FIFO allocation of contiguous slots in a ring of
   prebuilt work requests / staging rows.
 
+Errors: every failure here is a :class:`VerbsError` (one line, ``errno`` when
+the kernel gave one): :class:`RdmaUnavailable` when this host has no usable
+stack, :class:`RdmaError` when a verbs call failed. Both are this module's own:
+the daemon and the client each wrap them into their own error hierarchy where
+a verbs call can raise (tableserver.errors, tableclient.errors).
+
 Every resource closes in reverse order of creation; close() is idempotent.
 """
 
@@ -28,15 +34,36 @@ import secrets
 import threading
 from dataclasses import dataclass
 
-from tableserver.errors import TableServerError
+
+class VerbsError(Exception):
+    """Base of this module's errors: a one-line message and the OS error number when one is known."""
+
+    def __init__(self, message: str, errno: int | None = None):
+        super().__init__(message)
+        self.errno = errno
 
 
-class RdmaUnavailable(TableServerError):
+class RdmaUnavailable(VerbsError):
     """No usable RDMA stack here (no pyverbs, no device, port down)."""
 
 
-class RdmaError(TableServerError):
+class RdmaError(VerbsError):
     """A verbs call failed ("Failed to register MR ..."); errno when known."""
+
+
+def error_errno(e: BaseException) -> int | None:
+    """The OS error number an error carries: a VerbsError's or OSError's ``errno``, pyverbs'
+    ``PyverbsRDMAError.error_code``; None when it has none."""
+    for attr in ("errno", "error_code"):
+        code = getattr(e, attr, None)
+        if isinstance(code, int) and code > 0:  # pyverbs says -1 for "none"
+            return code
+    return None
+
+
+def rdma_error(what: str, e: BaseException) -> RdmaError:
+    """``e`` (a pyverbs error raised by a verbs call) as an RdmaError saying what failed; its errno kept."""
+    return RdmaError(f"{what}: {e}", errno=error_errno(e))
 
 
 _verbs = None
@@ -119,17 +146,28 @@ class Device:
             self.attr = self.context.query_device()
             self.port_attr = self.context.query_port(port)
         except v.Error as e:
-            raise RdmaUnavailable(f"cannot open RDMA device {self.name} port {port}: {e}") from None
+            raise RdmaUnavailable(
+                f"cannot open RDMA device {self.name} port {port}: {e}", errno=error_errno(e)
+            ) from None
         if self.port_attr.state != v.e.IBV_PORT_ACTIVE:
             self.context.close()
             raise RdmaUnavailable(f"RDMA device {self.name} port {port} is not ACTIVE: check `rdma link`")
-        self.gid_index = self._pick_gid(gid_index)
-        self.gid = gid_bytes(self.context.query_gid(port, self.gid_index).gid)
-        self.mtu = int(self.port_attr.active_mtu)
-        self.max_mr_size = int(self.attr.max_mr_size)
-        self.max_qp_wr = int(self.attr.max_qp_wr)
-        self.max_rd_atomic = int(self.attr.max_qp_rd_atom)
-        self.pd = v.pd.PD(self.context)
+        try:
+            self.gid_index = self._pick_gid(gid_index)
+            self.gid = gid_bytes(self.context.query_gid(port, self.gid_index).gid)
+            self.mtu = int(self.port_attr.active_mtu)
+            self.max_mr_size = int(self.attr.max_mr_size)
+            self.max_qp_wr = int(self.attr.max_qp_wr)
+            self.max_rd_atomic = int(self.attr.max_qp_rd_atom)
+            self.pd = v.pd.PD(self.context)
+        except v.Error as e:
+            self.context.close()
+            raise RdmaUnavailable(
+                f"cannot set up RDMA device {self.name} port {port}: {e}", errno=error_errno(e)
+            ) from None
+        except RdmaUnavailable:
+            self.context.close()
+            raise
 
     def _pick_gid(self, wanted: int | None) -> int:
         """The requested GID index, else the best one: RoCE v2 IPv4-mapped, any IPv4-mapped, a
@@ -167,10 +205,7 @@ class Device:
         try:
             return v.mr.MR(self.pd, length, access, address=address)
         except v.Error as e:
-            raise RdmaError(
-                f"Failed to register MR of {length} bytes at {address:#x} on {self.name}: {e}",
-                errno=getattr(e, "error_code", None),
-            ) from None
+            raise rdma_error(f"Failed to register MR of {length} bytes at {address:#x} on {self.name}", e) from None
 
     def close(self) -> None:
         if self._closed:
@@ -200,7 +235,7 @@ def create_rc_qp(dev: Device, cq, send_wr: int, recv_wr: int, access: int):
         attr.pkey_index = 0
         qp.to_init(attr)
     except v.Error as e:
-        raise RdmaError(f"Failed to create an RC QP on {dev.name}: {e}") from None
+        raise rdma_error(f"Failed to create an RC QP on {dev.name}", e) from None
     return qp, QpInfo(qp.qp_num, random_psn(), dev.gid, dev.mtu)
 
 
@@ -224,7 +259,7 @@ def connect_rc_qp(dev: Device, qp, local: QpInfo, remote: QpInfo, rd_atomic: int
         attr.max_rd_atomic = rd_atomic
         qp.to_rts(attr)
     except v.Error as e:
-        raise RdmaError(f"Failed to connect RC QP {local.qp_num} to {remote.qp_num}: {e}") from None
+        raise rdma_error(f"Failed to connect RC QP {local.qp_num} to {remote.qp_num}", e) from None
 
 
 class RegisteredBuffer:
@@ -240,7 +275,15 @@ class RegisteredBuffer:
         )
         self.array = np.frombuffer(self.mm, dtype=np.uint8)
         self.addr = self.array.ctypes.data
-        self.mr = dev.register(self.addr, len(self.mm), access)
+        try:
+            self.mr = dev.register(self.addr, len(self.mm), access)
+        except BaseException:
+            self.mr, self.array = None, None  # unmapped now, not when the collector gets to it
+            try:
+                self.mm.close()
+            except BufferError:
+                pass
+            raise
 
     def close(self) -> None:
         """Deregisters, then unmaps (views still alive keep the memory until they go)."""

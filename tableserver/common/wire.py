@@ -24,6 +24,13 @@ Any error response carries a UTF-8 message of ``count`` bytes instead of rows.
 Errors marked fatal (bad frame, unauthenticated, too many rows, session closed,
 busy) close the connection after the response; the others leave it usable.
 Responses come back in request order, so several requests may be in flight.
+
+A refusal -- of a connection, a handshake or one request, on tcp, shm or rdma
+pack mode -- is always one :class:`Refused` (a :class:`Status` and a message):
+the server raises it where it decides and answers with its frame
+(:meth:`Refused.frame`, :meth:`Refused.pack_error`); the client reads error
+frames back into it (:meth:`Refused.from_wire`, :func:`parse_challenge`,
+:func:`parse_pack_error`) and reports it as its own error.
 """
 
 from __future__ import annotations
@@ -69,6 +76,56 @@ class Status(enum.IntEnum):
 FATAL = frozenset({Status.BAD_FRAME, Status.UNAUTHENTICATED, Status.TOO_MANY_ROWS, Status.SESSION_CLOSED, Status.BUSY})
 
 
+def status_name(status: int) -> str:
+    """A wire status by name (its number when this version does not know it)."""
+    return Status(status).name if status in Status._value2member_map_ else str(status)
+
+
+class Refused(Exception):
+    """A refused connection, handshake or request: a wire ``status`` (not OK) and a one-line message.
+
+    The one way both sides express a refusal: the server raises it and answers with its frame, the
+    client parses error frames into it. ``str()`` is the message alone (what the frame carries);
+    :meth:`describe` names the status too."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+    @property
+    def name(self) -> str:
+        return status_name(self.status)
+
+    @property
+    def fatal(self) -> bool:
+        """The server closes the connection after answering with it."""
+        return self.status in FATAL
+
+    def describe(self) -> str:
+        return f"{self.name}: {self.message}"
+
+    def frame(self, ftype: int, request_id: int = 0, seal=None) -> bytes:
+        """The error response frame: header + message (``seal(header, message)`` on a sealed connection)."""
+        body = self.message.encode()
+        header = response_header(ftype, self.status, request_id, 0, len(body))
+        return header + (seal(header, body) if seal is not None else body)
+
+    def pack_error(self, request_id: int) -> bytes:
+        """The PACK_ERROR message answering rdma pack request ``request_id`` (cut to the client's buffer)."""
+        body = self.message.encode()[: PACK_REPLY_BYTES - PACK_ERROR.size]
+        return PACK_ERROR.pack(PACK_ERROR_MAGIC, request_id, self.status, len(body)) + body
+
+    @classmethod
+    def from_wire(cls, status: int, body) -> Refused:
+        """The refusal an error frame carries (its message decoded leniently: it comes from the peer)."""
+        return cls(status, bytes(body).decode(errors="replace"))
+
+
+#: the name this error had when it covered only a connection refused before its CHALLENGE
+HandshakeRefused = Refused
+
+
 def hello_mac(
     secret: bytes, session_id: bytes, server_nonce: bytes, client_nonce: bytes, role: bytes = b"tableserver-hello"
 ) -> bytes:
@@ -96,16 +153,8 @@ def hello_frame(session_id: bytes, secret: bytes, server_nonce: bytes, request_i
     return request_header(FrameType.HELLO, request_id, 0, len(payload)) + payload, client_nonce
 
 
-class HandshakeRefused(Exception):
-    """The server answered the connection with an error instead of a CHALLENGE (e.g. BUSY)."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
 def parse_challenge(frame: bytes) -> bytes:
-    """The nonce of a CHALLENGE frame; HandshakeRefused for an error frame, ValueError for anything else."""
+    """The nonce of a CHALLENGE frame; Refused for an error frame (e.g. BUSY), ValueError for anything else."""
     if len(frame) < HEADER_BYTES:
         raise ValueError(f"expected a CHALLENGE frame, got {len(frame)} bytes: not a tableserver data port?")
     magic, ftype, status, _rid, _rb, count = HEADER.unpack_from(frame)
@@ -113,8 +162,7 @@ def parse_challenge(frame: bytes) -> bytes:
     if magic != RESPONSE_MAGIC:
         raise ValueError("the server did not open with a CHALLENGE frame: not a tableserver data port?")
     if status != Status.OK:
-        name = Status(status).name if status in Status._value2member_map_ else str(status)
-        raise HandshakeRefused(status, f"{name}: {body.decode(errors='replace')}")
+        raise Refused.from_wire(status, body)
     if ftype != FrameType.CHALLENGE or count != NONCE_BYTES or len(body) != NONCE_BYTES:
         raise ValueError("the server did not open with a CHALLENGE frame: not a tableserver data port?")
     return body
@@ -198,3 +246,13 @@ PACK_REQUEST_MAGIC = b"TSPK"
 PACK_ERROR = struct.Struct("<4sIII")  # magic, request_id, status, message bytes
 PACK_ERROR_MAGIC = b"TSPE"
 PACK_REPLY_BYTES = 512  # size of the client's receive buffers (error replies are truncated to fit)
+
+
+def parse_pack_error(raw: bytes) -> tuple[int, Refused] | None:
+    """(request id, Refused) of a PACK_ERROR message; None for anything else."""
+    if len(raw) < PACK_ERROR.size:
+        return None
+    magic, request_id, status, length = PACK_ERROR.unpack_from(raw)
+    if magic != PACK_ERROR_MAGIC:
+        return None
+    return request_id, Refused.from_wire(status, raw[PACK_ERROR.size : PACK_ERROR.size + length])

@@ -1,4 +1,10 @@
-"""Server-side data transports, by name. Modules load lazily (rdma needs pyverbs)."""
+"""Server-side data transports, by name. Modules load lazily (rdma needs pyverbs).
+
+:func:`open_transport` is the one way the daemon makes one: every transport
+takes the same (session registry, options) and reports a host that cannot run
+it as :class:`~tableserver.errors.TransportUnavailable` (from its constructor
+or ``bind``), so the server names none of them.
+"""
 
 from __future__ import annotations
 
@@ -22,3 +28,8 @@ def transport_class(name: str):
     except KeyError:
         raise ValueError(f"unknown transport {name!r}: use {', '.join(KNOWN)}") from None
     return getattr(importlib.import_module(module), cls)
+
+
+def open_transport(name: str, sessions, options: dict):
+    """A new, unbound transport ``name`` (``bind`` it next); ValueError for a name no transport has."""
+    return transport_class(name)(sessions, options)

@@ -44,6 +44,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from tableserver.common.wire import Refused, Status
 from tableserver.config import option
 from tableserver.logs import RateLimitedLog
 
@@ -93,14 +94,6 @@ class Limits:
         if not self.max_connections:
             self.max_connections = default_max_connections()
         self.max_handshakes = max(1, min(self.max_handshakes, self.max_connections))
-
-
-class Refused(Exception):
-    """A connection the layer turns away; ``status`` and the message go to the peer."""
-
-    def __init__(self, status, message: str):
-        super().__init__(message)
-        self.status = status
 
 
 class Connection:
@@ -212,9 +205,7 @@ class ConnectionLoop:
 
     # ------------------------------------------------------------------ sessions
     def attach(self, conn: Connection, session) -> None:
-        """Marks ``conn`` authenticated for ``session``; Refused past the per-session cap."""
-        from tableserver.common.wire import Status
-
+        """Marks ``conn`` authenticated for ``session``; Refused (wire.Refused, BUSY) past the per-session cap."""
         with self._lock:
             conns = self._by_session.setdefault(id(session), set())
             if len(conns) >= self.limits.max_per_session:

@@ -40,19 +40,21 @@ from tableserver.common.verbs import (
     QpInfo,
     RdmaUnavailable,
     RegisteredBuffer,
+    VerbsError,
     connect_rc_qp,
     create_rc_qp,
+    error_errno,
     verbs,
 )
 from tableserver.common.wire import (
-    PACK_ERROR,
-    PACK_ERROR_MAGIC,
     PACK_REPLY_BYTES,
     PACK_REQUEST,
     PACK_REQUEST_MAGIC,
     ROW_ID_BYTES,
+    Refused,
     Status,
 )
+from tableserver.errors import TransportError, TransportUnavailable
 from tableserver.logs import RateLimitedLog
 from tableserver.sessions import Session
 from tableserver.transports.base import ServerTransport
@@ -156,7 +158,7 @@ class RdmaTransport(ServerTransport):
         try:
             self.dev = Device(self.device_name, self.port_num, self.gid_index if self.gid_index >= 0 else None)
         except RdmaUnavailable as e:
-            raise RdmaUnavailable(f"rdma transport: {e}") from None
+            raise TransportUnavailable(f"rdma transport: {e}", errno=e.errno) from None
         log.info(
             "rdma: device %s port %d, GID index %d, MTU %d, max MR %d bytes",
             self.dev.name,
@@ -203,8 +205,11 @@ class RdmaTransport(ServerTransport):
 
         # pyverbs 44 holds the GIL inside ibv_reg_mr, so chunks register one at a
         # time there; a pyverbs that releases it registers them concurrently.
-        with ThreadPoolExecutor(4, thread_name_prefix="tableserver-reg") as pool:
-            self.regions = list(pool.map(register, jobs))
+        try:
+            with ThreadPoolExecutor(4, thread_name_prefix="tableserver-reg") as pool:
+                self.regions = list(pool.map(register, jobs))
+        except VerbsError as e:
+            raise TransportError(f"rdma transport: {e}", errno=e.errno) from None
         self.register_seconds = time.monotonic() - t0
         log.info(
             "rdma: registered %d %s MRs over %d tables (%.2f GiB) in %.2f s",
@@ -249,7 +254,10 @@ class RdmaTransport(ServerTransport):
         e = v.e
         # Reads in flight per QP: as many as both devices allow (16 on ConnectX, 128 on rxe).
         rd_atomic = max(1, min(dev.max_rd_atomic, params.max_rd_atomic or 1))
-        cq = v.cq.CQ(dev.context, len(params.qps) * (RECV_DEPTH + SEND_DEPTH) + 16)
+        try:
+            cq = v.cq.CQ(dev.context, len(params.qps) * (RECV_DEPTH + SEND_DEPTH) + 16)
+        except v.Error as err:
+            raise TransportError(f"rdma: cannot create a CQ on {dev.name}: {err}", errno=error_errno(err)) from None
         s = _SessionQPs(session, cq, [], [])
         try:
             for _ in params.qps:
@@ -262,6 +270,11 @@ class RdmaTransport(ServerTransport):
                 connect_rc_qp(dev, qp, info, QpInfo(remote.qp_num, remote.psn, remote.gid, remote.mtu), rd_atomic)
             if self.windows:
                 self._bind_windows(s)
+        except (VerbsError, v.Error) as err:
+            s.close()
+            raise TransportError(
+                f"rdma: setting up the QPs of session {session.label} failed: {err}", errno=error_errno(err)
+            ) from None
         except Exception:
             s.close()
             raise
@@ -432,23 +445,23 @@ class RdmaTransport(ServerTransport):
         request_id = 0
         try:
             if byte_len < PACK_REQUEST.size:
-                raise _Refuse(Status.BAD_FRAME, "pack request shorter than its header")
+                raise Refused(Status.BAD_FRAME, "pack request shorter than its header")
             magic, request_id, table_index, count, dest, rkey = PACK_REQUEST.unpack_from(raw)
             if magic != PACK_REQUEST_MAGIC:
-                raise _Refuse(Status.BAD_FRAME, f"bad pack request magic {bytes(magic)!r}")
+                raise Refused(Status.BAD_FRAME, f"bad pack request magic {bytes(magic)!r}")
             if count > self.pack_max_rows:
-                raise _Refuse(
+                raise Refused(
                     Status.TOO_MANY_ROWS, f"{count} rows in one pack request, the limit is {self.pack_max_rows}"
                 )
             if byte_len != PACK_REQUEST.size + count * ROW_ID_BYTES:
-                raise _Refuse(Status.BAD_FRAME, f"pack request of {byte_len} bytes for {count} ids")
+                raise Refused(Status.BAD_FRAME, f"pack request of {byte_len} bytes for {count} ids")
             if table_index >= len(self.tables):
-                raise _Refuse(Status.UNKNOWN_TABLE, f"no table #{table_index}")
+                raise Refused(Status.UNKNOWN_TABLE, f"no table #{table_index}")
             table = self.tables[table_index]
             ids = raw[PACK_REQUEST.size :].view("<i8")
             if not in_range(ids, table.rows):
                 lo, hi = int(ids.min()), int(ids.max())
-                raise _Refuse(
+                raise Refused(
                     Status.ROW_OUT_OF_RANGE,
                     f"row id {lo if lo < 0 else hi} out of range for table {table.name!r} (0..{table.rows - 1})",
                 )
@@ -468,11 +481,10 @@ class RdmaTransport(ServerTransport):
             wr.set_wr_rdma(rkey, dest)
             qp.post_send(wr)
             s.inflight = (wr, time.monotonic() + PACK_REPLY_TIMEOUT_S, table_index, count, start)
-        except _Refuse as r:
+        except Refused as r:
             self.metrics.refused(r.status)
-            self._ratelog.warning(r.status.name, "rdma: session %s pack request refused: %s", s.session.label, r)
-            msg = str(r).encode()[: PACK_REPLY_BYTES - PACK_ERROR.size]
-            body = PACK_ERROR.pack(PACK_ERROR_MAGIC, request_id, r.status, len(msg)) + msg
+            self._ratelog.warning(r.name, "rdma: session %s pack request refused: %s", s.session.label, r)
+            body = r.pack_error(request_id)
             s.reply.array[: len(body)] = np.frombuffer(body, np.uint8)
             sge = v.wr.SGE(s.reply.addr, len(body), s.reply.mr.lkey)
             wr = v.wr.SendWR(wr_id=1 << 41, opcode=e.IBV_WR_SEND, num_sge=1, sg=[sge], send_flags=e.IBV_SEND_SIGNALED)
@@ -490,9 +502,3 @@ class RdmaTransport(ServerTransport):
 
 class _Stalled(Exception):
     """A session stopped taking its pack replies."""
-
-
-class _Refuse(Exception):
-    def __init__(self, status: Status, message: str):
-        super().__init__(message)
-        self.status = status

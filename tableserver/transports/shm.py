@@ -35,6 +35,7 @@ import socket
 import stat
 import tempfile
 
+from tableserver.common.host import host_id
 from tableserver.common.wire import (
     HEADER,
     HEADER_BYTES,
@@ -42,30 +43,22 @@ from tableserver.common.wire import (
     NONCE_BYTES,
     REQUEST_MAGIC,
     FrameType,
+    Refused,
     Status,
     challenge_frame,
     response_header,
 )
 from tableserver.errors import ConfigError, ListenError, TableServerError
+from tableserver.limits import connection_limits
 from tableserver.logs import RateLimitedLog
 from tableserver.memory import F_SEAL_FUTURE_WRITE
 from tableserver.transports.base import ServerTransport
-from tableserver.transports.connections import CLOSE, READ, Connection, ConnectionLoop, Protocol, Refused
-from tableserver.transports.tcp import connection_limits
+from tableserver.transports.connections import CLOSE, READ, Connection, ConnectionLoop, Protocol
 from tableserver.v1 import tableserver_pb2 as pb
 
 log = logging.getLogger("tableserver.shm")
 
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE
-
-
-def host_id() -> str:
-    """This kernel's boot id: equal on every process of one host (and its containers)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return socket.gethostname()
 
 
 @functools.lru_cache(maxsize=1)
@@ -213,8 +206,7 @@ class _ShmProtocol(Protocol):
         return challenge_frame(conn.state)
 
     def busy(self, message: str) -> bytes:
-        body = message.encode()
-        return response_header(FrameType.CHALLENGE, Status.BUSY, 0, 0, len(body)) + body
+        return Refused(Status.BUSY, message).frame(FrameType.CHALLENGE)
 
     def ready(self, conn: Connection, events: int) -> str:
         sock = conn.sock
@@ -246,11 +238,10 @@ class _ShmProtocol(Protocol):
                 )
             self.t._loop.attach(conn, session)
         except Refused as e:
-            body = str(e).encode()
             self.t.metrics.refused(e.status)
-            self.ratelog.warning(e.status.name, "shm: refused a connection: %s", e)
+            self.ratelog.warning(e.name, "shm: refused a connection: %s", e)
             try:
-                sock.send(response_header(FrameType.HELLO, e.status, req_id, 0, len(body)) + body)
+                sock.send(e.frame(FrameType.HELLO, req_id))
             except OSError:
                 pass
             return CLOSE

@@ -41,7 +41,6 @@ from tableserver.common.seal import C2S, S2C, TAG_BYTES, BadTag, Direction, cryp
 from tableserver.common.take import in_range, take_checked
 from tableserver.common.wire import (
     CLIENT_NONCE_BYTES,
-    FATAL,
     HEADER,
     HEADER_BYTES,
     HELLO_BYTES,
@@ -50,11 +49,13 @@ from tableserver.common.wire import (
     REQUEST_MAGIC,
     SESSION_ID_BYTES,
     FrameType,
+    Refused,
     Status,
     challenge_frame,
     response_header,
 )
 from tableserver.errors import ListenError
+from tableserver.limits import connection_limits
 from tableserver.logs import RateLimitedLog
 from tableserver.transports.base import ServerTransport
 from tableserver.transports.connections import (
@@ -63,9 +64,7 @@ from tableserver.transports.connections import (
     WRITE,
     Connection,
     ConnectionLoop,
-    Limits,
     Protocol,
-    Refused,
     cpu_workers,
     wait_writable,
 )
@@ -79,16 +78,6 @@ CHUNK_BYTES = 512 << 10
 SEND_SPIN_S = 0.002
 #: requests one connection may have answered per turn before the worker serves others
 REQUESTS_PER_TURN = 8
-
-
-def parse_hostport(value: str, what: str) -> tuple[str, int]:
-    """'HOST:PORT' or '[V6]:PORT' -> (host, port)."""
-    from tableserver.errors import ConfigError
-
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535 or not host:
-        raise ConfigError(f"{what} {value!r}: expected HOST:PORT, e.g. 127.0.0.1:7070")
-    return host.strip("[]"), int(port)
 
 
 def bind_listener(host: str, port: int, what: str, flag: str) -> socket.socket:
@@ -115,17 +104,6 @@ def bind_listener(host: str, port: int, what: str, flag: str) -> socket.socket:
             f"cannot listen on {host}:{port} for {what} ({e.strerror}): fix {flag}", errno=e.errno
         ) from None
     return sock
-
-
-def connection_limits(options) -> Limits:
-    return Limits(
-        handshake_timeout=float(options.get("handshake_timeout", 5.0)),
-        idle_timeout=float(options.get("idle_timeout", 0.0)),
-        send_timeout=float(options.get("send_timeout", 10.0)),
-        max_connections=int(options.get("max_connections", 0)),
-        max_per_session=int(options.get("max_connections_per_session", 8)),
-        max_handshakes=int(options.get("max_handshakes", 256)),
-    )
 
 
 class TcpTransport(ServerTransport):
@@ -288,8 +266,7 @@ class _TcpProtocol(Protocol):
         return challenge_frame(nonce)
 
     def busy(self, message: str) -> bytes:
-        body = message.encode()
-        return response_header(FrameType.CHALLENGE, Status.BUSY, 0, 0, len(body)) + body
+        return Refused(Status.BUSY, message).frame(FrameType.CHALLENGE)
 
     def closed(self, conn: Connection) -> None:
         conn.state = None
@@ -423,13 +400,11 @@ class _TcpProtocol(Protocol):
                     st.enc = st.tx.encryptor(header)
         except Refused as e:
             self.t.metrics.refused(e.status)
-            self.ratelog.warning(e.status.name, "tcp %s: %s: %s", conn.peer, e.status.name, e)
-            msg = str(e).encode()
-            header = response_header(st.ftype, e.status, st.req_id, 0, len(msg))
-            st.parts = [memoryview(header + (st.tx.seal(header, msg) if st.tx is not None else msg))]
+            self.ratelog.warning(e.name, "tcp %s: %s", conn.peer, e.describe())
+            st.parts = [memoryview(e.frame(st.ftype, st.req_id, st.tx.seal if st.tx is not None else None))]
             st.next_row = st.count = 0
             st.enc = None
-            st.closing = e.status in FATAL
+            st.closing = e.fatal
         st.error = None
         st.sending = True
         conn.send_since = time.monotonic()  # the send timeout bounds the whole response from here

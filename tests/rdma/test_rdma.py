@@ -6,6 +6,7 @@ are separate processes; expected rows always come from the table file.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -352,6 +353,125 @@ def test_server_gone_fails_gathers_cleanly(demo_file, tmp_path):
     with pytest.raises((ConnectError, TransportError, GatherTimeout)):  # one node: no replica to fail over to
         c.table("engram.layer1").gather(np.arange(100), timeout=30)
     c.close()
+
+
+def replica_pair(tmp_path, demo_file, second: str):
+    """Two daemons serving the same tables: node "rdma-a" over rdma, node "rdma-b" over ``second``."""
+    a = start_daemon(str(tmp_path / "a"), "--tables", demo_file, "--transports", "rdma", "--node-id", "rdma-a")
+    try:
+        b = start_daemon(str(tmp_path / "b"), "--tables", demo_file, "--transports", second, "--node-id", "rdma-b")
+    except BaseException:
+        a.stop()
+        raise
+    return a, b
+
+
+def client_id_reading(first: str, then: str) -> str:
+    """A client id whose rendezvous order reads node ``first`` before node ``then``."""
+    from tableclient.routing import rendezvous_score
+
+    return next(
+        c for c in (f"failover-{i}" for i in range(1000)) if rendezvous_score(c, first) > rendezvous_score(c, then)
+    )
+
+
+#: a client process without CAP_IPC_LOCK (as an unprivileged one is): RLIMIT_MEMLOCK binds what it may pin
+MEMLOCK_CLIENT = r"""
+import json, logging, resource, sys
+import numpy as np
+from tableclient import TableClient
+
+a, b, client_id, out = sys.argv[1:5]
+said = []  # what routing logs: why it failed a node
+
+
+class Keep(logging.Handler):
+    def emit(self, record):
+        said.append(record.getMessage())
+
+
+logging.getLogger("tableclient").addHandler(Keep(logging.INFO))
+logging.getLogger("tableclient").setLevel(logging.INFO)
+soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+try:  # room for the sessions' own buffers
+    hard = resource.RLIM_INFINITY
+    resource.setrlimit(resource.RLIMIT_MEMLOCK, (hard, hard))
+except (ValueError, OSError):
+    hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]
+    resource.setrlimit(resource.RLIMIT_MEMLOCK, (hard, hard))
+with TableClient(f"{a},{b}", client_id=client_id, rdma_qps=2, rdma_ring_rows=256) as c:
+    before = c.replicas()
+    pinned_kb = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmPin:"))
+    resource.setrlimit(resource.RLIMIT_MEMLOCK, (pinned_kb << 10, hard))  # the allowance spent: nothing more fits
+    t = c.table("engram.layer14")  # never read yet: its rdma staging is registered on this first read
+    np.save(out, t.gather(np.arange(3, t.rows, 197), timeout=300))
+    print(json.dumps(dict(before=before, after=c.replicas(), pinned_kb=pinned_kb, said=said)), flush=True)
+"""
+
+
+def test_a_verbs_error_on_first_use_fails_over_to_a_replica(demo_file, demo_local, tmp_path):
+    """Before: the rdma client registers a table's staging on its first read of it, and a verbs failure
+    there (the kernel refusing to pin more memory: the process's locked-memory allowance is spent) raised
+    the verbs layer's RdmaError -- no TableClientError -- out of the gather: routing did not fail over and
+    ``except TableClientError`` missed it. Now it is a TransportError: the node is failed and the gather
+    answered, bit-exact, by the replica (here over tcp: the allowance binds every rdma session)."""
+    a, b = replica_pair(tmp_path, demo_file, "tcp")
+    try:
+        out = tmp_path / "rows.npy"
+        cmd = ["setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock", "--", sys.executable, "-c"]
+        res = subprocess.run(
+            [*cmd, MEMLOCK_CLIENT, a.address, b.address, client_id_reading("rdma-a", "rdma-b"), str(out)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=EVENT_TIMEOUT,
+        )
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+        report = json.loads(res.stdout.strip().splitlines()[-1])
+        assert report["pinned_kb"] > 0, report  # the sessions' buffers count against the allowance
+        assert report["before"][a.address]["transport"] == "rdma", report
+        # node a failed on that first read, for the kernel's refusal to pin (ENOMEM), and stays failed
+        why = [m for m in report["said"] if m.startswith(f"tableserver {a.address} down: ")]
+        assert why and "Failed to register MR" in why[0] and "Errno: 12" in why[0], report
+        assert report["after"][a.address]["state"] != "up", report
+        assert report["after"][b.address]["state"] == "up" and report["after"][b.address]["transport"] == "tcp", report
+        ids = np.arange(3, demo_local["engram.layer14"].shape[0], 197)
+        np.testing.assert_array_equal(np.load(out), demo_local["engram.layer14"][ids])
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_a_qp_error_before_the_first_read_fails_over_to_a_replica(demo_file, demo_local, tmp_path):
+    """The node read first has its QP in the error state (a WRITE its responder refused) before the
+    client's first READ of a table: that READ fails, the node is failed over, and the gather is
+    answered bit-exact by the other replica over rdma."""
+    from prometheus_client import REGISTRY
+
+    e = verbs().e
+    a, b = replica_pair(tmp_path, demo_file, "rdma")
+    try:
+        client_id = client_id_reading("rdma-a", "rdma-b")
+        with TableClient(f"{a.address},{b.address}", client_id=client_id, rdma_qps=1, rdma_ring_rows=256) as c:
+            assert c.replicas()[a.address]["transport"] == "rdma"
+            failovers = REGISTRY.get_sample_value("tableserver_client_failovers_total") or 0
+            t, _local, _wr = post_remote_write(c, 79)  # on node a's QP: the node this client reads first
+
+            def qp_state():
+                return t._qps[0].query(e.IBV_QP_STATE)[0].qp_state
+
+            # the responder refused it: the QP is in the error state before the first READ is posted (its
+            # failed completion still waits in the CQ, for that READ's wait to find)
+            wait_for(lambda: qp_state() == e.IBV_QPS_ERR, lambda: f"the QP in the error state (now {qp_state()})")
+            ids = np.arange(5, 70_001, 311)  # one request (225 rows)
+            rows = c.table("engram.layer14").gather(ids, timeout=EVENT_TIMEOUT)
+            np.testing.assert_array_equal(rows, demo_local["engram.layer14"][ids])
+            assert isinstance(t._error, TransportError) and t._closed  # a's transport failed and was dropped
+            assert REGISTRY.get_sample_value("tableserver_client_failovers_total") > failovers
+            assert c.replicas()[b.address]["transport"] == "rdma"
+    finally:
+        a.stop()
+        b.stop()
 
 
 @pytest.mark.slow

@@ -49,6 +49,8 @@ import os
 import tomllib
 from dataclasses import dataclass, field, fields
 
+from tableclient.model import WINDOWS_S
+
 PLACEMENTS = ("remote", "node", "local")
 GRAPH_MODES = ("before_replay", "in_graph", "eager_break")
 POLICIES = ("fail", "zeros", "fallback")
@@ -68,9 +70,6 @@ ENV = {
     "graph": "TABLESERVER_GRAPH_MODE",
     "switch_interval": "TABLESERVER_SWITCH_INTERVAL",
 }
-#: DeepSeek-V4.1's measured windows (seed paper): layer 1's rows are due 0.3 ms after step start, layer 14's
-#: 9.3 ms. Other layers: the line through those two points (a window grows with the layers before it).
-KNOWN_WINDOWS = {1: 0.3e-3, 14: 9.3e-3}
 
 
 class ConfigError(ValueError):
@@ -186,9 +185,12 @@ class PluginConfig:
     def window(self, layer: int) -> float:
         if layer in self.windows:
             return self.windows[layer]
-        if layer in KNOWN_WINDOWS:
-            return KNOWN_WINDOWS[layer]
-        (l1, w1), (l2, w2) = sorted(KNOWN_WINDOWS.items())
+        # DeepSeek-V4.1's measured windows (seed paper; tableserver/common/model.py): layer 1's rows are due
+        # 0.3 ms after step start, layer 14's 9.3 ms. Other layers: the line through those two points (a
+        # window grows with the layers before it).
+        if layer in WINDOWS_S:
+            return WINDOWS_S[layer]
+        (l1, w1), (l2, w2) = sorted(WINDOWS_S.items())
         return max(0.0, w1 + (layer - l1) * (w2 - w1) / (l2 - l1))
 
     def describe(self, layers) -> str:

@@ -5,6 +5,18 @@ for flat, validated, int64 row ids into a caller-provided ``uint8 [n,
 row_bytes]`` buffer. It returns a :class:`Pending` per request. Validation,
 shapes, dedup and splitting into requests live in the table layer, once, for
 all transports. A new transport = one module + one line in ``__init__``.
+
+Opening one is the same for all (``transports.open_transport``): an optional
+:meth:`ClientTransport.prepare` before the session opens (resources whose
+description OpenSession carries: rdma's QPs), then the constructor with the
+server's offer, all configured by one :class:`TransportOptions`. Overrides
+keep the base class's signatures exactly (tests/test_units.py checks).
+
+Errors: a transport raises only tableclient errors (TransportUnavailable when
+it cannot serve this client, ConnectError/AuthError for a refused handshake,
+TransportError once broken, RemoteError for a refused request, GatherTimeout):
+what the layers below raise (verbs' VerbsError, the wire's Refused) is turned
+into those where it arises.
 """
 
 from __future__ import annotations
@@ -12,10 +24,52 @@ from __future__ import annotations
 import abc
 import threading
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
-from tableclient.errors import GatherTimeout
+from tableclient.errors import GatherTimeout, RemoteError
+from tableserver.common.take import take_checked
+
+
+@dataclass(frozen=True)
+class TransportOptions:
+    """How this client's data transports are set up: one object for all of them, each reading its own
+    fields (the same for every node of a client)."""
+
+    #: tcp: seconds a reader spins on the socket before sleeping (0: never spins)
+    busy_poll: float = 0.0
+    #: shm: build the page tables of the mappings at connect (no first-touch fault in a gather)
+    populate: bool = True
+    #: rdma: device (None: the first), GID index (None: the best), port, QPs per session, ring rows per
+    #: table and QP (shrunk to fit the device's CQ)
+    rdma_device: str | None = None
+    rdma_gid_index: int | None = None
+    rdma_port: int = 1
+    rdma_qps: int = 4
+    rdma_ring_rows: int = 4096
+
+
+DEFAULT_OPTIONS = TransportOptions()
+
+
+class Prepared:
+    """What a transport made before the session opened (see :meth:`ClientTransport.prepare`).
+
+    The transport's constructor takes it over (and closes it if it fails); one never handed to a
+    constructor is closed by whoever prepared it. ``close`` is idempotent."""
+
+    def request_fields(self) -> dict:
+        """Fields of ``OpenSessionRequest`` describing these resources to the server."""
+        return {}
+
+    def close(self) -> None:  # noqa: B027 - nothing to free by default
+        """Frees the resources."""
+
+
+def remote_error(refused) -> RemoteError:
+    """A request the server refused (a wire ``Refused``) as this client reports it."""
+    return RemoteError(refused.name, refused.message)
 
 
 class Flag:
@@ -117,6 +171,26 @@ class ClientTransport(abc.ABC):
     #: transport owns and are copied once, expanded, into ``out`` (no scratch buffer, no second copy)
     expands: bool = False
 
+    @classmethod
+    def prepare(cls, options: TransportOptions, catalog: list) -> Prepared | None:
+        """Resources to make before the session opens, whose description the OpenSession request
+        carries (rdma: its QPs, connected in the handshake); None when this transport needs none.
+        TransportUnavailable when it cannot work on this host at all."""
+        return None
+
+    def __init__(  # noqa: B027 - the constructor every transport has (open_transport calls it so)
+        self,
+        offer,
+        session,
+        catalog: list,
+        connect_timeout: float = 10.0,
+        options: TransportOptions = DEFAULT_OPTIONS,
+        prepared: Prepared | None = None,
+    ):
+        """Connects to the server's ``offer`` for ``session`` (``catalog``: its TableInfos), all within
+        ``connect_timeout`` seconds; takes ``prepared`` over. TransportUnavailable when it cannot
+        serve this client (the next offer is tried), ConnectError/AuthError when the server refuses."""
+
     @abc.abstractmethod
     def gather(
         self,
@@ -126,19 +200,28 @@ class ClientTransport(abc.ABC):
         sync: bool = False,
         mode: str = "read",
         expand: np.ndarray | None = None,
+        hedge_after: float | None = None,
     ) -> Pending:
         """Starts moving rows ``ids`` of table ``table_index`` into ``out``.
 
         ``sync`` says the caller will wait at once: a local transport then
         copies inline instead of handing the copy to a thread. ``mode`` is one
         of ``modes`` (others ignore it). ``expand`` (only where ``expands``):
-        ``out`` row i receives the row of ``ids[expand[i]]``.
+        ``out`` row i receives the row of ``ids[expand[i]]``. ``hedge_after``:
+        re-issue on another replica if still missing then (routing does; one
+        node's transport has nowhere else to send it and ignores it).
         """
 
     def local_table(self, table_index: int):
         """The table's rows as a local read-only array when this transport maps them (shm), else None:
         a synchronous gather then is one bounds-safe ``np.take`` in the caller's thread."""
         return None
+
+    def take_async(self, rows: np.ndarray, ids: np.ndarray, out: np.ndarray) -> Pending:
+        """``rows.take(ids, out=out)`` for ``rows`` from :meth:`local_table`, without waiting for it where
+        the transport has a copy thread (shm); this default copies inline and returns a done Pending."""
+        take_checked(rows, ids, out)
+        return DONE
 
     def request_rows(self, mode: str = "read") -> int | None:
         """Most row ids one request of this transport may carry (None: the session's limit)."""

@@ -22,7 +22,11 @@ pack staging (``REMOTE_WRITE``, only this session's QPs can reach it) with
 the request id as immediate data; errors come back as a SEND.
 
 Completions are polled by whichever thread waits (with a deadline); nothing
-spins when nobody waits. Invariants: the WR/SGE objects of a chain live as
+spins when nobody waits. Every verbs call that can fail is wrapped where it is
+made: a failure while connecting is TransportUnavailable (``auto`` moves on),
+one in use (registering a table's staging, posting, polling) TransportError,
+so routing fails over to a replica; verbs' own errors never reach callers.
+Invariants: the WR/SGE objects of a chain live as
 long as the transport (pyverbs keeps only raw pointers); a staging block is
 reused only after its rows were copied out (or the request was cancelled).
 """
@@ -37,27 +41,32 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tableclient.errors import ConnectError, GatherTimeout, RemoteError, TransportError, TransportUnavailable
-from tableclient.transports.base import ClientTransport, Pending
+from tableclient.errors import ConnectError, GatherTimeout, TransportError, TransportUnavailable
+from tableclient.transports.base import (
+    DEFAULT_OPTIONS,
+    ClientTransport,
+    Pending,
+    Prepared,
+    TransportOptions,
+    remote_error,
+)
 from tableserver.common.verbs import (
     Device,
     QpInfo,
-    RdmaError,
-    RdmaUnavailable,
     RegisteredBuffer,
     RingAllocator,
+    VerbsError,
     connect_rc_qp,
     create_rc_qp,
+    error_errno,
     verbs,
 )
 from tableserver.common.wire import (
-    PACK_ERROR,
-    PACK_ERROR_MAGIC,
     PACK_REPLY_BYTES,
     PACK_REQUEST,
     PACK_REQUEST_MAGIC,
     ROW_ID_BYTES,
-    Status,
+    parse_pack_error,
 )
 from tableserver.v1 import tableserver_pb2 as pb
 
@@ -67,11 +76,18 @@ RECV_DEPTH = 16  # pack replies (WRITE_WITH_IMM / error SEND) each QP can take
 SEND_SLOTS = 8  # pack requests in flight
 _SEND_TAG = 1 << 62
 _RECV_TAG = 1 << 61
+#: how long a request waits for staging space or a send slot (completions progressing meanwhile)
+STAGING_WAIT_S = 10.0
 _set_rdma = None  # SendWR.set_wr_rdma, bound at first use
 
 
+def _failed(what: str, e: BaseException, kind=TransportError):
+    """A verbs failure (``VerbsError`` or pyverbs' own) as this client's error saying what failed."""
+    return kind(f"{what}: {e}", errno=error_errno(e))
+
+
 @dataclass
-class Prepared:
+class RdmaPrepared(Prepared):
     """Device resources made before OpenSession, so the handshake can carry the QPs."""
 
     dev: Device
@@ -79,6 +95,7 @@ class Prepared:
     qps: list
     infos: list
     ring_rows: int
+    closed: bool = False
 
     def params(self) -> pb.RdmaClientParams:
         return pb.RdmaClientParams(
@@ -87,7 +104,13 @@ class Prepared:
             max_rd_atomic=self.dev.max_rd_atomic,
         )
 
+    def request_fields(self) -> dict:
+        return {"rdma": self.params()}
+
     def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
         for qp in self.qps:
             qp.close()
         self.cq.close()
@@ -213,28 +236,23 @@ class RdmaTransport(ClientTransport):
     modes = ("read", "pack")
     expands = True
 
-    @staticmethod
-    def prepare(
-        device: str | None = None,
-        gid_index: int | None = None,
-        port: int = 1,
-        qps: int = 4,
-        ring_rows: int = 4096,
-        tables: int = 1,
-    ) -> Prepared:
-        """Opens the device and makes ``qps`` RC QPs in INIT; TransportUnavailable if none is usable.
+    @classmethod
+    def prepare(cls, options: TransportOptions, catalog: list) -> Prepared | None:
+        """Opens the device and makes ``options.rdma_qps`` RC QPs in INIT; TransportUnavailable if none
+        is usable.
 
         Each QP's send queue holds a full ring per table plus the pack sends;
         the one CQ holds every WR that could complete at once (a QP error
         flushes them all), so rings shrink to fit the device's max CQ size.
         """
+        qps, ring_rows = options.rdma_qps, options.rdma_ring_rows
         try:
-            dev = Device(device, port, gid_index)
-        except RdmaUnavailable as e:
-            raise TransportUnavailable(str(e)) from None
+            dev = Device(options.rdma_device, options.rdma_port, options.rdma_gid_index)
+        except VerbsError as e:
+            raise TransportUnavailable(str(e), errno=e.errno) from None
         v = verbs()
         e = v.e
-        tables = max(tables, 1)
+        tables = max(len(catalog), 1)
         extra = SEND_SLOTS + 16
         max_cqe = int(dev.attr.max_cqe)
         fit = ((max_cqe - 64) // qps - RECV_DEPTH - extra) // tables
@@ -254,28 +272,30 @@ class RdmaTransport(ClientTransport):
                 create_rc_qp(dev, cq, send_wr, RECV_DEPTH, e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE)
                 for _ in range(qps)
             ]
-        except (RdmaError, v.Error) as err:
+        except (VerbsError, v.Error) as err:
             dev.close()
-            raise TransportUnavailable(f"cannot create RDMA QPs: {err}") from None
-        return Prepared(dev, cq, [m[0] for m in made], [m[1] for m in made], rows)
+            raise _failed("cannot create RDMA QPs", err, TransportUnavailable) from None
+        return RdmaPrepared(dev, cq, [m[0] for m in made], [m[1] for m in made], rows)
 
-    def __init__(self, offer, session, catalog, connect_timeout: float = 10.0, prepared: Prepared | None = None):
+    def __init__(
+        self,
+        offer,
+        session,
+        catalog: list,
+        connect_timeout: float = 10.0,
+        options: TransportOptions = DEFAULT_OPTIONS,
+        prepared: Prepared | None = None,
+    ):
         global _set_rdma
-        if prepared is None:
+        if not isinstance(prepared, RdmaPrepared):
             raise TransportUnavailable("rdma needs device resources prepared before the session opened")
         v = verbs()
         _set_rdma = v.wr.SendWR.set_wr_rdma
         self._v, self._e = v, v.e
-        self._prep = prepared
+        self._prep = prepared  # ours from here: close() frees it, on a failed connect too
         self.dev, self._cq, self._qps = prepared.dev, prepared.cq, prepared.qps
-        ep = offer.rdma
         self.device = self.dev.name
         self.ring_rows = prepared.ring_rows
-        # Software RDMA (rxe, siw) executes on the host CPUs: spin briefly, then sleep between polls.
-        software = self.dev.name.startswith(("rxe", "siw")) or int(getattr(self.dev.attr, "vendor_id", 1)) == 0
-        self.spin_polls = 100 if software else 2000
-        self.idle_sleep_s = 20e-6 if software else 0.0  # between polls once the spin is over
-        self.pack_max_rows = ep.pack_max_rows
         self._post_lock = threading.Lock()
         self._poll_lock = threading.Lock()
         self._inflight: dict[int, _Batch] = {}
@@ -284,12 +304,27 @@ class RdmaTransport(ClientTransport):
         self._error: BaseException | None = None
         self._closed = False
         self._buffers: list[RegisteredBuffer] = []
+        self._tables: dict[int, _TableState] = {}
+        try:
+            self._connect(offer.rdma, catalog, connect_timeout)
+        except (VerbsError, v.Error, TransportError) as e:  # this client cannot use the offer: the next one
+            self.close()
+            raise _failed(f"rdma to the server on {self.device}", e, TransportUnavailable) from None
+        except BaseException:
+            self.close()
+            raise
+
+    def _connect(self, ep, catalog: list, connect_timeout: float) -> None:
+        # Software RDMA (rxe, siw) executes on the host CPUs: spin briefly, then sleep between polls.
+        software = self.dev.name.startswith(("rxe", "siw")) or int(getattr(self.dev.attr, "vendor_id", 1)) == 0
+        self.spin_polls = 100 if software else 2000
+        self.idle_sleep_s = 20e-6 if software else 0.0  # between polls once the spin is over
+        self.pack_max_rows = ep.pack_max_rows
         if len(ep.qps) != len(self._qps):
             raise ConnectError(f"server answered {len(ep.qps)} QPs for our {len(self._qps)}")
         rd_atomic = max(1, min(ep.max_rd_atomic or 1, self.dev.max_rd_atomic))
-        for qp, local, remote in zip(self._qps, prepared.infos, ep.qps):
+        for qp, local, remote in zip(self._qps, self._prep.infos, ep.qps):
             connect_rc_qp(self.dev, qp, local, QpInfo(remote.qp_num, remote.psn, remote.gid, remote.mtu), rd_atomic)
-        self._tables: dict[int, _TableState] = {}
         by_table: dict[int, list] = {}
         for r in ep.regions:
             by_table.setdefault(r.table, []).append(r)
@@ -316,11 +351,19 @@ class RdmaTransport(ClientTransport):
             rows, rb = self.ring_rows, t.info.row_bytes
             t.staging = self._register(len(self._qps) * rows * rb, self._e.IBV_ACCESS_LOCAL_WRITE)
             t.staging_rows = t.staging.array[: len(self._qps) * rows * rb].reshape(-1, rb)
-            t.rings = [_ReadRing(self._v, t.staging, q * rows, rows, rb) for q in range(len(self._qps))]
+            try:
+                t.rings = [_ReadRing(self._v, t.staging, q * rows, rows, rb) for q in range(len(self._qps))]
+            except self._v.Error as e:
+                raise _failed(f"building the READ chains of table {t.info.name!r}", e) from None
         return t
 
     def _register(self, nbytes: int, access: int) -> RegisteredBuffer:
-        b = RegisteredBuffer(self.dev, nbytes, access)
+        """A registered buffer freed with the transport; TransportError when it cannot be registered
+        (e.g. the locked-memory limit): this node cannot serve the request, a replica may."""
+        try:
+            b = RegisteredBuffer(self.dev, nbytes, access)
+        except (VerbsError, self._v.Error) as e:
+            raise _failed(f"rdma staging of {nbytes} bytes on {self.device}", e) from None
         self._buffers.append(b)
         return b
 
@@ -372,6 +415,7 @@ class RdmaTransport(ClientTransport):
         sync: bool = False,
         mode: str = "read",
         expand: np.ndarray | None = None,
+        hedge_after: float | None = None,
     ) -> Pending:
         if self._error is not None:
             raise self._error
@@ -411,7 +455,7 @@ class RdmaTransport(ClientTransport):
         batch.positions = positions if expand is None else positions[expand]
         return batch
 
-    def _alloc(self, ring: RingAllocator, n: int, timeout: float = 10.0) -> int:
+    def _alloc(self, ring: RingAllocator, n: int, timeout: float = STAGING_WAIT_S) -> int:
         """A ring block, progressing completions while the ring is full (backpressure)."""
         start = ring.alloc(n)
         deadline = time.monotonic() + timeout
@@ -443,10 +487,13 @@ class RdmaTransport(ClientTransport):
             batch.blocks.append((t.pack_ring, start))
             batch.source = t.pack_rows
             batch.positions = slice(start, start + n) if expand is None else start + expand
+            deadline = time.monotonic() + STAGING_WAIT_S
             while not self._send_free:
                 self._progress()
                 if self._error is not None:
                     raise self._error
+                if time.monotonic() > deadline:
+                    raise TransportError(f"no pack send slot free after {STAGING_WAIT_S:.0f} s")
             slot = self._send_free.pop()
             base = slot * self._send_slot
             hdr = PACK_REQUEST.pack(
@@ -474,7 +521,11 @@ class RdmaTransport(ClientTransport):
         try:
             if self._closed:
                 return 0
-            n, wcs = self._cq.poll(32)
+            try:
+                n, wcs = self._cq.poll(32)
+            except self._v.Error as e:
+                self._fail_all(_failed(f"polling the RDMA CQ on {self.device} failed", e))
+                return 0
             for wc in wcs[:n]:
                 self._dispatch(wc)
             return n
@@ -504,7 +555,10 @@ class RdmaTransport(ClientTransport):
             elif wc.opcode == e.IBV_WC_RECV:
                 self._pack_error(k, wc.byte_len)
             qp, wr = self._recv_wrs[k]
-            qp.post_recv(wr)
+            try:
+                qp.post_recv(wr)
+            except self._v.Error as err:
+                self._fail_all(_failed(f"re-posting an RDMA receive on {self.device} failed", err))
             return
         batch = self._inflight.get(wr_id >> 8)
         if batch is not None:
@@ -525,14 +579,10 @@ class RdmaTransport(ClientTransport):
 
     def _pack_error(self, k: int, nbytes: int) -> None:
         raw = self._recv.array[k * PACK_REPLY_BYTES : k * PACK_REPLY_BYTES + nbytes].tobytes()
-        if len(raw) < PACK_ERROR.size:
-            return
-        magic, token, status, length = PACK_ERROR.unpack_from(raw)
-        batch = self._inflight.get(token)
-        if magic != PACK_ERROR_MAGIC or batch is None:
-            return
-        name = Status(status).name if status in Status._value2member_map_ else str(status)
-        self._finish(batch, RemoteError(name, raw[PACK_ERROR.size : PACK_ERROR.size + length].decode(errors="replace")))
+        parsed = parse_pack_error(raw)
+        batch = self._inflight.get(parsed[0]) if parsed is not None else None
+        if batch is not None:
+            self._finish(batch, remote_error(parsed[1]))
 
     def _fail_all(self, error: TransportError) -> None:
         if self._error is None:

@@ -27,27 +27,19 @@ import time
 import numpy as np
 
 from tableclient.errors import AuthError, ConnectError, TransportUnavailable
-from tableclient.transports.base import DONE, ClientTransport, Pending
+from tableclient.transports.base import DEFAULT_OPTIONS, DONE, ClientTransport, Pending, Prepared, TransportOptions
+from tableserver.common.host import host_id as local_host_id
 from tableserver.common.take import take_checked
 from tableserver.common.wire import (
     HEADER,
     HEADER_BYTES,
     RESPONSE_MAGIC,
-    HandshakeRefused,
+    Refused,
     Status,
     hello_frame,
     parse_challenge,
     server_proof,
 )
-
-
-def local_host_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return socket.gethostname()
-
 
 #: the largest handshake reply read (~100 bytes a table; one message carries at most 253 descriptors)
 MAX_REPLY_BYTES = 1 << 20
@@ -141,8 +133,16 @@ class ShmTransport(ClientTransport):
     name = "shm"
     dedups = False
 
-    def __init__(self, offer, session, catalog, connect_timeout: float = 10.0, populate: bool = True):
-        self.populate = populate
+    def __init__(
+        self,
+        offer,
+        session,
+        catalog: list,
+        connect_timeout: float = 10.0,
+        options: TransportOptions = DEFAULT_OPTIONS,
+        prepared: Prepared | None = None,
+    ):
+        self.populate = options.populate
         ep = offer.shm
         if ep.host_id != local_host_id():
             raise TransportUnavailable("the server runs on another host")
@@ -186,8 +186,8 @@ class ShmTransport(ClientTransport):
             self._sock.send(frame)
             self._left()
             msg, fds, _flags, _addr = socket.recv_fds(self._sock, MAX_REPLY_BYTES, len(catalog) + 16)
-        except HandshakeRefused as e:
-            raise ConnectError(f"shm socket {self.path} refused the connection: {e}") from None
+        except Refused as e:
+            raise ConnectError(f"shm socket {self.path} refused the connection: {e.describe()}") from None
         except TimeoutError:
             raise ConnectError(
                 f"shm handshake on {self.path} did not complete within the connect deadline (connect_timeout)"
@@ -202,10 +202,10 @@ class ShmTransport(ClientTransport):
             magic, _t, status, _rid, _rb, count = HEADER.unpack_from(msg)
             body = msg[HEADER_BYTES : HEADER_BYTES + count]
             if magic != RESPONSE_MAGIC or status != Status.OK:
-                text = body.decode(errors="replace")[:1024]
-                if status == Status.UNAUTHENTICATED:
-                    raise AuthError(f"shm socket {self.path} refused the session: {text}")
-                raise ConnectError(f"shm handshake on {self.path} failed: {text}")
+                refused = Refused(status, body.decode(errors="replace")[:1024])
+                if refused.status == Status.UNAUTHENTICATED:
+                    raise AuthError(f"shm socket {self.path} refused the session: {refused.message}")
+                raise ConnectError(f"shm handshake on {self.path} failed: {refused.message}")
             try:
                 reply = json.loads(body)
                 proof_hex = reply["proof"]
@@ -239,7 +239,14 @@ class ShmTransport(ClientTransport):
         return self._tables.get(table_index)
 
     def gather(
-        self, table_index: int, ids: np.ndarray, out: np.ndarray, sync: bool = False, mode: str = "read", expand=None
+        self,
+        table_index: int,
+        ids: np.ndarray,
+        out: np.ndarray,
+        sync: bool = False,
+        mode: str = "read",
+        expand: np.ndarray | None = None,
+        hedge_after: float | None = None,
     ) -> Pending:
         if sync:  # the caller waits at once: a thread handoff would only add latency
             take_checked(self._tables[table_index], ids, out)  # checked by the caller; again here

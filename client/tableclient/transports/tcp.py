@@ -36,12 +36,18 @@ import time
 
 import numpy as np
 
-from tableclient.errors import AuthError, ConnectError, GatherTimeout, RemoteError, TransportError
-from tableclient.transports.base import ClientTransport, Pending
+from tableclient.errors import AuthError, ConnectError, GatherTimeout, TransportError
+from tableclient.transports.base import (
+    DEFAULT_OPTIONS,
+    ClientTransport,
+    Pending,
+    Prepared,
+    TransportOptions,
+    remote_error,
+)
 from tableserver.common.buffers import copy_buffer
 from tableserver.common.seal import C2S, S2C, TAG_BYTES, BadTag, Direction, derive_key
 from tableserver.common.wire import (
-    FATAL,
     HEADER,
     HEADER_BYTES,
     HELLO_SEALED,
@@ -49,7 +55,7 @@ from tableserver.common.wire import (
     MAX_HANDSHAKE_MESSAGE,
     RESPONSE_MAGIC,
     FrameType,
-    HandshakeRefused,
+    Refused,
     Status,
     hello_frame,
     recv_challenge,
@@ -144,10 +150,18 @@ class TcpTransport(ClientTransport):
     #: costs 1.25x at 1,536 ids, breaks even at 4,096 and pays from there (0.88x at 12,288)
     dedup_min_ids = 4096
 
-    def __init__(self, offer, session, catalog, connect_timeout: float = 10.0, busy_poll: float = 0.0):
+    def __init__(
+        self,
+        offer,
+        session,
+        catalog: list,
+        connect_timeout: float = 10.0,
+        options: TransportOptions = DEFAULT_OPTIONS,
+        prepared: Prepared | None = None,
+    ):
         ep = offer.tcp
         self.endpoint = f"{ep.host}:{ep.port}"
-        self.busy_poll = max(0.0, float(busy_poll))
+        self.busy_poll = max(0.0, float(options.busy_poll))
         deadline = time.monotonic() + connect_timeout  # connect and handshake, all of it
         if not ep.host or len(ep.host) > 255 or not 0 < ep.port < 65536:
             raise ConnectError(f"tcp offer {ep.host[:64]!r}:{ep.port}: not an address (not a tableserver?)")
@@ -197,9 +211,9 @@ class TcpTransport(ClientTransport):
             msg = bytearray(count)
             if count and not recv_exact(self._sock, memoryview(msg), deadline):
                 raise ConnectionResetError("server closed the connection before its HELLO reply")
-        except HandshakeRefused as e:
+        except Refused as e:
             self._sock.close()
-            raise ConnectError(f"tcp data port {self.endpoint} refused the connection: {e}") from None
+            raise ConnectError(f"tcp data port {self.endpoint} refused the connection: {e.describe()}") from None
         except TimeoutError:
             self._sock.close()
             raise ConnectError(
@@ -211,10 +225,10 @@ class TcpTransport(ClientTransport):
             raise ConnectError(f"tcp handshake with {self.endpoint} failed: {e}") from None
         if status != Status.OK:
             self._sock.close()
-            text = msg.decode(errors="replace")
-            if status == Status.UNAUTHENTICATED:
-                raise AuthError(f"tcp data port {self.endpoint} refused the session: {text}")
-            raise ConnectError(f"tcp handshake with {self.endpoint} failed: {text}")
+            refused = Refused.from_wire(status, msg)
+            if refused.status == Status.UNAUTHENTICATED:
+                raise AuthError(f"tcp data port {self.endpoint} refused the session: {refused.message}")
+            raise ConnectError(f"tcp handshake with {self.endpoint} failed: {refused.message}")
         if not hmac.compare_digest(bytes(msg), server_proof(secret, session_id, nonce, client_nonce)):
             self._sock.close()
             raise AuthError(
@@ -231,7 +245,14 @@ class TcpTransport(ClientTransport):
         return self._error
 
     def gather(
-        self, table_index: int, ids: np.ndarray, out: np.ndarray, sync: bool = False, mode: str = "read", expand=None
+        self,
+        table_index: int,
+        ids: np.ndarray,
+        out: np.ndarray,
+        sync: bool = False,
+        mode: str = "read",
+        expand: np.ndarray | None = None,
+        hedge_after: float | None = None,
     ) -> Pending:
         with self._send_lock:
             if self._error is not None:
@@ -419,16 +440,14 @@ class TcpTransport(ClientTransport):
             n = len(dest)
             self._seal_rx.open_into(r.sealed, r.view[:n], r.view[n:], dest)
         r.header()
-        error = None
-        if status != Status.OK:
-            name = Status(status).name if status in Status._value2member_map_ else str(status)
-            error = RemoteError(name, bytes(dest).decode(errors="replace"))
+        refused = Refused.from_wire(status, dest) if status != Status.OK else None
+        error = remote_error(refused) if refused is not None else None
         with self._wake:  # atomic with _hand_over: a request is counted as asynchronous exactly until done
             if not p.sync:
                 self._async -= 1
             p.complete(error)
-        if status != Status.OK and status in FATAL:
-            raise ConnectionError(f"server closed the connection after {Status(status).name}")
+        if refused is not None and refused.fatal:
+            raise ConnectionError(f"server closed the connection after {refused.name}")
 
     def _broken(self, e: BaseException) -> None:
         error = TransportError(f"tcp connection to {self.endpoint} lost: {e}")

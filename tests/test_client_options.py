@@ -1,0 +1,123 @@
+"""TableClient's options: the flat keyword arguments build the same option groups as passing them.
+
+Pure logic: no server. Every keyword argument TableClient has always taken still works, each option's
+default is its group's, and values out of bounds fail with a ValueError naming the argument.
+"""
+
+from __future__ import annotations
+
+import pytest
+from tableclient.node import NodeOptions
+from tableclient.options import ClientOptions, client_options
+from tableclient.routing import RoutingOptions
+from tableclient.routing.identity import Pins
+from tableclient.table import TableInfo
+from tableclient.transports import TransportOptions
+
+#: every keyword argument of TableClient before the options groups, with a value other than its default
+FLAT = dict(
+    token="t",
+    tls=True,
+    tls_ca="ca.pem",
+    tls_cert="cert.pem",
+    tls_key="key.pem",
+    tls_server_name="memnode",
+    client_name="worker",
+    connect_timeout=3.0,
+    mode="pack",
+    rdma_device="mlx5_0",
+    rdma_gid_index=3,
+    rdma_port=2,
+    rdma_qps=8,
+    rdma_ring_rows=1024,
+    client_id="c1",
+    checksums={"t": "abc"},
+    request_timeout=4.0,
+    liveness_timeout=1.0,
+    keepalive_interval=0.25,
+    dns_refresh=9.0,
+    standby=False,
+    hedge_after=0.002,
+    hedge_fraction=0.25,
+    reconnect_wait=1.5,
+    busy_poll=0.001,
+)
+
+
+def test_the_flat_arguments_build_the_groups():
+    built = client_options(transport="tcp", **FLAT)
+    assert built == ClientOptions(
+        connection=NodeOptions(
+            transport="tcp",
+            token="t",
+            tls=True,
+            tls_ca="ca.pem",
+            tls_cert="cert.pem",
+            tls_key="key.pem",
+            tls_server_name="memnode",
+            client_name="worker",
+            connect_timeout=3.0,
+            keepalive_interval=0.25,
+            transport_options=TransportOptions(
+                busy_poll=0.001, rdma_device="mlx5_0", rdma_gid_index=3, rdma_port=2, rdma_qps=8, rdma_ring_rows=1024
+            ),
+        ),
+        routing=RoutingOptions(
+            client_id="c1",
+            request_timeout=4.0,
+            liveness_timeout=1.0,
+            dns_refresh=9.0,
+            standby=False,
+            reconnect_wait=1.5,
+        ),
+        mode="pack",
+        hedge_after=0.002,
+        hedge_fraction=0.25,
+        checksums={"t": "abc"},
+    )
+
+
+def test_defaults_are_the_groups_and_flat_arguments_apply_on_top_of_options():
+    assert client_options() == ClientOptions()
+    base = ClientOptions(routing=RoutingOptions(request_timeout=7.0), mode="pack")
+    o = client_options(base, client_id="c2")
+    assert (o.routing.request_timeout, o.routing.client_id, o.mode) == (7.0, "c2", "pack")
+    assert client_options(base) is base
+
+
+def test_an_unknown_argument_is_a_type_error():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'rdma_qp'"):
+        client_options(rdma_qp=4)
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(transport="udp"), "unknown transport"),
+        (dict(mode="write"), "unknown gather mode"),
+        (dict(rdma_qps=65), "rdma_qps must be"),
+        (dict(rdma_ring_rows=8), "rdma_ring_rows at least"),
+        (dict(request_timeout=0), "request_timeout must be > 0"),
+        (dict(keepalive_interval=-1.0), "keepalive_interval must be > 0"),
+        (dict(busy_poll=0.5), "busy_poll must be"),
+        (dict(hedge_fraction=0.0), "hedge_fraction"),
+        (dict(hedge_after=0.0), "hedge_after"),
+    ],
+)
+def test_values_out_of_bounds_name_the_argument(bad, match):
+    with pytest.raises(ValueError, match=match):
+        client_options(**bad)
+
+
+def _info(name: str, checksum: str, rows: int = 10, row_bytes: int = 8) -> TableInfo:
+    return TableInfo(0, name, rows, row_bytes, "uint8", (rows, row_bytes), 0, 1, checksum, rows * row_bytes, rows)
+
+
+def test_pins_keep_the_first_identity_seen_or_the_checksum_given():
+    pins = Pins({"b": "given"})
+    assert pins.mismatch([_info("a", "x"), _info("b", "given")]) is None
+    assert pins.mismatch([_info("a", "x")]) is None
+    t, pin = pins.mismatch([_info("a", "x", rows=11)])
+    assert (t.name, pin) == ("a", ("x", 10, 8))
+    t, pin = Pins({"b": "given"}).mismatch([_info("b", "other")])
+    assert (t.name, pin) == ("b", ("given", None, None))
