@@ -406,8 +406,8 @@ class RemoteTable:
     ) -> list:
         step = self._request_rows(transport, mode)
         if ids.size <= step:
-            return [transport.gather(self.info.index, ids, out, sync, mode, hedge_after)]
+            return [transport.gather(self.info.index, ids, out, sync, mode, hedge_after=hedge_after)]
         return [
-            transport.gather(self.info.index, ids[a : a + step], out[a : a + step], sync, mode, hedge_after)
+            transport.gather(self.info.index, ids[a : a + step], out[a : a + step], sync, mode, hedge_after=hedge_after)
             for a in range(0, ids.size, step)
         ]
