@@ -61,327 +61,104 @@ class Option:
         return f"{_num(self.lo)}..{_num(self.hi)}" + (f", or 0 = {self.zero}" if self.zero else "")
 
 
+#: every serve option, one a line or two (a table: kept as laid out)
+# fmt: off
 SERVE_OPTIONS = (
-    Option(
-        "tables",
-        "list",
-        [],
-        "table files to serve: engram.bin files and/or .safetensors, comma-separated",
-        metavar="FILE[,FILE]",
-    ),
-    Option(
-        "listen", "str", "127.0.0.1:7070", "gRPC control-plane address (port 0 = any free port)", metavar="HOST:PORT"
-    ),
-    Option(
-        "node_id",
-        "str",
-        "",
-        "this memory node's identity, stable across restarts and distinct between "
-        "replicas (default: the hostname); clients route by it",
-        metavar="ID",
-    ),
-    Option(
-        "shard",
-        "str",
-        "",
-        "serve shard K of N: the K-th of N equal row ranges of every table (K from 0)",
-        metavar="K/N",
-    ),
+    Option("tables", "list", [], "table files to serve: engram.bin files and/or .safetensors, comma-separated",
+           metavar="FILE[,FILE]"),
+    Option("listen", "str", "127.0.0.1:7070", "gRPC control-plane address (port 0 = any free port)",
+           metavar="HOST:PORT"),
+    Option("node_id", "str", "", "this memory node's identity, stable across restarts and distinct between replicas "
+           "(default: the hostname); clients route by it", metavar="ID"),
+    Option("shard", "str", "", "serve shard K of N: the K-th of N equal row ranges of every table (K from 0)",
+           metavar="K/N"),
     Option("rows", "str", "", "serve only table rows LO..HI-1 of every table (instead of --shard)", metavar="LO:HI"),
-    Option(
-        "transports",
-        "list",
-        ["auto"],
-        "data transports to offer, in preference order: rdma, shm, tcp, or "
-        "auto (rdma when an RDMA device is usable, then shm and tcp)",
-        metavar="NAME[,NAME]",
-    ),
-    Option(
-        "tcp_listen", "str", "", "tcp data address (default: the --listen host, control port + 1)", metavar="HOST:PORT"
-    ),
-    Option(
-        "tcp_advertise",
-        "str",
-        "",
-        "host name clients use to reach the tcp port (default: its bind host)",
-        metavar="HOST",
-    ),
-    Option(
-        "shm_socket",
-        "str",
-        "",
-        "Unix socket of the shm transport (default: $XDG_RUNTIME_DIR or /run/tableserver/tableserver-PORT.sock)",
-        metavar="PATH",
-    ),
-    Option(
-        "hugepages",
-        "choice",
-        "auto",
-        "page size of table memory: auto picks 1 GiB, then 2 MiB hugepages when enough are free, else normal pages",
-        choices=("auto", "1g", "2m", "off"),
-    ),
+    Option("transports", "list", ["auto"], "data transports to offer, in preference order: rdma, shm, tcp, or auto "
+           "(rdma when an RDMA device is usable, then shm and tcp)", metavar="NAME[,NAME]"),
+    Option("tcp_listen", "str", "", "tcp data address (default: the --listen host, control port + 1)",
+           metavar="HOST:PORT"),
+    Option("tcp_advertise", "str", "", "host name clients use to reach the tcp port (default: its bind host)",
+           metavar="HOST"),
+    Option("shm_socket", "str", "", "Unix socket of the shm transport (default: $XDG_RUNTIME_DIR or "
+           "/run/tableserver/tableserver-PORT.sock)", metavar="PATH"),
+    Option("hugepages", "choice", "auto", "page size of table memory: auto picks 1 GiB, then 2 MiB hugepages when "
+           "enough are free, else normal pages", choices=("auto", "1g", "2m", "off")),
     Option("mlock", "bool", True, "lock table memory so it never pages out"),
     Option("verify", "bool", True, "verify table checksums while loading"),
-    Option(
-        "lease_seconds",
-        "float",
-        15.0,
-        "a session ends this long after its last keepalive",
-        metavar="SECONDS",
-        lo=0.1,
-        hi=86400,
-    ),
-    Option(
-        "session_bind_timeout",
-        "float",
-        10.0,
-        "close a session whose client has not bound its keepalive "
-        "stream (sent its first ping) this long after opening it",
-        metavar="SECONDS",
-        lo=0.1,
-        hi=86400,
-    ),
-    Option(
-        "max_sessions",
-        "int",
-        4096,
-        "most open client sessions (more are refused: RESOURCE_EXHAUSTED)",
-        metavar="N",
-        lo=1,
-        hi=65536,
-    ),
-    Option(
-        "max_sessions_per_peer",
-        "int",
-        512,
-        "most open sessions of one client network prefix (see --peer-prefix-v4/-v6)",
-        metavar="N",
-        lo=1,
-        hi=65536,
-    ),
-    Option(
-        "session_open_rate",
-        "float",
-        20.0,
-        "sessions one client network prefix may open per second (burst: 5 s worth)",
-        metavar="PER_SECOND",
-        lo=0.001,
-        hi=1e6,
-    ),
-    Option(
-        "catalog_rate",
-        "float",
-        50.0,
-        "catalog requests one client network prefix may make per second "
-        "(burst: 4 s worth; a client makes 2 per connect)",
-        metavar="PER_SECOND",
-        lo=0.01,
-        hi=1e6,
-    ),
-    Option(
-        "peer_prefix_v4",
-        "int",
-        24,
-        "IPv4 clients in one /N network count as one peer for the session cap and the rate limits",
-        metavar="N",
-        lo=8,
-        hi=32,
-    ),
-    Option(
-        "peer_prefix_v6",
-        "int",
-        64,
-        "IPv6 clients in one /N network count as one peer for the session cap and the rate limits",
-        metavar="N",
-        lo=16,
-        hi=128,
-    ),
-    Option(
-        "data_threads",
-        "int",
-        0,
-        "worker threads of the tcp data port; connections hold no thread",
-        metavar="N",
-        lo=2,
-        hi=32,
-        zero="2 per core",
-    ),
-    Option(
-        "max_connections",
-        "int",
-        0,
-        "most connections each data port (tcp, shm) holds; more are refused with BUSY",
-        metavar="N",
-        lo=1,
-        hi=65536,
-        zero="what the open-file limit allows",
-    ),
-    Option(
-        "max_connections_per_session",
-        "int",
-        8,
-        "most connections one session may hold on each data port",
-        metavar="N",
-        lo=1,
-        hi=1024,
-    ),
-    Option(
-        "max_handshakes",
-        "int",
-        256,
-        "most connections waiting for their HELLO; a new one evicts the oldest",
-        metavar="N",
-        lo=1,
-        hi=65536,
-    ),
-    Option(
-        "handshake_timeout",
-        "float",
-        5.0,
-        "a data connection that has not authenticated by then is closed",
-        metavar="SECONDS",
-        lo=0.01,
-        hi=3600,
-    ),
-    Option(
-        "idle_timeout",
-        "float",
-        0.0,
-        "close a session's data connection idle this long",
-        metavar="SECONDS",
-        lo=0.01,
-        hi=86400,
-        zero="never (the session lease bounds it)",
-    ),
-    Option(
-        "send_timeout",
-        "float",
-        10.0,
-        "drop a data connection that has not read a whole response this long after its sending began",
-        metavar="SECONDS",
-        lo=0.01,
-        hi=3600,
-    ),
-    Option(
-        "shm_group",
-        "str",
-        "",
-        "group that may use the shm socket besides the server's user (socket mode 0660)",
-        metavar="GROUP",
-    ),
-    Option(
-        "max_rows_per_request",
-        "int",
-        65536,
-        "row ids per data-transport request (clients split larger gathers); each connection may hold 8 bytes per id",
-        metavar="N",
-        lo=1,
-        hi=1 << 20,
-    ),
-    Option(
-        "auth_token",
-        "str",
-        "",
-        "bearer token every control-plane call must carry (prefer "
-        "--auth-token-file or the environment: a flag shows in /proc/PID/cmdline)",
-        metavar="TOKEN",
-    ),
+    Option("lease_seconds", "float", 15.0, "a session ends this long after its last keepalive", metavar="SECONDS",
+           lo=0.1, hi=86400),
+    Option("session_bind_timeout", "float", 10.0, "close a session whose client has not bound its keepalive stream "
+           "(sent its first ping) this long after opening it", metavar="SECONDS", lo=0.1, hi=86400),
+    Option("max_sessions", "int", 4096, "most open client sessions (more are refused: RESOURCE_EXHAUSTED)", metavar="N",
+           lo=1, hi=65536),
+    Option("max_sessions_per_peer", "int", 512, "most open sessions of one client network prefix (see "
+           "--peer-prefix-v4/-v6)", metavar="N", lo=1, hi=65536),
+    Option("session_open_rate", "float", 20.0, "sessions one client network prefix may open per second (burst: 5 s "
+           "worth)", metavar="PER_SECOND", lo=0.001, hi=1e6),
+    Option("catalog_rate", "float", 50.0, "catalog requests one client network prefix may make per second (burst: 4 s "
+           "worth; a client makes 2 per connect)", metavar="PER_SECOND", lo=0.01, hi=1e6),
+    Option("peer_prefix_v4", "int", 24, "IPv4 clients in one /N network count as one peer for the session cap and the "
+           "rate limits", metavar="N", lo=8, hi=32),
+    Option("peer_prefix_v6", "int", 64, "IPv6 clients in one /N network count as one peer for the session cap and the "
+           "rate limits", metavar="N", lo=16, hi=128),
+    Option("data_threads", "int", 0, "worker threads of the tcp data port; connections hold no thread", metavar="N",
+           lo=2, hi=32, zero="2 per core"),
+    Option("max_connections", "int", 0, "most connections each data port (tcp, shm) holds; more are refused with BUSY",
+           metavar="N", lo=1, hi=65536, zero="what the open-file limit allows"),
+    Option("max_connections_per_session", "int", 8, "most connections one session may hold on each data port",
+           metavar="N", lo=1, hi=1024),
+    Option("max_handshakes", "int", 256, "most connections waiting for their HELLO; a new one evicts the oldest",
+           metavar="N", lo=1, hi=65536),
+    Option("handshake_timeout", "float", 5.0, "a data connection that has not authenticated by then is closed",
+           metavar="SECONDS", lo=0.01, hi=3600),
+    Option("idle_timeout", "float", 0.0, "close a session's data connection idle this long", metavar="SECONDS", lo=0.01,
+           hi=86400, zero="never (the session lease bounds it)"),
+    Option("send_timeout", "float", 10.0, "drop a data connection that has not read a whole response this long after "
+           "its sending began", metavar="SECONDS", lo=0.01, hi=3600),
+    Option("shm_group", "str", "", "group that may use the shm socket besides the server's user (socket mode 0660)",
+           metavar="GROUP"),
+    Option("max_rows_per_request", "int", 65536, "row ids per data-transport request (clients split larger gathers); "
+           "each connection may hold 8 bytes per id", metavar="N", lo=1, hi=1 << 20),
+    Option("auth_token", "str", "", "bearer token every control-plane call must carry (prefer --auth-token-file or the "
+           "environment: a flag shows in /proc/PID/cmdline)", metavar="TOKEN"),
     Option("auth_token_file", "str", "", "file holding the bearer token", metavar="PATH"),
-    Option(
-        "allow_anonymous",
-        "bool",
-        False,
-        "listen off loopback without a token (default: generate one and "
-        "write it to a 0600 file next to the shm socket)",
-    ),
+    Option("allow_anonymous", "bool", False, "listen off loopback without a token (default: generate one and write it "
+           "to a 0600 file next to the shm socket)"),
     Option("tls_cert", "str", "", "PEM server certificate: serve the control plane over TLS", metavar="PATH"),
     Option("tls_key", "str", "", "PEM private key of --tls-cert", metavar="PATH"),
     Option("tls_client_ca", "str", "", "PEM CA: require client certificates it signed (mutual TLS)", metavar="PATH"),
-    Option(
-        "data_encryption",
-        "choice",
-        "auto",
-        "seal tcp data connections with AES-256-GCM keyed from the session "
-        "(rows and row ids private and authenticated): on, off, or auto (on when the control plane runs TLS)",
-        choices=("auto", "on", "off"),
-    ),
+    Option("data_encryption", "choice", "auto", "seal tcp data connections with AES-256-GCM keyed from the session "
+           "(rows and row ids private and authenticated): on, off, or auto (on when the control plane runs TLS)",
+           choices=("auto", "on", "off")),
     Option("rdma_device", "str", "", "RDMA device (default: the first one)", metavar="NAME"),
     Option("rdma_port", "int", 1, "RDMA device port", metavar="N", lo=1, hi=255),
-    Option(
-        "rdma_gid_index",
-        "str",
-        "",
-        "GID index (default: the first RoCE v2 IPv4-mapped GID)",
-        metavar="N",
-        aliases=("--gid-index",),
-        lo=0,
-        hi=4095,
-    ),
+    Option("rdma_gid_index", "str", "", "GID index (default: the first RoCE v2 IPv4-mapped GID)", metavar="N",
+           aliases=("--gid-index",), lo=0, hi=4095),
     Option("rdma_max_qps_per_session", "int", 16, "most RC QPs one client session may open", metavar="N", lo=1, hi=256),
-    Option(
-        "rdma_mr_chunk_bytes",
-        "int",
-        0,
-        "register tables in memory regions of at most this many bytes",
-        metavar="BYTES",
-        lo=1 << 20,
-        hi=1 << 44,
-        zero="as large as the device allows",
-    ),
-    Option(
-        "rdma_rkeys",
-        "choice",
-        "auto",
-        "RDMA access keys: session (each session's QPs get their own memory "
-        "windows; its rkeys die with it), shared (one rkey per region for everyone), auto (session where the "
-        "device has memory windows)",
-        choices=("auto", "session", "shared"),
-    ),
-    Option(
-        "rdma_pack_max_rows",
-        "int",
-        16384,
-        "owner-side packing: most row ids per request (each session's staging buffer holds that many rows)",
-        metavar="N",
-        lo=1,
-        hi=65536,
-        zero="no packing",
-    ),
+    Option("rdma_mr_chunk_bytes", "int", 0, "register tables in memory regions of at most this many bytes",
+           metavar="BYTES", lo=1 << 20, hi=1 << 44, zero="as large as the device allows"),
+    Option("rdma_rkeys", "choice", "auto", "RDMA access keys: session (each session's QPs get their own memory "
+           "windows; its rkeys die with it), shared (one rkey per region for everyone), auto (session where the "
+           "device has memory windows)",
+           choices=("auto", "session", "shared")),
+    Option("rdma_pack_max_rows", "int", 16384, "owner-side packing: most row ids per request (each session's staging "
+           "buffer holds that many rows)", metavar="N", lo=1, hi=65536, zero="no packing"),
     Option("ready_file", "str", "", "write a JSON file with the bound addresses once SERVING", metavar="PATH"),
     Option("progress", "choice", "auto", "load progress on stderr", choices=("auto", "always", "never")),
-    Option(
-        "load_io",
-        "choice",
-        "auto",
-        "how table files are read: direct (O_DIRECT, disk straight into pinned "
-        "memory), buffered (through the page cache), or auto (direct unless the file is mostly cached)",
-        choices=("auto", "direct", "buffered"),
-    ),
+    Option("load_io", "choice", "auto", "how table files are read: direct (O_DIRECT, disk straight into pinned "
+           "memory), buffered (through the page cache), or auto (direct unless the file is mostly cached)",
+           choices=("auto", "direct", "buffered")),
     Option("load_workers", "int", 0, "threads that load tables", metavar="N", lo=1, hi=64, zero="min(8, cores)"),
-    Option(
-        "metrics_port",
-        "str",
-        "",
-        "Prometheus /metrics port (default: control port + 2; 0 = any free port; off = no endpoint)",
-        metavar="PORT|off",
-    ),
-    Option(
-        "metrics_host",
-        "str",
-        "127.0.0.1",
-        "address the /metrics endpoint binds (0.0.0.0 to let a Prometheus on another host scrape it)",
-        metavar="HOST",
-    ),
+    Option("metrics_port", "str", "", "Prometheus /metrics port (default: control port + 2; 0 = any free port; off = "
+           "no endpoint)", metavar="PORT|off"),
+    Option("metrics_host", "str", "127.0.0.1", "address the /metrics endpoint binds (0.0.0.0 to let a Prometheus on "
+           "another host scrape it)", metavar="HOST"),
     Option("metrics_tls", "bool", False, "serve /metrics over HTTPS with the --tls-cert/--tls-key pair"),
     Option("log_level", "choice", "info", "log level", choices=("debug", "info", "warning", "error")),
-    Option(
-        "log_format",
-        "choice",
-        "text",
-        "log lines as text (`tableserver[pid] LEVEL logger: message key=value`) or json (one object per line)",
-        choices=("text", "json"),
-    ),
+    Option("log_format", "choice", "text", "log lines as text (`tableserver[pid] LEVEL logger: message key=value`) or "
+           "json (one object per line)", choices=("text", "json")),
 )
+# fmt: on
 
 
 _BY_NAME = {o.name: o for o in SERVE_OPTIONS}

@@ -180,18 +180,21 @@ class TableService(pb_grpc.TableServiceServicer):
             self.state.metrics.error(reason)
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 
+    async def _rate_limit(self, context, limiter, peer, what: str, fix: str = "") -> None:
+        """Refuses the call (RESOURCE_EXHAUSTED, rate_limited) when ``peer`` is over ``limiter``'s rate."""
+        if not limiter.allow(peer):
+            await self._exhausted(
+                context,
+                "rate_limited",
+                f"too many {what} from {peer}: at most {limiter.rate:g}/s "
+                f"per network prefix (burst {limiter.burst}); retry later{fix}",
+            )
+
     async def GetCatalog(self, request, context):
         await self._require_ready(context)
         state = self.state
         peer = state.peer_key(context.peer())
-        if not state.catalog_rate.allow(peer):
-            await self._exhausted(
-                context,
-                "rate_limited",
-                f"too many catalog requests from {peer}: at most {state.catalog_rate.rate:g}/s "
-                f"per network prefix (burst {state.catalog_rate.burst}); retry later, or raise "
-                "--catalog-rate",
-            )
+        await self._rate_limit(context, state.catalog_rate, peer, "catalog requests", ", or raise --catalog-rate")
         return state.catalog()
 
     async def OpenSession(self, request, context):
@@ -207,13 +210,7 @@ class TableService(pb_grpc.TableServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT, f"client_name and hostname are limited to {MAX_NAME_BYTES} bytes"
             )
         peer = state.peer_key(context.peer())
-        if not state.open_rate.allow(peer):
-            await self._exhausted(
-                context,
-                "rate_limited",
-                f"too many sessions opened from {peer}: at most {state.open_rate.rate:g}/s "
-                f"per network prefix (burst {state.open_rate.burst}); retry later",
-            )
+        await self._rate_limit(context, state.open_rate, peer, "sessions opened")
         if len(state.sessions) >= state.max_sessions:
             await self._exhausted(
                 context,

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 
 from tableserver.common.model import ROWS_PER_TOKEN
 from tableserver.demo import DEFAULT_ROWS, default_tables, write_demo_file
@@ -64,6 +65,13 @@ def ensure_demo_file(rows: int | None = None, path: str | None = None) -> str:
     return path
 
 
+def serve_command(ready_file: str, *flags: str, prefix: Sequence[str] = ()) -> list[str]:
+    """``python -m tableserver serve`` that writes ``ready_file`` once it serves and draws no progress, then
+    ``flags`` (a later flag wins); ``prefix`` is a wrapper that execs it (e.g. prlimit)."""
+    serve = [sys.executable, "-m", "tableserver", "serve", "--ready-file", ready_file, "--progress", "never"]
+    return [*prefix, *serve, *flags]
+
+
 def start_server(
     table: str, ready_dir: str, extra: list[str] = (), prefix: list[str] = ()
 ) -> tuple[subprocess.Popen, dict]:
@@ -71,22 +79,7 @@ def start_server(
     (e.g. prlimit), so the process is still the daemon's."""
     ready = os.path.join(ready_dir, "ready.json")
     log = open(os.path.join(ready_dir, "server.log"), "w+")
-    cmd = [
-        *prefix,
-        sys.executable,
-        "-m",
-        "tableserver",
-        "serve",
-        "--tables",
-        table,
-        "--listen",
-        "127.0.0.1:0",
-        "--ready-file",
-        ready,
-        "--progress",
-        "never",
-        *extra,
-    ]
+    cmd = serve_command(ready, "--tables", table, "--listen", "127.0.0.1:0", *extra, prefix=prefix)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + READY_TIMEOUT_S
     while not os.path.exists(ready):

@@ -147,26 +147,21 @@ def probe(python: str = sys.executable) -> dict:
         return {"error": f"probe failed: {(res.stderr.strip().splitlines() or ['?'])[-1]}", "libibverbs": []}
 
 
+def _python_output(python: str, code: str) -> str:
+    """What ``python -c code`` prints (stripped)."""
+    return subprocess.run([python, "-c", code], check=True, capture_output=True, text=True).stdout.strip()
+
+
 def _purelib(python: str) -> str:
     if python == sys.executable:
         return sysconfig.get_paths()["purelib"]
-    return subprocess.run(
-        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+    return _python_output(python, "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 
 
 def _ext_suffix(python: str) -> str:
     if python == sys.executable:
         return sysconfig.get_config_var("EXT_SUFFIX")
-    return subprocess.run(
-        [python, "-c", "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+    return _python_output(python, "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
 
 
 def check_pyverbs(python: str = sys.executable, info: dict | None = None) -> Finding:

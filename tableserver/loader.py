@@ -21,7 +21,7 @@ from tableserver.errors import TableFileError
 from tableserver.logs import kv
 from tableserver.memory import PinnedRegion, plan_memory
 from tableserver.progress import Progress, human_bytes
-from tableserver.sources import open_source
+from tableserver.sources import open_sources
 from tableserver.tablefile import TableSpec
 
 log = logging.getLogger("tableserver.loader")
@@ -166,18 +166,7 @@ def load_tables(
         raise TableFileError(
             "no table files given: pass --tables FILE[,FILE...] (make a demo file with `tableserver gen-demo PATH`)"
         )
-    entries = []  # (source, spec)
-    where: dict[str, str] = {}
-    for path in paths:
-        source = open_source(path)
-        for spec in source.specs:
-            if spec.name in where:
-                raise TableFileError(
-                    f"table {spec.name!r} is defined in both {where[spec.name]} and {path}: "
-                    "table names must be unique across --tables"
-                )
-            where[spec.name] = path
-            entries.append((source, spec))
+    entries = open_sources(paths, "is defined in both", "table names must be unique across --tables")
     if not entries:
         raise TableFileError(f"{', '.join(paths)}: no tables found: pack some with `tableserver pack`")
     ranges = [row_range(s, rows, shard) for _, s in entries]

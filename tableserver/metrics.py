@@ -36,7 +36,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 
 from tableserver import __version__
-from tableserver.common.recorder import FlushFirst, Recorder
+from tableserver.common.recorder import FlushFirst, Recorder, add_metrics
 from tableserver.common.wire import Status
 
 #: exponential latency buckets, 2 us .. ~0.5 s (RDMA reads to a slow tcp path)
@@ -113,50 +113,25 @@ class ServerMetrics:
         Info("tableserver_build", "Version of the tableserver daemon and of what it runs on.", registry=r).info(
             {"version": __version__, "python": platform.python_version(), "grpc": grpc.__version__}
         )
-        self.grpc_requests = Counter(
-            "tableserver_grpc_requests_total",
-            "gRPC control-plane calls by method and status code.",
-            ["method", "code"],
-            registry=r,
-        )
-        self.grpc_latency = Histogram(
-            "tableserver_grpc_request_duration_seconds",
-            "Time to answer unary gRPC control-plane calls.",
-            ["method"],
-            buckets=GRPC_BUCKETS,
-            registry=r,
-        )
-        self.gather_latency = Histogram(
-            "tableserver_gather_duration_seconds",
-            "Server-side time to gather and send one request's rows (tcp gathers, rdma owner-side packing).",
-            ["transport", "op"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.gather_rows = Counter(
-            "tableserver_gather_rows_total",
-            "Rows gathered by the server for clients "
-            "(tcp gathers and rdma packing; one-sided READs bypass the server CPU).",
-            ["table", "transport", "op"],
-            registry=r,
-        )
-        self.gather_bytes = Counter(
-            "tableserver_gather_bytes_total",
-            "Row bytes gathered by the server for clients.",
-            ["table", "transport", "op"],
-            registry=r,
-        )
-        self.errors = Counter(
-            "tableserver_errors_total",
-            "Errors by reason: refused requests (bad row ids, "
-            "auth, ...), RDMA completion errors, clients gone mid-request.",
-            ["reason"],
-            registry=r,
-        )
-        self.sessions_opened = Counter("tableserver_sessions_opened_total", "Sessions opened over gRPC.", registry=r)
-        self.sessions_ended = Counter(
-            "tableserver_sessions_ended_total", "Sessions ended, by reason.", ["reason"], registry=r
-        )
+        # fmt: off
+        add_metrics(self, r, (  # (attribute, metric type, name, labels, help[, keyword arguments])
+            ("grpc_requests", Counter, "tableserver_grpc_requests_total", ("method", "code"),
+             "gRPC control-plane calls by method and status code."),
+            ("grpc_latency", Histogram, "tableserver_grpc_request_duration_seconds", ("method",),
+             "Time to answer unary gRPC control-plane calls.", {"buckets": GRPC_BUCKETS}),
+            ("gather_latency", Histogram, "tableserver_gather_duration_seconds", ("transport", "op"),
+             "Server-side time to gather and send one request's rows (tcp gathers, rdma owner-side packing).",
+             {"buckets": LATENCY_BUCKETS}),
+            ("gather_rows", Counter, "tableserver_gather_rows_total", ("table", "transport", "op"), "Rows gathered by "
+             "the server for clients (tcp gathers and rdma packing; one-sided READs bypass the server CPU)."),
+            ("gather_bytes", Counter, "tableserver_gather_bytes_total", ("table", "transport", "op"),
+             "Row bytes gathered by the server for clients."),
+            ("errors", Counter, "tableserver_errors_total", ("reason",), "Errors by reason: refused requests (bad row "
+             "ids, auth, ...), RDMA completion errors, clients gone mid-request."),
+            ("sessions_opened", Counter, "tableserver_sessions_opened_total", (), "Sessions opened over gRPC."),
+            ("sessions_ended", Counter, "tableserver_sessions_ended_total", ("reason",), "Sessions ended, by reason."),
+        ))
+        # fmt: on
         for reason in ERROR_REASONS:
             self.errors.labels(reason)
         for reason in END_REASONS:

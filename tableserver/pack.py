@@ -15,7 +15,7 @@ import numpy as np
 
 from tableserver.errors import ChecksumError, TableFileError
 from tableserver.progress import Progress, human_bytes
-from tableserver.sources import SafetensorsSource, open_source
+from tableserver.sources import SafetensorsSource, open_source, open_sources
 from tableserver.tablefile import TableFileWriter, checksum_error, chunk_ranges
 
 log = logging.getLogger("tableserver.pack")
@@ -23,20 +23,13 @@ _BLOCK_ROWS = 1 << 16
 
 
 def pack(output: str, inputs: list[str], version: int = 1) -> str:
-    sources, specs, seen = [], [], {}
-    for path in inputs:
-        src = open_source(path)
+    def safetensors_only(path, src):
         if not isinstance(src, SafetensorsSource):
             raise TableFileError(f"{path}: pack reads .safetensors files; this is already a table file")
-        for spec in src.specs:
-            if spec.name in seen:
-                raise TableFileError(
-                    f"table {spec.name!r} comes from both {seen[spec.name]} and {path}: "
-                    "pack them separately or rename a tensor"
-                )
-            seen[spec.name] = path
-            sources.append(src)
-            specs.append(dataclasses.replace(spec, version=version))
+
+    entries = open_sources(inputs, "comes from both", "pack them separately or rename a tensor", safetensors_only)
+    sources = [src for src, _ in entries]
+    specs = [dataclasses.replace(spec, version=version) for _, spec in entries]
     if not specs:
         raise TableFileError(f"no 2-D tensors in {', '.join(inputs)}: nothing to pack")
     bar = Progress(sum(s.nbytes for s in specs), f"packing {output}")

@@ -35,6 +35,7 @@ from tableserver.tablefile import (
     MAGIC,
     TableSpec,
     check_table_name,
+    open_table_file,
     read_header,
 )
 
@@ -74,16 +75,8 @@ class TableFileSource:
         self.header = read_header(path)
         self.specs = list(self.header.tables)
 
-    def load(
-        self,
-        spec: TableSpec,
-        dest: np.ndarray,
-        pool: ThreadPoolExecutor,
-        progress: Progress,
-        verify: bool,
-        direct: bool = False,
-        rows: tuple[int, int] | None = None,
-    ) -> str:
+    def load(self, spec: TableSpec, dest: np.ndarray, pool: ThreadPoolExecutor, progress: Progress, verify: bool,
+             direct: bool = False, rows: tuple[int, int] | None = None) -> str:  # fmt: skip
         """Reads ``spec``'s bytes into ``dest`` (uint8 [nbytes]); returns its checksum.
 
         Each 64 MiB chunk is read and, when ``verify``, CRC-checked by one
@@ -338,16 +331,8 @@ class SafetensorsSource:
             col += width
         return out
 
-    def load(
-        self,
-        spec: TableSpec,
-        dest: np.ndarray,
-        pool: ThreadPoolExecutor,
-        progress: Progress,
-        verify: bool,
-        direct: bool = False,
-        rows: tuple[int, int] | None = None,
-    ) -> str:
+    def load(self, spec: TableSpec, dest: np.ndarray, pool: ThreadPoolExecutor, progress: Progress, verify: bool,
+             direct: bool = False, rows: tuple[int, int] | None = None) -> str:  # fmt: skip
         if rows is not None and rows != (0, spec.rows):
             raise TableFileError(
                 f"{self.path}: serving a row range needs a table file with chunk checksums "
@@ -438,20 +423,28 @@ def open_source(path: str):
     """A source for ``path``: a table file, or safetensors by extension or content."""
     if path.endswith(".safetensors"):
         return SafetensorsSource(path)
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-    except FileNotFoundError:
-        raise TableFileError(
-            f"table file {path} not found: check --tables (make a demo file with `tableserver gen-demo PATH`)", errno=2
-        ) from None
-    except IsADirectoryError:
-        raise TableFileError(f"table file {path} is a directory: pass a file to --tables", errno=21) from None
-    except PermissionError as e:
-        raise TableFileError(f"cannot read table file {path}: permission denied", errno=e.errno) from None
+    with open_table_file(path) as f:
+        head = f.read(8)
     if head != MAGIC and len(head) == 8 and struct.unpack("<Q", head)[0] < (100 << 20):
         try:
             return SafetensorsSource(path)
         except TableFileError:
             pass
     return TableFileSource(path)
+
+
+def open_sources(paths: list[str], in_both: str, clash_fix: str, accept=None) -> list[tuple]:
+    """``(source, spec)`` of every table in ``paths``, each name once: a name in two files is a
+    TableFileError "table NAME {in_both} A and B: {clash_fix}". ``accept(path, source)`` may refuse a
+    source by raising."""
+    entries, where = [], {}
+    for path in paths:
+        source = open_source(path)
+        if accept is not None:
+            accept(path, source)
+        for spec in source.specs:
+            if spec.name in where:
+                raise TableFileError(f"table {spec.name!r} {in_both} {where[spec.name]} and {path}: {clash_fix}")
+            where[spec.name] = path
+            entries.append((source, spec))
+    return entries

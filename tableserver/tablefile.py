@@ -35,6 +35,7 @@ import struct
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
 import numpy as np
 
@@ -155,30 +156,10 @@ def _bad(path: str, what: str, fix: str = "re-create it with `tableserver pack`"
     return TableFileError(f"{path}: {what}: {fix}")
 
 
-def read_header(path: str) -> TableFileHeader:
-    """Reads and validates a table file's header (no row data is read)."""
+def open_table_file(path: str, permission_fix: str = "") -> BinaryIO:
+    """``open(path, "rb")``, its errors as TableFileErrors that say what to do (errno kept)."""
     try:
-        with open(path, "rb") as f:
-            file_size = os.fstat(f.fileno()).st_size
-            pre = f.read(PREAMBLE.size)
-            if len(pre) < PREAMBLE.size:
-                raise _bad(
-                    path, f"truncated table file ({file_size} bytes, less than the {PREAMBLE.size}-byte preamble)"
-                )
-            magic, version, _flags, header_bytes, header_crc, _r, data_offset = PREAMBLE.unpack(pre)
-            if magic != MAGIC:
-                raise TableFileError(
-                    f"{path}: not a tableserver table file (magic {magic[:8]!r}, expected {MAGIC!r}): "
-                    "pass a file made by `tableserver pack` or `tableserver gen-demo`, or a .safetensors file"
-                )
-            if version != FORMAT_VERSION:
-                raise TableFileError(
-                    f"{path}: table file format version {version}, this tableserver reads version "
-                    f"{FORMAT_VERSION}: upgrade tableserver or re-pack the file"
-                )
-            if header_bytes == 0 or header_bytes > MAX_HEADER_BYTES:
-                raise _bad(path, f"bad header length {header_bytes}")
-            raw = f.read(header_bytes)
+        return open(path, "rb")
     except FileNotFoundError:
         raise TableFileError(
             f"table file {path} not found: check --tables (make a demo file with `tableserver gen-demo PATH`)", errno=2
@@ -187,9 +168,31 @@ def read_header(path: str) -> TableFileHeader:
         raise TableFileError(f"table file {path} is a directory: pass a file to --tables", errno=21) from None
     except PermissionError as e:
         raise TableFileError(
-            f"cannot read table file {path}: permission denied: fix its mode or run as a user that can read it",
-            errno=e.errno,
+            f"cannot read table file {path}: permission denied{permission_fix}", errno=e.errno
         ) from None
+
+
+def read_header(path: str) -> TableFileHeader:
+    """Reads and validates a table file's header (no row data is read)."""
+    with open_table_file(path, permission_fix=": fix its mode or run as a user that can read it") as f:
+        file_size = os.fstat(f.fileno()).st_size
+        pre = f.read(PREAMBLE.size)
+        if len(pre) < PREAMBLE.size:
+            raise _bad(path, f"truncated table file ({file_size} bytes, less than the {PREAMBLE.size}-byte preamble)")
+        magic, version, _flags, header_bytes, header_crc, _r, data_offset = PREAMBLE.unpack(pre)
+        if magic != MAGIC:
+            raise TableFileError(
+                f"{path}: not a tableserver table file (magic {magic[:8]!r}, expected {MAGIC!r}): "
+                "pass a file made by `tableserver pack` or `tableserver gen-demo`, or a .safetensors file"
+            )
+        if version != FORMAT_VERSION:
+            raise TableFileError(
+                f"{path}: table file format version {version}, this tableserver reads version "
+                f"{FORMAT_VERSION}: upgrade tableserver or re-pack the file"
+            )
+        if header_bytes == 0 or header_bytes > MAX_HEADER_BYTES:
+            raise _bad(path, f"bad header length {header_bytes}")
+        raw = f.read(header_bytes)
     if len(raw) < header_bytes:
         raise _bad(
             path, f"truncated table file (header needs {PREAMBLE.size + header_bytes} bytes, file has {file_size})"

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from tableserver.demo import DemoTable, write_demo_file
+from tableserver.demo_run import serve_command
 from tableserver.tablefile import read_header
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -99,15 +100,8 @@ class Daemon:
 
 def run_cli(*args, env=None, timeout: float = EVENT_TIMEOUT, preexec=None) -> subprocess.CompletedProcess:
     """Runs ``python -m tableserver ARGS`` to completion."""
-    return subprocess.run(
-        [sys.executable, "-m", "tableserver", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        preexec_fn=preexec,
-        cwd=ROOT,
-    )
+    return subprocess.run([sys.executable, "-m", "tableserver", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, preexec_fn=preexec, cwd=ROOT)  # fmt: skip
 
 
 def start_daemon(
@@ -118,26 +112,12 @@ def start_daemon(
     if os.path.exists(ready):
         os.unlink(ready)
     log = open(os.path.join(workdir, "server.log"), "w")
-    cmd = [
-        *prefix,
-        sys.executable,
-        "-m",
-        "tableserver",
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--ready-file",
-        ready,
-        "--progress",
-        "never",
-        "--shm-socket",
-        os.path.join(workdir, "shm.sock"),
-        "--lease-seconds",
-        TEST_LEASE,
-        "--session-bind-timeout",
-        TEST_BIND_TIMEOUT,
-        *args,
-    ]  # a later flag wins: a test may pass its own --lease-seconds, --session-bind-timeout
+    # a later flag wins: a test may pass its own --lease-seconds, --session-bind-timeout
+    cmd = serve_command(
+        ready, "--listen", "127.0.0.1:0", "--shm-socket", os.path.join(workdir, "shm.sock"),
+        "--lease-seconds", TEST_LEASE, "--session-bind-timeout", TEST_BIND_TIMEOUT,
+        *args, prefix=prefix,
+    )  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     d = Daemon(proc, workdir)
     if not wait:

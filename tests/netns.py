@@ -27,6 +27,8 @@ import sys
 
 from conftest import EVENT_TIMEOUT, ROOT, wait_for
 
+from tableserver.demo_run import serve_command
+
 PORT = 7070
 
 _instances = itertools.count()
@@ -101,48 +103,21 @@ class Hosts:
         return subprocess.run(["ip", "netns", "exec", self.ns(name), *cmd], **kw)
 
     # ------------------------------------------------------------------ faults
+    def _iptables(self, name: str, *rule: str) -> None:
+        _run("ip", "netns", "exec", self.ns(name), "iptables", *rule)
+
     def drop(self, name: str) -> None:
         """Every packet to and from the host vanishes: connects and requests time out, no reset."""
         for chain in ("INPUT", "OUTPUT"):
-            _run(
-                "ip",
-                "netns",
-                "exec",
-                self.ns(name),
-                "iptables",
-                "-A",
-                chain,
-                "!",
-                "-o" if chain == "OUTPUT" else "-i",
-                "lo",
-                "-j",
-                "DROP",
-            )
+            self._iptables(name, "-A", chain, "!", "-o" if chain == "OUTPUT" else "-i", "lo", "-j", "DROP")
 
     def reject(self, name: str) -> None:
         """Every tcp packet to the host is answered with a reset: connects fail at once."""
-        _run(
-            "ip",
-            "netns",
-            "exec",
-            self.ns(name),
-            "iptables",
-            "-A",
-            "INPUT",
-            "!",
-            "-i",
-            "lo",
-            "-p",
-            "tcp",
-            "-j",
-            "REJECT",
-            "--reject-with",
-            "tcp-reset",
-        )
+        self._iptables(name, "-A", "INPUT", "!", "-i", "lo", "-p", "tcp", "-j", "REJECT", "--reject-with", "tcp-reset")
 
     def heal(self, name: str) -> None:
         for chain in ("INPUT", "OUTPUT"):
-            _run("ip", "netns", "exec", self.ns(name), "iptables", "-F", chain)
+            self._iptables(name, "-F", chain)
 
     def set_hosts(self, name: str, entries: dict) -> None:
         """The host's /etc/hosts: {hostname: [ip, ...]} (in place, so running processes see changes)."""
@@ -182,37 +157,12 @@ class Cluster:
         if os.path.exists(ready):
             os.unlink(ready)
         log = open(os.path.join(self.workdir, f"{name}.log"), "a")
-        proc = self.hosts.popen(
-            name,
-            [
-                sys.executable,
-                "-m",
-                "tableserver",
-                "serve",
-                "--tables",
-                table,
-                "--listen",
-                f"{self.hosts.ip(name)}:{PORT}",
-                "--transports",
-                "tcp",
-                "--node-id",
-                name,
-                "--ready-file",
-                ready,
-                "--progress",
-                "never",
-                "--metrics-port",
-                "off",
-                "--lease-seconds",
-                "120",
-                "--session-bind-timeout",
-                "3600",
-                *flags,
-            ],
-            stdout=log,
-            stderr=log,
-            cwd=ROOT,
-        )
+        cmd = serve_command(
+            ready, "--tables", table, "--listen", f"{self.hosts.ip(name)}:{PORT}", "--transports", "tcp",
+            "--node-id", name, "--metrics-port", "off", "--lease-seconds", "120", "--session-bind-timeout", "3600",
+            *flags,
+        )  # fmt: skip
+        proc = self.hosts.popen(name, cmd, stdout=log, stderr=log, cwd=ROOT)
         self.nodes[name] = proc
         wait_for(lambda: os.path.exists(ready) or proc.poll() is not None, f"{name} to serve")
         assert proc.poll() is None, open(os.path.join(self.workdir, f"{name}.log")).read()[-3000:]

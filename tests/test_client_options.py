@@ -42,38 +42,29 @@ FLAT = dict(
     reconnect_wait=1.5,
     busy_poll=0.001,
 )
+#: which group each of them belongs to
+CONNECTION = (
+    "token", "tls", "tls_ca", "tls_cert", "tls_key", "tls_server_name", "client_name", "connect_timeout",
+    "keepalive_interval",
+)  # fmt: skip
+TRANSPORTS = ("busy_poll", "rdma_device", "rdma_gid_index", "rdma_port", "rdma_qps", "rdma_ring_rows")
+ROUTING = ("client_id", "request_timeout", "liveness_timeout", "dns_refresh", "standby", "reconnect_wait")
+OWN = ("mode", "hedge_after", "hedge_fraction", "checksums")
 
 
 def test_the_flat_arguments_build_the_groups():
     built = client_options(transport="tcp", **FLAT)
+    assert sorted(CONNECTION + TRANSPORTS + ROUTING + OWN) == sorted(FLAT)  # each lands in one group
+
+    def pick(names):
+        return {k: FLAT[k] for k in names}
+
     assert built == ClientOptions(
         connection=NodeOptions(
-            transport="tcp",
-            token="t",
-            tls=True,
-            tls_ca="ca.pem",
-            tls_cert="cert.pem",
-            tls_key="key.pem",
-            tls_server_name="memnode",
-            client_name="worker",
-            connect_timeout=3.0,
-            keepalive_interval=0.25,
-            transport_options=TransportOptions(
-                busy_poll=0.001, rdma_device="mlx5_0", rdma_gid_index=3, rdma_port=2, rdma_qps=8, rdma_ring_rows=1024
-            ),
+            transport="tcp", transport_options=TransportOptions(**pick(TRANSPORTS)), **pick(CONNECTION)
         ),
-        routing=RoutingOptions(
-            client_id="c1",
-            request_timeout=4.0,
-            liveness_timeout=1.0,
-            dns_refresh=9.0,
-            standby=False,
-            reconnect_wait=1.5,
-        ),
-        mode="pack",
-        hedge_after=0.002,
-        hedge_fraction=0.25,
-        checksums={"t": "abc"},
+        routing=RoutingOptions(**pick(ROUTING)),
+        **pick(OWN),
     )
 
 

@@ -49,18 +49,9 @@ def target(demo_file, tmp_path_factory):
     from conftest import start_daemon
 
     d = start_daemon(
-        str(tmp_path_factory.mktemp("fuzz")),
-        "--tables",
-        demo_file,
-        "--max-rows-per-request",
-        str(MAX_ROWS),
-        "--max-connections-per-session",
-        "64",
-        "--session-open-rate",
-        "100000",
-        "--lease-seconds",
-        "600",
-    )
+        str(tmp_path_factory.mktemp("fuzz")), "--tables", demo_file, "--max-rows-per-request", str(MAX_ROWS),
+        "--max-connections-per-session", "64", "--session-open-rate", "100000", "--lease-seconds", "600",
+    )  # fmt: skip
     yield d
     assert d.proc.poll() is None, d.log()[-3000:]
     d.stop()

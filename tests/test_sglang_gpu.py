@@ -39,6 +39,16 @@ def to_cuda(model):
     return hasher, [e.to("cuda") for e in engrams]
 
 
+#: the per-token fields of a ForwardBatch the layers read on the GPU
+BATCH_TENSORS = ("req_pool_indices", "seq_lens", "out_cache_loc", "positions", "extend_seq_lens", "extend_start_loc",
+                 "extend_prefix_lens")  # fmt: skip
+
+
+def batch_to_cuda(batch) -> None:
+    for name in BATCH_TENSORS:
+        setattr(batch, name, getattr(batch, name).cuda())
+
+
 def test_device_rows_match_sglang_gpu_lookup(plugin, model_config, engram_tables, memnode):
     local = to_cuda(build(model_config, engram_tables))
     remote = to_cuda(build(model_config, engram_tables, address=memnode.address))
@@ -46,16 +56,7 @@ def test_device_rows_match_sglang_gpu_lookup(plugin, model_config, engram_tables
     for chunks in ([(0, rng.integers(0, 300, 40).tolist())], [(0, rng.integers(0, 300, 7).tolist())] * 3):
         ids, batch = extend_batch(chunks, list(range(len(chunks))))
         ids, batch.input_ids = ids.cuda(), ids.cuda()
-        for name in (
-            "req_pool_indices",
-            "seq_lens",
-            "out_cache_loc",
-            "positions",
-            "extend_seq_lens",
-            "extend_start_loc",
-            "extend_prefix_lens",
-        ):
-            setattr(batch, name, getattr(batch, name).cuda())
+        batch_to_cuda(batch)
         x = torch.randn((len(ids), HC, HIDDEN), device="cuda").to(torch.bfloat16)
         _, want = forward(local, ids, batch, x)
         _, got = forward(remote, ids, batch, x)
@@ -95,16 +96,7 @@ def test_scheduler_staging_of_served_layers(plugin, model_config, engram_tables,
     batch.engram_staged_rows = staged
     x = torch.randn((len(ids), HC, HIDDEN)).to(torch.bfloat16)
     ids_c, x_c = ids.cuda(), x.cuda()
-    for name in (
-        "req_pool_indices",
-        "seq_lens",
-        "out_cache_loc",
-        "positions",
-        "extend_seq_lens",
-        "extend_start_loc",
-        "extend_prefix_lens",
-    ):
-        setattr(batch, name, getattr(batch, name).cuda())
+    batch_to_cuda(batch)
     batch.input_ids = ids_c
     _, got = forward((hasher, engrams), ids_c, batch, x_c)
     batch.engram_staged_rows = None

@@ -280,24 +280,28 @@ def test_native_unique_refuses_buffers_it_cannot_fill():
     assert native_unique(np.empty(0, np.int64), u, v, 3) == 0
 
 
+def shm_recorder(registry, direct: bool = True):
+    """A fresh client GatherRecorder of table t, layer 1, shm reads, in ``registry``."""
+    from tableclient.metrics import ClientMetrics, GatherRecorder
+
+    m = ClientMetrics(registry)
+    labels = ("t", "1", "shm")
+    return GatherRecorder(
+        m.gather_latency.labels(*labels, "read"),
+        m.rows.labels(*labels),
+        m.unique_rows.labels(*labels),
+        m.bytes.labels(*labels),
+        direct=direct,
+    )
+
+
 def test_gather_recorder_direct_updates_export_what_the_public_api_does():
     """GatherRecorder calls prometheus_client's value objects directly; the exported samples must be
     exactly those of the public inc()/observe() (and the fallback must work where they are missing)."""
     from prometheus_client import CollectorRegistry, generate_latest
-    from tableclient.metrics import ClientMetrics, GatherRecorder
-
-    def recorder(registry, direct):
-        m = ClientMetrics(registry)
-        return GatherRecorder(
-            m.gather_latency.labels("t", "1", "shm", "read"),
-            m.rows.labels("t", "1", "shm"),
-            m.unique_rows.labels("t", "1", "shm"),
-            m.bytes.labels("t", "1", "shm"),
-            direct=direct,
-        )
 
     fast_reg, slow_reg = CollectorRegistry(), CollectorRegistry()
-    fast, slow = recorder(fast_reg, True), recorder(slow_reg, False)
+    fast, slow = shm_recorder(fast_reg, direct=True), shm_recorder(slow_reg, direct=False)
     assert fast._incs is not None and slow._incs is None
     values = [0.0, 2e-6, 2.5e-6, 4e-6, 1e-4, 0.3, 0.5, 7.0] + list(np.random.default_rng(0).exponential(1e-3, 200))
     for i, seconds in enumerate(values):
@@ -318,21 +322,11 @@ def test_deferred_gathers_are_applied_by_the_next_scrape():
     """The fast paths defer their metrics; a collection of the registry applies them first (so a scrape
     sees every gather), bucketed exactly as one observe() per gather would."""
     from prometheus_client import CollectorRegistry
-    from tableclient.metrics import ClientMetrics, GatherRecorder
 
     from tableserver.common.recorder import MAX_DEFERRED
 
-    def recorder(registry):
-        m = ClientMetrics(registry)
-        return GatherRecorder(
-            m.gather_latency.labels("t", "1", "shm", "read"),
-            m.rows.labels("t", "1", "shm"),
-            m.unique_rows.labels("t", "1", "shm"),
-            m.bytes.labels("t", "1", "shm"),
-        )
-
     now_reg, later_reg = CollectorRegistry(), CollectorRegistry()
-    now, later = recorder(now_reg), recorder(later_reg)
+    now, later = shm_recorder(now_reg), shm_recorder(later_reg)
     values = [2e-6, 2.5e-6, 4e-6, 1e-4, 0.3] + list(np.random.default_rng(1).exponential(1e-3, 2 * MAX_DEFERRED))
     for i, seconds in enumerate(values):
         now.record(i + 1, i, 264 * i, float(seconds))

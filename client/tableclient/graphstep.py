@@ -198,21 +198,9 @@ class GraphStep:
     """Everything captured decode graphs touch for the served layers of one client, and the host side of
     each step (see the module docstring)."""
 
-    def __init__(
-        self,
-        client,
-        plans: list,
-        modes: dict,
-        max_tokens: int,
-        *,
-        rows_per_token: int = 24,
-        policy: str = "fail",
-        fallback=None,
-        device=None,
-        timeout: float = 5.0,
-        stream_ops=None,
-        pin: bool | None = None,
-    ):
+    def __init__(self, client, plans: list, modes: dict, max_tokens: int, *, rows_per_token: int = 24,
+                 policy: str = "fail", fallback=None, device=None, timeout: float = 5.0, stream_ops=None,
+                 pin: bool | None = None):  # fmt: skip
         import torch
 
         self.torch = torch

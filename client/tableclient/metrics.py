@@ -26,11 +26,13 @@ import threading
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from tableserver.common.recorder import FlushFirst, Recorder
+from tableserver.common.recorder import FlushFirst, Recorder, add_metrics
 
 #: exponential latency buckets, 2 us .. ~0.5 s
 DEFAULT_BUCKETS = tuple(2e-6 * 2**k for k in range(19))
 BUCKETS_ENV = "TABLESERVER_CLIENT_LATENCY_BUCKETS"
+#: the labels of the per-gather counters
+GATHER_LABELS = ("table", "layer", "transport")
 #: error reasons (label values of tableserver_client_errors_total), all exported from the start
 ERROR_REASONS = ("bad_row_ids", "timeout", "remote", "transport", "connect", "auth", "other")
 
@@ -57,125 +59,50 @@ class ClientMetrics:
     def __init__(self, registry: CollectorRegistry | None = None, buckets: tuple[float, ...] | None = None):
         r = registry if registry is not None else REGISTRY
         r.register(_flush_first)  # first: a collection applies deferred gathers before reading ours
-        self.gather_latency = Histogram(
-            "tableserver_client_gather_duration_seconds",
-            "Time from issuing a gather to its rows being in place in the caller's buffer.",
-            ["table", "layer", "transport", "mode"],
-            buckets=buckets or latency_buckets(),
-            registry=r,
-        )
-        self.rows = Counter(
-            "tableserver_client_rows_total",
-            "Row ids gathered (duplicates included).",
-            ["table", "layer", "transport"],
-            registry=r,
-        )
-        self.unique_rows = Counter(
-            "tableserver_client_unique_rows_total",
-            "Distinct rows fetched from the server (rows_total minus duplicates a gather fetched once).",
-            ["table", "layer", "transport"],
-            registry=r,
-        )
-        self.bytes = Counter(
-            "tableserver_client_read_bytes_total",
-            "Row bytes fetched from the server.",
-            ["table", "layer", "transport"],
-            registry=r,
-        )
-        self.layer_waits = Counter(
-            "tableserver_client_layer_waits_total",
-            "Per-layer waits of the step API (one per layer per decode step).",
-            ["layer"],
-            registry=r,
-        )
-        self.deadline_misses = Counter(
-            "tableserver_client_deadline_misses_total",
-            "Per-layer waits whose rows were not in place by the layer's window.",
-            ["layer"],
-            registry=r,
-        )
-        self.window = Gauge(
-            "tableserver_client_layer_window_seconds",
-            "Each layer's window: how long after step start its rows are due.",
-            ["layer"],
-            multiprocess_mode="max",
-            registry=r,
-        )
-        self.zero_rows = Counter(
-            "tableserver_client_zero_rows_served_total",
-            "Steps where a layer was served zero rows after a failure (failure policy 'zeros').",
-            ["layer"],
-            registry=r,
-        )
-        self.fallbacks = Counter(
-            "tableserver_client_fallbacks_total",
-            "Steps where a layer's rows came from the fallback transport (failure policy 'fallback').",
-            ["layer"],
-            registry=r,
-        )
-        self.graph_waits = Histogram(
-            "tableserver_client_graph_wait_seconds",
-            "Graph-safe steps, per layer: before_replay, from the start "
-            "of the host's gathers to the layer's rows in place (the GPU waits that long before the step); "
-            "in_graph, from the graph's ids seen to the rows released to it.",
-            ["layer", "phase"],
-            buckets=buckets or latency_buckets(),
-            registry=r,
-        )
-        self.watchdog_releases = Counter(
-            "tableserver_client_watchdog_releases_total",
-            "Steps of in_graph layers whose "
-            "rows the watchdog released at the layer's timeout (filled by the failure "
-            "policy), so the GPU never waited forever.",
-            ["layer"],
-            registry=r,
-        )
-        self.sessions = Gauge(
-            "tableserver_client_sessions",
-            "Open client sessions, by data transport.",
-            ["transport"],
-            multiprocess_mode="livesum",
-            registry=r,
-        )
-        self.connects = Counter(
-            "tableserver_client_connects_total", "Sessions opened with a tableserver.", ["transport"], registry=r
-        )
-        self.reconnects = Counter(
-            "tableserver_client_reconnects_total",
-            "Sessions opened with a server whose previous session in this process had been lost.",
-            registry=r,
-        )
-        self.session_losses = Counter(
-            "tableserver_client_session_losses_total",
-            "Sessions lost (keepalive stream broken: server gone or unreachable).",
-            registry=r,
-        )
-        self.errors = Counter(
-            "tableserver_client_errors_total", "Failed gathers and connects, by reason.", ["reason"], registry=r
-        )
-        self.replica_up = Gauge(
-            "tableserver_client_replica_up",
-            "Whether this client can read from a memory node (1) or has failed it or refused its data (0), by address.",
-            ["address"],
-            multiprocess_mode="livemin",
-            registry=r,
-        )
-        self.failovers = Counter(
-            "tableserver_client_failovers_total",
-            "Gather parts re-issued on another replica after their node failed.",
-            registry=r,
-        )
-        self.hedges = Counter(
-            "tableserver_client_hedges_total",
-            "Hedged reads: issued on a second replica when the first was late, and won (answered first).",
-            ["outcome"],
-            registry=r,
-        )
-        self.version_refusals = Counter(
-            "tableserver_client_version_refusals_total",
-            "Nodes refused because a table there differs from the pinned version (checksum, rows, row size).",
-            registry=r,
-        )
+        latency = {"buckets": buckets or latency_buckets()}
+        # fmt: off
+        add_metrics(self, r, (  # (attribute, metric type, name, labels, help[, keyword arguments])
+            ("gather_latency", Histogram, "tableserver_client_gather_duration_seconds", ("table", "layer", "transport", "mode"),
+             "Time from issuing a gather to its rows being in place in the caller's buffer.", latency),
+            ("rows", Counter, "tableserver_client_rows_total", GATHER_LABELS, "Row ids gathered (duplicates included)."),
+            ("unique_rows", Counter, "tableserver_client_unique_rows_total", GATHER_LABELS,
+             "Distinct rows fetched from the server (rows_total minus duplicates a gather fetched once)."),
+            ("bytes", Counter, "tableserver_client_read_bytes_total", GATHER_LABELS, "Row bytes fetched from the server."),
+            ("layer_waits", Counter, "tableserver_client_layer_waits_total", ("layer",),
+             "Per-layer waits of the step API (one per layer per decode step)."),
+            ("deadline_misses", Counter, "tableserver_client_deadline_misses_total", ("layer",),
+             "Per-layer waits whose rows were not in place by the layer's window."),
+            ("window", Gauge, "tableserver_client_layer_window_seconds", ("layer",),
+             "Each layer's window: how long after step start its rows are due.", {"multiprocess_mode": "max"}),
+            ("zero_rows", Counter, "tableserver_client_zero_rows_served_total", ("layer",),
+             "Steps where a layer was served zero rows after a failure (failure policy 'zeros')."),
+            ("fallbacks", Counter, "tableserver_client_fallbacks_total", ("layer",),
+             "Steps where a layer's rows came from the fallback transport (failure policy 'fallback')."),
+            ("graph_waits", Histogram, "tableserver_client_graph_wait_seconds", ("layer", "phase"),
+             "Graph-safe steps, per layer: before_replay, from the start of the host's gathers to the layer's rows "
+             "in place (the GPU waits that long before the step); in_graph, from the graph's ids seen to the rows "
+             "released to it.", latency),
+            ("watchdog_releases", Counter, "tableserver_client_watchdog_releases_total", ("layer",),
+             "Steps of in_graph layers whose rows the watchdog released at the layer's timeout (filled by the "
+             "failure policy), so the GPU never waited forever."),
+            ("sessions", Gauge, "tableserver_client_sessions", ("transport",), "Open client sessions, by data transport.",
+             {"multiprocess_mode": "livesum"}),
+            ("connects", Counter, "tableserver_client_connects_total", ("transport",), "Sessions opened with a tableserver."),
+            ("reconnects", Counter, "tableserver_client_reconnects_total", (),
+             "Sessions opened with a server whose previous session in this process had been lost."),
+            ("session_losses", Counter, "tableserver_client_session_losses_total", (),
+             "Sessions lost (keepalive stream broken: server gone or unreachable)."),
+            ("errors", Counter, "tableserver_client_errors_total", ("reason",), "Failed gathers and connects, by reason."),
+            ("replica_up", Gauge, "tableserver_client_replica_up", ("address",), "Whether this client can read from a "
+             "memory node (1) or has failed it or refused its data (0), by address.", {"multiprocess_mode": "livemin"}),
+            ("failovers", Counter, "tableserver_client_failovers_total", (),
+             "Gather parts re-issued on another replica after their node failed."),
+            ("hedges", Counter, "tableserver_client_hedges_total", ("outcome",),
+             "Hedged reads: issued on a second replica when the first was late, and won (answered first)."),
+            ("version_refusals", Counter, "tableserver_client_version_refusals_total", (),
+             "Nodes refused because a table there differs from the pinned version (checksum, rows, row size)."),
+        ))
+        # fmt: on
         for outcome in ("issued", "won"):
             self.hedges.labels(outcome)
         self.failovers.inc(0)

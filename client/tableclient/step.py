@@ -103,22 +103,9 @@ class _Done:
 class EngramStep:
     """Issues a step's gathers at step start and hands each layer its rows when it waits."""
 
-    def __init__(
-        self,
-        client,
-        plans: list,
-        max_tokens: int,
-        *,
-        rows_per_token: int = 24,
-        policy: str = "fail",
-        fallback=None,
-        device=None,
-        pin: bool | None = None,
-        timeout: float = 5.0,
-        keep_latencies: int = 100_000,
-        deadlines: bool = True,
-        hedge: bool = True,
-    ):
+    def __init__(self, client, plans: list, max_tokens: int, *, rows_per_token: int = 24, policy: str = "fail",
+                 fallback=None, device=None, pin: bool | None = None, timeout: float = 5.0,
+                 keep_latencies: int = 100_000, deadlines: bool = True, hedge: bool = True):  # fmt: skip
         if policy not in POLICIES:
             raise ValueError(f"unknown failure policy {policy!r}: use {', '.join(POLICIES)}")
         if policy == "fallback" and fallback is None:

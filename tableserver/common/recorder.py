@@ -132,3 +132,12 @@ class FlushFirst:
     def collect(self):
         self.flush()
         return []
+
+
+def add_metrics(owner, registry, definitions) -> None:
+    """Creates each metric of ``definitions`` in ``registry`` as an attribute of ``owner``: an entry is
+    ``(attribute, metric type, name, labels, help)``, then optionally a dict of keyword arguments
+    (``buckets``, ``multiprocess_mode``), in the order the registry exports them."""
+    for attribute, kind, name, labels, documentation, *options in definitions:
+        metric = kind(name, documentation, labels, registry=registry, **(options[0] if options else {}))
+        setattr(owner, attribute, metric)

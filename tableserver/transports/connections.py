@@ -430,6 +430,13 @@ class ConnectionLoop:
         conn.shutdown()
 
     # ------------------------------------------------------------------ timers
+    def _timed_out(self, log, limit: str, what: str, conn: Connection) -> None:
+        """Counts ``conn`` over ``limit`` (a Limits timeout, also the error reason) and logs it, rate-limited:
+        ``what`` holds a ``%g`` for the limit's seconds."""
+        if self.metrics is not None:
+            self.metrics.error(limit)
+        log(limit.replace("_", "-"), f"%s %s: {what}", self.name, conn.peer, getattr(self.limits, limit))
+
     def _housekeep(self) -> None:
         limits = self.limits
         while not self._stop.wait(0.05):
@@ -458,28 +465,17 @@ class ConnectionLoop:
                         expired.append(conn)
             for conn in expired:
                 if conn.session is None:
-                    if self.metrics is not None:
-                        self.metrics.error("handshake_timeout")
-                    self._ratelog.info(
-                        "handshake-timeout",
-                        "%s %s: no HELLO within %g s; closed",
-                        self.name,
-                        conn.peer,
-                        limits.handshake_timeout,
-                    )
+                    self._timed_out(self._ratelog.info, "handshake_timeout", "no HELLO within %g s; closed", conn)
                 with self._lock:
                     self._handshakes.pop(conn.fd, None)
                 conn.shutdown()
             for conn in slow:
                 conn.send_since = 0.0  # counted once; the worker that gets the shutdown drops it
-                if self.metrics is not None:
-                    self.metrics.error("send_timeout")
-                self._ratelog.warning(
-                    "send-timeout",
-                    "%s %s: a response not taken within %g s of its start (--send-timeout); dropped the connection",
-                    self.name,
-                    conn.peer,
-                    limits.send_timeout,
+                self._timed_out(
+                    self._ratelog.warning,
+                    "send_timeout",
+                    "a response not taken within %g s of its start (--send-timeout); dropped the connection",
+                    conn,
                 )
                 conn.shutdown()
 

@@ -46,14 +46,7 @@ from tableserver.common.verbs import (
     error_errno,
     verbs,
 )
-from tableserver.common.wire import (
-    PACK_REPLY_BYTES,
-    PACK_REQUEST,
-    PACK_REQUEST_MAGIC,
-    ROW_ID_BYTES,
-    Refused,
-    Status,
-)
+from tableserver.common.wire import PACK_REPLY_BYTES, PACK_REQUEST, PACK_REQUEST_MAGIC, ROW_ID_BYTES, Refused, Status
 from tableserver.errors import TransportError, TransportUnavailable
 from tableserver.logs import RateLimitedLog
 from tableserver.sessions import Session

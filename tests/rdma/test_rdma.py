@@ -32,14 +32,9 @@ MODES = ["read", "pack"]
 def rdma_daemon(demo_file, tmp_path_factory):
     """shm off; 3 MiB MR chunks so the larger tables span several regions."""
     d = start_daemon(
-        str(tmp_path_factory.mktemp("rdma")),
-        "--tables",
-        demo_file,
-        "--transports",
-        "rdma,tcp",
-        "--rdma-mr-chunk-bytes",
-        str(3 << 20),
-    )
+        str(tmp_path_factory.mktemp("rdma")), "--tables", demo_file, "--transports", "rdma,tcp",
+        "--rdma-mr-chunk-bytes", str(3 << 20),
+    )  # fmt: skip
     yield d
     d.stop()
 
@@ -177,22 +172,23 @@ def test_pack_server_checks_ids_itself(rdma_daemon, demo_local):
         np.testing.assert_array_equal(t.gather([3, 4], timeout=EVENT_TIMEOUT), demo_local[t.name][[3, 4]])
 
 
+def one_sided_wr(transport, opcode, wr_id: int, rkey: int, addr: int):
+    """A signaled one-sided work request (``opcode``: RDMA READ or WRITE) of 264 bytes between a fresh
+    4 KiB buffer registered on ``transport`` and ``addr`` with ``rkey``: (work request, local buffer)."""
+    v = verbs()
+    local = transport._register(4096, v.e.IBV_ACCESS_LOCAL_WRITE)
+    sge = v.wr.SGE(local.addr, 264, local.mr.lkey)
+    wr = v.wr.SendWR(wr_id=wr_id, opcode=opcode, num_sge=1, sg=[sge], send_flags=v.e.IBV_SEND_SIGNALED)
+    wr.set_wr_rdma(rkey, addr)
+    return wr, local
+
+
 def post_remote_write(client, wr_id: int):
     """Posts an RDMA WRITE of 264 bytes of 0xAB into row 0 of engram.layer1 on the client's first QP."""
-    v = verbs()
-    e = v.e
     t = client._node_transport()
     state = t._tables[client.tables["engram.layer1"].index]
-    local = t._register(4096, e.IBV_ACCESS_LOCAL_WRITE)
+    wr, local = one_sided_wr(t, verbs().e.IBV_WR_RDMA_WRITE, wr_id, int(state.rkeys[0, 0]), int(state.addrs[0]))
     local.array[:264] = 0xAB
-    wr = v.wr.SendWR(
-        wr_id=wr_id,
-        opcode=e.IBV_WR_RDMA_WRITE,
-        num_sge=1,
-        sg=[v.wr.SGE(local.addr, 264, local.mr.lkey)],
-        send_flags=e.IBV_SEND_SIGNALED,
-    )
-    wr.set_wr_rdma(int(state.rkeys[0, 0]), int(state.addrs[0]))
     t._qps[0].post_send(wr)
     return t, local, wr  # keep them referenced while the WRITE is in flight (pyverbs keeps raw pointers)
 
@@ -204,7 +200,7 @@ def test_server_refuses_remote_write(rdma_daemon, demo_local):
         t, _local, _wr = post_remote_write(c, 77)
         deadline = time.monotonic() + EVENT_TIMEOUT
         statuses = []
-        with t._poll_lock:
+        with t.poll_lock:
             while not statuses and time.monotonic() < deadline:
                 n, wcs = t._cq.poll(4)
                 statuses += [wc.status for wc in wcs[:n] if wc.wr_id == 77]
@@ -219,18 +215,8 @@ def test_server_refuses_remote_write(rdma_daemon, demo_local):
 
 def read_with(transport, rkey: int, addr: int, wr_id: int):
     """One RDMA READ of 264 bytes at ``addr`` with ``rkey`` on the transport's first QP: (status, bytes)."""
-    v = verbs()
-    e = v.e
-    local = transport._register(4096, e.IBV_ACCESS_LOCAL_WRITE)
-    wr = v.wr.SendWR(
-        wr_id=wr_id,
-        opcode=e.IBV_WR_RDMA_READ,
-        num_sge=1,
-        sg=[v.wr.SGE(local.addr, 264, local.mr.lkey)],
-        send_flags=e.IBV_SEND_SIGNALED,
-    )
-    wr.set_wr_rdma(rkey, addr)
-    with transport._poll_lock:
+    wr, local = one_sided_wr(transport, verbs().e.IBV_WR_RDMA_READ, wr_id, rkey, addr)
+    with transport.poll_lock:
         transport._qps[0].post_send(wr)
         deadline = time.monotonic() + EVENT_TIMEOUT
         while time.monotonic() < deadline:

@@ -1,4 +1,4 @@
-"""Engram rows from tableservers, for the layers of one SGLang worker process.
+"""Engram rows from tableservers, for the layers of one serving worker process (any engine).
 
 :class:`EngramRows` is the plugin's data side, free of SGLang: it holds one
 :class:`~tableclient.TableClient` per tableserver (the memory node of
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from tableclient.engine.config import PluginConfig
 
-log = logging.getLogger("tableclient.sglang")
+log = logging.getLogger("tableclient.engine")
 
 FP8_BLOCK = 32
 
@@ -64,10 +64,12 @@ class ServedLayer:
 
 
 class EngramRows:
-    """Rows of every ``remote``/``node`` Engram layer of this process."""
+    """Rows of every ``remote``/``node`` Engram layer of this process; ``engine`` names the serving
+    engine in the clients' names (the daemon's session list and logs)."""
 
-    def __init__(self, config: PluginConfig, client_factory=None):
+    def __init__(self, config: PluginConfig, client_factory=None, engine: str = "sglang"):
         self.config = config
+        self.engine = engine
         self._client_factory = client_factory
         self.layers: dict[int, ServedLayer] = {}
         self._clients: dict[str, object] = {}  # remote / node / fallback -> TableClient
@@ -101,7 +103,7 @@ class EngramRows:
                 token=c.token or None,
                 tls_ca=c.tls_ca or None,
                 mode=c.mode,
-                client_name=f"sglang-{role}-{os.getpid()}",
+                client_name=f"{self.engine}-{role}-{os.getpid()}",
             )
         except TableClientError as e:
             key = {"remote": "address", "node": "node_address", "fallback": "fallback_address"}[role]

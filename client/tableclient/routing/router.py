@@ -8,8 +8,6 @@ import socket
 import time
 from dataclasses import replace
 
-import numpy as np
-
 from tableclient.errors import ConnectError
 from tableclient.metrics import metrics
 from tableclient.node import NodeOptions, NodeSession
@@ -165,16 +163,7 @@ class Router(ClientTransport):
         self._rows_limit[mode] = (generation, limit)
         return limit
 
-    def gather(
-        self,
-        table_index: int,
-        ids: np.ndarray,
-        out: np.ndarray,
-        sync: bool = False,
-        mode: str = "read",
-        expand=None,
-        hedge_after: float | None = None,
-    ) -> Pending:
+    def gather(self, table_index, ids, out, sync=False, mode="read", expand=None, hedge_after=None) -> Pending:
         return self._path.gather(self.infos[table_index].name, ids, out, sync, mode, hedge_after)
 
     # ------------------------------------------------------------------ state

@@ -79,7 +79,7 @@ def configure(cfg: PluginConfig, client_factory=None) -> EngramRows:
     graphs.close()
     if old is not None:
         old.close()
-    _state["config"], _state["rows"] = cfg, EngramRows(cfg, client_factory)
+    _state["config"], _state["rows"] = cfg, EngramRows(cfg, client_factory, engine="sglang")
     return _state["rows"]
 
 

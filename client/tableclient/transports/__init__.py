@@ -48,15 +48,7 @@ def prepare_transport(name: str, options: TransportOptions, catalog: list) -> Pr
     return transport_class(name).prepare(options, catalog)
 
 
-def open_transport(
-    name: str,
-    offer,
-    session,
-    catalog: list,
-    connect_timeout: float = 10.0,
-    options: TransportOptions = DEFAULT_OPTIONS,
-    prepared: Prepared | None = None,
-) -> ClientTransport:
-    """Transport ``name`` connected to the server's ``offer`` within ``connect_timeout`` seconds; it takes
+def open_transport(name, offer, session, catalog, connect_timeout=10.0, options=DEFAULT_OPTIONS, prepared=None):
+    """The ClientTransport ``name`` (its constructor's parameters: ``ClientTransport.__init__``) connected to the server's ``offer`` within ``connect_timeout`` seconds; it takes
     ``prepared`` (from :func:`prepare_transport`) over, closing it if it fails."""
     return transport_class(name)(offer, session, catalog, connect_timeout, options, prepared)

@@ -61,13 +61,7 @@ from tableserver.common.verbs import (
     error_errno,
     verbs,
 )
-from tableserver.common.wire import (
-    PACK_REPLY_BYTES,
-    PACK_REQUEST,
-    PACK_REQUEST_MAGIC,
-    ROW_ID_BYTES,
-    parse_pack_error,
-)
+from tableserver.common.wire import PACK_REPLY_BYTES, PACK_REQUEST, PACK_REQUEST_MAGIC, ROW_ID_BYTES, parse_pack_error
 from tableserver.v1 import tableserver_pb2 as pb
 
 log = logging.getLogger("tableclient.rdma")
@@ -204,12 +198,12 @@ class _Batch(Pending):
 
     def done(self) -> bool:
         if not self._event.is_set():
-            self.transport._progress()
+            self.transport.progress()
         return self._event.is_set()
 
     def cancel(self) -> None:
         self.cancelled = True
-        with self.transport._poll_lock:  # a copy-out runs under it: wait for one in progress
+        with self.transport.poll_lock:  # a copy-out runs under it: wait for one in progress
             pass
 
     def wait(self, timeout: float | None = None) -> None:
@@ -217,7 +211,7 @@ class _Batch(Pending):
         spin = self.transport.spin_polls
         idle = 0
         while not self._event.is_set():
-            if self.transport._progress():
+            if self.transport.progress():
                 idle = 0
                 continue
             idle += 1
@@ -277,15 +271,7 @@ class RdmaTransport(ClientTransport):
             raise _failed("cannot create RDMA QPs", err, TransportUnavailable) from None
         return RdmaPrepared(dev, cq, [m[0] for m in made], [m[1] for m in made], rows)
 
-    def __init__(
-        self,
-        offer,
-        session,
-        catalog: list,
-        connect_timeout: float = 10.0,
-        options: TransportOptions = DEFAULT_OPTIONS,
-        prepared: Prepared | None = None,
-    ):
+    def __init__(self, offer, session, catalog, connect_timeout=10.0, options=DEFAULT_OPTIONS, prepared=None):
         global _set_rdma
         if not isinstance(prepared, RdmaPrepared):
             raise TransportUnavailable("rdma needs device resources prepared before the session opened")
@@ -297,7 +283,7 @@ class RdmaTransport(ClientTransport):
         self.device = self.dev.name
         self.ring_rows = prepared.ring_rows
         self._post_lock = threading.Lock()
-        self._poll_lock = threading.Lock()
+        self.poll_lock = threading.Lock()
         self._inflight: dict[int, _Batch] = {}
         self._tokens = itertools.count(1)
         self._rr = itertools.cycle(range(len(self._qps)))
@@ -407,16 +393,7 @@ class RdmaTransport(ClientTransport):
     def request_rows(self, mode: str = "read") -> int:
         return self.pack_max_rows if mode == "pack" else self.ring_rows * len(self._qps)
 
-    def gather(
-        self,
-        table_index: int,
-        ids: np.ndarray,
-        out: np.ndarray,
-        sync: bool = False,
-        mode: str = "read",
-        expand: np.ndarray | None = None,
-        hedge_after: float | None = None,
-    ) -> Pending:
+    def gather(self, table_index, ids, out, sync=False, mode="read", expand=None, hedge_after=None) -> Pending:
         if self._error is not None:
             raise self._error
         if mode == "pack":
@@ -460,7 +437,7 @@ class RdmaTransport(ClientTransport):
         start = ring.alloc(n)
         deadline = time.monotonic() + timeout
         while start is None:
-            self._progress()
+            self.progress()
             if self._error is not None:
                 raise self._error
             if time.monotonic() > deadline:
@@ -489,7 +466,7 @@ class RdmaTransport(ClientTransport):
             batch.positions = slice(start, start + n) if expand is None else start + expand
             deadline = time.monotonic() + STAGING_WAIT_S
             while not self._send_free:
-                self._progress()
+                self.progress()
                 if self._error is not None:
                     raise self._error
                 if time.monotonic() > deadline:
@@ -514,9 +491,9 @@ class RdmaTransport(ClientTransport):
         return batch
 
     # ------------------------------------------------------------ completions
-    def _progress(self) -> int:
+    def progress(self) -> int:
         """Polls the CQ once (if no other thread is) and dispatches what completed."""
-        if not self._poll_lock.acquire(blocking=False):
+        if not self.poll_lock.acquire(blocking=False):
             return 0
         try:
             if self._closed:
@@ -530,7 +507,7 @@ class RdmaTransport(ClientTransport):
                 self._dispatch(wc)
             return n
         finally:
-            self._poll_lock.release()
+            self.poll_lock.release()
 
     def _dispatch(self, wc) -> None:
         e = self._e
@@ -596,7 +573,7 @@ class RdmaTransport(ClientTransport):
     def close(self) -> None:
         if self._closed:
             return
-        with self._poll_lock:
+        with self.poll_lock:
             self._closed = True
         self._fail_all(TransportError("transport closed"))
         self._prep.qps, qps = [], self._prep.qps

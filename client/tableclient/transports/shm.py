@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 from tableclient.errors import AuthError, ConnectError, TransportUnavailable
-from tableclient.transports.base import DEFAULT_OPTIONS, DONE, ClientTransport, Pending, Prepared, TransportOptions
+from tableclient.transports.base import DEFAULT_OPTIONS, DONE, ClientTransport, Pending
 from tableserver.common.host import host_id as local_host_id
 from tableserver.common.take import take_checked
 from tableserver.common.wire import (
@@ -133,15 +133,7 @@ class ShmTransport(ClientTransport):
     name = "shm"
     dedups = False
 
-    def __init__(
-        self,
-        offer,
-        session,
-        catalog: list,
-        connect_timeout: float = 10.0,
-        options: TransportOptions = DEFAULT_OPTIONS,
-        prepared: Prepared | None = None,
-    ):
+    def __init__(self, offer, session, catalog, connect_timeout=10.0, options=DEFAULT_OPTIONS, prepared=None):
         self.populate = options.populate
         ep = offer.shm
         if ep.host_id != local_host_id():
@@ -238,16 +230,7 @@ class ShmTransport(ClientTransport):
     def local_table(self, table_index: int):
         return self._tables.get(table_index)
 
-    def gather(
-        self,
-        table_index: int,
-        ids: np.ndarray,
-        out: np.ndarray,
-        sync: bool = False,
-        mode: str = "read",
-        expand: np.ndarray | None = None,
-        hedge_after: float | None = None,
-    ) -> Pending:
+    def gather(self, table_index, ids, out, sync=False, mode="read", expand=None, hedge_after=None) -> Pending:
         if sync:  # the caller waits at once: a thread handoff would only add latency
             take_checked(self._tables[table_index], ids, out)  # checked by the caller; again here
             return DONE

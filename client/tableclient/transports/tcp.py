@@ -41,8 +41,6 @@ from tableclient.transports.base import (
     DEFAULT_OPTIONS,
     ClientTransport,
     Pending,
-    Prepared,
-    TransportOptions,
     remote_error,
 )
 from tableserver.common.buffers import copy_buffer
@@ -111,7 +109,7 @@ class _TcpPending(Pending):
 
     def wait(self, timeout: float | None = None) -> None:
         if self.sync and not self._event.is_set():
-            self.transport._read_for(self, timeout)
+            self.transport.read_for(self, timeout)
             error = self.transport.error
             if not self._event.is_set() and error is not None:  # broken meanwhile: its failure completes us
                 if not self._event.wait(CANCEL_GRACE_S):
@@ -125,7 +123,7 @@ class _TcpPending(Pending):
         # always sees the other: either the rows go to scratch, or we wait for them to be in.
         self.cancelled = True
         if self.receiving and not self._event.wait(CANCEL_GRACE_S):
-            self.transport._abort("a cancelled response stalled mid-transfer")
+            self.transport.abort("a cancelled response stalled mid-transfer")
             self._event.wait()
 
 
@@ -150,15 +148,7 @@ class TcpTransport(ClientTransport):
     #: costs 1.25x at 1,536 ids, breaks even at 4,096 and pays from there (0.88x at 12,288)
     dedup_min_ids = 4096
 
-    def __init__(
-        self,
-        offer,
-        session,
-        catalog: list,
-        connect_timeout: float = 10.0,
-        options: TransportOptions = DEFAULT_OPTIONS,
-        prepared: Prepared | None = None,
-    ):
+    def __init__(self, offer, session, catalog, connect_timeout=10.0, options=DEFAULT_OPTIONS, prepared=None):
         ep = offer.tcp
         self.endpoint = f"{ep.host}:{ep.port}"
         self.busy_poll = max(0.0, float(options.busy_poll))
@@ -244,16 +234,7 @@ class TcpTransport(ClientTransport):
         """Why the connection broke, once it has (every request then fails with it)."""
         return self._error
 
-    def gather(
-        self,
-        table_index: int,
-        ids: np.ndarray,
-        out: np.ndarray,
-        sync: bool = False,
-        mode: str = "read",
-        expand: np.ndarray | None = None,
-        hedge_after: float | None = None,
-    ) -> Pending:
+    def gather(self, table_index, ids, out, sync=False, mode="read", expand=None, hedge_after=None) -> Pending:
         with self._send_lock:
             if self._error is not None:
                 raise self._error
@@ -293,7 +274,7 @@ class TcpTransport(ClientTransport):
                 self._async += 1
                 self._wake.notify()
 
-    def _read_for(self, p: _TcpPending, timeout: float | None) -> None:
+    def read_for(self, p: _TcpPending, timeout: float | None) -> None:
         """The caller's thread reads responses until ``p``'s is in (or ``timeout`` passes: then the
         receiver thread takes ``p`` over and the caller's wait times out)."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -456,7 +437,7 @@ class TcpTransport(ClientTransport):
             p.complete(error)
         self._fail(error)
 
-    def _abort(self, why: str) -> None:
+    def abort(self, why: str) -> None:
         """Breaks the connection: the reader stops at once and fails what is pending."""
         log.warning("tcp connection to %s aborted: %s", self.endpoint, why)
         try:
