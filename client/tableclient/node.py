@@ -161,7 +161,7 @@ class NodeSession:
         self.options = o
         self._metadata = o.metadata()
         self._on_lost = on_lost
-        self._closed = False
+        self.closed = False  # read on every gather (a plain attribute: no property call); set by close
         self._counted = ""  # transport this session counts in tableserver_client_sessions
         self._transport = None
         self._keepalive_thread = None
@@ -347,18 +347,14 @@ class NodeSession:
         """Seconds since the server last answered a keepalive ping."""
         return time.monotonic() - self.last_heard
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def close(self, graceful: bool = True) -> None:
         """Ends the session and frees everything (an shm mapping included). Idempotent.
 
         ``graceful=False`` (a server found dead or frozen) skips telling it: its lease reclaims the rest.
         """
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         if self._counted:
             self._metrics.sessions.labels(self._counted).dec()
             self._counted = ""
