@@ -93,6 +93,8 @@ def test_an_unknown_argument_is_a_type_error():
         (dict(busy_poll=0.5), "busy_poll must be"),
         (dict(hedge_fraction=0.0), "hedge_fraction"),
         (dict(hedge_after=0.0), "hedge_after"),
+        (dict(backoff_min=0.0), "backoff_min must be > 0"),
+        (dict(backoff_min=2.0, backoff_max=1.0), "at most backoff_max"),
     ],
 )
 def test_values_out_of_bounds_name_the_argument(bad, match):

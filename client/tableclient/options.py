@@ -59,6 +59,10 @@ class ClientOptions:
             raise ValueError(
                 f"busy_poll must be 0..{MAX_BUSY_POLL_S:g} seconds (a core spins this long per wait), got {t.busy_poll!r}"
             )
+        if not 0 < r.backoff_min <= r.backoff_max:
+            raise ValueError(
+                f"backoff_min must be > 0 seconds and at most backoff_max, got {r.backoff_min!r}, {r.backoff_max!r}"
+            )
         if not 0 < self.hedge_fraction <= 1 or (self.hedge_after is not None and not self.hedge_after > 0):
             raise ValueError("hedge_fraction must be in (0, 1] and hedge_after > 0 seconds")
         return self
@@ -82,7 +86,7 @@ def client_options(options: ClientOptions | None = None, **settings) -> ClientOp
     groups: dict = {"connection": {}, "transports": {}, "routing": {}, None: {}}
     for key, value in settings.items():
         if key not in _FLAT:
-            raise TypeError(f"TableClient() got an unexpected keyword argument {key!r}")
+            raise TypeError(f"TableClient.__init__() got an unexpected keyword argument {key!r}")
         group, name = _FLAT[key]
         groups[group][name] = value
     o = options if options is not None else ClientOptions()

@@ -27,8 +27,6 @@ from dataclasses import dataclass
 
 from tableclient.engine.config import PluginConfig
 
-log = logging.getLogger("tableclient.engine")
-
 FP8_BLOCK = 32
 
 
@@ -110,7 +108,9 @@ class EngramRows:
             raise EngramRowsError(
                 f"tableserver plugin: cannot reach the {role} tableserver at {address} ({e}); start it or fix {key}"
             ) from None
-        log.info("tableserver plugin: %s tableserver %s connected over %s", role, address, client.transport)
+        logging.getLogger(f"tableclient.{self.engine}").info(  # the adapter's logger: tableclient.sglang, ...
+            "tableserver plugin: %s tableserver %s connected over %s", role, address, client.transport
+        )
         return client
 
     def add_layer(self, layer: int, placement: str, num_embeddings: int, dim: int) -> ServedLayer:

@@ -469,7 +469,9 @@ class RdmaTransport(ClientTransport):
                 self.progress()
                 if self._error is not None:
                     raise self._error
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline:  # nothing was posted: the ring block goes back
+                    batch.blocks.pop()
+                    t.pack_ring.free(start)
                     raise TransportError(f"no pack send slot free after {STAGING_WAIT_S:.0f} s")
             slot = self._send_free.pop()
             base = slot * self._send_slot
