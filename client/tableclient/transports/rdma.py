@@ -334,14 +334,22 @@ class RdmaTransport(ClientTransport):
     def _table(self, index: int) -> _TableState:
         t = self._tables[index]
         if t.rings is None:  # staging and prebuilt chains are made on a table's first read
-            rows, rb = self.ring_rows, t.info.row_bytes
-            t.staging = self._register(len(self._qps) * rows * rb, self._e.IBV_ACCESS_LOCAL_WRITE)
-            t.staging_rows = t.staging.array[: len(self._qps) * rows * rb].reshape(-1, rb)
-            try:
-                t.rings = [_ReadRing(self._v, t.staging, q * rows, rows, rb) for q in range(len(self._qps))]
-            except self._v.Error as e:
-                raise _failed(f"building the READ chains of table {t.info.name!r}", e) from None
+            with self._post_lock:  # close() frees staging under it: never built on a closing transport
+                self._raise_if_failed()
+                if t.rings is None:
+                    rows, rb = self.ring_rows, t.info.row_bytes
+                    t.staging = self._register(len(self._qps) * rows * rb, self._e.IBV_ACCESS_LOCAL_WRITE)
+                    t.staging_rows = t.staging.array[: len(self._qps) * rows * rb].reshape(-1, rb)
+                    try:
+                        t.rings = [_ReadRing(self._v, t.staging, q * rows, rows, rb) for q in range(len(self._qps))]
+                    except self._v.Error as e:
+                        raise _failed(f"building the READ chains of table {t.info.name!r}", e) from None
         return t
+
+    def _raise_if_failed(self) -> None:
+        """The transport's error, once it failed or closed (close fails it before freeing anything)."""
+        if self._error is not None:
+            raise self._error
 
     def _register(self, nbytes: int, access: int) -> RegisteredBuffer:
         """A registered buffer freed with the transport; TransportError when it cannot be registered
@@ -412,6 +420,7 @@ class RdmaTransport(ClientTransport):
         batch = _Batch(self, next(self._tokens), out)
         positions = np.empty(n, np.int64)
         with self._post_lock:
+            self._raise_if_failed()  # closed since _table: its rings are gone
             self._inflight[batch.token] = batch
             try:
                 for q in range(nq):
@@ -452,14 +461,15 @@ class RdmaTransport(ClientTransport):
         rb, n = t.info.row_bytes, ids.size
         if n > self.pack_max_rows:
             raise ValueError(f"{n} rows in one pack request, the server allows {self.pack_max_rows}")
-        if t.pack is None:
-            t.pack = self._register(
-                2 * self.pack_max_rows * rb, self._e.IBV_ACCESS_LOCAL_WRITE | self._e.IBV_ACCESS_REMOTE_WRITE
-            )
-            t.pack_ring = RingAllocator(2 * self.pack_max_rows)
-            t.pack_rows = t.pack.array[: 2 * self.pack_max_rows * rb].reshape(-1, rb)
         batch = _Batch(self, next(self._tokens) & 0xFFFFFFFF or 1, out)
         with self._post_lock:
+            self._raise_if_failed()
+            if t.pack is None:  # the pack landing buffer is made on a table's first pack request
+                t.pack = self._register(
+                    2 * self.pack_max_rows * rb, self._e.IBV_ACCESS_LOCAL_WRITE | self._e.IBV_ACCESS_REMOTE_WRITE
+                )
+                t.pack_ring = RingAllocator(2 * self.pack_max_rows)
+                t.pack_rows = t.pack.array[: 2 * self.pack_max_rows * rb].reshape(-1, rb)
             start = self._alloc(t.pack_ring, n)
             batch.blocks.append((t.pack_ring, start))
             batch.source = t.pack_rows
@@ -578,11 +588,12 @@ class RdmaTransport(ClientTransport):
         with self.poll_lock:
             self._closed = True
         self._fail_all(TransportError("transport closed"))
-        self._prep.qps, qps = [], self._prep.qps
-        for qp in qps:
-            qp.close()
-        for t in self._tables.values():
-            t.rings = None
-        for b in self._buffers:
-            b.close()
-        self._prep.close()
+        with self._post_lock:  # posters see the error set above and leave; none is mid-post as this frees
+            self._prep.qps, qps = [], self._prep.qps
+            for qp in qps:
+                qp.close()
+            for t in self._tables.values():
+                t.rings = None
+            for b in self._buffers:
+                b.close()
+            self._prep.close()
