@@ -348,7 +348,7 @@ def check_native_take() -> Finding:
         return Finding(
             "native take",
             "warn",
-            f"not built: gathers run numpy's take (the native one is 1.1-1.35x faster on random rows); {fix}",
+            f"not built: gathers run numpy's take (slower on random rows: the native one prefetches); {fix}",
         )
     try:
         importlib.import_module("tableserver.common._take")

@@ -136,8 +136,7 @@ def unique_inverse(flat_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(unique, inverse) of 1-D ids: each id once, and ``unique[inverse] == flat_ids``.
 
     Natively (``tableserver.common._take.unique``): one pass through an open-addressing hash table, ids in
-    first-occurrence order -- 12,288 ids in ~21-26 us, where the sort below takes ~360-380 us on this
-    project's 2-vCPU VM (49,152: ~120-180 vs ~1,850 us). Otherwise ``np.unique(return_inverse=True)``'s
+    first-occurrence order, an order of magnitude faster than the sort below (docs/perf.md). Otherwise ``np.unique(return_inverse=True)``'s
     result, ids ascending, about twice as fast as np.unique: each id is packed with its position into
     one int64 key (id << k | position, k = bits of the batch size), so one plain ``sort`` of the keys
     replaces np.unique's indirect argsort and gathers. Ids that do not fit beside the position

@@ -74,7 +74,7 @@ def remote_error(refused) -> RemoteError:
 
 class Flag:
     """A one-shot event: set once, waited for by any number of threads. ``threading.Event`` minus its
-    Condition: one lock, held until set (a gather makes one or two of these; ~3 us less each)."""
+    Condition: one lock, held until set (a gather makes one or two of these, so their cost is per gather)."""
 
     __slots__ = ("_lock", "_set")
 

@@ -9,7 +9,7 @@ into N contiguous parts, one per QP. Each part takes a contiguous block of its
 QP's ring (:class:`RingAllocator`); every ring slot has two **prebuilt**
 ``RDMA_READ`` work requests whose SGE points at that slot's staging row: a
 chained one and a signaled terminal one. Posting a block = patching remote
-address and rkey into the block's WRs (``set_wr_rdma``, ~0.06 us/row, no
+address and rkey into the block's WRs (``set_wr_rdma``; bench/bench_rdma.py times it, no
 object created per row), pointing the second-to-last at the terminal WR,
 one ``post_send`` for the whole chain, and restoring the link. Remote
 addresses are computed vectorized (one searchsorted when a table spans

@@ -144,8 +144,8 @@ class _Reading:
 class TcpTransport(ClientTransport):
     name = "tcp"
     dedups = True
-    #: measured over loopback (bench/bench_transports.py, Zipf(1.1) ids, decision vs never): dedup
-    #: costs 1.25x at 1,536 ids, breaks even at 4,096 and pays from there (0.88x at 12,288)
+    #: where dedup starts to pay over loopback: below it the hashing costs more than the repeated rows
+    #: it saves (bench/bench_transports.py's dedup section measures it; figures in docs/perf.md)
     dedup_min_ids = 4096
 
     def __init__(self, offer, session, catalog, connect_timeout=10.0, options=DEFAULT_OPTIONS, prepared=None):
