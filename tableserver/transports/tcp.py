@@ -131,7 +131,7 @@ class TcpTransport(ServerTransport):
     def start(self, tables) -> None:
         self.tables = tables
         for t in tables:  # series exist from 0, so rate() counts the first requests
-            self._instruments(t.index)
+            self.instruments(t.index)
         self._loop = ConnectionLoop("tcp", self._sock, _TcpProtocol(self), self.limits, self.workers, self.metrics)
         self._loop.start()
 
@@ -166,7 +166,7 @@ class TcpTransport(ServerTransport):
     def health(self) -> tuple[bool, str]:
         return self._loop.health() if self._loop is not None else (True, "")
 
-    def _instruments(self, table_index: int):
+    def instruments(self, table_index: int):
         """Per-table metric children, made once (labels() is too slow for every request)."""
         inst = self._inst.get(table_index)
         if inst is None:
@@ -510,7 +510,7 @@ class _TcpProtocol(Protocol):
         st.sending = False
         conn.send_since = 0.0
         if st.ftype == FrameType.GATHER and st.count and not st.closing:
-            self.t._instruments(st.table).defer(
+            self.t.instruments(st.table).defer(
                 st.count, st.count * self.t.tables[st.table].row_bytes, time.perf_counter() - st.started
             )
         if st.closing:
