@@ -1,7 +1,7 @@
 """Rows read from disk: :class:`DiskTable`, a page reader for a table of fixed-size rows kept in a file
 (or striped over several files) rather than in memory.
 
-The first piece of the disk tier (issue 27); nothing in the daemon uses it yet.
+The disk tier's reader (issue 27): ``tableserver.loader`` opens one for each table served from disk.
 
 Layout. The table lives in a *logical file*: row ``r`` is the ``row_bytes`` bytes at logical byte
 ``offset + r * row_bytes``.
@@ -23,27 +23,45 @@ page of each row (a 264 B row straddles two 4 KiB pages 6.25% of the time), dedu
 ``np.unique``. Pages are placed in the buffer pool in page order, so consecutive logical pages sit
 side by side and a straddling row's bytes are contiguous there; the rows are then copied out with one
 fancy index over a byte-strided view of the pool (no per-row Python). Runs of pages that are contiguous
-in one file are read by one ``os.preadv`` (up to ``MAX_RUN_PAGES`` pages). ``queue_depth`` worker
-threads each keep one read in flight, taking the next run from a shared counter, so the drive sees
-``queue_depth`` outstanding reads for the whole batch.
+in one file are read by one read (up to ``MAX_RUN_PAGES`` pages), ``queue_depth`` of them in flight for
+the whole batch, by one of the engines (``io``; ``engine`` says which runs, ``engine_reason`` why), made
+once per table and kept for its life:
+
+* ``"io_uring"``: the native engine (``tableserver._diskio``, a C extension): one ring of ``queue_depth``
+  entries driven by one engine thread, the page pool registered once as its fixed buffer (READ_FIXED;
+  plain READ where registering is refused, e.g. by RLIMIT_MEMLOCK). A batch is handed over in one call,
+  the GIL released while Python waits for it.
+* ``"threads"``: the native engine with ``queue_depth`` persistent pthreads doing ``preadv``, each taking
+  the next run in turn; handed over and waited for the same way.
+* ``"python"``: ``queue_depth`` Python threads over ``os.preadv`` (it releases the GIL, but each read
+  costs some GIL and a thread switch). The fallback when the extension is not built.
+* ``"auto"`` (the default): io_uring where the kernel allows it (not disabled by
+  ``kernel.io_uring_disabled``, a seccomp policy or an old kernel), else threads, else python.
+
+Every engine reads the same page plan into the same pool and reports faults the same way.
 
 Memory held: the buffer pool only, ``pool_pages`` pages of an anonymous mapping (page-aligned, as
-O_DIRECT wants) -- never the table. A gather needing more pages than the pool is done in batches;
-each batch waits for all its reads before the pool is reused.
+O_DIRECT wants) -- never the table. A gather needing more pages than the pool is done in batches of
+half the pool each, the two halves in turn: the next batch is read into one half while the rows of the
+last are copied out of the other (the engine goes on to its reads before the last reads of a batch are
+back), and a half is reused only once its rows are out and its reads all back. A row straddling two
+batches has its pages read once: the shared pages are moved over, not reread.
 
 Faults. A read error (EIO, any OSError), a short read, or a file changed under the reader (``fstat``
 of the fd and ``stat`` of the path against the inode, size and mtime seen at open, once per gather,
 after the reads) raises :class:`DiskReadError` naming the file, the offset and the fix; the gather's
 ``out`` is then undefined, and no wrong row is ever returned as a success. Every wait (the pool lock,
 the reads) is bounded by ``timeout``; a read that outlives it poisons the pool (its buffer may still
-be written by the kernel) and later gathers fail until it is back.
+be written by the kernel) and later gathers fail until it is back. ``close`` never unmaps the pool (nor
+frees the native engine's ring or threads) under such a read: it leaves them mapped and logs it.
 
 O_DIRECT: every file is opened with it and probed with one page read; where the filesystem refuses it
 (EINVAL: tmpfs before Linux 6.6, 9p, some FUSE) the reader falls back to buffered reads, logs why, and
 says so in ``direct`` / ``io_mode``. Buffered reads leave the pages in the page cache.
 
-The reads run in Python threads (``os.preadv`` releases the GIL): about a microsecond or two of GIL
-per read. The plan (issue 27) is a native io_uring/pthread engine behind the same page plan.
+Block devices: a table may be a raw block device (a loop or device-mapper device): its size is where
+``lseek(SEEK_END)`` ends (``st_size`` is 0 there), and the change check compares the device (inode, device
+number and size), not the node's mtime.
 """
 
 from __future__ import annotations
@@ -53,13 +71,25 @@ import itertools
 import logging
 import mmap
 import os
+import stat
 import threading
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
+from typing import NamedTuple
 
 import numpy as np
 
+from tableserver.common.take import in_range
 from tableserver.errors import TableFileError
+
+try:
+    from tableserver import _diskio
+except ImportError as e:  # built without a C compiler (setup.py): the Python engine only
+    _diskio = None
+    _NATIVE_MISSING = f"tableserver._diskio not built ({e})"
+else:
+    _NATIVE_MISSING = ""
 
 log = logging.getLogger("tableserver.diskio")
 
@@ -71,6 +101,16 @@ MAX_RUN_PAGES = 32
 #: queue to zero at every batch boundary
 POOL_PAGES_PER_SLOT = 16
 
+#: the default pool's floor, in bytes: at a small queue depth, batches of a few pages would cost more in
+#: Python (planning and copying out each one) than their reads take
+POOL_MIN_BYTES = 1 << 20
+
+#: the values of DiskTable's ``io``
+ENGINES = ("auto", "io_uring", "threads", "python")
+
+#: how to get the native engine when it is missing
+_BUILD_FIX = "reinstall tableserver where a C compiler and Python's headers are present (pip install -e .)"
+
 
 class DiskReadError(TableFileError):
     """A disk table's read failed (EIO, a short read, a file changed or replaced under the reader, or a
@@ -78,14 +118,66 @@ class DiskReadError(TableFileError):
     number where one caused it."""
 
 
+def _sysctl(name: str) -> str | None:
+    try:
+        with open("/proc/sys/" + name.replace(".", "/")) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _uring_unavailable(e: OSError) -> str:
+    """One line on why io_uring_setup failed: "io_uring unavailable: EPERM (kernel.io_uring_disabled=2)"."""
+    code = e.errno or 0
+    name = errno_module.errorcode.get(code, f"errno {code}")
+    if code == errno_module.EPERM:
+        disabled = _sysctl("kernel.io_uring_disabled")
+        if disabled not in (None, "0"):
+            why = f"kernel.io_uring_disabled={disabled}"
+        else:
+            why = "a seccomp or container policy forbids it"
+    elif code == errno_module.ENOSYS:
+        why = "the kernel has no io_uring, or a seccomp policy hides it"
+    elif code == errno_module.ENOMEM:
+        why = "RLIMIT_MEMLOCK (ulimit -l) too low for the ring on this kernel"
+    else:
+        why = e.strerror or str(e)
+    return f"io_uring unavailable: {name} ({why})"
+
+
+class _Runs(NamedTuple):
+    """One batch's reads (int64 arrays, a run an entry): file index, its fd, pool byte, length, file byte, bytes
+    needed."""
+
+    npg: int
+    file: np.ndarray
+    fd: np.ndarray
+    dst: np.ndarray
+    len: np.ndarray
+    at: np.ndarray
+    need: np.ndarray
+
+
+class _PyBatch(NamedTuple):
+    """A batch queued on the Python engine: its workers' futures, its first failure, the stop flag."""
+
+    npg: int
+    futures: list
+    failed: list
+    stop: list
+
+
 class DiskTable:
     """A table of ``rows`` rows of ``row_bytes`` bytes read page by page from ``paths`` (one path, or a
-    list of stripe files: see the module's layout).
+    list of stripe files, or a block device: see the module's layout).
 
     ``page``: the read unit (a multiple of 512, the offsets O_DIRECT needs); ``stripe``: the stripe unit
     in bytes, required with several files (a multiple of ``page``); ``queue_depth``: reads in flight;
-    ``pool_pages``: the buffer pool, in pages (default ``16 * queue_depth``); ``direct``: try O_DIRECT;
-    ``timeout``: seconds any wait may take.
+    ``pool_pages``: the buffer pool, in pages (default ``16 * queue_depth``, at least 1 MiB); ``direct``:
+    try O_DIRECT; ``timeout``: seconds any wait may take; ``io``: the read engine, ``"auto"``, ``"io_uring"``,
+    ``"threads"`` or ``"python"`` (see the module; a named engine that cannot run here raises
+    :class:`DiskReadError` saying why and what to do). ``engine`` is the one that runs, ``engine_reason``
+    one line on why.
 
     Use as a context manager, or call :meth:`close` (idempotent)."""
 
@@ -101,6 +193,7 @@ class DiskTable:
         direct: bool = True,
         pool_pages: int | None = None,
         timeout: float = 30.0,
+        io: str = "auto",
     ):
         self.paths = [os.fspath(paths)] if isinstance(paths, (str, os.PathLike)) else [os.fspath(p) for p in paths]
         n = len(self.paths)
@@ -122,12 +215,17 @@ class DiskTable:
             raise ValueError(f"queue_depth={queue_depth}: pass 1..1024")
         if timeout <= 0:
             raise ValueError(f"timeout={timeout}: pass a positive number of seconds")
+        if io not in ENGINES:
+            raise ValueError(f"io={io!r}: pass one of {', '.join(ENGINES)}")
         self.offset, self.rows, self.row_bytes, self.page = int(offset), int(rows), int(row_bytes), int(page)
         self.stripe, self.queue_depth, self.timeout = int(stripe), int(queue_depth), float(timeout)
         self.nbytes = self.rows * self.row_bytes
         #: most pages one row touches: a row of row_bytes starting anywhere in a page
         self._span = (self.row_bytes + self.page - 2) // self.page + 1
-        batch = int(pool_pages) if pool_pages is not None else POOL_PAGES_PER_SLOT * self.queue_depth
+        if pool_pages is None:
+            batch = max(POOL_PAGES_PER_SLOT * self.queue_depth, POOL_MIN_BYTES // self.page)
+        else:
+            batch = int(pool_pages)
         if batch < 1:
             raise ValueError(f"pool_pages={pool_pages}: pass at least 1")
         self._batch = batch  # pages of first pages per batch
@@ -135,29 +233,44 @@ class DiskTable:
         self.pool_pages = batch + self._span - 1
         self.pages_read = 0
         self.bytes_read = 0
-        self.reads = 0  # preadv calls
+        self.reads = 0  # read calls (preadv calls, or io_uring reads) that returned
         self.gathers = 0
         self.direct = bool(direct)
         self.io_mode = "O_DIRECT" if direct else "buffered (direct=False)"
+        self.engine = "none"
+        self.engine_reason = "not started"
         self._fds: list[int] = []
-        self._stats: list[tuple[int, int, int, int]] = []
+        self._fd_of = np.zeros(0, np.int64)
+        self._stats: list[tuple[int, int, int, int, int]] = []  # dev, ino, size, mtime_ns, rdev (block: != 0)
         self._pool = None
+        self._rows_view = None
         self._executor = None
+        self._engine = None
         self._inflight: list = []
         self._lock = threading.Lock()
         self._closed = False
         try:
             self._need = self._file_needs()
+            self._need_arr = np.asarray(self._need, np.int64)
             self._open_files(direct)
             self._pool = mmap.mmap(-1, self.pool_pages * self.page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             self._buf = np.frombuffer(self._pool, np.uint8)
             self._view = memoryview(self._pool)
             if self.direct:
                 self._probe()
-            self._executor = ThreadPoolExecutor(max_workers=self.queue_depth, thread_name_prefix="tableserver-disk")
+            self._fd_of = np.asarray(self._fds, np.int64)
+            self._start_engine(io)
         except BaseException:
             self.close()
             raise
+        log.info(
+            "%s: disk reads by the %s engine (%s), %s, queue depth %d",
+            self.paths[0],
+            self.engine,
+            self.engine_reason,
+            self.io_mode,
+            self.queue_depth,
+        )
 
     # -- opening ---------------------------------------------------------------------------------
 
@@ -173,6 +286,11 @@ class DiskTable:
             full = (units - i + n - 1) // n if units > i else 0
             needs.append(full * self.stripe + (rem if i == units % n else 0))
         return needs
+
+    @staticmethod
+    def _size(fd: int, st: os.stat_result) -> int:
+        """Bytes a file holds; a block device's st_size is 0, its size is where SEEK_END lands."""
+        return os.lseek(fd, 0, os.SEEK_END) if stat.S_ISBLK(st.st_mode) else st.st_size
 
     def _open_files(self, direct: bool) -> None:
         for path, need in zip(self.paths, self._need):
@@ -196,12 +314,14 @@ class DiskTable:
                     ) from None
             self._fds.append(fd)
             st = os.fstat(fd)
-            if st.st_size < need:
+            size = self._size(fd, st)
+            if size < need:
                 raise DiskReadError(
-                    f"{path}: truncated disk table file: {st.st_size} bytes, the table needs {need} "
+                    f"{path}: truncated disk table file: {size} bytes, the table needs {need} "
                     f"(offset {self.offset}, {self.rows} rows of {self.row_bytes} B): re-copy or re-pack it"
                 )
-            self._stats.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+            rdev = st.st_rdev if stat.S_ISBLK(st.st_mode) else 0
+            self._stats.append((st.st_dev, st.st_ino, size, st.st_mtime_ns, rdev))
 
     def _go_buffered(self, reason: str) -> None:
         if self.direct:
@@ -212,9 +332,8 @@ class DiskTable:
     def _probe(self) -> None:
         """One O_DIRECT read of the table's first page per file; EINVAL (an alignment the device does not
         take) switches every file to buffered reads."""
-        first = self.offset // self.page * self.page
         for i, fd in enumerate(self._fds):
-            at = first if len(self._fds) == 1 else 0
+            at = self._probe_at(i)
             try:
                 os.preadv(fd, [self._view[: self.page]], at)
             except OSError as e:
@@ -230,6 +349,66 @@ class DiskTable:
                 if (st.st_dev, st.st_ino) != self._stats[i][:2]:
                     raise self._changed(i, "replaced while opening")
 
+    def _probe_at(self, i: int) -> int:
+        return self.offset // self.page * self.page if len(self._fds) == 1 else 0
+
+    def _start_engine(self, io: str) -> None:
+        """Starts the engine ``io`` names (``auto``: the best that runs here); sets engine, engine_reason."""
+        if io == "python":
+            return self._start_python("io='python'")
+        if _diskio is None:
+            if io != "auto":
+                raise DiskReadError(
+                    f"{self.paths[0]}: io={io!r} needs the native read engine, but {_NATIVE_MISSING}: "
+                    f"{_BUILD_FIX}, or pass io='python'"
+                )
+            return self._start_python(_NATIVE_MISSING)
+        fallback = ""
+        if io in ("auto", "io_uring"):
+            why = self._start_native("io_uring")
+            if why is None:
+                ring = self._engine
+                self.engine_reason = (
+                    f"{'auto: ' if io == 'auto' else ''}ring of {ring.depth}, {ring.note}, "
+                    f"{'EXT_ARG waits' if ring.ext_arg else 'poll waits'}"
+                )
+                return
+            if io == "io_uring":
+                raise DiskReadError(
+                    f"{self.paths[0]}: io='io_uring' cannot run here: {why}: pass io='threads' (or 'auto'), "
+                    "or allow io_uring (sysctl kernel.io_uring_disabled=0, the container's seccomp profile)"
+                )
+            fallback = why
+        why = self._start_native("threads")
+        if why is None:
+            self.engine_reason = f"{fallback + '; ' if fallback else ''}{self._engine.note}"
+            return
+        if io == "threads":
+            raise DiskReadError(f"{self.paths[0]}: io='threads' cannot run here: {why}: pass io='python' (or 'auto')")
+        self._start_python(f"{fallback + '; ' if fallback else ''}{why}")
+
+    def _start_native(self, mode: str) -> str | None:
+        """Starts the native engine in ``mode`` and reads each file's first page through it: None, or why not."""
+        try:
+            eng = _diskio.Engine(mode, self.queue_depth, self._pool)
+        except OSError as e:
+            if mode == "io_uring":
+                return _uring_unavailable(e)
+            return f"{mode} engine unavailable: {e.strerror or e}"
+        at = np.asarray([self._probe_at(i) for i in range(len(self._fds))], np.int64)
+        length = np.full(len(at), self.page, np.int64)
+        need = np.minimum(length, self._need_arr - at)
+        status, _, detail, _, _ = eng.read(self._fd_of, at, np.zeros(len(at), np.int64), length, need, self.timeout)
+        if status == _diskio.ERROR and detail in (errno_module.EINVAL, errno_module.EOPNOTSUPP):
+            eng.close(self.timeout)  # this engine cannot read these files (any other fault is the gathers' to report)
+            return f"{mode} reads of {self.paths[0]} refused ({errno_module.errorcode[detail]})"
+        self._engine, self.engine = eng, mode
+        return None
+
+    def _start_python(self, reason: str) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=self.queue_depth, thread_name_prefix="tableserver-disk")
+        self.engine, self.engine_reason = "python", f"{reason}; {self.queue_depth} Python threads over os.preadv"
+
     # -- errors ----------------------------------------------------------------------------------
 
     def _error(self, i: int, at: int, e: OSError) -> DiskReadError:
@@ -237,6 +416,26 @@ class DiskTable:
             f"{self.paths[i]}: read error at byte {at} ({e.strerror or e}): the drive or file is failing; "
             "check the kernel log (dmesg) and re-copy the table to a healthy drive",
             e.errno,
+        )
+
+    def _short(self, i: int, at: int, got: int, need: int) -> DiskReadError:
+        return DiskReadError(
+            f"{self.paths[i]}: short read at byte {at}: {got} of {need} bytes (the file "
+            "shrank or was truncated since it was opened): re-copy the table and restart the reader"
+        )
+
+    def _timed_out(self, npg: int) -> DiskReadError:
+        return DiskReadError(
+            f"{self.paths[0]}: reads of {npg} pages took over {self.timeout:g} s: the drive is stalled or "
+            "overloaded; check it (dmesg, iostat) or raise timeout",
+            errno_module.ETIMEDOUT,
+        )
+
+    def _still_in_flight(self) -> DiskReadError:
+        return DiskReadError(
+            f"{self.paths[0]}: reads from an earlier gather are still in flight after {self.timeout:g} s: "
+            "the drive is stalled; check it (dmesg) and restart the reader",
+            errno_module.ETIMEDOUT,
         )
 
     def _changed(self, i: int, what: str) -> DiskReadError:
@@ -266,8 +465,8 @@ class DiskTable:
         flat = ids.reshape(-1)
         if flat.size == 0:
             return out
-        bad = (flat < 0) | (flat >= self.rows) if ids.dtype.kind == "i" else flat >= self.rows
-        if bad.any():
+        if not in_range(flat, self.rows):
+            bad = (flat < 0) | (flat >= self.rows) if ids.dtype.kind == "i" else flat >= self.rows
             pos = int(np.argmax(bad))
             raise ValueError(f"row id {int(flat[pos])} at position {pos} is outside 0..{self.rows - 1}")
         if not self._lock.acquire(timeout=self.timeout):
@@ -298,39 +497,103 @@ class DiskTable:
         fslot = np.searchsorted(pages, first)
         lslot = fslot + (last - first)
         within = start - first * page
-        nbatch = -(-len(pages) // self._batch)
-        if nbatch == 1:  # one batch: rows straight into out, in their own order
-            self._read_slots(pages, 0, len(pages))
+        if len(pages) <= self._batch:  # one batch: rows straight into out, in their own order
+            self._read_now(pages, 0, len(pages))
             self._copy_rows(fslot * page + within, out2)
             return
+        # Batches of first pages, read into the two halves of the pool in turn: the next batch is read while
+        # the rows of one are copied out (a pool too small to halve holds one batch at a time)
+        region = self.pool_pages // 2
+        per = region - (self._span - 1)
+        nreg = 2
+        if per < 1:
+            nreg, region, per = 1, self.pool_pages, self._batch
+        nbatch = -(-len(pages) // per)
         order = np.argsort(fslot, kind="stable")
         sorted_f = fslot[order]
-        bounds = np.searchsorted(sorted_f, np.arange(nbatch + 1) * self._batch)
-        held_lo = held_hi = 0  # the slots the pool holds from the batch before
+        bounds = np.searchsorted(sorted_f, np.arange(nbatch + 1) * per).tolist()
+        plans = []  # (rows, first slot, end slot, slots the batch before holds already)
+        held_hi = 0
         for b in range(nbatch):
-            sel = order[bounds[b] : bounds[b + 1]]
-            if sel.size == 0:
+            if bounds[b] == bounds[b + 1]:
                 continue
+            sel = order[bounds[b] : bounds[b + 1]]
             lo = int(sorted_f[bounds[b]])
             hi = int(lslot[sel].max()) + 1
-            keep = max(0, held_hi - lo)  # the last batch's straddling rows' second pages: move, not reread
-            if keep:
-                src = (lo - held_lo) * page
-                self._buf[: keep * page] = self._buf[src : src + keep * page]
-            self._read_slots(pages, lo, hi, keep)
-            held_lo, held_hi = lo, hi
-            part = np.empty((sel.size, rb), np.uint8)
-            self._copy_rows((fslot[sel] - lo) * page + within[sel], part)
-            out2[sel] = part
+            plans.append((sel, lo, hi, max(0, held_hi - lo)))
+            held_hi = hi
+        queued: deque = deque()
+        try:
+            for k in range(min(nreg, len(plans))):
+                queued.append(self._submit(pages, *plans[k][1:], base=(k % nreg) * region))
+            for k, (sel, lo, _, _) in enumerate(plans):
+                self._wait(queued.popleft())
+                base = (k % nreg) * region
+                part = np.empty((sel.size, rb), np.uint8)
+                self._copy_rows((base + fslot[sel] - lo) * page + within[sel], part)
+                out2[sel] = part
+                if k + 1 < len(plans) and plans[k + 1][3]:
+                    # the next batch's first pages are this one's last (straddling rows): moved, not reread
+                    keep, src = plans[k + 1][3], (base + plans[k + 1][1] - lo) * page
+                    dst = ((k + 1) % nreg) * region * page
+                    self._buf[dst : dst + keep * page] = self._buf[src : src + keep * page]
+                if k + nreg < len(plans):
+                    queued.append(self._submit(pages, *plans[k + nreg][1:], base=((k + nreg) % nreg) * region))
+        except BaseException as e:
+            self._abandon(queued, stalled=getattr(e, "errno", None) == errno_module.ETIMEDOUT)
+            raise
 
     def _copy_rows(self, pos: np.ndarray, out2: np.ndarray) -> None:
         """Rows at byte positions ``pos`` of the pool into ``out2`` (one gather over a view of overlapping rows)."""
-        buf = self._buf
-        n = buf.size - self.row_bytes + 1
-        rows_view = np.lib.stride_tricks.as_strided(buf, shape=(n, self.row_bytes), strides=(1, 1), writeable=False)
+        if self._rows_view is None:
+            buf = self._buf
+            n = buf.size - self.row_bytes + 1
+            self._rows_view = np.lib.stride_tricks.as_strided(
+                buf, shape=(n, self.row_bytes), strides=(1, 1), writeable=False
+            )
         # fancy indexing, not np.take: take makes a non-contiguous source C-contiguous first, i.e. copies
         # row_bytes times the pool
-        out2[...] = rows_view[pos]
+        out2[...] = self._rows_view[pos]
+
+    def _runs(self, pages: np.ndarray, lo: int, hi: int, keep: int, base: int) -> _Runs:
+        """The reads of pages ``pages[lo+keep:hi]`` into pool pages base+keep.. (the first ``keep`` are there
+        already): runs of pages contiguous in one file, at most MAX_RUN_PAGES long."""
+        chunk = pages[lo + keep : hi]
+        npg = len(chunk)
+        one = len(self._fds) == 1
+        if one:
+            files, at = None, chunk * self.page
+        else:
+            files, at = self._locate(chunk)
+        brk = np.empty(npg, bool)  # where a run starts: not the next page of the same file as the page before
+        brk[:1] = True
+        if one:
+            np.not_equal(chunk[1:], chunk[:-1] + 1, out=brk[1:])
+        else:
+            brk[1:] = (at[1:] != at[:-1] + self.page) | (files[1:] != files[:-1])
+        starts = np.flatnonzero(brk)
+        ends = np.empty_like(starts)
+        ends[:-1] = starts[1:]
+        ends[-1:] = npg
+        if npg and (ends - starts).max() > MAX_RUN_PAGES:  # cut long runs
+            lens = ends - starts
+            pieces = -(-lens // MAX_RUN_PAGES)
+            first = np.repeat(starts, pieces)
+            k = np.arange(pieces.sum()) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+            starts = first + k * MAX_RUN_PAGES
+            ends = np.minimum(starts + MAX_RUN_PAGES, np.repeat(ends, pieces))
+        run_at = at[starts]
+        run_len = (ends - starts) * self.page
+        dst = (starts + (base + keep)) * self.page
+        if one:
+            run_file = np.zeros(len(starts), np.int64)
+            run_fd = np.full(len(starts), self._fds[0], np.int64)
+            run_need = np.minimum(run_len, self._need[0] - run_at)
+        else:
+            run_file = files[starts]
+            run_fd = self._fd_of[run_file]
+            run_need = np.minimum(run_len, self._need_arr[run_file] - run_at)
+        return _Runs(npg, run_file, run_fd, dst, run_len, run_at, run_need)
 
     def _locate(self, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(file index, byte offset in that file) of each logical page."""
@@ -341,110 +604,143 @@ class DiskTable:
         unit, inside = np.divmod(at, self.stripe)
         return unit % n, (unit // n) * self.stripe + inside
 
-    def _read_slots(self, pages: np.ndarray, lo: int, hi: int, keep: int = 0) -> None:
-        """Pages ``pages[lo:hi]`` into pool pages 0..hi-lo-1, in parallel runs, all back on return; the first
-        ``keep`` are in the pool already."""
-        chunk = pages[lo + keep : hi]
-        if chunk.size == 0:
+    # -- the engines -----------------------------------------------------------------------------
+
+    def _read_now(self, pages: np.ndarray, lo: int, hi: int) -> None:
+        """Pages ``pages[lo:hi]`` into pool pages 0..hi-lo-1, all back on return."""
+        r = self._runs(pages, lo, hi, 0, 0)
+        if not r.npg:
             return
-        files, at = self._locate(chunk)
-        npg = len(chunk)
-        if npg > 1:
-            brk = (np.diff(at) != self.page) | (np.diff(files) != 0)
-            starts = np.flatnonzero(np.concatenate(([True], brk)))
-        else:
-            starts = np.zeros(1, np.int64)
-        ends = np.append(starts[1:], npg)
-        if (ends - starts).max() > MAX_RUN_PAGES:  # cut long runs
-            lens = ends - starts
-            pieces = -(-lens // MAX_RUN_PAGES)
-            base = np.repeat(starts, pieces)
-            k = np.arange(pieces.sum()) - np.repeat(np.cumsum(pieces) - pieces, pieces)
-            starts = base + k * MAX_RUN_PAGES
-            ends = np.minimum(starts + MAX_RUN_PAGES, np.repeat(ends, pieces))
-        run_file = files[starts]
-        run_at = at[starts]
-        run_len = (ends - starts) * self.page
-        starts = starts + keep
-        need_file = np.asarray(self._need, np.int64)[run_file]
-        run_need = np.minimum(run_len, need_file - run_at)
-        jobs = list(
-            zip(
-                run_file.tolist(),
-                (starts * self.page).tolist(),
-                run_len.tolist(),
-                run_at.tolist(),
-                run_need.tolist(),
+        if self._engine is None:
+            return self._wait(self._submit_python(r))
+        self._check_result(r, self._engine.read(r.fd, r.at, r.dst, r.len, r.need, self.timeout))
+
+    def _submit(self, pages: np.ndarray, lo: int, hi: int, keep: int, base: int):
+        """Queues the reads of one batch (see _runs); its ticket for :meth:`_wait`."""
+        r = self._runs(pages, lo, hi, keep, base)
+        if self._engine is None:
+            return self._submit_python(r)
+        if r.npg and self._engine.submit(r.fd, r.at, r.dst, r.len, r.need, self.timeout):
+            raise self._still_in_flight()  # BUSY: an abandoned batch's reads are not back
+        return r
+
+    def _wait(self, ticket) -> None:
+        """A batch's reads all back, or its DiskReadError."""
+        if isinstance(ticket, _PyBatch):
+            return self._wait_python(ticket)
+        if ticket.npg:
+            self._check_result(ticket, self._engine.wait(self.timeout))
+
+    def _check_result(self, r: _Runs, result: tuple) -> None:
+        """The native engine's result for the runs ``r``, faults mapped as the Python engine's."""
+        status, run, detail, got, calls = result
+        self.bytes_read += got
+        self.reads += calls
+        if status == _diskio.OK:
+            self.pages_read += r.npg
+            return
+        if status == _diskio.TIMEOUT:
+            raise self._timed_out(r.npg)
+        if status == _diskio.BUSY:
+            raise self._still_in_flight()
+        if run < 0:  # the ring itself failed (not one read), or the batch was cut short
+            raise DiskReadError(
+                f"{self.paths[0]}: the {self.engine} engine failed ({os.strerror(detail) if detail else 'cut'}): "
+                "open the table with io='threads' and report it",
+                detail or None,
             )
-        )
+        f, where = int(r.file[run]), int(r.at[run])
+        if status == _diskio.SHORT:
+            raise self._short(f, where, detail, int(r.need[run]))
+        raise self._error(f, where, OSError(detail, os.strerror(detail)))
+
+    def _abandon(self, queued, stalled: bool) -> None:
+        """After a failed batch: the reads of those queued behind it, stopped and reaped, waiting up to timeout
+        (not at all when ``stalled``, a timeout's aftermath); reads not back poison the pool."""
+        wait_s = 0.0 if stalled else self.timeout
+        if self._engine is not None:
+            if self._engine.queued:
+                self._engine.drain(wait_s)
+            return
+        futures = []
+        for ticket in queued:
+            ticket.stop.append(True)
+            futures += ticket.futures
+        if futures:
+            _, pending = wait_futures(futures, timeout=wait_s)
+            self._inflight += list(pending)
+
+    def _submit_python(self, r: _Runs) -> _PyBatch:
+        """The runs ``r`` by ``queue_depth`` Python threads over os.preadv (queued behind the last batch's)."""
+        jobs = list(zip(r.file.tolist(), r.dst.tolist(), r.len.tolist(), r.at.tolist(), r.need.tolist()))
         counter = itertools.count()
-        failed: list = []
+        batch = _PyBatch(r.npg, [], [], [])
+        failed, stop = batch.failed, batch.stop
         view, fds = self._view, self._fds
         njobs = len(jobs)
 
         def worker() -> tuple[int, int]:
             got = calls = 0
-            while not failed:
+            while not failed and not stop:
                 j = next(counter)
                 if j >= njobs:
                     break
                 f, dst, length, where, need = jobs[j]
+                n = 0
                 try:
-                    n = os.preadv(fds[f], [view[dst : dst + length]], where)
+                    while True:  # a read cut short at a 512-byte boundary goes on (as the native engine's)
+                        k = os.preadv(fds[f], [view[dst + n : dst + length]], where + n)
+                        calls += 1
+                        got += k
+                        n += k
+                        if n >= need or not k or n % 512:
+                            break
                 except OSError as e:
                     failed.append(self._error(f, where, e))
                     break
-                calls += 1
-                got += n
                 if n < need:
-                    failed.append(
-                        DiskReadError(
-                            f"{self.paths[f]}: short read at byte {where}: {n} of {need} bytes (the file "
-                            "shrank or was truncated since it was opened): re-copy the table and restart the reader"
-                        )
-                    )
+                    failed.append(self._short(f, where, n, need))
                     break
             return got, calls
 
-        futures = [self._executor.submit(worker) for _ in range(min(self.queue_depth, njobs))]
-        done, pending = wait_futures(futures, timeout=self.timeout)
+        batch.futures.extend(self._executor.submit(worker) for _ in range(min(self.queue_depth, njobs)))
+        return batch
+
+    def _wait_python(self, batch: _PyBatch) -> None:
+        done, pending = wait_futures(batch.futures, timeout=self.timeout)
         if pending:
             self._inflight = list(pending)
-            failed.append(
-                DiskReadError(
-                    f"{self.paths[0]}: reads of {npg} pages took over {self.timeout:g} s: the drive is stalled or "
-                    "overloaded; check it (dmesg, iostat) or raise timeout",
-                    errno_module.ETIMEDOUT,
-                )
-            )
+            batch.failed.append(self._timed_out(batch.npg))
         for fut in done:
             got, calls = fut.result()
             self.bytes_read += got
             self.reads += calls
-        if failed:
-            raise failed[-1] if pending else failed[0]
-        self.pages_read += npg
+        if batch.failed:
+            raise batch.failed[-1] if pending else batch.failed[0]
+        self.pages_read += batch.npg
 
     def _check_idle(self) -> None:
         """Refuses to reuse the pool while a timed-out read may still write into it."""
+        if self._engine is not None:
+            if self._engine.queued and self._engine.drain(self.timeout):
+                raise self._still_in_flight()
+            return
         if self._inflight:
             _, pending = wait_futures(self._inflight, timeout=self.timeout)
             if pending:
-                raise DiskReadError(
-                    f"{self.paths[0]}: reads from an earlier gather are still in flight after {self.timeout:g} s: "
-                    "the drive is stalled; check it (dmesg) and restart the reader",
-                    errno_module.ETIMEDOUT,
-                )
+                raise self._still_in_flight()
             self._inflight = []
 
     def _check_files(self) -> None:
-        """The file behind each fd, and the file at each path, are still the ones opened."""
+        """The file behind each fd, and the file at each path, are still the ones opened (a block device:
+        the same device, of the same size; its node's mtime means nothing)."""
         for i, (fd, path) in enumerate(zip(self._fds, self.paths)):
-            dev, ino, size, mtime = self._stats[i]
+            dev, ino, size, mtime, rdev = self._stats[i]
             st = os.fstat(fd)
-            if st.st_size != size:
-                raise self._changed(i, f"changed size ({size} -> {st.st_size} bytes)")
-            if st.st_mtime_ns != mtime:
+            now = os.lseek(fd, 0, os.SEEK_END) if rdev else st.st_size
+            if now != size:
+                raise self._changed(i, f"changed size ({size} -> {now} bytes)")
+            if not rdev and st.st_mtime_ns != mtime:
                 raise self._changed(i, "was modified (mtime changed)")
             try:
                 sp = os.stat(path)
@@ -452,15 +748,21 @@ class DiskTable:
                 raise self._changed(i, "was removed or renamed") from None
             if (sp.st_dev, sp.st_ino) != (dev, ino):
                 raise self._changed(i, "was replaced (another inode at the path)")
+            if rdev and sp.st_rdev != rdev:
+                raise self._changed(i, "was replaced (another device at the path)")
 
     # -- lifetime --------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stops the workers and closes the files and the pool; idempotent."""
+        """Stops the engine and closes the files and the pool; idempotent. Reads still in flight after
+        ``timeout`` leave the pool mapped (and the native engine's ring or threads to them)."""
         if self._closed:
             return
         self._closed = True
         stalled = False
+        if self._engine is not None:
+            stalled = not self._engine.close(self.timeout)
+            self._engine = None
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             if self._inflight:  # a timed-out read may still write into the pool: never unmap it under one
@@ -474,8 +776,13 @@ class DiskTable:
                 pass
         self._fds = []
         if stalled:
-            log.warning("%s: closed with reads still in flight; the buffer pool is left mapped", self.paths[0])
+            log.warning(
+                "%s: closed with reads still in flight; the buffer pool is left mapped%s",
+                self.paths[0],
+                "" if self.engine == "python" else f" (and the {self.engine} engine's state with it)",
+            )
             self._pool = None
+        self._rows_view = None
         if self._pool is not None:
             self._buf = None
             try:
@@ -501,5 +808,5 @@ class DiskTable:
         return (
             f"DiskTable({self.paths!r}, rows={self.rows}, row_bytes={self.row_bytes}, page={self.page}, "
             f"stripe={self.stripe or None}, queue_depth={self.queue_depth}, pool_pages={self.pool_pages}, "
-            f"{self.io_mode})"
+            f"{self.io_mode}, engine={self.engine})"
         )

@@ -1,20 +1,81 @@
 """``tableserver.diskio.DiskTable``: rows read page by page from real files, bit-exact against ``np.memmap`` of
 the same bytes -- duplicates, rows straddling pages, first and last rows, 2-D ids, stripes, an unaligned
-offset, offsets past 4 GiB -- and its refusals: truncated, changed and replaced files, read errors, ids out of
-range, and the bound on its buffer pool."""
+offset, offsets past 4 GiB, a block device -- and its refusals: truncated, changed and replaced files, read
+errors, reads past the timeout, ids out of range, and the bound on its buffer pool. Each with every read
+engine that runs here (io_uring, threads, python), in one batch and in pipelined batches; then the engine
+choice, its fallbacks and the native engine's own interface."""
 
 from __future__ import annotations
 
 import errno
+import logging
+import mmap
 import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
 
 import numpy as np
 import pytest
 
+from tableserver import diskio
 from tableserver.diskio import DiskReadError, DiskTable
 
 ROW_BYTES = 264
 PAGE = 4096
+ENGINES = ("io_uring", "threads", "python")
+HOLD = -1
+
+
+def engine_missing(io: str) -> str | None:
+    """Why engine ``io`` cannot run here, or None."""
+    if io == "python":
+        return None
+    if diskio._diskio is None:
+        return diskio._NATIVE_MISSING
+    try:
+        diskio._diskio.Engine(io, 1, bytearray(PAGE)).close()
+    except OSError as e:
+        return diskio._uring_unavailable(e) if io == "io_uring" else str(e)
+    return None
+
+
+@pytest.fixture(params=ENGINES)
+def io(request):
+    """Each read engine in turn; skipped where it cannot run."""
+    why = engine_missing(request.param)
+    if why:
+        pytest.skip(f"io={request.param}: {why}")
+    return request.param
+
+
+def fault_reads(t: DiskTable, monkeypatch, at: int, code: int):
+    """Reads covering file byte ``at`` fail with errno ``code`` (HOLD: stay in flight) until the returned
+    function is called: the native engines' test hook, or a patched os.preadv for the Python engine."""
+    if t._engine is not None:
+        eng = t._engine
+        eng._fault(at, code)
+        return lambda: eng._fault(0, 0)
+    real = os.preadv
+    release = threading.Event()
+
+    def preadv(fd, bufs, where):
+        if not release.is_set() and where <= at < where + sum(len(b) for b in bufs):
+            if code != HOLD:
+                raise OSError(code, os.strerror(code))
+            release.wait()
+        return real(fd, bufs, where)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+
+    def clear():
+        release.set()
+        monkeypatch.setattr(os, "preadv", real)
+
+    return clear
 
 
 def write_table(path, rows: int, offset: int = 0, seed: int = 0, tail: int = 0) -> np.ndarray:
@@ -30,12 +91,12 @@ def straddlers(rows: int, offset: int = 0) -> np.ndarray:
     return np.flatnonzero(start // PAGE != (start + ROW_BYTES - 1) // PAGE)
 
 
-def test_gather_bit_exact(tmp_path):
+def test_gather_bit_exact(tmp_path, io):
     rows = 12_000  # ~3 MiB
     path = tmp_path / "t.bin"
     table = write_table(path, rows, offset=2 << 20)
     rng = np.random.default_rng(1)
-    with DiskTable(path, 2 << 20, rows, ROW_BYTES) as t:
+    with DiskTable(path, 2 << 20, rows, ROW_BYTES, io=io) as t:
         ids = rng.integers(0, rows, 3000)
         ids[:100] = ids[100:200]  # duplicates
         cross = straddlers(rows, 2 << 20)
@@ -63,17 +124,17 @@ def test_gather_bit_exact(tmp_path):
         assert t.pages_read * PAGE - 5 * PAGE < t.bytes_read <= t.pages_read * PAGE
 
 
-def test_unaligned_offset_and_uint_ids(tmp_path):
+def test_unaligned_offset_and_uint_ids(tmp_path, io):
     rows, offset = 5000, 12_345
     path = tmp_path / "u.bin"
     table = write_table(path, rows, offset=offset, tail=77)
     ids = np.random.default_rng(2).integers(0, rows, 2000).astype(np.uint32)
-    with DiskTable(str(path), offset, rows, ROW_BYTES, queue_depth=4) as t:
+    with DiskTable(str(path), offset, rows, ROW_BYTES, queue_depth=4, io=io) as t:
         assert np.array_equal(t.gather(ids), table[ids])
         assert np.array_equal(t.gather([0, rows - 1]), table[[0, rows - 1]])
 
 
-def test_striped_over_three_files(tmp_path):
+def test_striped_over_three_files(tmp_path, io):
     rows, offset, stripe, n = 9000, 4096 + 100, 16 * PAGE, 3
     logical = np.random.default_rng(3).integers(0, 256, offset + rows * ROW_BYTES, dtype=np.uint8)
     units = [logical[a : a + stripe] for a in range(0, logical.size, stripe)]
@@ -83,21 +144,21 @@ def test_striped_over_three_files(tmp_path):
     table = logical[offset:].reshape(rows, ROW_BYTES)
     ids = np.random.default_rng(4).integers(0, rows, 4000)
     ids = np.concatenate((ids, straddlers(rows, offset), [0, rows - 1]))
-    with DiskTable(paths, offset, rows, ROW_BYTES, stripe=stripe, queue_depth=8) as t:
+    with DiskTable(paths, offset, rows, ROW_BYTES, stripe=stripe, queue_depth=8, io=io) as t:
         assert np.array_equal(t.gather(ids), table[ids])
         # sequential rows: runs of contiguous pages cut at each stripe boundary
         seq = np.arange(rows)
         assert np.array_equal(t.gather(seq), table)
     os.truncate(paths[1], os.path.getsize(paths[1]) - 1)
     with pytest.raises(DiskReadError, match="truncated"):
-        DiskTable(paths, offset, rows, ROW_BYTES, stripe=stripe)
+        DiskTable(paths, offset, rows, ROW_BYTES, stripe=stripe, io=io)
     with pytest.raises(ValueError, match="stripe"):
-        DiskTable(paths, offset, rows, ROW_BYTES)
+        DiskTable(paths, offset, rows, ROW_BYTES, io=io)
     with pytest.raises(ValueError, match="multiple of page"):
-        DiskTable(paths, offset, rows, ROW_BYTES, stripe=1000)
+        DiskTable(paths, offset, rows, ROW_BYTES, stripe=1000, io=io)
 
 
-def test_offsets_past_4gib(tmp_path):
+def test_offsets_past_4gib(tmp_path, io):
     """A sparse 5 GiB file with a table near its end: 64-bit offsets all the way down."""
     path = tmp_path / "big.bin"
     size, rows = 5 << 30, 4000
@@ -109,18 +170,18 @@ def test_offsets_past_4gib(tmp_path):
         f.write(data.tobytes())
     table = data.reshape(rows, ROW_BYTES)
     ids = np.random.default_rng(6).integers(0, rows, 1000)
-    with DiskTable(path, offset, rows, ROW_BYTES) as t:
+    with DiskTable(path, offset, rows, ROW_BYTES, io=io) as t:
         assert offset > 4 << 30
         assert np.array_equal(t.gather(ids), table[ids])
         assert np.array_equal(t.gather([0, rows - 1]), table[[0, rows - 1]])
 
 
-def test_pool_bound_batches(tmp_path):
+def test_pool_bound_batches(tmp_path, io):
     """A gather of far more pages than the pool is done in batches; the pool never grows."""
     rows = 20_000
     path = tmp_path / "p.bin"
     table = write_table(path, rows)
-    with DiskTable(path, 0, rows, ROW_BYTES, queue_depth=3, pool_pages=5) as t:
+    with DiskTable(path, 0, rows, ROW_BYTES, queue_depth=3, pool_pages=5, io=io) as t:
         assert t.pool_pages == 6  # 5 pages of first pages, one more for a straddling row's second page
         pool = len(t._pool)
         ids = np.random.default_rng(7).permutation(rows)[:6000]
@@ -133,10 +194,10 @@ def test_pool_bound_batches(tmp_path):
         assert np.array_equal(t.gather(np.arange(rows)), table)
 
 
-def test_ids_out_of_range(tmp_path):
+def test_ids_out_of_range(tmp_path, io):
     path = tmp_path / "r.bin"
     write_table(path, 100)
-    with DiskTable(path, 0, 100, ROW_BYTES) as t:
+    with DiskTable(path, 0, 100, ROW_BYTES, io=io) as t:
         for bad in ([100], [-1], [0, 5, 1 << 40]):
             with pytest.raises(ValueError, match="outside 0..99"):
                 t.gather(bad)
@@ -149,13 +210,13 @@ def test_ids_out_of_range(tmp_path):
         assert t.pages_read == 0
 
 
-def test_truncated_file(tmp_path):
+def test_truncated_file(tmp_path, io):
     rows = 3000
     path = tmp_path / "t.bin"
     table = write_table(path, rows)
     with pytest.raises(DiskReadError, match=r"truncated.*re-copy"):
-        DiskTable(path, 0, rows + 1, ROW_BYTES)
-    with DiskTable(path, 0, rows, ROW_BYTES) as t:
+        DiskTable(path, 0, rows + 1, ROW_BYTES, io=io)
+    with DiskTable(path, 0, rows, ROW_BYTES, io=io) as t:
         assert np.array_equal(t.gather([rows - 1]), table[[rows - 1]])
         os.truncate(path, rows * ROW_BYTES // 2)
         with pytest.raises(DiskReadError, match=r"short read|changed size") as e:
@@ -165,19 +226,19 @@ def test_truncated_file(tmp_path):
             t.gather([0])
 
 
-def test_changed_or_replaced_file(tmp_path):
+def test_changed_or_replaced_file(tmp_path, io):
     rows = 2000
     path = tmp_path / "c.bin"
     table = write_table(path, rows)
     os.utime(path, ns=(10**18, 10**18))  # a past mtime: a write now changes it whatever the clock tick
-    with DiskTable(path, 0, rows, ROW_BYTES) as t:
+    with DiskTable(path, 0, rows, ROW_BYTES, io=io) as t:
         assert np.array_equal(t.gather([5]), table[[5]])
         with open(path, "r+b") as f:
             f.seek(5 * ROW_BYTES)
             f.write(b"x" * ROW_BYTES)
         with pytest.raises(DiskReadError, match=r"modified.*restart"):
             t.gather([5])
-    with DiskTable(path, 0, rows, ROW_BYTES) as t:
+    with DiskTable(path, 0, rows, ROW_BYTES, io=io) as t:
         assert t.gather([1]).shape == (1, ROW_BYTES)
         other = tmp_path / "c2.bin"
         write_table(other, rows, seed=9)
@@ -186,32 +247,148 @@ def test_changed_or_replaced_file(tmp_path):
             t.gather([1])
 
 
-def test_read_error_fails_that_gather_only(tmp_path, monkeypatch):
+POOLS = pytest.mark.parametrize("pool_pages", [None, 8], ids=["one_batch", "batches"])
+
+
+@POOLS
+def test_read_error_fails_that_gather_only(tmp_path, monkeypatch, io, pool_pages):
+    """EIO on one page: that gather raises (naming the file and the failing run's first byte), the next
+    are exact. ``batches``: the failing page is in a later batch of a pipelined gather."""
     rows = 4000
     path = tmp_path / "e.bin"
     table = write_table(path, rows)
-    real = os.preadv
     bad_at = 40 * PAGE
-
-    def preadv(fd, bufs, at):
-        n = sum(len(b) for b in bufs)
-        if at <= bad_at < at + n:
-            raise OSError(errno.EIO, "Input/output error")
-        return real(fd, bufs, at)
-
-    with DiskTable(path, 0, rows, ROW_BYTES, queue_depth=4) as t:
-        monkeypatch.setattr(os, "preadv", preadv)
+    with DiskTable(path, 0, rows, ROW_BYTES, queue_depth=4, pool_pages=pool_pages, io=io) as t:
+        clear = fault_reads(t, monkeypatch, bad_at, errno.EIO)
         row_on_bad = bad_at // ROW_BYTES + 1
-        with pytest.raises(DiskReadError, match="read error") as e:
-            t.gather(np.arange(0, rows, 7).tolist() + [row_on_bad])
-        assert e.value.errno == errno.EIO and "dmesg" in str(e.value)
-        ok = np.array([0, 1, rows - 1])
-        assert np.array_equal(t.gather(ok), table[ok])  # the next gathers succeed
-        monkeypatch.setattr(os, "preadv", real)
+        for _ in range(2):
+            with pytest.raises(DiskReadError, match="read error") as e:
+                t.gather(np.arange(0, rows, 7).tolist() + [row_on_bad])
+            assert e.value.errno == errno.EIO and "dmesg" in str(e.value)
+            at = int(re.search(rf"^{re.escape(str(path))}: read error at byte (\d+) \(", str(e.value)).group(1))
+            assert at % PAGE == 0 and at <= bad_at < at + diskio.MAX_RUN_PAGES * PAGE  # the failing run's first byte
+            assert "\n" not in str(e.value)
+            ok = np.array([0, 1, rows - 1])
+            assert np.array_equal(t.gather(ok), table[ok])  # the next gathers succeed
+            many = np.arange(0, 30 * PAGE // ROW_BYTES, 3)  # pages before the failing one, many batches
+            assert np.array_equal(t.gather(many), table[many])
+        clear()
         assert np.array_equal(t.gather([row_on_bad]), table[[row_on_bad]])
+        ids = np.arange(0, rows, 7)
+        assert np.array_equal(t.gather(ids), table[ids])
 
 
-def test_buffered_fallback_when_direct_refused(tmp_path, monkeypatch, caplog):
+@POOLS
+def test_timeout_poisons_the_pool_until_the_reads_are_back(tmp_path, monkeypatch, caplog, io, pool_pages):
+    """A read held in flight past ``timeout``: that gather fails (ETIMEDOUT), the next ones refuse the pool
+    until the read is back, then read exactly; close with a read still in flight leaves the pool mapped.
+    ``batches``: the held read is in a later batch of a pipelined gather, batches queued behind it."""
+    rows = 3000
+    path = tmp_path / "h.bin"
+    table = write_table(path, rows)
+    held_at = 20 * PAGE
+    row_on_held = held_at // ROW_BYTES + 1
+    ok = np.array([0, 5, rows - 1])
+    before = np.arange(0, row_on_held, 9)  # pages before the held one: in batches ahead of it
+    t = DiskTable(path, 0, rows, ROW_BYTES, queue_depth=4, timeout=0.2, pool_pages=pool_pages, io=io)
+    try:
+        release = fault_reads(t, monkeypatch, held_at, HOLD)
+        with pytest.raises(DiskReadError, match=r"took over 0.2 s.*raise timeout") as e:
+            t.gather(np.concatenate((before, [row_on_held], ok)))
+        assert e.value.errno == errno.ETIMEDOUT
+        with pytest.raises(DiskReadError, match="still in flight") as e:
+            t.gather(ok)
+        assert e.value.errno == errno.ETIMEDOUT
+        release()
+        assert np.array_equal(t.gather(ok), table[ok])
+        ids = np.concatenate((before, [row_on_held], ok))
+        assert np.array_equal(t.gather(ids), table[ids])
+        release = fault_reads(t, monkeypatch, held_at, HOLD)
+        with pytest.raises(DiskReadError, match="took over"):
+            t.gather([row_on_held])
+        with caplog.at_level(logging.WARNING, "tableserver.diskio"):
+            t.close()
+        assert any("left mapped" in r.getMessage() for r in caplog.records)
+    finally:
+        release()
+        t.close()
+
+
+@pytest.mark.parametrize("row_bytes", [264, 4096, 10_000])
+def test_rows_of_any_length_over_many_batches(tmp_path, io, row_bytes):
+    """Rows of a page and longer than a page (each touching 2..4 pages) through small and default pools: exact,
+    and no page read twice (a straddling row's pages shared by two batches are moved, not reread)."""
+    rows, offset = 700, 1000
+    rng = np.random.default_rng(12)
+    data = rng.integers(0, 256, offset + rows * row_bytes, dtype=np.uint8)
+    path = tmp_path / "l.bin"
+    data.tofile(path)
+    table = data[offset:].reshape(rows, row_bytes)
+    for pool_pages in (1, 3, 8, None):
+        with DiskTable(path, offset, rows, row_bytes, queue_depth=3, pool_pages=pool_pages, io=io) as t:
+            for ids in (rng.integers(0, rows, 400), np.arange(rows), np.array([rows - 1, 0, rows - 1])):
+                before = t.pages_read
+                assert np.array_equal(t.gather(ids), table[ids])
+                start = offset + np.unique(ids) * row_bytes
+                spans = [np.arange(a // PAGE, (a + row_bytes - 1) // PAGE + 1) for a in start]
+                assert t.pages_read - before == len(np.unique(np.concatenate(spans)))
+
+
+def test_block_device(tmp_path, io):
+    """A table on a loop device: its size from SEEK_END (st_size is 0), gathers exact, the change check quiet."""
+    if os.geteuid() != 0 or shutil.which("losetup") is None:
+        pytest.skip("needs root and losetup for a loop device")
+    rows, offset = 6000, 8192 + 100
+    path = tmp_path / "dev.bin"
+    table = write_table(path, rows, offset=offset, tail=PAGE)
+    res = subprocess.run(["losetup", "--find", "--show", "--read-only", str(path)], capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"no loop device: {res.stderr.strip()}")
+    dev = res.stdout.strip()
+    try:
+        assert os.stat(dev).st_size == 0
+        size = os.path.getsize(path) // 512 * 512  # a loop device ends on its last whole sector
+        with DiskTable(dev, offset, rows, ROW_BYTES, queue_depth=8, io=io) as t:
+            assert t.direct, t.io_mode
+            ids = np.random.default_rng(11).integers(0, rows, 2000)
+            for _ in range(3):  # the change check after each gather: no misfire on a device node
+                assert np.array_equal(t.gather(ids), table[ids])
+            assert np.array_equal(t.gather([0, rows - 1]), table[[0, rows - 1]])
+        too_many = (size - offset) // ROW_BYTES + 1
+        with pytest.raises(DiskReadError, match=f"truncated disk table file: {size} bytes"):
+            DiskTable(dev, offset, too_many, ROW_BYTES, io=io)
+    finally:
+        subprocess.run(["losetup", "-d", dev], check=False)
+
+
+def test_concurrent_gathers(tmp_path, io):
+    """Gathers from several threads at once take turns on the one engine: every one exact."""
+    rows = 8000
+    path = tmp_path / "m.bin"
+    table = write_table(path, rows)
+    errors = []
+    with DiskTable(path, 0, rows, ROW_BYTES, queue_depth=8, pool_pages=40, io=io) as t:
+        engine = t._engine
+
+        def run(seed):
+            rng = np.random.default_rng(seed)
+            try:
+                for _ in range(20):
+                    ids = rng.integers(0, rows, int(rng.integers(1, 600)))
+                    assert np.array_equal(t.gather(ids), table[ids])
+            except Exception as e:  # noqa: BLE001 -- reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(s,)) for s in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert not errors, errors
+        assert t._engine is engine and t.gathers == 80  # one engine for the table's life
+
+
+def test_buffered_fallback_when_direct_refused(tmp_path, monkeypatch, caplog, io):
     rows = 1000
     path = tmp_path / "b.bin"
     table = write_table(path, rows, offset=100)
@@ -223,23 +400,191 @@ def test_buffered_fallback_when_direct_refused(tmp_path, monkeypatch, caplog):
         return real(p, flags, *a)
 
     monkeypatch.setattr(os, "open", no_direct)
-    with DiskTable(path, 100, rows, ROW_BYTES) as t:
+    with DiskTable(path, 100, rows, ROW_BYTES, io=io) as t:
         assert not t.direct and "buffered" in t.io_mode and "O_DIRECT" in t.io_mode
         ids = np.random.default_rng(8).integers(0, rows, 500)
         assert np.array_equal(t.gather(ids), table[ids])
     assert any("O_DIRECT" in r.getMessage() for r in caplog.records)
 
 
-def test_direct_and_close(tmp_path):
+def test_direct_and_close(tmp_path, io):
     rows = 100
     path = tmp_path / "d.bin"
     write_table(path, rows)
-    t = DiskTable(path, 0, rows, ROW_BYTES, direct=False)
+    t = DiskTable(path, 0, rows, ROW_BYTES, direct=False, io=io)
     assert not t.direct and t.io_mode.startswith("buffered")
     t.close()
     t.close()  # idempotent
     with pytest.raises(ValueError, match="closed"):
         t.gather([0])
-    with DiskTable(path, 0, rows, ROW_BYTES) as t:  # ext4/xfs take O_DIRECT; tmpfs/9p fall back
+    with DiskTable(path, 0, rows, ROW_BYTES, io=io) as t:  # ext4/xfs take O_DIRECT; tmpfs/9p fall back
         assert t.io_mode == ("O_DIRECT" if t.direct else t.io_mode)
         assert "DiskTable(" in repr(t)
+
+
+def test_engine_choice(tmp_path, caplog):
+    path = tmp_path / "a.bin"
+    write_table(path, 100)
+    with caplog.at_level(logging.INFO, "tableserver.diskio"):
+        with DiskTable(path, 0, 100, ROW_BYTES) as t:
+            expected = next(e for e in ENGINES if engine_missing(e) is None)
+            assert t.engine == expected and t.engine_reason and "\n" not in t.engine_reason
+            if t.engine == "io_uring":
+                assert t.engine_reason.startswith("auto: ring of 32, page pool ")
+                assert ("registered (READ_FIXED)" in t.engine_reason) == t._engine.fixed
+            assert t.engine in repr(t)
+    assert sum(f"by the {expected} engine" in r.getMessage() for r in caplog.records) == 1  # logged once, at open
+    with pytest.raises(ValueError, match="io='uring': pass one of auto, io_uring, threads, python"):
+        DiskTable(path, 0, 100, ROW_BYTES, io="uring")
+    with DiskTable(path, 0, 100, ROW_BYTES, io="python") as t:
+        assert t.engine == "python" and "Python threads" in t.engine_reason
+
+
+def test_engine_fallbacks(tmp_path, monkeypatch):
+    """io_uring refused (EPERM, as kernel.io_uring_disabled=2 does): auto reads with threads and says why, a
+    named io_uring fails naming the fix; no extension: auto reads with Python, named engines fail."""
+    path = tmp_path / "f.bin"
+    table = write_table(path, 500)
+    ids = np.arange(0, 500, 3)
+    if diskio._diskio is not None and engine_missing("threads") is None:
+        real = diskio._diskio.Engine
+
+        def refuse_uring(mode, depth, pool):
+            if mode == "io_uring":
+                raise OSError(errno.EPERM, "Operation not permitted", "io_uring_setup")
+            return real(mode, depth, pool)
+
+        monkeypatch.setattr(diskio._diskio, "Engine", refuse_uring)
+        monkeypatch.setattr(diskio, "_sysctl", lambda name: "2" if name == "kernel.io_uring_disabled" else None)
+        with DiskTable(path, 0, 500, ROW_BYTES, queue_depth=4) as t:
+            assert t.engine == "threads"
+            assert t.engine_reason == "io_uring unavailable: EPERM (kernel.io_uring_disabled=2); 4 threads over preadv"
+            assert np.array_equal(t.gather(ids), table[ids])
+        with pytest.raises(
+            DiskReadError, match=r"io='io_uring' cannot run here: io_uring unavailable: EPERM.*io='threads'"
+        ):
+            DiskTable(path, 0, 500, ROW_BYTES, io="io_uring")
+        monkeypatch.setattr(diskio, "_sysctl", lambda name: "0")
+        assert "seccomp" in diskio._uring_unavailable(OSError(errno.EPERM, "Operation not permitted"))
+        assert "ENOSYS" in diskio._uring_unavailable(OSError(errno.ENOSYS, "Function not implemented"))
+    monkeypatch.setattr(diskio, "_diskio", None)
+    monkeypatch.setattr(diskio, "_NATIVE_MISSING", "tableserver._diskio not built (No module named x)")
+    with DiskTable(path, 0, 500, ROW_BYTES) as t:
+        assert t.engine == "python" and t.engine_reason.startswith("tableserver._diskio not built")
+        assert np.array_equal(t.gather(ids), table[ids])
+    for named in ("io_uring", "threads"):
+        with pytest.raises(
+            DiskReadError, match=rf"io='{named}' needs the native read engine.*pip install -e .*io='python'"
+        ):
+            DiskTable(path, 0, 500, ROW_BYTES, io=named)
+
+
+def test_io_uring_without_a_registered_pool(tmp_path):
+    """RLIMIT_MEMLOCK below the pool's size (no CAP_IPC_LOCK): the pool is not registered, the ring reads with
+    plain READ, exactly, and engine_reason says why."""
+    if engine_missing("io_uring"):
+        pytest.skip(f"io_uring: {engine_missing('io_uring')}")
+    if os.geteuid() != 0 or shutil.which("setpriv") is None or shutil.which("prlimit") is None:
+        pytest.skip("needs root, setpriv and prlimit to drop CAP_IPC_LOCK under a small RLIMIT_MEMLOCK")
+    path = tmp_path / "m.bin"
+    write_table(path, 5000)
+    code = (
+        "import numpy as np, sys\n"
+        "from tableserver.diskio import DiskTable\n"
+        "rows = np.memmap(sys.argv[1], np.uint8, 'r', shape=(5000, 264))\n"
+        "with DiskTable(sys.argv[1], 0, 5000, 264, io='io_uring', pool_pages=256) as t:\n"
+        "    ids = np.random.default_rng(0).integers(0, 5000, 3000)\n"
+        "    assert np.array_equal(t.gather(ids), rows[ids])\n"
+        "    print(t._engine.fixed, t.engine_reason)\n"
+    )
+    cmd = ["setpriv", "--bounding-set=-ipc_lock", "--inh-caps=-ipc_lock", "prlimit", "--memlock=65536:65536"]
+    res = subprocess.run([*cmd, sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    if res.returncode and "setpriv" in res.stderr:
+        pytest.skip(f"setpriv refused: {res.stderr.strip()}")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("False ring of 32, page pool not registered (ENOMEM"), res.stdout
+    assert "RLIMIT_MEMLOCK" in res.stdout
+
+
+def test_io_uring_waits_of_older_kernels(tmp_path):
+    """The ring's waits as on a kernel before 5.11 (no IORING_ENTER_EXT_ARG: poll(2) on the ring fd): exact
+    gathers over many batches, and a held read still times out."""
+    if engine_missing("io_uring"):
+        pytest.skip(f"io_uring: {engine_missing('io_uring')}")
+    path = tmp_path / "o.bin"
+    write_table(path, 6000)
+    code = (
+        "import errno, numpy as np, sys\n"
+        "from tableserver.diskio import DiskReadError, DiskTable\n"
+        "rows = np.memmap(sys.argv[1], np.uint8, 'r', shape=(6000, 264))\n"
+        "with DiskTable(sys.argv[1], 0, 6000, 264, io='io_uring', queue_depth=8, pool_pages=16, timeout=0.3) as t:\n"
+        "    ids = np.random.default_rng(0).integers(0, 6000, 3000)\n"
+        "    assert np.array_equal(t.gather(ids), rows[ids])\n"
+        "    t._engine._fault(40 * 4096, -1)\n"
+        "    try:\n"
+        "        t.gather(np.append(ids, 40 * 4096 // 264 + 1))\n"
+        "        raise AssertionError('no timeout')\n"
+        "    except DiskReadError as e:\n"
+        "        assert e.errno == errno.ETIMEDOUT, e\n"
+        "    t._engine._fault(0, 0)\n"
+        "    assert np.array_equal(t.gather(ids), rows[ids])\n"
+        "    print(t.engine_reason)\n"
+    )
+    env = dict(os.environ, TABLESERVER_DISKIO_POLL_WAITS="1")
+    res = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().endswith("poll waits"), res.stdout
+
+
+@pytest.mark.parametrize("mode", ["io_uring", "threads"])
+def test_native_engine_interface(mode):
+    """The extension's Engine directly: batches queued and waited in order, refusals of bad runs and misuse,
+    drain, close idempotent."""
+    why = engine_missing(mode)
+    if why:
+        pytest.skip(f"{mode}: {why}")
+    pool = mmap.mmap(-1, 16 * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with tempfile.TemporaryFile() as f:
+        data = np.random.default_rng(13).integers(0, 256, 64 * PAGE, dtype=np.uint8)
+        f.write(data.tobytes())
+        f.flush()
+        fd = f.fileno()
+        eng = diskio._diskio.Engine(mode, 4, pool)
+        assert eng.mode == mode and eng.depth == 4 and eng.queued == 0 and eng.inflight == 0
+
+        def batch(pages, slot0):
+            n = len(pages)
+            length = np.full(n, PAGE, np.int64)
+            at = np.asarray(pages, np.int64) * PAGE
+            return np.full(n, fd, np.int64), at, (slot0 + np.arange(n, dtype=np.int64)) * PAGE, length, length
+
+        assert eng.submit(*batch([3, 9, 60], 0), 1.0) == diskio._diskio.OK
+        assert eng.submit(*batch([1, 2], 8), 1.0) == diskio._diskio.OK
+        with pytest.raises(RuntimeError, match="full"):
+            eng.submit(*batch([5], 12), 1.0)
+        with pytest.raises(RuntimeError, match="empty queue"):
+            eng.read(*batch([5], 12), 1.0)
+        assert eng.wait(5.0) == (diskio._diskio.OK, -1, 0, 3 * PAGE, 3)
+        assert eng.wait(5.0) == (diskio._diskio.OK, -1, 0, 2 * PAGE, 2)
+        with pytest.raises(RuntimeError, match="no batch"):
+            eng.wait(1.0)
+        buf = np.frombuffer(pool, np.uint8).reshape(16, PAGE)
+        for slot, page in ((0, 3), (1, 9), (2, 60), (8, 1), (9, 2)):
+            assert np.array_equal(buf[slot], data[page * PAGE : (page + 1) * PAGE])
+        del buf
+        fds, at, dst, length, need = batch([0], 15)
+        with pytest.raises(ValueError, match="do not fit"):
+            eng.read(fds, at, dst + PAGE, length, need, 1.0)  # past the pool
+        with pytest.raises(ValueError, match="do not fit"):
+            eng.read(fds, at, dst, length, need + 1, 1.0)  # needs more than it reads
+        with pytest.raises(TypeError, match="int64"):
+            eng.read(fds.astype(np.int32), at, dst, length, need, 1.0)
+        st, run, got, *_ = eng.read(fds, np.array([64 * PAGE - 100]), dst, length, need, 1.0)  # past the end
+        assert (st, run, got) == (diskio._diskio.SHORT, 0, 100)
+        assert eng.submit(*batch([4, 5], 0), 1.0) == diskio._diskio.OK
+        assert eng.drain(5.0) == 0 and eng.queued == 0
+        assert eng.read(*batch([7], 0), 1.0)[0] == diskio._diskio.OK
+        assert eng.close(1.0) is True and eng.close() is True and eng.mode == "closed"
+        with pytest.raises(ValueError, match="closed"):
+            eng.read(*batch([7], 0), 1.0)
+    pool.close()  # the engine let go of its buffer
