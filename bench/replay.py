@@ -17,12 +17,21 @@
    read times and wait costs of the even steps and compared with the stall
    measured on the odd steps (held out; target error <= 10%). A forecast
    column fits on the first half and measures the second, for the drift.
+   The disk tier is replayed beside them: a second daemon serves the
+   layers of ``--disk-layers`` (default 14, the one with the long window) from
+   the file (``--disk-tables``, O_DIRECT page reads per gather) and the others
+   from memory, over its same-host rows socket (``disk-shm``: a node-local daemon
+   with the table on this host's NVMe) and tcp (``disk-tcp``: a memory node
+   keeping the table on its drives).
 5. **Recommendation** per layer: the option with the least expected stall,
-   preferring options that keep the table off the serving host when their
-   stall is within 1% of the window: remote read/pack (rdma) > tcp (owner-side
-   gather) > shm (one copy per node) > row cache > local (a copy per process).
-   The row cache's hit rate is measured on the replay's id stream (LRU of 1%
-   of the table).
+   preferring options that keep the table off the serving host's memory when
+   their stall is within 1% of the window: remote read/pack (rdma) > tcp
+   (owner-side gather) > disk-tcp (the memory node's drive) > disk-shm (this
+   host's drive) > shm (one copy per node) > row cache > local (a copy per
+   process). The row cache's hit rate is measured on the replay's id stream
+   (LRU of 1% of the table). A **disk verdict** per layer and batch says
+   whether the disk tier's read p99 fits the layer's window on this machine's
+   drive.
 
 Writes ``replay.txt``, ``replay_cdf.png`` (read-time CDFs against the windows)
 and ``placement.toml`` into --out: the SGLang plugin's ``[layers]`` placement
@@ -62,8 +71,19 @@ from tableserver.demo_run import ensure_demo_file, start_server  # noqa: E402
 VOCAB = 50_000
 # A prime search start so each layer's 24 head tables fit a demo table of DEFAULT_ROWS rows.
 ENGRAM = EngramConfig(vocab_size=24_000, compressed_vocab_size=VOCAB)
-PREFERENCE = ["rdma", "tcp", "shm", "cache", "local"]  # fewest table copies on the serving host first
-PLACEMENT = {"rdma": "remote", "tcp": "remote", "shm": "node", "local": "local"}  # replay option -> plugin placement
+#: fewest table copies in the serving host's memory first, then the least memory anywhere
+PREFERENCE = ["rdma", "tcp", "disk-tcp", "disk-shm", "shm", "cache", "local"]
+#: replay option -> plugin placement (a disk-* layer is served by a daemon started with --disk-tables)
+PLACEMENT = {
+    "rdma": "remote",
+    "tcp": "remote",
+    "disk-tcp": "remote",
+    "disk-shm": "node",
+    "shm": "node",
+    "local": "local",
+}
+#: the disk tier's options: (the daemon's transport, the option's name)
+DISK_OPTIONS = (("shm", "disk-shm"), ("tcp", "disk-tcp"))
 
 
 #: an in_graph layer's read p99 may take this share of its window (the rest: flag round trips, wake-ups)
@@ -86,6 +106,11 @@ def placement_toml(picks: dict, batch: int, stalls: dict, modes: dict | None = N
         ),
         "# set address (memory node) and node_address (this host's tableserver) for your deployment",
     ]
+    for layer in sorted(picks):
+        if picks[layer].startswith("disk-"):
+            where = "the memory node" if PLACEMENT[picks[layer]] == "remote" else "this host's tableserver"
+            lines.append(f"# layer {layer} from disk: start {where} with --disk-tables engram.layer{layer}")
+    remote = sorted({"tcp" if r == "disk-tcp" else r for r in remote})
     if remote:
         lines.append(f'transport = "{remote[0] if len(remote) == 1 else "auto"}"')
     lines.append("\n[layers]")
@@ -239,6 +264,11 @@ def main() -> int:
     ap.add_argument("--transports", default="", help="default: every transport the server offers here")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "out"))
     ap.add_argument(
+        "--disk-layers",
+        default="14",
+        help="layers the disk tier's daemon serves from disk, comma-separated ('' leaves the disk tier out)",
+    )
+    ap.add_argument(
         "--no-hugepages",
         dest="hugepages",
         action="store_false",
@@ -252,6 +282,7 @@ def main() -> int:
         help="batch size placement.toml is written for (default: the largest of --batches)",
     )
     args = ap.parse_args()
+    disk_layers = {int(x) for x in args.disk_layers.split(",") if x}
     batches = [int(b) for b in args.batches.split(",")]
     placement_batch = args.placement_batch or max(batches)
     if placement_batch not in batches:
@@ -275,15 +306,41 @@ def main() -> int:
         # production memory nodes keep tables on hugepages (deploy/, README): reserve them for the run when
         # we may (root), so shm reads memory at least as fast as the in-process copy's (THP)
         proc, ready = start_server(path, tmp, ["--hugepages", pages.flag])
+        disk_proc = None
         try:
             offered = [t for t in ("rdma", "shm", "tcp") if t in ready]
             transports = [t for t in args.transports.split(",") if t] or offered
+            servers = {t: (ready["control"], t) for t in transports}
+            if disk_layers:  # the same tables served from the file: the disk tier beside the memory ones
+                disk_dir = os.path.join(tmp, "disk")
+                os.makedirs(disk_dir)
+                disk_proc, disk_ready = start_server(
+                    path,
+                    disk_dir,
+                    [
+                        "--disk-tables",
+                        ",".join(f"engram.layer{layer}" for layer in sorted(disk_layers)),
+                        "--transports",
+                        "shm,tcp",
+                        "--hugepages",
+                        "off",
+                    ],
+                )
+                for transport, option in DISK_OPTIONS:
+                    servers[option] = (disk_ready["control"], transport)
+                transports = transports + [option for _, option in DISK_OPTIONS]
             plans = [LayerPlan(1, "engram.layer1", WINDOWS_S[1]), LayerPlan(14, "engram.layer14", WINDOWS_S[14])]
             lines.append(
                 f"replay: {args.steps} decode steps per configuration, windows layer 1 "
                 f"{WINDOWS_S[1] * 1e3:.1f} ms / layer 14 {WINDOWS_S[14] * 1e3:.1f} ms, transports "
                 f"{', '.join(transports)}, server tables on {pages.label}"
                 + ("" if pages.kind != "4k" else " (no hugepages reserved: run as root for production-like memory)")
+                + (
+                    f"\ndisk-shm / disk-tcp: a daemon serving layer(s) {', '.join(map(str, sorted(disk_layers)))} from "
+                    "the table file (--disk-tables), its other layers from memory"
+                    if disk_layers
+                    else ""
+                )
                 + "\n"
             )
             lines.append(
@@ -293,7 +350,8 @@ def main() -> int:
             )
             results, errors = {}, []
             for name in transports:
-                with TableClient(ready["control"], transport=name) as client:
+                address, transport = servers[name]
+                with TableClient(address, transport=transport) as client:
                     for batch in batches:
                         step = EngramStep(client, plans, max_tokens=batch)
                         traffic = Traffic(batch, seed=batch)
@@ -365,14 +423,20 @@ def main() -> int:
                     options = {
                         name: layer_stall(results[(name, batch)][:, col], window)
                         for name in transports
-                        if (name, batch) in results
+                        if (name, batch) in results and (layer in disk_layers or not name.startswith("disk-"))
                     }
+                    disk_verdicts = []
+                    for _, option in DISK_OPTIONS:
+                        if (option, batch) in results and layer in disk_layers:
+                            p99 = float(np.percentile(results[(option, batch)][:, col], 99))
+                            fits = "fits" if p99 <= window else "does NOT fit"
+                            disk_verdicts.append(f"{option} p99 {p99 * 1e6:.0f} us {fits}")
                     ids_stream = [s[layer] for s in stream]
                     loc = local_gather_times(local[layer], ids_stream)
                     options["local"] = layer_stall(loc, window)
                     hit = lru_hit_rate(ids_stream, capacity=local[layer].shape[0] // 100)
                     remote = min(
-                        (n for n in options if n in ("rdma", "tcp", "shm")), key=lambda n: options[n], default=None
+                        (n for n in options if n in PLACEMENT and n != "local"), key=lambda n: options[n], default=None
                     )
                     if remote is not None:  # hits cost a local gather of the hit rows, misses a remote fetch
                         options["cache"] = hit * layer_stall(loc, window) + (1 - hit) * options[remote]
@@ -387,10 +451,15 @@ def main() -> int:
                                 float(np.percentile(results[(picks[layer], batch)][:, col], 99)), window
                             )
                     shown = "  ".join(f"{n} {options[n] * 1e6:.0f}" for n in PREFERENCE if n in options)
-                    lines.append(f"  batch {batch:>3} layer {layer:>2}: {pick:<6} ({shown}; cache hit rate {hit:.0%})")
+                    lines.append(f"  batch {batch:>3} layer {layer:>2}: {pick:<8} ({shown}; cache hit rate {hit:.0%})")
+                    if disk_verdicts:
+                        lines.append(f"      disk tier, window {window * 1e6:.0f} us: " + "; ".join(disk_verdicts))
         finally:
             proc.terminate()
             proc.wait(30)
+            if disk_proc is not None:
+                disk_proc.terminate()
+                disk_proc.wait(30)
     report = "\n".join(lines)
     print(report)
     with open(os.path.join(args.out, "replay.txt"), "w") as f:

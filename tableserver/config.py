@@ -143,6 +143,14 @@ SERVE_OPTIONS = (
            choices=("auto", "session", "shared")),
     Option("rdma_pack_max_rows", "int", 16384, "owner-side packing: most row ids per request (each session's staging "
            "buffer holds that many rows)", metavar="N", lo=1, hi=65536, zero="no packing"),
+    Option("disk_tables", "list", [], "tables served from disk instead of memory (names, or all): read page by page "
+           "with O_DIRECT per gather, never loaded; memory holds only the I/O buffers", metavar="NAME[,NAME]|all"),
+    Option("disk_io", "choice", "auto", "how disk tables are read: io_uring, threads (a preadv thread pool), python "
+           "(Python threads), or auto (io_uring where the kernel allows it, else threads)",
+           choices=("auto", "io_uring", "threads", "python")),
+    Option("disk_queue_depth", "int", 64, "page reads each disk table keeps in flight", metavar="N", lo=1, hi=1024),
+    Option("disk_timeout", "float", 10.0, "a disk gather whose reads take longer fails (IO_ERROR)", metavar="SECONDS",
+           lo=0.01, hi=3600),
     Option("ready_file", "str", "", "write a JSON file with the bound addresses once SERVING", metavar="PATH"),
     Option("progress", "choice", "auto", "load progress on stderr", choices=("auto", "always", "never")),
     Option("load_io", "choice", "auto", "how table files are read: direct (O_DIRECT, disk straight into pinned "

@@ -158,6 +158,7 @@ class ServerState:
                 nbytes=t.nbytes,
                 total_rows=t.total_rows,
                 row_lo=t.row_lo,
+                tier=t.tier,
             )
             for t in self.tables
         ]

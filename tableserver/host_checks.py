@@ -1,7 +1,8 @@
 """``tableserver doctor`` with a serve configuration: will this host run that server?
 
 One :class:`~tableserver.findings.Finding` per check, each naming the fix: the table files (reachable,
-valid), the memory plan as ``serve`` would make it (hugepages free per size and per NUMA node, cgroup
+valid), the disk tables (named tables, opened as the daemon opens them: O_DIRECT, the read engine),
+the memory plan as ``serve`` would make it (hugepages free per size and per NUMA node, cgroup
 memory and hugetlb limits, MemAvailable, locked-memory limit and CAP_IPC_LOCK), the ports (free to bind),
 RDMA GIDs (one matches the address clients are told), and the clock (synchronized: TLS certificates and
 log timestamps depend on it). The same checks the daemon makes before loading, run without loading.
@@ -24,6 +25,8 @@ from tableserver.findings import Finding
 def run(cfg: dict, rdma: bool) -> list[Finding]:
     sizes, files = check_tables(cfg)
     out = [files]
+    if cfg.get("disk_tables"):
+        out.append(check_disk(cfg))
     out += [check_memory(cfg, sizes), check_memlock(cfg, sizes), check_numa_hugepages(cfg), check_cgroup()]
     out += check_ports(cfg)
     if rdma and os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband"):
@@ -33,20 +36,58 @@ def run(cfg: dict, rdma: bool) -> list[Finding]:
 
 
 def check_tables(cfg: dict) -> tuple[list[int], Finding]:
+    from tableserver.loader import disk_table_names
     from tableserver.sources import open_source
 
     paths = cfg.get("tables") or []
     if not paths:
         return [], Finding("tables", "FAIL", "no --tables given: pass the table file(s) the server will serve")
-    sizes, described = [], []
+    sizes, described, entries = [], [], []
     for path in paths:
         try:
-            specs = open_source(path).specs
+            source = open_source(path)
         except TableServerError as e:
             return [], Finding("tables", "FAIL", str(e))
-        sizes += [s.nbytes for s in specs]
+        specs = source.specs
+        entries += [(source, s) for s in specs]
         described.append(f"{path} ({len(specs)} tables, {sum(s.nbytes for s in specs) / 2**30:.2f} GiB)")
+    try:
+        on_disk = disk_table_names(entries, cfg.get("disk_tables") or [])
+    except TableServerError as e:
+        return [], Finding("tables", "FAIL", str(e))
+    sizes = [s.nbytes for _, s in entries if s.name not in on_disk]  # only memory tables need memory
+    if on_disk:
+        described.append(f"{len(on_disk)} served from disk")
     return sizes, Finding("tables", "ok", ", ".join(described))
+
+
+def check_disk(cfg: dict) -> Finding:
+    """Opens each disk table as the daemon would (size, O_DIRECT probe, read engine), reading one page."""
+    from tableserver.diskio import DiskTable
+    from tableserver.sources import open_source
+
+    seen = []
+    for path in cfg.get("tables") or []:
+        try:
+            source = open_source(path)
+            for spec in source.specs:
+                if "all" not in cfg["disk_tables"] and spec.name not in cfg["disk_tables"]:
+                    continue
+                with DiskTable(path, spec.offset, spec.rows, spec.row_bytes, io=cfg.get("disk_io", "auto"),
+                               queue_depth=cfg.get("disk_queue_depth", 64)) as t:  # fmt: skip
+                    if spec.rows:
+                        t.gather([0, spec.rows - 1])
+                    seen.append(f"{spec.name} ({t.engine}, {t.io_mode})")
+                    if not t.direct:
+                        return Finding(
+                            "disk tables", "warn", f"{spec.name}: {t.io_mode}: reads go through the page cache; "
+                            "put the table file on a filesystem with O_DIRECT (ext4, xfs) on the NVMe drive"
+                        )  # fmt: skip
+        except (TableServerError, ValueError) as e:
+            return Finding("disk tables", "FAIL", str(e))
+    if not seen:
+        return Finding("disk tables", "FAIL", "no table named by --disk-tables is in --tables (see the tables line)")
+    return Finding("disk tables", "ok", ", ".join(seen))
 
 
 def check_memory(cfg: dict, sizes: list[int]) -> Finding:

@@ -1,10 +1,13 @@
-"""Loading tables from their sources into pinned memory.
+"""Loading tables from their sources into pinned memory, or opening them on disk.
 
-``load_tables`` plans memory for every table first (so a too-small machine
-fails before anything is read), then fills each table's region from its
-source with a pool of threads (file reads and CRCs release the GIL), verifies
-checksums on the way, locks and seals each region. On any error every region
-made so far is freed: the caller gets either all tables or an exception.
+``load_tables`` plans memory for every memory table first (so a too-small
+machine fails before anything is read), then fills each table's region from
+its source with a pool of threads (file reads and CRCs release the GIL),
+verifies checksums on the way, locks and seals each region. A disk table
+(``disk_tables``) is not loaded: its chunks are verified on disk once (each
+read, checked and dropped) and a :class:`~tableserver.diskio.DiskTable` is
+opened on its file. On any error every region and disk reader made so far is
+freed: the caller gets either all tables or an exception.
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tableserver.diskio import DiskTable
+from tableserver.diskqueue import DiskQueue
 from tableserver.errors import TableFileError
 from tableserver.logs import kv
 from tableserver.memory import PinnedRegion, plan_memory
 from tableserver.progress import Progress, human_bytes
-from tableserver.sources import open_sources
+from tableserver.sources import TableFileSource, open_sources, unverified
 from tableserver.tablefile import TableSpec
 
 log = logging.getLogger("tableserver.loader")
@@ -35,15 +40,25 @@ class Table:
     data transports address them 0..rows-1 (clients subtract ``row_lo``).
     ``checksum`` is the whole table's: the identity every shard and replica of
     one table version shares.
+
+    A memory table has its rows in ``region``; a disk table has ``region``
+    None and ``disk``, the reader that gathers its rows from the file
+    (``tier`` says which).
     """
 
     index: int
     spec: TableSpec
     checksum: str
     source: str
-    region: PinnedRegion
+    region: PinnedRegion | None
     row_lo: int = 0
     row_hi: int = -1  # -1: the whole table
+    disk: DiskQueue | None = None
+
+    @property
+    def tier(self) -> str:
+        """Where the rows are served from: "memory" or "disk"."""
+        return "disk" if self.disk is not None else "memory"
 
     @property
     def name(self) -> str:
@@ -67,7 +82,9 @@ class Table:
 
     @property
     def data(self) -> np.ndarray:
-        """uint8 ``[rows, row_bytes]`` view of the pinned rows."""
+        """uint8 ``[rows, row_bytes]`` view of the pinned rows (a memory table's only)."""
+        if self.region is None:
+            raise TypeError(f"table {self.name!r} is served from disk: its rows are gathered by table.disk")
         return self.region.array[: self.nbytes].reshape(self.rows, self.row_bytes)
 
 
@@ -90,11 +107,21 @@ class TableSet:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of every table served (memory and disk)."""
         return sum(t.nbytes for t in self.tables)
+
+    @property
+    def memory(self) -> list[Table]:
+        """The tables held in memory."""
+        return [t for t in self.tables if t.region is not None]
+
+    @property
+    def memory_nbytes(self) -> int:
+        return sum(t.nbytes for t in self.memory)
 
     def close(self) -> None:
         for t in self.tables:
-            t.region.close()
+            close_table(t)
 
     def __enter__(self) -> TableSet:
         return self
@@ -119,6 +146,32 @@ def _use_direct(path: str, io: str) -> bool:
         extra=kv(event="load_io", path=path, page_cache=round(cached, 2), direct=cached < 0.5),
     )
     return cached < 0.5
+
+
+def close_table(t: Table) -> None:
+    if t.region is not None:
+        t.region.close()
+    if t.disk is not None:
+        t.disk.close()
+
+
+def disk_table_names(entries: list[tuple], wanted: list[str]) -> set[str]:
+    """The names of ``--disk-tables`` (``all``: every table); TableFileError for a name no file holds or
+    a table whose rows are not contiguous in its file (safetensors)."""
+    names = {s.name for _, s in entries}
+    chosen = set(names) if "all" in wanted else set(wanted)
+    unknown = sorted(chosen - names)
+    if unknown:
+        raise TableFileError(
+            f"--disk-tables {unknown[0]}: no such table; the table files hold {', '.join(sorted(names))} (or pass all)"
+        )
+    for source, spec in entries:
+        if spec.name in chosen and not isinstance(source, TableFileSource):
+            raise TableFileError(
+                f"--disk-tables {spec.name}: {source.path} is not a table file (its rows are not contiguous on "
+                "disk): pack it first with `tableserver pack` and serve the packed file"
+            )
+    return chosen
 
 
 def row_range(spec: TableSpec, rows: tuple[int, int] | None, shard: tuple[int, int] | None) -> tuple[int, int]:
@@ -149,8 +202,15 @@ def load_tables(
     io: str = "auto",
     rows: tuple[int, int] | None = None,
     shard: tuple[int, int] | None = None,
+    disk_tables: list[str] | tuple = (),
+    disk_io: str = "auto",
+    disk_queue_depth: int = 64,
+    disk_timeout: float = 10.0,
 ) -> TableSet:
-    """Loads every table of every file in ``paths`` into pinned memory.
+    """Loads every table of every file in ``paths`` into pinned memory, but those named in
+    ``disk_tables`` (``["all"]``: every one), which are served from their file: verified there
+    (when ``verify``) and opened as a :class:`DiskTable` (``disk_io``, ``disk_queue_depth``,
+    ``disk_timeout`` are its engine, reads in flight and time limit).
 
     ``rows=(lo, hi)`` or ``shard=(k, n)`` load only a row range of each table
     (see :func:`row_range`).
@@ -171,15 +231,19 @@ def load_tables(
         raise TableFileError(f"{', '.join(paths)}: no tables found: pack some with `tableserver pack`")
     ranges = [row_range(s, rows, shard) for _, s in entries]
     sizes = [(hi - lo) * s.row_bytes for (_, s), (lo, hi) in zip(entries, ranges)]
-    plan = plan_memory([max(n, 1) for n in sizes], hugepages=hugepages, lock=lock)
-    log.info(
-        "memory plan: %s for %d tables",
-        plan.describe(),
-        len(entries),
-        extra=kv(event="memory_plan", tables=len(entries), plan=plan.describe()),
-    )
+    on_disk = disk_table_names(entries, list(disk_tables))
+    in_memory = [size for (_, s), size in zip(entries, sizes) if s.name not in on_disk]
+    plan = plan_memory([max(n, 1) for n in in_memory], hugepages=hugepages, lock=lock) if in_memory else None
+    if plan is not None:
+        log.info(
+            "memory plan: %s for %d tables",
+            plan.describe(),
+            len(in_memory),
+            extra=kv(event="memory_plan", tables=len(in_memory), plan=plan.describe()),
+        )
+    pages = iter(plan.page_sizes if plan is not None else ())
     total = sum(sizes)
-    bar = Progress(total, "loading tables", mode=progress)
+    bar = Progress(total, "loading tables" if not on_disk else "loading and verifying tables", mode=progress)
 
     def advance(n: int) -> None:
         if cancel is not None:
@@ -188,16 +252,30 @@ def load_tables(
 
     direct = {path: _use_direct(path, io) for path in paths}
     workers = workers or min(8, max(2, os.cpu_count() or 2))
-    if any(direct.values()):
+    if any(direct.values()) or on_disk:
         workers = max(workers, 8)  # O_DIRECT reads wait on the disk, not the CPU: keep more in flight
     tables: list[Table] = []
     t0 = time.monotonic()
     try:
         with ThreadPoolExecutor(workers, thread_name_prefix="tableserver-load") as pool:
-            for index, ((source, spec), page, (lo, hi), size) in enumerate(
-                zip(entries, plan.page_sizes, ranges, sizes)
-            ):
-                region = PinnedRegion(spec.name, max(size, 1), page)
+            for index, ((source, spec), (lo, hi), size) in enumerate(zip(entries, ranges, sizes)):
+                if spec.name in on_disk:
+                    tables.append(
+                        _open_disk_table(
+                            index,
+                            source,
+                            spec,
+                            (lo, hi),
+                            pool,
+                            advance,
+                            verify,
+                            disk_io,
+                            disk_queue_depth,
+                            disk_timeout,
+                        )
+                    )
+                    continue
+                region = PinnedRegion(spec.name, max(size, 1), next(pages))
                 tables.append(Table(index, spec, "", source.path, region, lo, hi))
                 region.advise_hugepage()
                 checksum = source.load(
@@ -207,35 +285,10 @@ def load_tables(
                 if lock:
                     region.lock()
                 region.seal()
-                part = "" if (lo, hi) == (0, spec.rows) else f" (rows {lo}..{hi - 1} of {spec.rows})"
-                log.info(
-                    "table %s: %d rows x %d B = %s%s, layer %d, %s, checksum %s%s",
-                    spec.name,
-                    hi - lo,
-                    spec.row_bytes,
-                    human_bytes(size),
-                    part,
-                    spec.layer,
-                    region.kind,
-                    tables[-1].checksum or "-",
-                    "" if verify else " (not verified)",
-                    extra=kv(
-                        event="table_loaded",
-                        table=spec.name,
-                        layer=spec.layer,
-                        rows=hi - lo,
-                        row_lo=lo,
-                        total_rows=spec.rows,
-                        row_bytes=spec.row_bytes,
-                        bytes=size,
-                        memory=region.kind,
-                        page_size=region.page_size,
-                        verified=verify,
-                    ),
-                )
+                _log_table(tables[-1], region.kind, verify, memory=region.kind, page_size=region.page_size)
     except BaseException:
         for t in tables:
-            t.region.close()
+            close_table(t)
         raise
     finally:
         bar.finish()
@@ -249,3 +302,56 @@ def load_tables(
         extra=kv(event="tables_loaded", tables=len(tables), bytes=total, seconds=round(elapsed, 3)),
     )
     return TableSet(tables, elapsed)
+
+
+def _open_disk_table(index, source, spec, rows, pool, advance, verify, disk_io, queue_depth, timeout) -> Table:
+    """A disk table: its chunks verified on disk (progress counted as they are), then its reader opened."""
+    lo, hi = rows
+    if verify:
+        source.verify(spec, pool, lambda n: advance(min(n, (hi - lo) * spec.row_bytes)), rows=rows)
+    else:
+        advance((hi - lo) * spec.row_bytes)
+    reader = DiskTable(
+        source.path,
+        spec.offset + lo * spec.row_bytes,
+        hi - lo,
+        spec.row_bytes,
+        queue_depth=queue_depth,
+        timeout=timeout,
+        io=disk_io,
+    )
+    checksum = spec.checksum if verify else unverified(spec.checksum)
+    table = Table(index, spec, checksum, source.path, None, lo, hi, DiskQueue(reader, spec.name))
+    where = f"disk ({reader.engine}, {reader.io_mode}, queue depth {queue_depth})"
+    _log_table(table, where, verify, memory="disk", disk_engine=reader.engine, direct=reader.direct)
+    return table
+
+
+def _log_table(t: Table, where: str, verify: bool, **fields) -> None:
+    spec, lo, hi = t.spec, t.row_lo, t.row_lo + t.rows
+    part = "" if (lo, hi) == (0, spec.rows) else f" (rows {lo}..{hi - 1} of {spec.rows})"
+    log.info(
+        "table %s: %d rows x %d B = %s%s, layer %d, %s, checksum %s%s",
+        spec.name,
+        t.rows,
+        spec.row_bytes,
+        human_bytes(t.nbytes),
+        part,
+        spec.layer,
+        where,
+        t.checksum or "-",
+        "" if verify else " (not verified)",
+        extra=kv(
+            event="table_loaded",
+            table=spec.name,
+            layer=spec.layer,
+            rows=t.rows,
+            row_lo=lo,
+            total_rows=spec.rows,
+            row_bytes=spec.row_bytes,
+            bytes=t.nbytes,
+            tier=t.tier,
+            verified=verify,
+            **fields,
+        ),
+    )

@@ -33,7 +33,7 @@ from prometheus_client import (
     PlatformCollector,
     ProcessCollector,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tableserver import __version__
 from tableserver.common.recorder import FlushFirst, Recorder, add_metrics
@@ -58,6 +58,7 @@ ERROR_REASONS = (
     "rate_limited",
     "too_many_sessions",
     "busy",
+    "disk_io",
     "accept",
     "handshake_timeout",
     "handshake_evicted",
@@ -77,9 +78,40 @@ STATUS_REASON = {
     Status.SESSION_CLOSED: "session_closed",
     Status.INTERNAL: "internal",
     Status.BUSY: "busy",
+    Status.IO_ERROR: "disk_io",
 }
 #: why sessions end (label values of tableserver_sessions_ended_total)
 END_REASONS = ("closed", "disconnected", "lease_expired", "unbound", "shutdown", "setup_failed")
+
+
+#: disk table counters (name, help, DiskTable attribute), read from each reader at scrape time
+DISK_COUNTERS = (
+    ("tableserver_disk_gathers", "Gathers a disk table answered from its file.", "gathers"),
+    ("tableserver_disk_pages_read", "Pages a disk table read (each distinct page of a gather once).", "pages_read"),
+    ("tableserver_disk_read_bytes", "Bytes a disk table read from its file(s).", "bytes_read"),
+    ("tableserver_disk_reads", "Read requests a disk table issued (one per run of contiguous pages).", "reads"),
+    ("tableserver_disk_read_errors", "Disk gathers that failed (EIO, short read, file changed, timeout).", "errors"),
+)
+
+
+def _disk_families(tables):
+    tier = GaugeMetricFamily(
+        "tableserver_table_on_disk", "1 for a table served from disk (--disk-tables), 0 in memory.", labels=["table"]
+    )
+    counters = [CounterMetricFamily(name, text, labels=["table"]) for name, text, _ in DISK_COUNTERS]
+    buffers = GaugeMetricFamily(
+        "tableserver_disk_buffer_bytes", "I/O buffer memory of each disk table's reader.", labels=["table"]
+    )
+    for t in tables or ():
+        tier.add_metric([t.name], 1.0 if t.disk is not None else 0.0)
+        if t.disk is not None:
+            reader = t.disk.reader
+            for family, (_, _, attr) in zip(counters, DISK_COUNTERS):
+                family.add_metric([t.name], t.disk.errors if attr == "errors" else getattr(reader, attr))
+            buffers.add_metric([t.name], reader.pool_pages * reader.page)
+    yield tier
+    yield from counters
+    yield buffers
 
 
 def end_reason(text: str) -> str:
@@ -262,12 +294,14 @@ class _StateCollector:
             for t in tables:
                 nbytes.add_metric([t.name, str(t.spec.layer)], t.nbytes)
                 rows.add_metric([t.name, str(t.spec.layer)], t.rows)
-                key = _page_label(t.region.page_size)
-                by_page[key] = by_page.get(key, 0) + t.region.size
+                if t.region is not None:
+                    key = _page_label(t.region.page_size)
+                    by_page[key] = by_page.get(key, 0) + t.region.size
             for key, value in by_page.items():
                 pinned.add_metric([key], value)
             load.add_metric([], tables.load_seconds)
         yield from (count, nbytes, rows, pinned, load)
+        yield from _disk_families(tables)
         control = GaugeMetricFamily("tableserver_control_sessions", "Sessions open on the control plane.")
         control.add_metric([], len(s.sessions) if s.sessions is not None else 0)
         yield control

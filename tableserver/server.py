@@ -300,6 +300,10 @@ class TableServer:
             io=cfg["load_io"],
             rows=self.rows,
             shard=self.shard,
+            disk_tables=cfg.get("disk_tables", []),
+            disk_io=cfg.get("disk_io", "auto"),
+            disk_queue_depth=cfg.get("disk_queue_depth", 64),
+            disk_timeout=cfg.get("disk_timeout", 10.0),
         )
 
     def _announce(self) -> None:
@@ -309,16 +313,19 @@ class TableServer:
             endpoints[name] = t.describe().split(" ", 1)[1]
         if self.metrics_port is not None:
             endpoints["metrics"] = f"{self.metrics_host}:{self.metrics_port}"
+        disk = self.tables.nbytes - self.tables.memory_nbytes
         log.info(
-            "SERVING %d tables (%s) in %.2f s: %s",
+            "SERVING %d tables (%s%s) in %.2f s: %s",
             len(self.tables),
-            human_bytes(self.tables.nbytes),
+            human_bytes(self.tables.memory_nbytes) + " in memory",
+            f", {human_bytes(disk)} on disk" if disk else "",
             self.time_to_serving,
             ", ".join(f"{k} {v}" for k, v in endpoints.items()),
             extra=kv(
                 event="serving",
                 tables=len(self.tables),
                 bytes=self.tables.nbytes,
+                disk_bytes=disk,
                 time_to_serving_s=round(self.time_to_serving, 3),
                 **endpoints,
             ),
@@ -328,7 +335,8 @@ class TableServer:
                 endpoints,
                 pid=os.getpid(),
                 tables=[t.name for t in self.tables],
-                page_sizes={t.name: t.region.page_size for t in self.tables},
+                page_sizes={t.name: t.region.page_size for t in self.tables.memory},
+                tiers={t.name: t.tier for t in self.tables},
                 time_to_serving_s=self.time_to_serving,
             )
             if self.token_file:

@@ -99,9 +99,6 @@ class TableFileSource:
         try:
             view = memoryview(dest)
 
-            def read(f, part, at):
-                self._pread(f, part, at, spec)
-
             def chunk(i_range):
                 i, (a, b) = i_range
                 part = view[a:b]
@@ -110,19 +107,7 @@ class TableFileSource:
                         raise checksum_error(self.path, spec, i)
                     progress(b - a)
                     return
-                # O_DIRECT needs the file offset and the destination aligned (files written with odd
-                # chunk sizes or alignments read those chunks buffered)
-                direct_ok = dfd >= 0 and (spec.offset + a) % DIRECT_ALIGN == 0 and a % DIRECT_ALIGN == 0
-                aligned = (b - a) // DIRECT_ALIGN * DIRECT_ALIGN if direct_ok else 0
-                if aligned:
-                    try:
-                        read(dfd, part[:aligned], spec.offset + a)
-                    except OSError as e:
-                        if e.errno != errno.EINVAL:  # the device wants a larger alignment: read buffered
-                            raise
-                        aligned = 0
-                if aligned < b - a:
-                    read(fd, part[aligned:], spec.offset + a + aligned)
+                self._read_chunk(fd, dfd if a % DIRECT_ALIGN == 0 else -1, part, spec.offset + a, spec)
                 if verify and not spec.chunk_ok(i, part):
                     raise checksum_error(self.path, spec, i)
                 progress(b - a)
@@ -134,6 +119,65 @@ class TableFileSource:
             if dfd >= 0:
                 os.close(dfd)
         return spec.checksum if verify else unverified(spec.checksum)
+
+    def verify(self, spec: TableSpec, pool: ThreadPoolExecutor, progress: Progress, direct: bool = True,
+               rows: tuple[int, int] | None = None) -> None:  # fmt: skip
+        """Checks ``spec``'s chunks on disk (those holding ``rows``, all by default) against the file's
+        checksums without keeping them: each worker reads one chunk into its own buffer, checks it and
+        drops it, so memory holds ``pool`` workers' chunks at most. ChecksumError on a mismatch."""
+        import mmap
+
+        from tableserver.tablefile import checksum_error, chunk_ranges
+
+        lo, hi = rows if rows is not None else (0, spec.rows)
+        start, stop = lo * spec.row_bytes, hi * spec.row_bytes
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        dfd = _open_direct(self.path) if direct else -1
+        try:
+
+            def chunk(i_range):
+                i, (a, b) = i_range
+                if b <= start or a >= stop:
+                    return
+                if _is_hole(fd, spec.offset + a, b - a):
+                    if not _zero_chunk_ok(spec, i, b - a):
+                        raise checksum_error(self.path, spec, i)
+                    progress(b - a)
+                    return
+                buf = mmap.mmap(-1, b - a)  # page-aligned, as O_DIRECT wants; unmapped when the check is done
+                try:
+                    part = memoryview(buf)
+                    self._read_chunk(fd, dfd, part, spec.offset + a, spec)
+                    ok = spec.chunk_ok(i, part)
+                    part.release()
+                finally:
+                    buf.close()
+                if not ok:
+                    raise checksum_error(self.path, spec, i)
+                progress(b - a)
+
+            for _ in pool.map(chunk, enumerate(chunk_ranges(spec.nbytes, spec.chunk_bytes))):
+                pass
+        finally:
+            os.close(fd)
+            if dfd >= 0:
+                os.close(dfd)
+
+    def _read_chunk(self, fd: int, dfd: int, part, at: int, spec: TableSpec) -> None:
+        """Fills ``part`` (page-aligned memory) from file offset ``at``: its whole pages through ``dfd``
+        (O_DIRECT, -1: none), the rest buffered. O_DIRECT needs the file offset aligned too (files written
+        with odd chunk sizes or alignments read those chunks buffered)."""
+        n = len(part)
+        aligned = n // DIRECT_ALIGN * DIRECT_ALIGN if dfd >= 0 and at % DIRECT_ALIGN == 0 else 0
+        if aligned:
+            try:
+                self._pread(dfd, part[:aligned], at, spec)
+            except OSError as e:
+                if e.errno != errno.EINVAL:  # the device wants a larger alignment: read buffered
+                    raise
+                aligned = 0
+        if aligned < n:
+            self._pread(fd, part[aligned:], at + aligned, spec)
 
     def _pread(self, fd: int, buf, at: int, spec: TableSpec) -> None:
         """Fills ``buf`` from file offset ``at``; a short file is a one-line TableFileError."""

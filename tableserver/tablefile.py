@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import struct
 import zlib
 from collections.abc import Iterable, Sequence
@@ -172,10 +173,21 @@ def open_table_file(path: str, permission_fix: str = "") -> BinaryIO:
         ) from None
 
 
+def file_bytes(fd: int) -> int:
+    """The size of an open file, or of a block device (a table written straight onto a drive or a
+    partition), whose ``st_size`` is 0; the file position is left at 0."""
+    st = os.fstat(fd)
+    if not stat.S_ISBLK(st.st_mode):
+        return st.st_size
+    size = os.lseek(fd, 0, os.SEEK_END)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return size
+
+
 def read_header(path: str) -> TableFileHeader:
     """Reads and validates a table file's header (no row data is read)."""
     with open_table_file(path, permission_fix=": fix its mode or run as a user that can read it") as f:
-        file_size = os.fstat(f.fileno()).st_size
+        file_size = file_bytes(f.fileno())
         pre = f.read(PREAMBLE.size)
         if len(pre) < PREAMBLE.size:
             raise _bad(path, f"truncated table file ({file_size} bytes, less than the {PREAMBLE.size}-byte preamble)")

@@ -402,7 +402,18 @@ def test_the_catalog_reply_is_built_once():
         dtype, logical_shape, layer, version = "uint8", (2, 4), 1, 1
 
     class Table:
-        index, name, rows, row_bytes, checksum, nbytes, total_rows, row_lo, spec = 0, "t", 2, 4, "x", 8, 2, 0, Spec
+        index, name, rows, row_bytes, checksum, nbytes, total_rows, row_lo, spec, tier = (
+            0,
+            "t",
+            2,
+            4,
+            "x",
+            8,
+            2,
+            0,
+            Spec,
+            "memory",
+        )
 
     class Sessions:
         lease_seconds = 15.0

@@ -36,6 +36,7 @@ class TableInfo:
     nbytes: int
     total_rows: int = 0  # rows of the whole table (``rows``: the ones this server holds)
     row_lo: int = 0  # table row id of the first held row
+    tier: str = "memory"  # where the server serves it from: "memory" or "disk" (no rdma READs, no mapping)
 
     @classmethod
     def from_proto(cls, t) -> TableInfo:
@@ -57,6 +58,8 @@ class TableInfo:
             or len(t.checksum) > MAX_NAME_CHARS
         ):
             raise ValueError(f"table {t.name[:64]!r}: nbytes, shape, dtype or checksum out of bounds")
+        if t.tier not in ("", "memory", "disk"):
+            raise ValueError(f"table {t.name[:64]!r}: tier {t.tier[:16]!r} (memory or disk)")
         return cls(
             index=t.index,
             name=t.name,
@@ -70,6 +73,7 @@ class TableInfo:
             nbytes=t.nbytes,
             total_rows=total,
             row_lo=t.row_lo,
+            tier=t.tier or "memory",
         )
 
     @property
@@ -177,16 +181,21 @@ class RemoteTable:
 
     ``mode`` matters for rdma only: "read" posts one-sided READs, "pack" asks
     the server to gather the rows and RDMA-WRITE them packed. Both are bit-exact.
+    A disk table (``info.tier``) has no memory to READ: it is always packed.
     """
 
     def __init__(self, client, info: TableInfo, mode: str = "read"):
         self._client = client
         self.info = info
-        self.mode = check_mode(mode)
+        self.mode = self._mode(mode)
         #: how this table is read now: the node (and shm mapping) that serves it, or routing
         self.reader = client.reader(info.name)
         self._inst: dict[tuple, GatherRecorder] = {}  # (transport, mode) -> the process-wide recorder
         self._shm_recorder = None  # the shm path's, once made (read on every shm gather)
+
+    def _mode(self, mode: str) -> str:
+        """``mode`` checked; "pack" for a disk table whatever was asked (a READ has no memory to hit)."""
+        return "pack" if check_mode(mode) and self.info.tier == "disk" else mode
 
     name = property(lambda self: self.info.name)
     rows = property(lambda self: self.info.rows)
@@ -284,7 +293,7 @@ class RemoteTable:
         t0 = time.perf_counter()
         info = self.info
         transport = route.transport
-        mode = check_mode(mode) if mode is not None else self.mode
+        mode = self._mode(mode) if mode is not None else self.mode
         flat_ids, flat_out, result = self._checked(row_ids, out)
         n = flat_ids.size
         if n == 0:
@@ -304,8 +313,14 @@ class RemoteTable:
             return None
         try:
             pending.wait(timeout if timeout is not None else self.reader.request_timeout)
-        except (GatherTimeout, RemoteError) as e:
+        except RemoteError as e:
             pending.cancel()  # a barrier: its rows never land after this
+            if e.status == "IO_ERROR" and route.replicas > 1:  # that node's drive: routing asks another
+                return None
+            metrics().error(e)
+            raise
+        except GatherTimeout as e:
+            pending.cancel()
             metrics().error(e)
             raise
         except TableClientError as e:
@@ -347,7 +362,7 @@ class RemoteTable:
         t0 = time.perf_counter()
         if hedge_after is None:
             hedge_after = getattr(self._client, "hedge_after", None)
-        mode = check_mode(mode) if mode is not None else self.mode
+        mode = self._mode(mode) if mode is not None else self.mode
         info = self.info
         flat_ids, flat_out, result = self._checked(row_ids, out)
         if flat_ids.size == 0:

@@ -71,6 +71,7 @@ class Status(enum.IntEnum):
     SESSION_CLOSED = 6
     INTERNAL = 7
     BUSY = 8  # the server has no room for this connection (connection caps): retry later
+    IO_ERROR = 9  # a disk table's read failed (EIO, short read, file changed): this request only
 
 
 FATAL = frozenset({Status.BAD_FRAME, Status.UNAUTHENTICATED, Status.TOO_MANY_ROWS, Status.SESSION_CLOSED, Status.BUSY})

@@ -28,7 +28,10 @@ Every limit is written here once, for every transport:
   reports NOT_SERVING.
 
 A :class:`Protocol` (one per transport) supplies the greeting sent on accept and
-handles a ready connection; it returns what to wait for next.
+handles a ready connection; it returns what to wait for next, or ``PARK``: the
+connection waits on something else (a disk read) and no worker gets it until
+the protocol calls :meth:`ConnectionLoop.resume` (the fd stays disarmed, so
+nothing it receives meanwhile wakes a worker).
 """
 
 from __future__ import annotations
@@ -40,17 +43,19 @@ import os
 import resource
 import select
 import socket
+import stat
 import threading
 import time
 from dataclasses import dataclass
 
 from tableserver.common.wire import Refused, Status
 from tableserver.config import option
+from tableserver.errors import ListenError
 from tableserver.logs import RateLimitedLog
 
 log = logging.getLogger("tableserver.connections")
 
-READ, WRITE, CLOSE = "read", "write", "close"
+READ, WRITE, CLOSE, PARK = "read", "write", "close", "park"
 
 #: accept errors that mean "out of a resource": back off instead of spinning
 _EXHAUSTED = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
@@ -284,13 +289,26 @@ class ConnectionLoop:
             if self.metrics is not None:
                 self.metrics.error("internal")
             log.exception("%s %s: internal error; closing this connection", self.name, conn.peer)
+        if want == PARK:  # the protocol resumes it; from here on another thread may own it
+            return
+        self._rearm(conn, want)
+
+    def resume(self, conn: Connection, want: str) -> None:
+        """Re-arms a parked connection for ``want`` (READ, WRITE or CLOSE), from any thread. A connection
+        dropped meanwhile (the loop closed) is left alone."""
+        with self._lock:
+            if self._conns.get(conn.fd) is not conn:
+                return
+        self._rearm(conn, want)
+
+    def _rearm(self, conn: Connection, want: str) -> None:
         if want == CLOSE or self._closed:
             self._drop(conn)
             return
         conn.last_active = time.monotonic()
         try:
-            self._ep.modify(fd, _EVENTS[want])
-        except OSError:
+            self._ep.modify(conn.fd, _EVENTS[want])
+        except (OSError, ValueError):
             self._drop(conn)
 
     def _drop(self, conn: Connection) -> None:
@@ -478,6 +496,45 @@ class ConnectionLoop:
                     conn,
                 )
                 conn.shutdown()
+
+
+def bind_unix(path: str, kind: int, gid: int, what: str) -> socket.socket:
+    """A listening Unix socket of ``kind`` at ``path``, mode 0660 and group ``gid`` (-1: the user's),
+    after removing a stale one (a live server's is refused); ListenError naming ``what`` otherwise."""
+    sock = socket.socket(socket.AF_UNIX, kind)
+    try:
+        remove_stale_socket(path, kind)
+        sock.bind(path)
+        if gid >= 0:
+            os.chown(path, -1, gid)
+        os.chmod(path, 0o660)  # this user and the group may connect; the session proof admits them
+        sock.listen(256)
+    except OSError as e:
+        sock.close()
+        raise ListenError(
+            f"cannot listen on {what} {path} ({e.strerror}): pass --shm-socket PATH in a writable directory",
+            errno=e.errno,
+        ) from None
+    return sock
+
+
+def remove_stale_socket(path: str, kind: int) -> None:
+    """Removes a socket file left by a dead server; refuses to steal a live one (probed as ``kind``)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise OSError(17, f"{path} exists and is not a socket")
+    probe = socket.socket(socket.AF_UNIX, kind)
+    try:
+        probe.connect(path)
+    except OSError:
+        os.unlink(path)  # nobody listens: stale
+        return
+    finally:
+        probe.close()
+    raise OSError(98, "another tableserver is listening on it")
 
 
 def wait_writable(sock: socket.socket, timeout: float) -> bool:

@@ -176,6 +176,14 @@ class RdmaTransport(ServerTransport):
                 f"--rdma-rkeys session: device {self.dev.name} has no memory windows (max_mw 0): "
                 "pass --rdma-rkeys shared (one rkey for every session) or use a device with them"
             )
+        disk = [t.name for t in tables if t.disk is not None]
+        if disk and not self.pack_max_rows:
+            from tableserver.errors import ConfigError
+
+            raise ConfigError(
+                f"disk table {disk[0]!r} over rdma needs owner-side packing (a one-sided READ needs memory): "
+                "drop --rdma-pack-max-rows 0, or serve it from memory"
+            )
         self.windows = self.rkeys_mode != "shared" and max_mw > 0
         if not self.windows:
             log.warning(
@@ -184,7 +192,7 @@ class RdmaTransport(ServerTransport):
             )
         access = e.IBV_ACCESS_MW_BIND if self.windows else e.IBV_ACCESS_REMOTE_READ
         jobs = []
-        for t in tables:
+        for t in tables.memory:  # a disk table has no memory to register: it is served packed only
             limit = min(self.dev.max_mr_size, self.chunk or self.dev.max_mr_size)
             step = max(t.row_bytes, limit // t.row_bytes * t.row_bytes)  # chunks end on row boundaries
             for off in range(0, max(t.nbytes, 1), step):
@@ -208,8 +216,8 @@ class RdmaTransport(ServerTransport):
             "rdma: registered %d %s MRs over %d tables (%.2f GiB) in %.2f s",
             len(self.regions),
             "window-only (per-session rkeys)" if self.windows else "read-only",
-            len(tables),
-            tables.nbytes / 2**30,
+            len(tables.memory),
+            tables.memory_nbytes / 2**30,
             self.register_seconds,
         )
         self._packer = threading.Thread(target=self._pack_loop, name="tableserver-rdma-pack", daemon=True)
@@ -461,7 +469,10 @@ class RdmaTransport(ServerTransport):
             start = time.perf_counter()
             nbytes = count * table.row_bytes
             rows = s.staging.array[:nbytes].reshape(count, table.row_bytes)
-            take_checked(table.data, ids, rows)  # checked above
+            if table.disk is not None:  # read here, on the packer: pack sessions wait meanwhile (docs/DESIGN.md)
+                table.disk.gather(ids, rows)
+            else:
+                take_checked(table.data, ids, rows)  # checked above
             sge = v.wr.SGE(s.staging.addr, nbytes, s.staging.mr.lkey)
             wr = v.wr.SendWR(
                 wr_id=1 << 40,

@@ -17,6 +17,13 @@ reopen it writable through ``/proc/PID/fd``) and carries
 ``F_SEAL_FUTURE_WRITE`` (not even root can map it writable or write to it);
 both are verified when the transport starts.
 
+Disk tables (``--disk-tables``) have no memory to map: the table list marks
+them ``"tier": "disk"`` with no descriptor, and the endpoint names a second
+Unix socket, a stream one (``rows_socket_path``), where tcp's protocol answers
+their gathers (transports/tcp.py ``UnixRowsPort``): the rows cross one socket
+copy on the host, no network stack, beside a read from the drive that costs
+far more.
+
 Lifetime: the connection stays open for the session; the server closes it
 when the session ends. A mapping the client already holds cannot be revoked
 (that is the nature of shared memory), so shm is offered only to
@@ -32,7 +39,6 @@ import json
 import logging
 import os
 import socket
-import stat
 import tempfile
 
 from tableserver.common.host import host_id
@@ -48,12 +54,13 @@ from tableserver.common.wire import (
     challenge_frame,
     response_header,
 )
-from tableserver.errors import ConfigError, ListenError, TableServerError
+from tableserver.errors import ConfigError, TableServerError
 from tableserver.limits import connection_limits
 from tableserver.logs import RateLimitedLog
 from tableserver.memory import F_SEAL_FUTURE_WRITE
 from tableserver.transports.base import ServerTransport
-from tableserver.transports.connections import CLOSE, READ, Connection, ConnectionLoop, Protocol
+from tableserver.transports.connections import CLOSE, READ, Connection, ConnectionLoop, Protocol, bind_unix
+from tableserver.transports.tcp import UnixRowsPort
 from tableserver.v1 import tableserver_pb2 as pb
 
 log = logging.getLogger("tableserver.shm")
@@ -112,6 +119,7 @@ class ShmTransport(ServerTransport):
         self._sock: socket.socket | None = None
         self._loop: ConnectionLoop | None = None
         self._closed = False
+        self.rows_port: UnixRowsPort | None = None  # gathers of disk tables, when there are any
         self._gid = -1
         if self.group:
             try:
@@ -125,28 +133,23 @@ class ShmTransport(ServerTransport):
     def bind(self) -> None:
         if not self.path:
             self.path = default_socket_path(self.options["control_port"])
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            _remove_stale(self.path)
-            sock.bind(self.path)
-            if self._gid >= 0:
-                os.chown(self.path, -1, self._gid)
-            # this user and the --shm-group may connect; the session proof admits them
-            os.chmod(self.path, 0o660)
-            sock.listen(256)
-        except OSError as e:
-            sock.close()
-            raise ListenError(
-                f"cannot listen on shm socket {self.path} ({e.strerror}): pass --shm-socket PATH "
-                "in a writable directory",
-                errno=e.errno,
-            ) from None
+        sock = bind_unix(self.path, socket.SOCK_SEQPACKET, self._gid, "shm socket")
         self._sock = sock
+        if self.options.get("disk_tables"):
+            base = self.path[:-5] if self.path.endswith(".sock") else self.path
+            self.rows_port = UnixRowsPort(self.sessions, self.options, base + ".rows.sock", self._gid)
+            self.rows_port.bind()
 
     def start(self, tables) -> None:
         self.tables = tables
-        for t in tables:
+        for t in tables.memory:
             check_read_only(t.region)
+        if self.rows_port is not None:
+            if any(t.disk is not None for t in tables):
+                self.rows_port.start(tables)
+            else:
+                self.rows_port.close()
+                self.rows_port = None
         self._loop = ConnectionLoop("shm", self._sock, _ShmProtocol(self), self.limits, 2, self.metrics)
         self._loop.start()
 
@@ -154,25 +157,37 @@ class ShmTransport(ServerTransport):
         return f"shm {self.path}"
 
     def offer(self, session, request):
-        return pb.TransportOffer(name="shm", shm=pb.ShmEndpoint(socket_path=self.path, host_id=self.host_id))
+        rows = self.rows_port.path if self.rows_port is not None else ""
+        return pb.TransportOffer(
+            name="shm", shm=pb.ShmEndpoint(socket_path=self.path, host_id=self.host_id, rows_socket_path=rows)
+        )
 
     def release(self, session) -> None:
         if self._loop is not None:
             self._loop.release(session)
+        if self.rows_port is not None:
+            self.rows_port.release(session)
 
     def active_sessions(self) -> int:
         return self._loop.active_sessions() if self._loop is not None else 0
 
     def connections(self) -> int:
-        return self._loop.connections() if self._loop is not None else 0
+        rows = self.rows_port.connections() if self.rows_port is not None else 0
+        return (self._loop.connections() if self._loop is not None else 0) + rows
 
     def health(self) -> tuple[bool, str]:
+        if self.rows_port is not None:
+            ok, why = self.rows_port.health()
+            if not ok:
+                return ok, why
         return self._loop.health() if self._loop is not None else (True, "")
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self.rows_port is not None:
+            self.rows_port.close()
         if self._loop is not None:
             self._loop.close()
         if self._sock is not None:
@@ -186,13 +201,22 @@ class ShmTransport(ServerTransport):
         doc = {
             "tables": [
                 {"index": t.index, "name": t.name, "rows": t.rows, "row_bytes": t.row_bytes, "size": t.region.size}
+                if t.region is not None
+                else {
+                    "index": t.index,
+                    "name": t.name,
+                    "rows": t.rows,
+                    "row_bytes": t.row_bytes,
+                    "size": 0,
+                    "tier": "disk",
+                }
                 for t in self.tables
             ],
             "proof": proof.hex(),
         }
         body = json.dumps(doc).encode()
         return response_header(FrameType.HELLO, Status.OK, req_id, 0, len(body)) + body, [
-            t.region.readonly_fd() for t in self.tables
+            t.region.readonly_fd() for t in self.tables.memory
         ]
 
 
@@ -251,7 +275,7 @@ class _ShmProtocol(Protocol):
         finally:
             for fd in fds:
                 os.close(fd)
-        log.info("shm: session %s mapped %d tables (pid %s)", session.label, len(self.t.tables), _peer_pid(sock))
+        log.info("shm: session %s mapped %d tables (pid %s)", session.label, len(self.t.tables.memory), _peer_pid(sock))
         return READ
 
 
@@ -263,22 +287,3 @@ def _peer_pid(conn: socket.socket) -> int:
         return struct.unpack("3i", creds)[0]
     except OSError:
         return 0
-
-
-def _remove_stale(path: str) -> None:
-    """Removes a socket file left by a dead server; refuses to steal a live one."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise OSError(17, f"{path} exists and is not a socket")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    try:
-        probe.connect(path)
-    except OSError:
-        os.unlink(path)  # nobody listens: stale
-        return
-    finally:
-        probe.close()
-    raise OSError(98, "another tableserver is listening on it")

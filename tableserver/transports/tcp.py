@@ -16,8 +16,17 @@ client does not read, the worker re-arms the connection for writing and moves
 on. No per-row Python. Requests on one connection are answered in order, so a
 client may pipeline several.
 
+A disk table's gather (``table.disk``) cannot stream: a read error must
+still be answered with an error frame, so the rows are read whole first. The
+worker hands the gather to the table's DiskQueue and **parks** the connection
+(no worker holds it while the drive works); the queue's thread builds the
+response (OK header + rows, or IO_ERROR) and resumes the connection for
+writing.
+
 Memory a connection can make the server hold: its row-id buffer (at most
-8 * max_rows_per_request bytes) and one chunk (CHUNK_BYTES).
+8 * max_rows_per_request bytes) and one chunk (CHUNK_BYTES), or, for a disk
+gather, its rows (at most row_bytes * max_rows_per_request bytes, dropped
+after sending when larger than DISK_KEEP_BYTES).
 
 Invariants: no byte outside a table is ever read (ids are range-checked, and
 ``np.take(mode="clip")`` could not read outside even if they were not); a
@@ -60,11 +69,13 @@ from tableserver.logs import RateLimitedLog
 from tableserver.transports.base import ServerTransport
 from tableserver.transports.connections import (
     CLOSE,
+    PARK,
     READ,
     WRITE,
     Connection,
     ConnectionLoop,
     Protocol,
+    bind_unix,
     cpu_workers,
     wait_writable,
 )
@@ -78,6 +89,8 @@ CHUNK_BYTES = 512 << 10
 SEND_SPIN_S = 0.002
 #: requests one connection may have answered per turn before the worker serves others
 REQUESTS_PER_TURN = 8
+#: a connection keeps a disk gather's row buffer for the next one up to this size
+DISK_KEEP_BYTES = 4 << 20
 
 
 def bind_listener(host: str, port: int, what: str, flag: str) -> socket.socket:
@@ -107,6 +120,7 @@ def bind_listener(host: str, port: int, what: str, flag: str) -> socket.socket:
 
 
 class TcpTransport(ServerTransport):
+    #: also the grant a session needs (OpenSession's transports) and the metrics' transport label
     name = "tcp"
 
     def __init__(self, sessions, options):
@@ -132,7 +146,7 @@ class TcpTransport(ServerTransport):
         self.tables = tables
         for t in tables:  # series exist from 0, so rate() counts the first requests
             self.instruments(t.index)
-        self._loop = ConnectionLoop("tcp", self._sock, _TcpProtocol(self), self.limits, self.workers, self.metrics)
+        self._loop = ConnectionLoop(self.name, self._sock, _TcpProtocol(self), self.limits, self.workers, self.metrics)
         self._loop.start()
 
     def describe(self) -> str:
@@ -147,6 +161,10 @@ class TcpTransport(ServerTransport):
     def release(self, session) -> None:
         if self._loop is not None:
             self._loop.release(session)
+
+    def resume(self, conn: Connection, want: str) -> None:
+        """Re-arms a connection the protocol parked (a disk gather done)."""
+        self._loop.resume(conn, want)
 
     def close(self) -> None:
         if self._closed:
@@ -170,8 +188,36 @@ class TcpTransport(ServerTransport):
         """Per-table metric children, made once (labels() is too slow for every request)."""
         inst = self._inst.get(table_index)
         if inst is None:
-            inst = self._inst[table_index] = self.metrics.gather_op("tcp", "gather", self.tables[table_index].name)
+            inst = self._inst[table_index] = self.metrics.gather_op(self.name, "gather", self.tables[table_index].name)
         return inst
+
+
+class UnixRowsPort(TcpTransport):
+    """tcp's protocol on a Unix stream socket: the same-host path to disk tables (the shm transport
+    offers it beside its own socket). A session needs the shm grant; rows are not sealed (they never
+    leave the host); the socket's mode and group are the shm socket's."""
+
+    name = "shm"
+
+    def __init__(self, sessions, options, path: str, gid: int = -1):
+        super().__init__(sessions, dict(options, data_encryption="off"))
+        self.path = path
+        self.gid = gid
+
+    def bind(self) -> None:
+        sock = bind_unix(self.path, socket.SOCK_STREAM, self.gid, "the disk rows socket")
+        self._sock = sock
+
+    def describe(self) -> str:
+        return f"shm-rows {self.path}"
+
+    def close(self) -> None:
+        if not self._closed and self._sock is not None:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+        super().close()
 
 
 class _State:
@@ -287,7 +333,8 @@ class _TcpProtocol(Protocol):
                 return CLOSE
             if not complete:
                 return READ
-            self._answer(conn)
+            if self._answer(conn):
+                return PARK  # a disk gather: the disk queue resumes the connection (it may own it already)
             if not self._pump(conn):
                 return WRITE
             self._finish(conn)
@@ -363,8 +410,9 @@ class _TcpProtocol(Protocol):
             return False
 
     # -- answering
-    def _answer(self, conn: Connection) -> None:
-        """Turns the frame just received into a response (parts to send, rows to gather)."""
+    def _answer(self, conn: Connection) -> bool:
+        """Turns the frame just received into a response (parts to send, rows to gather). True when it
+        went to a disk queue instead: the connection is parked, and this worker must not touch it again."""
         st: _State = conn.state
         st.started = time.perf_counter()
         st.next_row = st.count = st.count if st.ftype == FrameType.GATHER else 0
@@ -393,6 +441,9 @@ class _TcpProtocol(Protocol):
                 if session.closed:
                     raise Refused(Status.SESSION_CLOSED, f"session ended: {session.close_reason}")
                 table = self._check(st)
+                if table.disk is not None and st.count:
+                    self._park(conn, table)
+                    return True
                 st.next_row = 0
                 header = response_header(FrameType.GATHER, Status.OK, st.req_id, table.row_bytes, st.count)
                 st.parts = [memoryview(header)]
@@ -410,6 +461,49 @@ class _TcpProtocol(Protocol):
         conn.send_since = time.monotonic()  # the send timeout bounds the whole response from here
         st.chunk_busy = False
         st.expect_header()
+        return False
+
+    def _park(self, conn: Connection, table) -> None:
+        """Hands a disk table's gather to its queue; :meth:`_disk_done` answers it."""
+        st: _State = conn.state
+        st.error = None
+        st.sending = False  # no send timeout while the drive works (the disk timeout bounds it)
+        st.chunk_busy = False
+        st.expect_header()
+        n = st.count
+        rows = st.chunk(n, table.row_bytes)
+        table.disk.submit(st.ids_buf[:n], rows, lambda error: self._disk_done(conn, table, rows, error))
+
+    def _disk_done(self, conn: Connection, table, rows: np.ndarray, error: Refused | None) -> None:
+        """On the disk queue's thread: the response to a parked gather, then the connection resumed."""
+        st: _State = conn.state
+        if st is None:  # dropped meanwhile (the loop closed)
+            return
+        seal = st.tx.seal if st.tx is not None else None
+        if error is None:
+            header = response_header(FrameType.GATHER, Status.OK, st.req_id, table.row_bytes, st.count)
+            view = memoryview(rows.reshape(-1))
+            if st.tx is not None:
+                enc = st.tx.encryptor(header)
+                if len(st.sealed_buf) < len(view) + 15 + TAG_BYTES:
+                    st.sealed_buf = copy_buffer(max(len(view), CHUNK_BYTES) + 15 + TAG_BYTES)
+                crypt_into(enc, view, memoryview(st.sealed_buf)[: len(view) + 15])
+                enc.finalize()
+                memoryview(st.sealed_buf)[len(view) : len(view) + TAG_BYTES] = enc.tag
+                view = memoryview(st.sealed_buf)[: len(view) + TAG_BYTES]
+            st.parts = [memoryview(header), view]
+            st.next_row = st.count
+            st.chunk_busy = True  # the rows are in the parts: nothing left to gather
+        else:
+            self.t.metrics.refused(error.status)
+            self.ratelog.warning(error.name, "%s %s: %s", self.t.name, conn.peer, error.describe())
+            st.parts = [memoryview(error.frame(st.ftype, st.req_id, seal))]
+            st.next_row = st.count = 0
+            st.closing = error.fatal
+        st.enc = None
+        st.sending = True
+        conn.send_since = time.monotonic()
+        self.t.resume(conn, WRITE)
 
     def _seal(self, conn: Connection) -> None:
         st: _State = conn.state
@@ -439,8 +533,8 @@ class _TcpProtocol(Protocol):
         st.client_nonce = bytes(st.hello[SESSION_ID_BYTES : SESSION_ID_BYTES + CLIENT_NONCE_BYTES])
         if session is None:
             raise Refused(Status.UNAUTHENTICATED, "unknown session or wrong proof: open a session over gRPC")
-        if "tcp" not in session.transports:
-            raise Refused(Status.UNAUTHENTICATED, "this session was not granted the tcp transport")
+        if self.t.name not in session.transports:
+            raise Refused(Status.UNAUTHENTICATED, f"this session was not granted the {self.t.name} transport")
         self.t._loop.attach(conn, session)
         return proof
 
@@ -513,6 +607,8 @@ class _TcpProtocol(Protocol):
             self.t.instruments(st.table).defer(
                 st.count, st.count * self.t.tables[st.table].row_bytes, time.perf_counter() - st.started
             )
+        if st.chunk_buf.size > DISK_KEEP_BYTES:  # a large disk gather's rows: not kept for the connection's life
+            st.chunk_buf = np.empty(0, np.uint8)
         if st.closing:
             try:  # the error frame is out: half-close, then drain what the peer still sends
                 conn.sock.shutdown(socket.SHUT_WR)

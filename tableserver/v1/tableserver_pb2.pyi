@@ -10,7 +10,7 @@ class GetCatalogRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TableInfo(_message.Message):
-    __slots__ = ("index", "name", "rows", "row_bytes", "dtype", "shape", "layer", "version", "checksum", "nbytes", "total_rows", "row_lo")
+    __slots__ = ("index", "name", "rows", "row_bytes", "dtype", "shape", "layer", "version", "checksum", "nbytes", "total_rows", "row_lo", "tier")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class TableInfo(_message.Message):
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_ROWS_FIELD_NUMBER: _ClassVar[int]
     ROW_LO_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     index: int
     name: str
     rows: int
@@ -35,7 +36,8 @@ class TableInfo(_message.Message):
     nbytes: int
     total_rows: int
     row_lo: int
-    def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., rows: _Optional[int] = ..., row_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., layer: _Optional[int] = ..., version: _Optional[int] = ..., checksum: _Optional[str] = ..., nbytes: _Optional[int] = ..., total_rows: _Optional[int] = ..., row_lo: _Optional[int] = ...) -> None: ...
+    tier: str
+    def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., rows: _Optional[int] = ..., row_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., layer: _Optional[int] = ..., version: _Optional[int] = ..., checksum: _Optional[str] = ..., nbytes: _Optional[int] = ..., total_rows: _Optional[int] = ..., row_lo: _Optional[int] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
     __slots__ = ("version", "hostname", "host_id", "transports", "max_rows_per_request", "node_id")
@@ -112,12 +114,14 @@ class TcpEndpoint(_message.Message):
     def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
 
 class ShmEndpoint(_message.Message):
-    __slots__ = ("socket_path", "host_id")
+    __slots__ = ("socket_path", "host_id", "rows_socket_path")
     SOCKET_PATH_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    ROWS_SOCKET_PATH_FIELD_NUMBER: _ClassVar[int]
     socket_path: str
     host_id: str
-    def __init__(self, socket_path: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
+    rows_socket_path: str
+    def __init__(self, socket_path: _Optional[str] = ..., host_id: _Optional[str] = ..., rows_socket_path: _Optional[str] = ...) -> None: ...
 
 class RdmaQueuePair(_message.Message):
     __slots__ = ("qp_num", "psn", "gid", "lid", "mtu")

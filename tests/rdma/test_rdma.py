@@ -493,3 +493,31 @@ def test_table_with_offsets_over_4gib(tmp_path):
     finally:
         d.stop()
         os.unlink(path)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_disk_tables_over_rdma_are_packed(demo_file, demo_local, tmp_path, mode):
+    """Layer 14 on disk, layer 1 in memory, one rdma session: the disk table's gathers go packed whatever
+    the mode (no READ on a table without memory), the memory table's by ``mode``; all bit-exact."""
+    d = start_daemon(str(tmp_path / "d"), "--tables", demo_file, "--transports", "rdma",
+                     "--disk-tables", "engram.layer14,dense.f32")  # fmt: skip
+    try:
+        with TableClient(d.address, transport="rdma", mode=mode, rdma_ring_rows=512) as c:
+            assert c.transport == "rdma"
+            rng = np.random.default_rng(11)
+            for name in ("engram.layer14", "dense.f32", "engram.layer1"):
+                t = c.table(name)
+                assert t.info.tier == ("memory" if name == "engram.layer1" else "disk")
+                for n in (1, 24, 1536, 5000):
+                    ids = rng.integers(0, t.rows, n)
+                    ids[0], ids[-1] = 0, t.rows - 1
+                    np.testing.assert_array_equal(t.gather(ids, timeout=120), demo_local[name][ids], err_msg=name)
+                    np.testing.assert_array_equal(t.gather_async(ids).wait(120), demo_local[name][ids])
+        m = scrape(d.ready["metrics"])
+        assert value(m, "tableserver_disk_gathers_total", table="engram.layer14") >= 8
+        assert value(m, "tableserver_gather_rows_total", transport="rdma", op="pack", table="engram.layer14") > 0
+        assert value(m, "tableserver_rdma_registered_bytes") == sum(
+            demo_local[n].nbytes for n in ("engram.layer1", "tiny")
+        )  # the disk tables' bytes are not registered: they are not in memory
+    finally:
+        d.stop()

@@ -13,7 +13,14 @@ QEMU guest under TCG with Debian's kernel:
 * the initramfs' ``/sbin/modprobe`` forwards into the chroot, so the kernel
   can load rdma_rxe's dependencies (crc32) from the host's module tree;
 * in the guest: ``modprobe rdma_rxe ib_uverbs``, ``rdma link add rxe_lo type
-  rxe netdev lo`` (GID index 1 is the IPv4-mapped 127.0.0.1).
+  rxe netdev lo`` (GID index 1 is the IPv4-mapped 127.0.0.1);
+* block devices for fault tests (tests/rdma/test_disk_eio.py): the initramfs
+  also loads dm-mod (its ``linear`` and ``error`` targets are built in) and
+  loop, so ``/dev/mapper/control`` and ``/dev/loop-control`` exist from boot;
+  ``dmsetup`` and ``losetup`` are the host's own binaries (the chroot is the
+  host's ``/``, libraries included). There is no udev in the guest: create
+  devices with ``DM_DISABLE_UDEV=1 dmsetup create --noudevsync`` (libdevmapper
+  then makes the ``/dev/mapper`` nodes itself; :func:`dm_create` does this).
 
 Soft-RoCE under TCG moves ~7.5k READs/s: correctness and same-run ratios
 only, never absolute speed. Usage from the command line::
@@ -50,11 +57,17 @@ DEBIAN_PACKAGES = (
     "iproute2",
     "kmod",
     "cpio",
+    "dmsetup",
 )
 # What the initramfs must provide: the virtio PCI transport, 9p over virtio, the 9p file system. Their
 # dependencies, and the order to load them in, come from the installed kernel's own modules.dep.
 INITRAMFS_ROOTS = ("virtio_pci", "9pnet_virtio", "9p")
+#: Block devices for the guest's fault tests (a dm ``error`` target over part of a loop device): loaded by the
+#: initramfs too, after the 9p root's modules. Built-in where the kernel has them built in (nothing to load).
+BLOCK_ROOTS = ("dm_mod", "loop")
 DEBIAN_PYVERBS = "/usr/lib/python3/dist-packages/pyverbs"
+#: the guest's PATH (root's): where it finds the host's tools, sbin included
+GUEST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 QEMU = "qemu-system-x86_64"
 
 
@@ -128,8 +141,8 @@ def module_load_order(version: str, roots=INITRAMFS_ROOTS, modules_dir: str = "/
             return
         if name not in paths:
             raise GuestUnavailable(
-                f"kernel {version} has no module {name} (needed by {wanted_by}): install a "
-                f"kernel with 9p over virtio, e.g. linux-image-amd64"
+                f"kernel {version} has no module {name} (needed by {wanted_by}): install a kernel with "
+                f"9p over virtio, device-mapper and loop, e.g. linux-image-amd64"
             )
         if state.get(name) == "visiting":
             raise GuestUnavailable(f"kernel {version}: modules.dep has a dependency cycle through {name}")
@@ -140,7 +153,8 @@ def module_load_order(version: str, roots=INITRAMFS_ROOTS, modules_dir: str = "/
         order.append(name)
 
     for root in roots:
-        visit(root.replace("-", "_"), "the guest's 9p root")
+        name = root.replace("-", "_")
+        visit(name, "the guest's block-device tests" if name in BLOCK_ROOTS else "the guest's 9p root")
     return [(name, paths[name]) for name in order]
 
 
@@ -161,8 +175,10 @@ def missing() -> list[str]:
         ("rdma", "iproute2"),
         ("cpio", "cpio"),
         ("modprobe", "kmod"),
+        ("dmsetup", "dmsetup"),
+        ("losetup", "mount (losetup)"),
     ):
-        if shutil.which(tool) is None:
+        if shutil.which(tool, path=GUEST_PATH) is None:
             need.append(pkg)
     if not glob.glob("/usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav*.so"):
         need.append("ibverbs-providers")
@@ -242,7 +258,7 @@ def build_initramfs(path: str, version: str) -> str:
         for d in ("bin", "sbin", "proc", "sys", "dev", "mnt", "lib/modules"):
             os.makedirs(os.path.join(root, d))
         shutil.copy2("/bin/busybox", os.path.join(root, "bin", "busybox"))
-        order = module_load_order(version)
+        order = module_load_order(version, INITRAMFS_ROOTS + BLOCK_ROOTS)
         for m, src in order:
             dst = os.path.join(root, "lib", "modules", f"{m}.ko")
             if src.endswith(".xz"):
@@ -295,7 +311,7 @@ def run_guest(
     # The host's / (with /tmp, where a checkout may live) is read-only in the guest; scratch space is
     # a tmpfs under /run.
     base_env = {
-        "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "PATH": GUEST_PATH,
         "HOME": "/run/tmp",
         "PYTHONDONTWRITEBYTECODE": "1",
         "PYTHONUNBUFFERED": "1",
@@ -372,6 +388,69 @@ def run_guest(
             raise GuestBootFailed(f"Soft-RoCE guest (kernel {version}) did not boot: {failed[0][7:]}") from None
         rc = 255  # the guest never reached the end of the script
     return GuestResult(rc, console.getvalue(), results, time.monotonic() - start)
+
+
+# -- block devices, in the guest (root, no udev) -----------------------------------------------------
+
+
+def _block_tool(*args: str, env: dict | None = None, stdin: str | None = None) -> str:
+    res = subprocess.run(args, input=stdin, capture_output=True, text=True, env=env, timeout=120)
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed ({res.returncode}): {(res.stderr or res.stdout).strip()}")
+    return res.stdout.strip()
+
+
+def loop_attach(path: str, read_only: bool = True) -> str:
+    """Attaches ``path`` to a free loop device (read-only by default) and returns the device's path."""
+    return _block_tool("losetup", "--find", "--show", *(["--read-only"] if read_only else []), path)
+
+
+def loop_detach(device: str) -> None:
+    _block_tool("losetup", "--detach", device)
+
+
+def sectors(device: str) -> int:
+    """Size of a block device in 512-byte sectors."""
+    return int(_block_tool("blockdev", "--getsz", device))
+
+
+def _dm_env() -> dict:
+    """libdevmapper without udev: it creates and removes the /dev/mapper nodes itself."""
+    return dict(os.environ, DM_DISABLE_UDEV="1")
+
+
+def dm_create(name: str, table: list[str], read_only: bool = True) -> str:
+    """A device-mapper device ``name`` from ``table`` (lines ``start length target args``, in sectors);
+    returns ``/dev/mapper/<name>`` once the node exists. There is no udev here: the node is made by
+    libdevmapper (``DM_DISABLE_UDEV``) and, should that not have happened, by ``dmsetup mknodes``."""
+    if not os.path.exists("/dev/mapper/control"):
+        subprocess.run(["modprobe", "dm_mod"], capture_output=True)
+    ro = ["--readonly"] if read_only else []
+    _block_tool("dmsetup", "create", name, "--noudevsync", *ro, env=_dm_env(), stdin="".join(f"{t}\n" for t in table))
+    node = f"/dev/mapper/{name}"
+    if not os.path.exists(node):
+        _block_tool("dmsetup", "mknodes", name, env=_dm_env())
+    if not os.path.exists(node):
+        raise RuntimeError(f"dmsetup created {name} but no {node} appeared (udev-less node creation failed)")
+    return node
+
+
+def dm_reload(name: str, table: list[str]) -> None:
+    """Swaps ``name``'s table for ``table`` under whoever has it open (suspend, reload, resume): a drive
+    that starts failing, or heals, while it is read."""
+    _block_tool("dmsetup", "suspend", "--noudevsync", name, env=_dm_env())
+    try:
+        _block_tool("dmsetup", "reload", name, env=_dm_env(), stdin="".join(f"{t}\n" for t in table))
+    finally:
+        _block_tool("dmsetup", "resume", "--noudevsync", name, env=_dm_env())
+
+
+def dm_remove(name: str) -> None:
+    _block_tool("dmsetup", "remove", "--noudevsync", name, env=_dm_env())
+
+
+def dm_table(name: str) -> str:
+    return _block_tool("dmsetup", "table", name, env=_dm_env())
 
 
 RXE_SETUP = """

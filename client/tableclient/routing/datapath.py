@@ -21,6 +21,8 @@ from tableserver.common.buffers import rows_buffer
 
 log = logging.getLogger("tableclient.routing")
 
+#: a refusal another replica may not share (its own drive): the gather moves on, the node stays up
+IO_ERROR = "IO_ERROR"
 _NODE_FAILURES = (TransportError, ConnectError, TableClientError)  # but not RemoteError / GatherTimeout
 
 
@@ -63,7 +65,7 @@ class DataPath:
             busy = {a.replica for a in part.attempts if a.pending is not None}
             moved = False
             for r in part.shard.replicas:
-                if r in part.tried or r in busy or not r.usable:
+                if r in part.tried or r in busy or r in part.refused or not r.usable:
                     continue
                 if hedge and r.live is None:
                     continue  # a hedge never waits for a connect (the hedger serves every gather)
@@ -98,7 +100,7 @@ class DataPath:
                     return None
                 part.shard = shard
                 continue
-            if wait_until is None or hedge:
+            if wait_until is None or hedge or all(r in part.refused for r in part.shard.replicas):
                 return None
             # every replica failed or is down: wait for one to come back, up to the caller's deadline
             with members.changed:
@@ -106,7 +108,7 @@ class DataPath:
                 if remaining < 0 or members.closed.is_set():
                     return None
                 part.tried = {r for r in part.tried if not r.usable}
-                if any(r.usable and r not in part.tried for r in part.shard.replicas):
+                if any(r.usable and r not in part.tried and r not in part.refused for r in part.shard.replicas):
                     continue
                 members.changed.wait(min(remaining, REPLICA_WAIT_S))
 
@@ -120,6 +122,8 @@ class DataPath:
             if not live:
                 wait_until = min(deadline, time.monotonic() + self._members.options.reconnect_wait)
                 if self.issue(routed, part, wait_until=wait_until) is None:
+                    if part.error is not None:  # every replica left refused these rows: say why
+                        raise part.error
                     raise ConnectError(self._unreachable(routed.name, part))
                 continue
             now = time.monotonic()
@@ -135,8 +139,17 @@ class DataPath:
                     a.pending.wait(slice_s if len(live) == 1 else 0.0)
                 except GatherTimeout:
                     continue
-                except RemoteError:
-                    raise
+                except RemoteError as e:
+                    if e.status != IO_ERROR:
+                        raise
+                    with routed.lock:  # this node's disk failed these rows: another replica's may not
+                        a.pending = None
+                        part.refused.add(a.replica)
+                        part.error = e
+                    self._metrics.failovers.inc()
+                    log.warning("gather of %r: %s could not read the rows (%s), trying another replica",
+                                routed.name, a.replica.address, e)  # fmt: skip
+                    break
                 except _NODE_FAILURES as e:
                     with routed.lock:
                         a.pending = None

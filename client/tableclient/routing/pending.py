@@ -25,12 +25,15 @@ class Attempt:
 class Part:
     """The ids of one gather that one shard holds, and the attempts to fetch them."""
 
-    __slots__ = ("shard", "ids", "out", "attempts", "tried", "hedge_at", "hedged", "done", "winner")
+    __slots__ = ("shard", "ids", "out", "attempts", "tried", "hedge_at", "hedged", "done", "winner", "refused", "error")
 
     def __init__(self, shard: Shard, ids: np.ndarray, out: np.ndarray, hedge_at: float | None):
         self.shard, self.ids, self.out = shard, ids, out
         self.attempts: list[Attempt] = []
         self.tried: set = set()
+        #: replicas whose disk failed these rows (IO_ERROR): never asked again for this gather, though up
+        self.refused: set = set()
+        self.error = None  # the last such refusal: raised when no replica is left
         self.hedge_at, self.hedged, self.done, self.winner = hedge_at, False, False, None
 
     def live(self) -> list[Attempt]:

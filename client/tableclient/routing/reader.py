@@ -19,12 +19,14 @@ from tableclient.routing.shardmap import holds
 class Route:
     """How one table is read straight from one node: ``replica``, its ``node`` (NodeSession) and data
     ``transport``, the node's own ``index`` of the table, and ``local``, the rows as a read-only array
-    when this process maps them (shm), else None. ``NO_ROUTE`` (every field None): through routing."""
+    when this process maps them (shm), else None; ``replicas``, how many replicas hold the table (a
+    request this one refuses may succeed on another). ``NO_ROUTE`` (every field None): through routing."""
 
-    __slots__ = ("replica", "node", "transport", "index", "local")
+    __slots__ = ("replica", "node", "transport", "index", "local", "replicas")
 
-    def __init__(self, replica=None, node=None, transport=None, index: int = -1, local=None):
+    def __init__(self, replica=None, node=None, transport=None, index: int = -1, local=None, replicas: int = 0):
         self.replica, self.node, self.transport, self.index, self.local = replica, node, transport, index, local
+        self.replicas = replicas
 
     def __repr__(self) -> str:
         where = getattr(self.replica, "address", None)
@@ -108,6 +110,7 @@ class TableReader:
                 except TableClientError:  # closed meanwhile
                     break
                 if holds(info, whole) and info.row_lo == 0:
-                    return Route(r, node, transport, info.index, transport.local_table(info.index))
+                    local = transport.local_table(info.index)
+                    return Route(r, node, transport, info.index, local, len(whole.replicas))
                 break
         return NO_ROUTE

@@ -10,6 +10,12 @@ copy inline if the worker has not started it yet. So with
 ``gather_many([layer1, layer14])`` the caller copies layer 1 the moment it
 waits for it while the worker copies layer 14 alongside (``np.take`` releases
 the GIL): the first layer never waits behind the others.
+
+A disk table (the server reads it from its file per gather: no memory to map)
+comes in the table list with ``"tier": "disk"`` and no descriptor; its gathers
+go over the endpoint's rows socket, a Unix stream socket speaking tcp's
+protocol (:class:`RowsSocket`, a :class:`~tableclient.transports.tcp.TcpTransport`
+that dials a path instead of a port).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import numpy as np
 
 from tableclient.errors import AuthError, ConnectError, TransportUnavailable
 from tableclient.transports.base import DEFAULT_OPTIONS, DONE, ClientTransport, Pending
+from tableclient.transports.tcp import TcpTransport
 from tableserver.common.host import host_id as local_host_id
 from tableserver.common.take import take_checked
 from tableserver.common.wire import (
@@ -52,8 +59,8 @@ REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | getattr(fcntl, "F_SEA
 
 
 def _table_entries(reply, catalog, path: str) -> list:
-    """[(TableInfo, mapping size)] of the reply's table list, each matching the catalog; ConnectError
-    for anything else."""
+    """[(TableInfo, mapping size)] of the reply's table list, each matching the catalog (size None for a
+    disk table: nothing to map); ConnectError for anything else."""
     by_index = {t.index: t for t in catalog}
     out, seen = [], set()
     doc = reply.get("tables") if isinstance(reply, dict) else None
@@ -65,16 +72,39 @@ def _table_entries(reply, catalog, path: str) -> list:
             raise ConnectError(f"shm handshake on {path}: a table entry no tableserver sends")
         index, rows, row_bytes, size = fields
         info = by_index.get(index)
+        disk = entry.get("tier") == "disk"
         if (
             info is None
             or index in seen
             or (info.rows, info.row_bytes) != (rows, row_bytes)
-            or not info.rows * info.row_bytes <= size <= info.rows * info.row_bytes + MAX_MAPPING_SLACK
+            or disk != (info.tier == "disk")
+            or not (disk or info.rows * info.row_bytes <= size <= info.rows * info.row_bytes + MAX_MAPPING_SLACK)
         ):
             raise ConnectError(f"shm table {str(entry.get('name'))[:64]!r} (index {index}) does not match the catalog")
         seen.add(index)
-        out.append((info, size))
+        out.append((info, None if disk else size))
     return out
+
+
+class RowsSocket(TcpTransport):
+    """Gathers of the server's disk tables over its shm endpoint's rows socket (tcp's protocol on a
+    Unix stream socket: same host, no network stack)."""
+
+    name = "shm"
+
+    def _dial(self, offer, deadline: float) -> socket.socket:
+        path = offer.shm.rows_socket_path
+        self.endpoint = path
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            sock.connect(path)
+        except OSError as e:
+            sock.close()
+            raise ConnectError(
+                f"cannot connect to the disk rows socket {path}: {e.strerror or e}: is the server still running?"
+            ) from None
+        return sock
 
 
 def check_mappable(fd: int, size: int, name: str) -> None:
@@ -150,12 +180,19 @@ class ShmTransport(ClientTransport):
         self._sock = sock
         self._maps: list[mmap.mmap] = []
         self._tables: dict[int, np.ndarray] = {}
+        self._rows: RowsSocket | None = None  # the disk tables' gathers, when the server has any
+        self._disk: set[int] = set()
         self._queue: collections.deque[_Copy] = collections.deque()
         self._ready = threading.Condition()
         self._worker: threading.Thread | None = None
         self._closed = False
         try:
             self._handshake(session, catalog)
+            if self._disk:
+                if not ep.rows_socket_path:
+                    raise ConnectError(f"shm socket {self.path}: disk tables but no rows socket (not a tableserver?)")
+                left = max(self._deadline - time.monotonic(), 0.001)
+                self._rows = RowsSocket(offer, session, catalog, left, options)
         except BaseException:
             self.close()
             raise
@@ -212,6 +249,8 @@ class ShmTransport(ClientTransport):
                     "server that opened this session"
                 )
             entries = _table_entries(reply, catalog, self.path)
+            self._disk = {info.index for info, size in entries if size is None}
+            entries = [(info, size) for info, size in entries if size is not None]
             if len(fds) != len(entries):
                 raise ConnectError(f"shm handshake on {self.path}: {len(entries)} tables but {len(fds)} descriptors")
             for (info, size), fd in zip(entries, fds):
@@ -231,6 +270,8 @@ class ShmTransport(ClientTransport):
         return self._tables.get(table_index)
 
     def gather(self, table_index, ids, out, sync=False, mode="read", expand=None, hedge_after=None) -> Pending:
+        if table_index in self._disk:
+            return self._rows.gather(table_index, ids, out, sync)
         if sync:  # the caller waits at once: a thread handoff would only add latency
             take_checked(self._tables[table_index], ids, out)  # checked by the caller; again here
             return DONE
@@ -277,6 +318,8 @@ class ShmTransport(ClientTransport):
             except BufferError:
                 pass
         self._maps.clear()
+        if self._rows is not None:
+            self._rows.close()
         if self._sock is not None:
             self._sock.close()
             self._sock = None

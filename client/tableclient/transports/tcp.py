@@ -149,20 +149,9 @@ class TcpTransport(ClientTransport):
     dedup_min_ids = 4096
 
     def __init__(self, offer, session, catalog, connect_timeout=10.0, options=DEFAULT_OPTIONS, prepared=None):
-        ep = offer.tcp
-        self.endpoint = f"{ep.host}:{ep.port}"
         self.busy_poll = max(0.0, float(options.busy_poll))
         deadline = time.monotonic() + connect_timeout  # connect and handshake, all of it
-        if not ep.host or len(ep.host) > 255 or not 0 < ep.port < 65536:
-            raise ConnectError(f"tcp offer {ep.host[:64]!r}:{ep.port}: not an address (not a tableserver?)")
-        try:
-            sock = _connect((ep.host, ep.port), deadline)
-        except OSError as e:
-            raise ConnectError(
-                f"cannot connect to the tcp data port {self.endpoint}: {e.strerror or e}: "
-                "check that the server's --tcp-listen/--tcp-advertise address is reachable"
-            ) from None
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock = self._dial(offer, deadline)
         self._sock = sock
         self._seal_tx = self._seal_rx = None  # seal.Direction each way when the server seals this connection
         self._scratch = copy_buffer(0)  # a sealed response as received (placed: no 4K aliasing)
@@ -182,6 +171,22 @@ class TcpTransport(ClientTransport):
         self._closed = False
         self._rx = threading.Thread(target=self._receive_loop, name="tableclient-tcp-rx", daemon=True)
         self._rx.start()
+
+    def _dial(self, offer, deadline: float) -> socket.socket:
+        """The connected socket of ``offer`` (a tcp endpoint here), by ``deadline``; sets ``endpoint``."""
+        ep = offer.tcp
+        self.endpoint = f"{ep.host}:{ep.port}"
+        if not ep.host or len(ep.host) > 255 or not 0 < ep.port < 65536:
+            raise ConnectError(f"tcp offer {ep.host[:64]!r}:{ep.port}: not an address (not a tableserver?)")
+        try:
+            sock = _connect((ep.host, ep.port), deadline)
+        except OSError as e:
+            raise ConnectError(
+                f"cannot connect to the tcp data port {self.endpoint}: {e.strerror or e}: "
+                "check that the server's --tcp-listen/--tcp-advertise address is reachable"
+            ) from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
 
     def _hello(self, session_id: bytes, secret: bytes, deadline: float) -> None:
         """Challenge-response: the secret never crosses the wire, and the server proves it holds it too.

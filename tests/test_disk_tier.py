@@ -1,0 +1,263 @@
+"""Disk tables (--disk-tables) served by the real daemon over tcp and the same-host path: bit-exact rows,
+the catalog's tier, faults answered with IO_ERROR while everything else keeps being served, start-up
+refusals, and the daemon's memory bounded by its I/O buffers, not the table."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+from conftest import local_tables, run_cli, start_daemon
+from tableclient import RemoteError, TableClient
+
+from tableserver.demo import DemoTable, write_demo_file
+
+DISK = "engram.layer14,dense.f32"
+
+
+@pytest.fixture(scope="module")
+def disk_daemon(demo_file, tmp_path_factory):
+    d = start_daemon(str(tmp_path_factory.mktemp("disk")), "--tables", demo_file, "--disk-tables", DISK)
+    yield d
+    d.stop()
+
+
+def _ids(rng, rows: int, shape) -> np.ndarray:
+    ids = rng.integers(0, rows, shape)
+    edges = np.array([0, rows - 1, 0, rows - 1, 1, 1, rows // 2, rows // 2]) % rows  # first, last, repeats
+    ids.flat[: min(ids.size, 8)] = edges[: min(ids.size, 8)]
+    return ids
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_disk_tables_bit_exact(disk_daemon, demo_local, transport):
+    with TableClient(disk_daemon.address, transport=transport) as c:
+        tiers = {name: c.table(name).info.tier for name in demo_local}
+        assert tiers == {"engram.layer1": "memory", "engram.layer14": "disk", "dense.f32": "disk", "tiny": "memory"}
+        rng = np.random.default_rng(3)
+        for name, local in demo_local.items():
+            t = c.table(name)
+            for shape in [(1,), (24,), (64, 24), (6144,)]:
+                ids = _ids(rng, t.rows, shape)
+                np.testing.assert_array_equal(t.gather(ids), local[ids], err_msg=f"{transport} {name} {shape}")
+        # both layers of a step at once: the disk layer's gather waits on the drive, the memory one does not
+        l1, l14 = c.table("engram.layer1"), c.table("engram.layer14")
+        a, b = _ids(rng, l1.rows, (1536,)), _ids(rng, l14.rows, (1536,))
+        h1, h14 = l1.gather_async(a), l14.gather_async(b)
+        np.testing.assert_array_equal(h14.wait(), demo_local["engram.layer14"][b])
+        np.testing.assert_array_equal(h1.wait(), demo_local["engram.layer1"][a])
+
+
+def test_disk_tables_sealed_tcp(demo_file, demo_local, tmp_path):
+    d = start_daemon(str(tmp_path / "d"), "--tables", demo_file, "--disk-tables", "all", "--data-encryption", "on")
+    try:
+        with TableClient(d.address, transport="tcp") as c:
+            rng = np.random.default_rng(4)
+            for name, local in demo_local.items():
+                ids = _ids(rng, local.shape[0], (700,))
+                np.testing.assert_array_equal(c.table(name).gather(ids), local[ids])
+    finally:
+        d.stop()
+
+
+def test_disk_tables_metrics_count_reads(disk_daemon):
+    with TableClient(disk_daemon.address, transport="tcp") as c:
+        c.table("engram.layer14").gather(np.arange(0, 6000, 3))
+    port = disk_daemon.ready["metrics"].rsplit(":", 1)[1]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and line[0] != "#"}
+    assert values['tableserver_table_on_disk{table="engram.layer14"}'] == 1.0
+    assert values['tableserver_table_on_disk{table="engram.layer1"}'] == 0.0
+    # 2,000 rows 3 rows apart span 6,000 * 264 B: every 4 KiB page of that range read once, none twice
+    pages = values['tableserver_disk_pages_read_total{table="engram.layer14"}']
+    assert pages >= -(-6000 * 264 // 4096)
+    assert values['tableserver_disk_gathers_total{table="engram.layer14"}'] >= 1
+    assert values['tableserver_disk_buffer_bytes{table="engram.layer14"}'] > 0
+
+
+def test_no_verify_is_honest_in_the_catalog(demo_file, demo_local, tmp_path):
+    d = start_daemon(str(tmp_path / "d"), "--tables", demo_file, "--disk-tables", "all", "--no-verify")
+    try:
+        with TableClient(d.address, transport="tcp") as c:
+            t = c.table("engram.layer14")
+            assert t.info.checksum.startswith("unverified:")
+            np.testing.assert_array_equal(t.gather([5, 6]), demo_local["engram.layer14"][[5, 6]])
+    finally:
+        d.stop()
+
+
+def test_unknown_disk_table_is_one_line(demo_file):
+    r = run_cli("serve", "--tables", demo_file, "--disk-tables", "engram.layer99", "--listen", "127.0.0.1:0")
+    assert r.returncode != 0
+    err = [line for line in r.stderr.splitlines() if "error:" in line]
+    assert len(err) == 1 and "--disk-tables engram.layer99: no such table" in err[0], r.stderr
+
+
+def test_truncated_disk_table_refused_at_start(demo_file, tmp_path):
+    path = str(tmp_path / "cut.bin")
+    shutil.copy(demo_file, path)
+    os.truncate(path, os.path.getsize(path) - 5000)
+    r = run_cli("serve", "--tables", path, "--disk-tables", "all", "--no-verify", "--listen", "127.0.0.1:0")
+    assert r.returncode != 0
+    err = [line for line in r.stderr.splitlines() if "error:" in line]
+    assert len(err) == 1 and "truncated" in err[0] and path in err[0], r.stderr
+
+
+def test_file_changed_under_the_daemon_fails_that_gather_only(demo_file, demo_local, tmp_path):
+    path = str(tmp_path / "served.bin")
+    shutil.copy(demo_file, path)
+    d = start_daemon(str(tmp_path / "d"), "--tables", path, "--disk-tables", "engram.layer14")
+    try:
+        with TableClient(d.address, transport="tcp") as c, TableClient(d.address, transport="shm") as other:
+            l14, l1 = c.table("engram.layer14"), c.table("engram.layer1")
+            ids = np.arange(100, 400)
+            np.testing.assert_array_equal(l14.gather(ids), demo_local["engram.layer14"][ids])
+            st = os.stat(path)
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # "written in place"
+            for _ in range(2):  # every gather of the changed file fails, clearly; none returns rows
+                with pytest.raises(RemoteError) as e:
+                    l14.gather(ids)
+                assert e.value.status == "IO_ERROR" and "modified" in e.value.message
+            # the same connection, the memory table and other sessions go on being served
+            np.testing.assert_array_equal(l1.gather(ids), demo_local["engram.layer1"][ids])
+            np.testing.assert_array_equal(other.table("engram.layer1").gather(ids), demo_local["engram.layer1"][ids])
+        port = d.ready["metrics"].rsplit(":", 1)[1]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert 'tableserver_disk_read_errors_total{table="engram.layer14"} 2.0' in text
+        assert 'tableserver_errors_total{reason="disk_io"} 2.0' in text
+    finally:
+        d.stop()
+
+
+def _metric(d, series: str) -> float:
+    port = d.ready["metrics"].rsplit(":", 1)[1]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.split(" ")[1])
+    raise AssertionError(f"no {series} in /metrics")
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.slow
+def test_rss_bounded_while_16_clients_gather(tmp_path):
+    """The daemon's memory holds its I/O buffers and reply buffers, never the table: its RSS while 16
+    clients gather from a 400 MB disk table grows by less than 5% of the table."""
+    path = write_demo_file(str(tmp_path / "big.bin"), [DemoTable("engram.layer14", 1_500_000, 264, 14)], seed=2)
+    table_bytes = 1_500_000 * 264
+    local = local_tables(path)["engram.layer14"]
+    d = start_daemon(str(tmp_path / "d"), "--tables", path, "--disk-tables", "all")
+    try:
+        time.sleep(0.5)
+        at_ready = _rss(d.proc.pid)
+        peak = [at_ready]
+        errors: list = []
+        stop = threading.Event()
+
+        def client(k: int) -> None:
+            rng = np.random.default_rng(k)
+            try:
+                with TableClient(d.address, transport="tcp" if k % 2 else "shm") as c:
+                    t = c.table("engram.layer14")
+                    while not stop.is_set():
+                        ids = rng.integers(0, t.rows, 1536)
+                        if not np.array_equal(t.gather(ids), local[ids]):
+                            errors.append(f"client {k}: wrong rows")
+            except Exception as e:  # surfaced below
+                errors.append(f"client {k}: {e!r}")
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(16)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline:
+            peak.append(_rss(d.proc.pid))
+            time.sleep(0.1)
+        stop.set()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors[:3]
+        grown = max(peak) - at_ready
+        assert grown < 0.05 * table_bytes, f"RSS grew {grown >> 20} MiB serving a {table_bytes >> 20} MiB disk table"
+        assert at_ready < table_bytes / 2, f"RSS {at_ready >> 20} MiB at SERVING for a {table_bytes >> 20} MiB table"
+    finally:
+        d.stop()
+
+
+def test_disk_shard_beside_a_memory_shard(demo_file, demo_local, tmp_path):
+    """Shard 0 of every table in one node's memory, shard 1 on another node's disk: one client gathers
+    across both, bit-exact."""
+    a = start_daemon(str(tmp_path / "a"), "--tables", demo_file, "--shard", "0/2", "--node-id", "mem")
+    b = start_daemon(str(tmp_path / "b"), "--tables", demo_file, "--shard", "1/2", "--node-id", "disk",
+                     "--disk-tables", "all")  # fmt: skip
+    try:
+        with TableClient(f"{a.address},{b.address}", transport="tcp") as c:
+            rng = np.random.default_rng(5)
+            for name, local in demo_local.items():
+                ids = _ids(rng, local.shape[0], (3000,))
+                np.testing.assert_array_equal(c.table(name).gather(ids), local[ids], err_msg=name)
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_io_error_fails_over_to_a_replica(demo_file, demo_local, tmp_path):
+    """One replica's disk table file changes under it: the gather gets its rows from the other replica
+    (both nodes stay up), and only a gather no replica can read raises IO_ERROR."""
+    paths = [str(tmp_path / f"r{k}.bin") for k in range(2)]
+    for p in paths:
+        shutil.copy(demo_file, p)
+    mtimes = [os.stat(p).st_mtime_ns for p in paths]
+    nodes = [
+        start_daemon(str(tmp_path / f"d{k}"), "--tables", p, "--disk-tables", "engram.layer14", "--node-id", f"n{k}")
+        for k, p in enumerate(paths)
+    ]
+
+    def touch(k: int, changed: bool) -> None:  # the reader compares mtimes: putting it back heals it
+        os.utime(paths[k], ns=(mtimes[k], mtimes[k] + (1_000_000_000 if changed else 0)))
+
+    series = 'tableserver_disk_read_errors_total{table="engram.layer14"}'
+    try:
+        with TableClient(",".join(n.address for n in nodes), transport="tcp") as c:
+            t = c.table("engram.layer14")
+            ids = np.arange(0, 3000, 2)
+            want = demo_local["engram.layer14"][ids]
+            np.testing.assert_array_equal(t.gather(ids), want)
+            for k in range(2):  # each replica's file changed in turn: whichever the client prefers fails once
+                touch(k, True)
+                for _ in range(3):
+                    np.testing.assert_array_equal(t.gather(ids), want)
+                    np.testing.assert_array_equal(t.gather_async(ids).wait(), want)
+                touch(k, False)
+            assert sum(_metric(n, series) for n in nodes) >= 1  # a replica refused, and the gather moved on
+            touch(0, True)
+            touch(1, True)
+            with pytest.raises(RemoteError) as e:
+                t.gather(ids)
+            assert e.value.status == "IO_ERROR"
+            np.testing.assert_array_equal(c.table("engram.layer1").gather(ids), demo_local["engram.layer1"][ids])
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def test_doctor_checks_disk_tables(demo_file):
+    r = run_cli("doctor", "--tables", demo_file, "--disk-tables", "engram.layer14")
+    lines = r.stdout.splitlines()
+    disk = [line for line in lines if "disk tables:" in line]
+    assert disk and disk[0].startswith("ok") and "engram.layer14" in disk[0], r.stdout
+    assert any(line.startswith("ok") and "1 served from disk" in line for line in lines), r.stdout
+    r = run_cli("doctor", "--tables", demo_file, "--disk-tables", "nope")
+    assert r.returncode == 1 and "--disk-tables nope: no such table" in r.stdout
