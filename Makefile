@@ -42,6 +42,8 @@ bench: $(DEV)
 	$(BIN)/python bench/bench_sglang.py
 	$(BIN)/python bench/bench_failover.py   # root: nodes in network namespaces (skips otherwise)
 	$(BIN)/python bench/soak.py             # 16 clients + a flood client, every row checked
+	$(BIN)/python bench/bench_disk.py       # the disk tier's reader against fio (needs fio)
+	$(BIN)/python bench/bench_disk_daemon.py --gib 2
 
 # Engram traffic replay + deadline model on the demo table: bench/out/replay.txt and replay_cdf.png
 replay: $(DEV)
