@@ -4,6 +4,7 @@
     tableserver gen-demo PATH                       write Engram-shaped demo tables
     tableserver pack OUT IN.safetensors [...]       build a table file from safetensors
     tableserver inspect FILE                        print a file's catalog, verify checksums
+    tableserver stripe FILE --table NAME OUT...     deal a table's rows over files on several drives
     tableserver demo                                demo table + server + client replay
     tableserver dashboard check|render --prometheus URL   check / draw the Grafana dashboard's queries
     tableserver doctor [--fix-pyverbs]              what this host lacks; link the host's pyverbs
@@ -24,7 +25,7 @@ from tableserver import __version__, logs
 from tableserver.common.model import ROW_BYTES, TABLE_ROWS
 from tableserver.errors import ConfigError, TableServerError
 
-COMMANDS = ("serve", "gen-demo", "pack", "inspect", "demo", "dashboard", "doctor")
+COMMANDS = ("serve", "gen-demo", "pack", "inspect", "stripe", "demo", "dashboard", "doctor")
 log = logging.getLogger("tableserver")
 
 
@@ -69,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="print a table file's catalog and verify its checksums")
     i.add_argument("path")
     i.add_argument("--no-verify", action="store_true", help="only print the catalog")
+
+    t = sub.add_parser("stripe", help="deal one table's rows over files on several drives (for --disk-stripes)")
+    t.add_argument("path", help="the table file")
+    t.add_argument("outputs", nargs="+", help="stripe files, one per drive, in order")
+    t.add_argument("--table", required=True, help="the table to stripe, e.g. engram.layer14")
+    t.add_argument("--unit", type=_positive_int, default=1 << 20, help="stripe unit in bytes (default 1 MiB)")
 
     d = sub.add_parser("demo", help="generate the demo table, start a server and replay decode steps")
     d.add_argument("--rows", type=_positive_int, default=None, help="rows per demo table (default 600000)")
@@ -135,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             "gen-demo": _gen_demo,
             "pack": _pack,
             "inspect": _inspect,
+            "stripe": _stripe,
             "demo": _demo,
             "dashboard": _dashboard,
             "doctor": _doctor,
@@ -199,6 +207,23 @@ def _inspect(args) -> int:
     from tableserver.pack import inspect_file
 
     return inspect_file(args.path, verify=not args.no_verify, out=sys.stdout)
+
+
+def _stripe(args) -> int:
+    from tableserver.stripe import stripe
+
+    for out in args.outputs:
+        _writable_target(out)
+    stripe(args.path, args.table, args.outputs, unit=args.unit)
+    log.info(
+        "striped %s over %d files; serve it with --disk-stripes %s=%s --disk-stripe-unit %d",
+        args.table,
+        len(args.outputs),
+        args.table,
+        ":".join(args.outputs),
+        args.unit,
+    )
+    return 0
 
 
 def _demo(args) -> int:

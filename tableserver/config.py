@@ -145,6 +145,11 @@ SERVE_OPTIONS = (
            "buffer holds that many rows)", metavar="N", lo=1, hi=65536, zero="no packing"),
     Option("disk_tables", "list", [], "tables served from disk instead of memory (names, or all): read page by page "
            "with O_DIRECT per gather, never loaded; memory holds only the I/O buffers", metavar="NAME[,NAME]|all"),
+    Option("disk_stripes", "list", [], "disk tables read from stripe files on several drives (written by "
+           "`tableserver stripe`), each NAME=FILE:FILE[:FILE...]; such a table is served from disk",
+           metavar="NAME=FILE:FILE"),
+    Option("disk_stripe_unit", "int", 1 << 20, "the stripe unit `tableserver stripe` used", metavar="BYTES",
+           lo=4096, hi=1 << 30),
     Option("disk_io", "choice", "auto", "how disk tables are read: io_uring, threads (a preadv thread pool), python "
            "(Python threads), or auto (io_uring where the kernel allows it, else threads)",
            choices=("auto", "io_uring", "threads", "python")),

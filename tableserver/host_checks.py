@@ -25,7 +25,7 @@ from tableserver.findings import Finding
 def run(cfg: dict, rdma: bool) -> list[Finding]:
     sizes, files = check_tables(cfg)
     out = [files]
-    if cfg.get("disk_tables"):
+    if cfg.get("disk_tables") or cfg.get("disk_stripes"):
         out.append(check_disk(cfg))
     out += [check_memory(cfg, sizes), check_memlock(cfg, sizes), check_numa_hugepages(cfg), check_cgroup()]
     out += check_ports(cfg)
@@ -52,7 +52,7 @@ def check_tables(cfg: dict) -> tuple[list[int], Finding]:
         entries += [(source, s) for s in specs]
         described.append(f"{path} ({len(specs)} tables, {sum(s.nbytes for s in specs) / 2**30:.2f} GiB)")
     try:
-        on_disk = disk_table_names(entries, cfg.get("disk_tables") or [])
+        on_disk = disk_table_names(entries, _disk_names(cfg))
     except TableServerError as e:
         return [], Finding("tables", "FAIL", str(e))
     sizes = [s.nbytes for _, s in entries if s.name not in on_disk]  # only memory tables need memory
@@ -61,20 +61,32 @@ def check_tables(cfg: dict) -> tuple[list[int], Finding]:
     return sizes, Finding("tables", "ok", ", ".join(described))
 
 
+def _disk_names(cfg: dict) -> list[str]:
+    from tableserver.stripe import parse_stripes
+
+    return list(cfg.get("disk_tables") or []) + list(parse_stripes(cfg.get("disk_stripes") or []))
+
+
 def check_disk(cfg: dict) -> Finding:
     """Opens each disk table as the daemon would (size, O_DIRECT probe, read engine), reading one page."""
-    from tableserver.diskio import DiskTable
+    from tableserver.loader import DiskOptions
     from tableserver.sources import open_source
+    from tableserver.stripe import parse_stripes
 
     seen = []
+    try:
+        names, stripes = _disk_names(cfg), parse_stripes(cfg.get("disk_stripes") or [])
+    except TableServerError as e:
+        return Finding("disk tables", "FAIL", str(e))
     for path in cfg.get("tables") or []:
         try:
             source = open_source(path)
             for spec in source.specs:
-                if "all" not in cfg["disk_tables"] and spec.name not in cfg["disk_tables"]:
+                if "all" not in names and spec.name not in names:
                     continue
-                with DiskTable(path, spec.offset, spec.rows, spec.row_bytes, io=cfg.get("disk_io", "auto"),
-                               queue_depth=cfg.get("disk_queue_depth", 64)) as t:  # fmt: skip
+                o = DiskOptions(cfg.get("disk_io", "auto"), cfg.get("disk_queue_depth", 64), 10.0,
+                                stripes.get(spec.name), cfg.get("disk_stripe_unit", 1 << 20))  # fmt: skip
+                with o.reader(path, spec, 0, spec.rows) as t:
                     if spec.rows:
                         t.gather([0, spec.rows - 1])
                     seen.append(f"{spec.name} ({t.engine}, {t.io_mode})")

@@ -206,11 +206,15 @@ def load_tables(
     disk_io: str = "auto",
     disk_queue_depth: int = 64,
     disk_timeout: float = 10.0,
+    disk_stripes: dict | None = None,
+    disk_stripe_unit: int = 1 << 20,
 ) -> TableSet:
     """Loads every table of every file in ``paths`` into pinned memory, but those named in
     ``disk_tables`` (``["all"]``: every one), which are served from their file: verified there
     (when ``verify``) and opened as a :class:`DiskTable` (``disk_io``, ``disk_queue_depth``,
-    ``disk_timeout`` are its engine, reads in flight and time limit).
+    ``disk_timeout`` are its engine, reads in flight and time limit). ``disk_stripes`` {name: files}
+    serves a table from the stripe files ``tableserver stripe`` wrote (unit ``disk_stripe_unit``), verified
+    through them.
 
     ``rows=(lo, hi)`` or ``shard=(k, n)`` load only a row range of each table
     (see :func:`row_range`).
@@ -231,7 +235,8 @@ def load_tables(
         raise TableFileError(f"{', '.join(paths)}: no tables found: pack some with `tableserver pack`")
     ranges = [row_range(s, rows, shard) for _, s in entries]
     sizes = [(hi - lo) * s.row_bytes for (_, s), (lo, hi) in zip(entries, ranges)]
-    on_disk = disk_table_names(entries, list(disk_tables))
+    stripes = disk_stripes or {}
+    on_disk = disk_table_names(entries, list(disk_tables) + list(stripes))
     in_memory = [size for (_, s), size in zip(entries, sizes) if s.name not in on_disk]
     plan = plan_memory([max(n, 1) for n in in_memory], hugepages=hugepages, lock=lock) if in_memory else None
     if plan is not None:
@@ -269,9 +274,9 @@ def load_tables(
                             pool,
                             advance,
                             verify,
-                            disk_io,
-                            disk_queue_depth,
-                            disk_timeout,
+                            DiskOptions(
+                                disk_io, disk_queue_depth, disk_timeout, stripes.get(spec.name), disk_stripe_unit
+                            ),
                         )
                     )
                     continue
@@ -304,27 +309,61 @@ def load_tables(
     return TableSet(tables, elapsed)
 
 
-def _open_disk_table(index, source, spec, rows, pool, advance, verify, disk_io, queue_depth, timeout) -> Table:
+@dataclass(frozen=True)
+class DiskOptions:
+    """How a disk table is read: engine, reads in flight, time limit, and its stripe files (None: the
+    table file itself) with their unit."""
+
+    io: str = "auto"
+    queue_depth: int = 64
+    timeout: float = 10.0
+    stripes: list | None = None
+    stripe_unit: int = 1 << 20
+
+    def reader(self, path: str, spec: TableSpec, lo: int, hi: int) -> DiskTable:
+        """A DiskTable of rows lo..hi-1 of ``spec`` from ``path`` or from the stripes."""
+        if self.stripes:
+            paths, offset, stripe = self.stripes, lo * spec.row_bytes, self.stripe_unit
+        else:
+            paths, offset, stripe = path, spec.offset + lo * spec.row_bytes, None
+        return DiskTable(paths, offset, hi - lo, spec.row_bytes, stripe=stripe, queue_depth=self.queue_depth,
+                         timeout=self.timeout, io=self.io)  # fmt: skip
+
+
+def _open_disk_table(index, source, spec, rows, pool, advance, verify, o: DiskOptions) -> Table:
     """A disk table: its chunks verified on disk (progress counted as they are), then its reader opened."""
     lo, hi = rows
-    if verify:
+    if verify and o.stripes:
+        with o.reader(source.path, spec, 0, spec.rows) as whole:  # chunks span rows outside a shard's
+            _verify_through(whole, spec, o, lambda n: advance(min(n, (hi - lo) * spec.row_bytes)))
+    elif verify:
         source.verify(spec, pool, lambda n: advance(min(n, (hi - lo) * spec.row_bytes)), rows=rows)
     else:
         advance((hi - lo) * spec.row_bytes)
-    reader = DiskTable(
-        source.path,
-        spec.offset + lo * spec.row_bytes,
-        hi - lo,
-        spec.row_bytes,
-        queue_depth=queue_depth,
-        timeout=timeout,
-        io=disk_io,
-    )
+    reader = o.reader(source.path, spec, lo, hi)
     checksum = spec.checksum if verify else unverified(spec.checksum)
     table = Table(index, spec, checksum, source.path, None, lo, hi, DiskQueue(reader, spec.name))
-    where = f"disk ({reader.engine}, {reader.io_mode}, queue depth {queue_depth})"
+    where = f"disk ({reader.engine}, {reader.io_mode}, queue depth {o.queue_depth}"
+    where += f", striped over {len(o.stripes)} files)" if o.stripes else ")"
     _log_table(table, where, verify, memory="disk", disk_engine=reader.engine, direct=reader.direct)
     return table
+
+
+def _verify_through(reader: DiskTable, spec: TableSpec, o: DiskOptions, advance) -> None:
+    """Every chunk of ``spec`` read back through ``reader`` (its stripes) against the table file's digests."""
+    from tableserver.tablefile import chunk_ranges
+
+    rb = spec.row_bytes
+    for i, (a, b) in enumerate(chunk_ranges(spec.nbytes, spec.chunk_bytes)):
+        r0, r1 = a // rb, -(-b // rb)
+        rows = reader.gather(np.arange(r0, r1, dtype=np.int64))
+        if not spec.chunk_ok(i, rows.reshape(-1)[a - r0 * rb : b - r0 * rb]):
+            raise TableFileError(
+                f"{':'.join(o.stripes)}: bytes {a}..{b - 1} of table {spec.name!r} read through the stripes do "
+                "not match the table file's checksum: pass the files `tableserver stripe` wrote for this table, "
+                f"in their order, and its unit as --disk-stripe-unit (now {o.stripe_unit})"
+            )
+        advance(b - a)
 
 
 def _log_table(t: Table, where: str, verify: bool, **fields) -> None:

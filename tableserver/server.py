@@ -34,6 +34,7 @@ from tableserver.logs import kv
 from tableserver.metrics import MetricsInterceptor, ServerMetrics
 from tableserver.progress import human_bytes
 from tableserver.sessions import SessionRegistry
+from tableserver.stripe import check_unit, parse_stripes
 from tableserver.transports import AUTO, KNOWN, open_transport
 
 log = logging.getLogger("tableserver.server")
@@ -66,6 +67,9 @@ class TableServer:
             else None
         )
         self.shard, self.rows = parse_row_range(cfg.get("shard", ""), cfg.get("rows", ""))
+        self.stripes = parse_stripes(cfg.get("disk_stripes", []))
+        if self.stripes:
+            check_unit(cfg.get("disk_stripe_unit", 1 << 20))
         self.metrics_host = cfg.get("metrics_host") or "127.0.0.1"
         self.metrics_tls = bool(cfg.get("metrics_tls"))
         if self.metrics_tls and not (cfg["tls_cert"] and cfg["tls_key"]):
@@ -304,6 +308,8 @@ class TableServer:
             disk_io=cfg.get("disk_io", "auto"),
             disk_queue_depth=cfg.get("disk_queue_depth", 64),
             disk_timeout=cfg.get("disk_timeout", 10.0),
+            disk_stripes=self.stripes,
+            disk_stripe_unit=cfg.get("disk_stripe_unit", 1 << 20),
         )
 
     def _announce(self) -> None:

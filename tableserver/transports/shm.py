@@ -135,7 +135,7 @@ class ShmTransport(ServerTransport):
             self.path = default_socket_path(self.options["control_port"])
         sock = bind_unix(self.path, socket.SOCK_SEQPACKET, self._gid, "shm socket")
         self._sock = sock
-        if self.options.get("disk_tables"):
+        if self.options.get("disk_tables") or self.options.get("disk_stripes"):
             base = self.path[:-5] if self.path.endswith(".sock") else self.path
             self.rows_port = UnixRowsPort(self.sessions, self.options, base + ".rows.sock", self._gid)
             self.rows_port.bind()
