@@ -55,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     layers = ",".join(map(str, TABLE_ROWS))
     g.add_argument("--layers", default=layers, help=f"one table per layer (default {layers})")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--page-aligned",
+        action="store_true",
+        help="lay rows out page-aligned: as many whole rows as fit at the start of each 4 KiB page (15 of 264 B), "
+        "so a disk table reads one page per row instead of two for the 6.4%% that straddle; 3.4%% more bytes",
+    )
 
     k = sub.add_parser("pack", help="build a table file from safetensors files")
     k.add_argument("output", help="table file to write")
@@ -65,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=1,
         help="content version recorded for every table",
+    )
+    k.add_argument(
+        "--page-aligned",
+        action="store_true",
+        help="lay rows out page-aligned: as many whole rows as fit at the start of each 4 KiB page (15 of 264 B), "
+        "so a disk table reads one page per row instead of two for the 6.4%% that straddle; 3.4%% more bytes",
     )
 
     i = sub.add_parser("inspect", help="print a table file's catalog and verify its checksums")
@@ -181,7 +193,7 @@ def _gen_demo(args) -> int:
     bar = Progress(sum(t.rows * t.row_bytes for t in tables), f"writing {args.path}")
     t0 = time.monotonic()
     _writable_target(args.path)
-    write_demo_file(args.path, tables, seed=args.seed, progress=bar.update)
+    write_demo_file(args.path, tables, seed=args.seed, progress=bar.update, page_aligned=args.page_aligned)
     bar.finish()
     log.info("wrote %s: %d tables in %.1f s", args.path, len(tables), time.monotonic() - t0)
     return 0
@@ -199,7 +211,7 @@ def _pack(args) -> int:
     from tableserver.pack import pack
 
     _writable_target(args.output)
-    pack(args.output, args.inputs, version=args.table_version)
+    pack(args.output, args.inputs, version=args.table_version, page_aligned=args.page_aligned)
     return 0
 
 

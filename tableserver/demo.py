@@ -14,13 +14,14 @@ number (xor a per-table salt) in their first 8 bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from dataclasses import dataclass
 
 import numpy as np
 
 from tableserver.common.model import FP8_BYTES, ROW_BYTES, SCALE_BYTES, TABLE_ROWS
-from tableserver.tablefile import ENGRAM_DTYPE, TableFileWriter, TableSpec
+from tableserver.tablefile import ENGRAM_DTYPE, TableFileWriter, TableSpec, rows_per_page
 
 DEFAULT_ROWS = 600_000  # x 264 B x 2 tables = 317 MB
 DEFAULT_LAYERS = tuple(TABLE_ROWS)  # (1, 14): the layers DeepSeek-V4.1 has a table for
@@ -92,10 +93,15 @@ class DemoRows:
         return out
 
 
-def write_demo_file(path: str, tables: list[DemoTable] | None = None, seed: int = 0, progress=None) -> str:
-    """Writes a demo table file atomically and returns its path."""
+def write_demo_file(
+    path: str, tables: list[DemoTable] | None = None, seed: int = 0, progress=None, page_aligned: bool = False
+) -> str:
+    """Writes a demo table file atomically and returns its path (``page_aligned``: see TableSpec)."""
     tables = tables if tables is not None else default_tables()
-    specs = [t.spec() for t in tables]
+    specs = [
+        dataclasses.replace(t.spec(), rows_per_page=rows_per_page(t.row_bytes)) if page_aligned else t.spec()
+        for t in tables
+    ]
     with TableFileWriter(path, specs, metadata={"demo": True, "seed": seed}) as w:
         for i, t in enumerate(tables):
             gen = DemoRows(t, seed)

@@ -4,7 +4,8 @@
 The disk tier's reader (issue 27): ``tableserver.loader`` opens one for each table served from disk.
 
 Layout. The table lives in a *logical file*: row ``r`` is the ``row_bytes`` bytes at logical byte
-``offset + r * row_bytes``.
+``offset + r * row_bytes`` -- or, page-aligned (``rows_per_page`` k), at ``offset + (r // k) * page +
+(r % k) * row_bytes``, so that no row straddles two pages (``row_base`` shifts the rows of a shard).
 
 * One file: the logical file is that file; logical byte ``L`` is at byte ``L`` of it.
 * Striped over ``n`` files with stripe unit ``stripe`` bytes (a multiple of ``page``): the logical file
@@ -194,6 +195,8 @@ class DiskTable:
         pool_pages: int | None = None,
         timeout: float = 30.0,
         io: str = "auto",
+        rows_per_page: int = 0,
+        row_base: int = 0,
     ):
         self.paths = [os.fspath(paths)] if isinstance(paths, (str, os.PathLike)) else [os.fspath(p) for p in paths]
         n = len(self.paths)
@@ -220,6 +223,16 @@ class DiskTable:
         self.offset, self.rows, self.row_bytes, self.page = int(offset), int(rows), int(row_bytes), int(page)
         self.stripe, self.queue_depth, self.timeout = int(stripe), int(queue_depth), float(timeout)
         self.nbytes = self.rows * self.row_bytes
+        #: page-aligned layout: ``rows_per_page`` rows at the start of each page (0: rows back to back);
+        #: ``row_base``: the table row this reader's row 0 is (a shard of a page-aligned table)
+        self.rows_per_page, self.row_base = int(rows_per_page), int(row_base)
+        if self.rows_per_page < 0 or self.rows_per_page * self.row_bytes > self.page or self.row_base < 0:
+            raise ValueError(
+                f"rows_per_page={rows_per_page} row_base={row_base}: a page of {self.page} B holds at most "
+                f"{self.page // self.row_bytes} rows of {self.row_bytes} B, and row_base must be >= 0"
+            )
+        if self.row_base and not self.rows_per_page:
+            raise ValueError("row_base is for page-aligned tables: add row_base * row_bytes to offset instead")
         #: most pages one row touches: a row of row_bytes starting anywhere in a page
         self._span = (self.row_bytes + self.page - 2) // self.page + 1
         if pool_pages is None:
@@ -275,8 +288,8 @@ class DiskTable:
     # -- opening ---------------------------------------------------------------------------------
 
     def _file_needs(self) -> list[int]:
-        """Bytes of each file that hold part of the logical range [0, offset + nbytes)."""
-        end = self.offset + self.nbytes
+        """Bytes of each file that hold part of the logical range [0, the end of the last row)."""
+        end = self.offset + (self._row_start(self.row_base + self.rows - 1) + self.row_bytes if self.rows else 0)
         n = len(self.paths)
         if n == 1:
             return [end]
@@ -484,9 +497,16 @@ class DiskTable:
             self._lock.release()
         return out
 
+    def _row_start(self, r):
+        """Logical byte (past ``offset``) of table row ``r`` (an int or an int64 array)."""
+        k = self.rows_per_page
+        if k:
+            return (r // k) * self.page + (r % k) * self.row_bytes
+        return r * self.row_bytes
+
     def _gather(self, ids: np.ndarray, out2: np.ndarray) -> None:
         page, rb = self.page, self.row_bytes
-        start = self.offset + ids * rb
+        start = self.offset + self._row_start(ids + self.row_base if self.row_base else ids)
         first = start // page
         last = (start + (rb - 1)) // page
         if self._span == 2:

@@ -322,18 +322,20 @@ class DiskOptions:
 
     def reader(self, path: str, spec: TableSpec, lo: int, hi: int) -> DiskTable:
         """A DiskTable of rows lo..hi-1 of ``spec`` from ``path`` or from the stripes."""
+        k = spec.rows_per_page  # page-aligned: the rows of a shard start at row_base, not at a byte offset
+        shift, base = (0, lo) if k else (lo * spec.row_bytes, 0)
         if self.stripes:
-            paths, offset, stripe = self.stripes, lo * spec.row_bytes, self.stripe_unit
+            paths, offset, stripe = self.stripes, shift, self.stripe_unit
         else:
-            paths, offset, stripe = path, spec.offset + lo * spec.row_bytes, None
+            paths, offset, stripe = path, spec.offset + shift, None
         return DiskTable(paths, offset, hi - lo, spec.row_bytes, stripe=stripe, queue_depth=self.queue_depth,
-                         timeout=self.timeout, io=self.io)  # fmt: skip
+                         timeout=self.timeout, io=self.io, rows_per_page=k, row_base=base)  # fmt: skip
 
 
 def _open_disk_table(index, source, spec, rows, pool, advance, verify, o: DiskOptions) -> Table:
     """A disk table: its chunks verified on disk (progress counted as they are), then its reader opened."""
     lo, hi = rows
-    if verify and o.stripes:
+    if verify and (o.stripes or spec.rows_per_page):
         with o.reader(source.path, spec, 0, spec.rows) as whole:  # chunks span rows outside a shard's
             _verify_through(whole, spec, o, lambda n: advance(min(n, (hi - lo) * spec.row_bytes)))
     elif verify:
@@ -351,13 +353,15 @@ def _open_disk_table(index, source, spec, rows, pool, advance, verify, o: DiskOp
 
 def _verify_through(reader: DiskTable, spec: TableSpec, o: DiskOptions, advance) -> None:
     """Every chunk of ``spec`` read back through ``reader`` (its stripes) against the table file's digests."""
-    from tableserver.tablefile import chunk_ranges
+    from tableserver.tablefile import checksum_error, chunk_ranges
 
     rb = spec.row_bytes
     for i, (a, b) in enumerate(chunk_ranges(spec.nbytes, spec.chunk_bytes)):
         r0, r1 = a // rb, -(-b // rb)
         rows = reader.gather(np.arange(r0, r1, dtype=np.int64))
         if not spec.chunk_ok(i, rows.reshape(-1)[a - r0 * rb : b - r0 * rb]):
+            if not o.stripes:
+                raise checksum_error(reader.paths[0], spec, i)
             raise TableFileError(
                 f"{':'.join(o.stripes)}: bytes {a}..{b - 1} of table {spec.name!r} read through the stripes do "
                 "not match the table file's checksum: pass the files `tableserver stripe` wrote for this table, "

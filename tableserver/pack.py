@@ -16,20 +16,23 @@ import numpy as np
 from tableserver.errors import ChecksumError, TableFileError
 from tableserver.progress import Progress, human_bytes
 from tableserver.sources import SafetensorsSource, open_source, open_sources
-from tableserver.tablefile import TableFileWriter, checksum_error, chunk_ranges
+from tableserver.tablefile import TableFileWriter, checksum_error, chunk_ranges, logical_bytes, rows_per_page
 
 log = logging.getLogger("tableserver.pack")
 _BLOCK_ROWS = 1 << 16
 
 
-def pack(output: str, inputs: list[str], version: int = 1) -> str:
+def pack(output: str, inputs: list[str], version: int = 1, page_aligned: bool = False) -> str:
     def safetensors_only(path, src):
         if not isinstance(src, SafetensorsSource):
             raise TableFileError(f"{path}: pack reads .safetensors files; this is already a table file")
 
     entries = open_sources(inputs, "comes from both", "pack them separately or rename a tensor", safetensors_only)
     sources = [src for src, _ in entries]
-    specs = [dataclasses.replace(spec, version=version) for _, spec in entries]
+    specs = [
+        dataclasses.replace(spec, version=version, rows_per_page=rows_per_page(spec.row_bytes) if page_aligned else 0)
+        for _, spec in entries
+    ]
     if not specs:
         raise TableFileError(f"no 2-D tensors in {', '.join(inputs)}: nothing to pack")
     bar = Progress(sum(s.nbytes for s in specs), f"packing {output}")
@@ -60,9 +63,8 @@ def inspect_file(path: str, verify: bool = True, out=None) -> int:
     bad = 0
     data = np.memmap(path, dtype=np.uint8, mode="r")
     for s in src.specs:
-        view = memoryview(data[s.offset : s.offset + s.nbytes])
         for c, (a, b) in enumerate(chunk_ranges(s.nbytes, s.chunk_bytes)):
-            if not s.chunk_ok(c, view[a:b]):
+            if not s.chunk_ok(c, np.ascontiguousarray(logical_bytes(data, s, a, b))):
                 err: ChecksumError = checksum_error(path, s, c)
                 w(f"FAIL  {err}\n")
                 bad += 1

@@ -50,13 +50,14 @@ def stripe(path: str, table: str, outputs: list[str], unit: int = DEFAULT_UNIT, 
         raise TableFileError(f"{path}: no table {table!r} (it holds {names}): pass --table NAME")
     n = len(outputs)
     temps: list[tuple[int, str]] = []
-    bar = Progress(spec.nbytes, f"striping {table} over {n} files", mode=progress)
+    size = spec.file_bytes  # the bytes as laid out (a page-aligned table: its pages)
+    bar = Progress(size, f"striping {table} over {n} files", mode=progress)
     try:
         for out in outputs:
             temps.append(create_temp(out))
         with open(path, "rb", buffering=0) as src:
-            for u, at in enumerate(range(0, spec.nbytes, unit)):
-                length = min(unit, spec.nbytes - at)
+            for u, at in enumerate(range(0, size, unit)):
+                length = min(unit, size - at)
                 fd = temps[u % n][0]
                 dest = (u // n) * unit
                 done = 0

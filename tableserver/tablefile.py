@@ -45,6 +45,12 @@ from tableserver.errors import ChecksumError, TableFileError
 
 MAGIC = b"TBLSRV01"
 FORMAT_VERSION = 1
+#: the version of a file holding a page-aligned table (an older reader must refuse it: it would read
+#: its rows at row-major offsets)
+ALIGNED_FORMAT_VERSION = 2
+READ_VERSIONS = (FORMAT_VERSION, ALIGNED_FORMAT_VERSION)
+#: a page-aligned table's page: ``rows_per_page`` rows at its start, the rest zero
+PAGE_BYTES = 4096
 PREAMBLE = struct.Struct("<8sHHIIIQ32x")
 assert PREAMBLE.size == 64
 ALIGNMENT = 2 << 20  # 2 MiB: a table can go straight into 2 MiB hugepages
@@ -117,10 +123,21 @@ class TableSpec:
     chunk_bytes: int = CHUNK_BYTES
     chunk_sha256: tuple[bytes, ...] | None = None  # files written since the digest was added
     metadata: dict = field(default_factory=dict, compare=False, hash=False)
+    #: 0: rows back to back (row-major); k: page-aligned, k rows at the start of each 4 KiB page (no row
+    #: straddles two pages: one page read per row from disk). Checksums cover the rows alone either way.
+    rows_per_page: int = 0
 
     @property
     def nbytes(self) -> int:
+        """The rows' bytes (what checksums cover, what memory holds)."""
         return self.rows * self.row_bytes
+
+    @property
+    def file_bytes(self) -> int:
+        """The bytes the table takes in its file."""
+        if self.rows_per_page:
+            return -(-self.rows // self.rows_per_page) * PAGE_BYTES
+        return self.nbytes
 
     @property
     def checksum(self) -> str:
@@ -197,10 +214,10 @@ def read_header(path: str) -> TableFileHeader:
                 f"{path}: not a tableserver table file (magic {magic[:8]!r}, expected {MAGIC!r}): "
                 "pass a file made by `tableserver pack` or `tableserver gen-demo`, or a .safetensors file"
             )
-        if version != FORMAT_VERSION:
+        if version not in READ_VERSIONS:
             raise TableFileError(
-                f"{path}: table file format version {version}, this tableserver reads version "
-                f"{FORMAT_VERSION}: upgrade tableserver or re-pack the file"
+                f"{path}: table file format version {version}, this tableserver reads versions "
+                f"{', '.join(map(str, READ_VERSIONS))}: upgrade tableserver or re-pack the file"
             )
         if header_bytes == 0 or header_bytes > MAX_HEADER_BYTES:
             raise _bad(path, f"bad header length {header_bytes}")
@@ -260,7 +277,7 @@ def _parse_header(path: str, file_size: int, data_offset: int, header_bytes: int
                 path,
                 f"bad header: table {spec.name!r} offset {spec.offset} is before the data or not {alignment}-aligned",
             )
-        end = spec.offset + spec.nbytes
+        end = spec.offset + spec.file_bytes
         if end > file_size:
             raise TableFileError(
                 f"{path}: truncated table file: table {spec.name!r} ends at byte {end} but the file has "
@@ -269,7 +286,7 @@ def _parse_header(path: str, file_size: int, data_offset: int, header_bytes: int
         specs.append(spec)
     ordered = sorted(specs, key=lambda s: s.offset)
     for a, b in zip(ordered, ordered[1:]):
-        if a.offset + a.nbytes > b.offset:
+        if a.offset + a.file_bytes > b.offset:
             raise _bad(path, f"bad header: tables {a.name!r} and {b.name!r} overlap")
     return TableFileHeader(
         path=path,
@@ -320,6 +337,9 @@ def _parse_table(t: dict, chunk_bytes: int) -> TableSpec:
     if not isinstance(raw_shape, list) or len(raw_shape) > 8:
         raise ValueError("shape must be a list of at most 8 integers")
     shape = tuple(_int({"shape": x}, "shape") for x in raw_shape)
+    per_page = _int(t, "rows_per_page", 0)
+    if per_page < 0 or per_page * row_bytes > PAGE_BYTES:
+        raise ValueError(f"rows_per_page {per_page} of {row_bytes} B rows does not fit a {PAGE_BYTES} B page")
     return TableSpec(
         name=name,
         rows=rows,
@@ -333,7 +353,31 @@ def _parse_table(t: dict, chunk_bytes: int) -> TableSpec:
         chunk_bytes=chunk_bytes,
         chunk_sha256=shas,
         metadata=dict(t.get("metadata") or {}),
+        rows_per_page=per_page,
     )
+
+
+def rows_per_page(row_bytes: int) -> int:
+    """Rows of ``row_bytes`` in a page-aligned layout's page; TableFileError for rows larger than a page."""
+    if row_bytes > PAGE_BYTES:
+        raise TableFileError(
+            f"rows of {row_bytes} B are larger than a {PAGE_BYTES} B page: page alignment is for smaller rows; "
+            "pack without --page-aligned"
+        )
+    return PAGE_BYTES // row_bytes
+
+
+def logical_bytes(mapped: np.ndarray, spec: TableSpec, a: int, b: int) -> np.ndarray:
+    """Bytes [a, b) of ``spec``'s rows, back to back, from ``mapped`` (its whole file as uint8): a view for
+    a row-major table, a copy of the pages' rows for a page-aligned one."""
+    if not spec.rows_per_page:
+        return mapped[spec.offset + a : spec.offset + b]
+    k, rb = spec.rows_per_page, spec.row_bytes
+    r0, r1 = a // rb, -(-b // rb)
+    p0, p1 = r0 // k, (r1 - 1) // k + 1
+    pages = mapped[spec.offset + p0 * PAGE_BYTES : spec.offset + p1 * PAGE_BYTES].reshape(-1, PAGE_BYTES)
+    rows = pages[:, : k * rb].reshape(-1)[(r0 - p0 * k) * rb : (r1 - p0 * k) * rb]
+    return rows[a - r0 * rb : b - r0 * rb]
 
 
 def verify_table(path: str, spec: TableSpec, data) -> None:
@@ -398,9 +442,12 @@ class TableFileWriter:
         self.data_offset = offset
         self.offsets = []
         for s in specs:
+            if s.rows_per_page < 0 or s.rows_per_page * s.row_bytes > PAGE_BYTES:
+                raise ValueError(f"table {s.name!r}: {s.rows_per_page} rows of {s.row_bytes} B do not fit a page")
             self.offsets.append(offset)
-            offset = align_up(offset + s.nbytes, alignment)
-        self.file_size = self.offsets[-1] + specs[-1].nbytes if specs else self.data_offset
+            offset = align_up(offset + s.file_bytes, alignment)
+        self.file_size = self.offsets[-1] + specs[-1].file_bytes if specs else self.data_offset
+        self._carry: list[np.ndarray | None] = [None] * len(specs)  # a page-aligned table's rows of its last page
         self._fd, self.tmp_path = create_temp(path)
         os.ftruncate(self._fd, self.file_size)
 
@@ -420,15 +467,20 @@ class TableFileWriter:
             "version": s.version,
             "offset": 0 if placeholder else self.offsets[i],
             "nbytes": s.nbytes,
+            **({"rows_per_page": s.rows_per_page} if s.rows_per_page else {}),
             "metadata": s.metadata,
             "chunk_crc32": crcs,
             "chunk_sha256": shas,
         }
 
+    @property
+    def format_version(self) -> int:
+        return ALIGNED_FORMAT_VERSION if any(s.rows_per_page for s in self._specs) else FORMAT_VERSION
+
     def _header_bytes(self, placeholder: bool) -> bytes:
         doc = {
             "format": "tableserver-tables",
-            "version": FORMAT_VERSION,
+            "version": self.format_version,
             "alignment": self.alignment,
             "chunk_bytes": self.chunk_bytes,
             "created_by": self.created_by,
@@ -451,8 +503,30 @@ class TableFileWriter:
         if self._written[table] + block.nbytes > s.nbytes:
             raise ValueError(f"too many rows for table {s.name!r} ({s.rows} rows)")
         view = memoryview(block).cast("B")
-        _pwrite_all(self._fd, view, self.offsets[table] + self._written[table])
+        if s.rows_per_page:
+            self._write_pages(table, block)
+        else:
+            _pwrite_all(self._fd, view, self.offsets[table] + self._written[table])
         self._crc_update(table, view)
+
+    def _write_pages(self, table: int, block: np.ndarray, last: bool = False) -> None:
+        """A page-aligned table's next rows, written in whole pages; the rows of a page not yet full wait
+        for the next append (or, ``last``, are written as the table's last page)."""
+        s = self._specs[table]
+        k, rb = s.rows_per_page, s.row_bytes
+        carry = self._carry[table]
+        rows = block if carry is None else np.concatenate((carry, block))
+        first_row = self._written[table] // rb - (0 if carry is None else len(carry))  # a multiple of k
+        pages = -(-len(rows) // k) if last else len(rows) // k
+        if pages:
+            buf = np.zeros((pages, PAGE_BYTES), np.uint8)
+            held = min(len(rows), pages * k)
+            flat = np.zeros((pages * k, rb), np.uint8)
+            flat[:held] = rows[:held]
+            buf[:, : k * rb] = flat.reshape(pages, k * rb)
+            _pwrite_all(self._fd, memoryview(buf).cast("B"), self.offsets[table] + first_row // k * PAGE_BYTES)
+        rest = rows[pages * k :]
+        self._carry[table] = rest.copy() if len(rest) else None
 
     def skip(self, table: int, rows: int) -> None:
         """Appends ``rows`` zero rows without writing them (the file stays sparse there)."""
@@ -460,6 +534,10 @@ class TableFileWriter:
         end = self._written[table] + rows * s.row_bytes
         if end > s.nbytes:
             raise ValueError(f"too many rows for table {s.name!r} ({s.rows} rows)")
+        if s.rows_per_page:  # its pages are written whole: zero rows are appended (not sparse)
+            for a in range(0, rows, 1 << 16):
+                self.append(table, np.zeros((min(1 << 16, rows - a), s.row_bytes), np.uint8))
+            return
         zero_chunk = None
         while self._written[table] < end:
             pos = self._written[table]
@@ -499,13 +577,15 @@ class TableFileWriter:
         for i, s in enumerate(self._specs):
             if self._written[i] != s.nbytes:
                 raise ValueError(f"table {s.name!r}: wrote {self._written[i]} of {s.nbytes} bytes")
+            if self._carry[i] is not None:
+                self._write_pages(i, np.empty((0, s.row_bytes), np.uint8), last=True)
             if s.nbytes % self.chunk_bytes:
                 self._crcs[i].append(self._running[i])
                 self._shas[i].append(self._hashers[i].digest())
         header = self._header_bytes(placeholder=False)
         if PREAMBLE.size + len(header) > self.data_offset:
             raise AssertionError("header outgrew its reservation")
-        pre = PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(header), zlib.crc32(header), 0, self.data_offset)
+        pre = PREAMBLE.pack(MAGIC, self.format_version, 0, len(header), zlib.crc32(header), 0, self.data_offset)
         _pwrite_all(self._fd, memoryview(pre + header), 0)
         os.fsync(self._fd)
         os.close(self._fd)

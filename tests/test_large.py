@@ -58,3 +58,27 @@ def test_large_table_bit_exact(large_file, tmp_path):
                 np.testing.assert_array_equal(c.table("after").gather(after), local["after"][after])
     finally:
         d.stop()
+
+
+def test_large_table_from_disk(large_file, tmp_path):
+    """The same table served from disk (--disk-tables): page reads at byte offsets past 4 GiB, over tcp and
+    the same-host rows socket."""
+    local = local_tables(large_file)
+    d = start_daemon(str(tmp_path / "d"), "--tables", large_file, "--disk-tables", "all")
+    try:
+        rng = np.random.default_rng(1)
+        ids = np.concatenate(
+            [rng.integers(a, b, 1000) for a, b in REAL] + [np.arange(BOUNDARY_ROW - 3, BOUNDARY_ROW + 4), [0, ROWS - 1]]
+        )
+        assert (ids.astype(np.int64) * 264 > 1 << 32).sum() > 1000
+        for transport in ("shm", "tcp"):
+            with TableClient(d.address, transport=transport) as c:
+                t = c.table("big")
+                assert t.info.tier == "disk"
+                rows = t.gather(ids)
+                np.testing.assert_array_equal(rows, local["big"][ids])
+                assert rows[-1].any() and rows[0].any()
+                after = np.arange(0, 10_000, 7)
+                np.testing.assert_array_equal(c.table("after").gather(after), local["after"][after])
+    finally:
+        d.stop()

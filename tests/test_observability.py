@@ -542,7 +542,7 @@ def test_real_prometheus_evaluates_every_dashboard_query(tmp_path, demo_file):
             )
             # every alerting rule of deploy/prometheus/alerts.yml loaded and evaluated against real data
             rules = _wait_rules_evaluated(prom)
-            assert len(rules) == 6 and all(r["health"] == "ok" for r in rules), rules
+            assert len(rules) == 7 and all(r["health"] == "ok" for r in rules), rules
         assert work.stop_workers() == [0, 0]
     finally:
         if work is not None:
