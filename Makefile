@@ -14,10 +14,10 @@ $(BASE): setup.cfg pyproject.toml setup.py tableserver/common/_take.c client/tab
 	$(BIN)/python -m pip install -q -e .
 	touch $@
 
-# SGLang (pinned) for the plugin's tests: --no-deps keeps its CUDA torch pin out (tests/requirements-sglang.txt)
-$(DEV): $(BASE) tests/requirements-sglang.txt
+# SGLang and vLLM (pinned) for the plugins' tests: --no-deps keeps their CUDA torch pins out (tests/requirements-engines.txt)
+$(DEV): $(BASE) tests/requirements-engines.txt
 	$(BIN)/python -m pip install -q "$(TORCH)" -e '.[dev]'
-	$(BIN)/python -m pip install -q --no-deps -r tests/requirements-sglang.txt
+	$(BIN)/python -m pip install -q --no-deps -r tests/requirements-engines.txt
 	touch $@
 
 demo: $(BASE)
@@ -40,6 +40,7 @@ bench: $(DEV)
 	$(BIN)/python bench/bench_load.py
 	$(BIN)/python bench/bench_rdma.py
 	$(BIN)/python bench/bench_sglang.py
+	$(BIN)/python bench/bench_vllm.py       # vLLM's Engram layers with and without the plugin: table memory
 	$(BIN)/python bench/bench_failover.py   # root: nodes in network namespaces (skips otherwise)
 	$(BIN)/python bench/soak.py             # 16 clients + a flood client, every row checked
 	$(BIN)/python bench/bench_disk.py       # the disk tier's reader against fio (needs fio)

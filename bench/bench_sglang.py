@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,19 +35,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
+from common import rss_bytes, run_placements  # noqa: E402
+
 from tableserver.common.model import ROW_BYTES, ROWS_PER_TOKEN  # noqa: E402
 
 CASES = {"local": {}, "mixed": {1: "local", 14: "remote"}, "remote": {1: "remote", 14: "remote"}}
-
-
-def rss_bytes() -> int:
-    """Resident anonymous + shared memory of this process (not file pages: the checkpoint's page cache)."""
-    total = 0
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("RssAnon:", "RssShmem:")):
-                total += int(line.split()[1]) * 1024
-    return total
 
 
 def engram_config(rows_per_layer: int):
@@ -77,8 +68,8 @@ def engram_config(rows_per_layer: int):
 def run_case(case: str, table: str, address: str, rows_per_layer: int) -> dict:
     """In this (fresh) process: build and load SGLang's layers under ``case``; measure."""
     import numpy as np
-    import sglang_cpu  # noqa: F401  (CPU torch: torchvision's op schemas)
     import torch
+    import torchvision_cpu  # noqa: F401  (CPU torch: torchvision's op schemas)
     from sglang.srt.layers.engram import Engram, EngramHasher, EngramLayout, build_compressed_token_map
     from sglang.srt.runtime_context import get_parallel
     from tableclient.sglang import PluginConfig, configure, hooks
@@ -145,7 +136,7 @@ def main() -> int:
     if args.case:
         print(json.dumps(run_case(args.case, args.table, args.address, args.rows_per_layer)))
         return 0
-    import sglang_cpu  # noqa: F401
+    import torchvision_cpu  # noqa: F401
 
     from tableserver.demo import DemoTable, write_demo_file
     from tableserver.demo_run import start_server
@@ -160,29 +151,10 @@ def main() -> int:
         )
         proc, ready = start_server(table, tmp)
         try:
-            results = []
-            for case in CASES:
-                res = subprocess.run(
-                    [
-                        sys.executable,
-                        __file__,
-                        "--case",
-                        case,
-                        "--table",
-                        table,
-                        "--address",
-                        ready["control"],
-                        "--rows-per-layer",
-                        str(args.rows_per_layer),
-                    ],
-                    capture_output=True,
-                    text=True,
-                    check=False,
-                )
-                if res.returncode != 0:
-                    print(res.stderr[-3000:], file=sys.stderr)
-                    return 1
-                results.append(json.loads(res.stdout.strip().splitlines()[-1]))
+            argv = ["--table", table, "--address", ready["control"], "--rows-per-layer", str(args.rows_per_layer)]
+            results = run_placements(__file__, CASES, argv)
+            if results is None:
+                return 1
         finally:
             proc.terminate()
             proc.wait(30)

@@ -13,6 +13,34 @@ from tableserver.demo import DemoTable, write_demo_file  # noqa: E402
 from tableserver.demo_run import cache_dir  # noqa: E402
 
 
+def rss_bytes() -> int:
+    """Resident anonymous + shared memory of this process (not file pages: a checkpoint's page cache)."""
+    total = 0
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("RssAnon:", "RssShmem:")):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def run_placements(script: str, cases, argv: list, env: dict | None = None) -> list | None:
+    """``python script --case CASE *argv`` for each case, one fresh process each, in order: the JSON line
+    each prints last, or None (their error printed) as soon as one fails."""
+    import json
+    import subprocess
+
+    results = []
+    for case in cases:
+        res = subprocess.run(
+            [sys.executable, script, "--case", case, *argv], capture_output=True, text=True, check=False, env=env
+        )
+        if res.returncode != 0:
+            print(res.stderr[-3000:], file=sys.stderr)
+            return None
+        results.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    return results
+
+
 def bench_table(gib: float) -> str:
     rows = int(gib * 2**30) // ROW_BYTES
     path = os.path.join(cache_dir(), f"bench-{rows}.bin")

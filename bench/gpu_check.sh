@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU-side checks in one run (at most ~10 minutes), for a machine with a CUDA GPU and a CUDA build of
 # torch (CI has none, so these tests skip there): the CUDA tests (pinned step staging, its copy in a CUDA
-# graph, the plugin inside SGLang 0.5.23 on the GPU), bench/bench_gpu.py, bench/bench_graph.py (served
+# graph, the vLLM plugin's device copies (vLLM itself is not on that machine), the plugin inside SGLang
+# 0.5.23 on the GPU), bench/bench_gpu.py, bench/bench_graph.py (served
 # layers in captured CUDA graphs: before_replay and in_graph, 100 steps a bucket, a frozen and a killed
 # server) and, on the machine's cores, bench/bench_transports.py (tcp against loopback bulk).
 #
@@ -10,7 +11,7 @@
 # WHEELS=DIR first installs every wheel in DIR (pip --no-index --no-deps --target), for a GPU machine with
 # no package index: this project's wheel (`TABLESERVER_BUILD_NATIVE=0 pip wheel --no-deps .`: pure, for any
 # Python; the repo's own tableserver then runs numpy's take), sglang==0.5.23 and the packages of
-# tests/requirements-sglang.txt that the machine's Python lacks. SGLang 0.5.23's CUDA code paths import
+# tests/requirements-engines.txt that the machine's Python lacks. SGLang 0.5.23's CUDA code paths import
 # sglang-kernel 0.4.10 and sgl-deep-gemm at load time (compiled for the torch 2.14.1 it pins): without
 # them its Engram modules cannot load on a GPU, and the SGLang tests here fail at collection or setup.
 set -u
@@ -25,8 +26,10 @@ export PYTHONUNBUFFERED=1
 python3 -c 'import torch, numpy, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "numpy",
 numpy.__version__, "cuda", torch.cuda.is_available() and torch.cuda.get_device_name())' || exit 1
 rc=0
-# the step API's CUDA tests on their own: a collection error in the SGLang modules must not stop them
-timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_step.py 2>&1 | tee "$out/gpu_tests.log"
+# the step API's and the vLLM plugin's CUDA tests on their own (no engine needed): a collection error in the
+# SGLang modules must not stop them
+timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_step.py tests/test_vllm_gpu.py 2>&1 \
+    | tee "$out/gpu_tests.log"
 [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_sglang_gpu.py \
     tests/test_sglang_plugin.py 2>&1 | tee -a "$out/gpu_tests.log"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import sglang_cpu  # noqa: F401  (before sglang: torchvision on a CPU torch)
 import torch
+import torchvision_cpu  # noqa: F401  (before sglang: torchvision on a CPU torch)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tableclient.engram import (

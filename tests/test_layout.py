@@ -66,6 +66,8 @@ def test_the_tree_keeps_every_contract(tree):
             "import tableclient.sglang.hooks",
             "is not allowed to import tableclient.sglang",
         ),
+        ("tableclient/engine/config.py", "import vllm.config", "is not allowed to import vllm"),
+        ("tableclient/sglang/hooks.py", "import tableclient.vllm.hooks", "is not allowed to import tableclient.vllm"),
     ],
 )
 def test_a_forbidden_import_breaks_its_contract(tree, module, line, broken):

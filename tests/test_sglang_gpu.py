@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import sglang_cpu  # noqa: F401
 import torch
+import torchvision_cpu  # noqa: F401
 from test_sglang_plugin import (  # noqa: F401  (fixtures)
     HC,
     HIDDEN,

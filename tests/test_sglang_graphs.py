@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import sglang_cpu  # noqa: F401  (before sglang: torchvision on a CPU torch)
+import torchvision_cpu  # noqa: F401  (before sglang: torchvision on a CPU torch)
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("sglang.srt.layers.engram")

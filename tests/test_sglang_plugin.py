@@ -19,9 +19,9 @@ import signal
 
 import numpy as np
 import pytest
-import sglang_cpu  # noqa: F401  (before sglang: torchvision on a CPU torch)
+import torchvision_cpu  # noqa: F401  (before sglang: torchvision on a CPU torch)
 from conftest import local_tables, start_daemon
-from tests_helpers import scrape, value
+from tests_helpers import as_version, resident_share, run_fresh, scrape, value
 
 from tableserver.demo import DemoTable, write_demo_file
 
@@ -400,26 +400,6 @@ def test_scheduler_staging_channel_is_apart_from_the_forward(plugin, model_confi
 
 
 # ---------------------------------------------------------------------- checkpoint loading
-def _resident(path: str, start: int, end: int) -> float:
-    """Share of the file's bytes [start, end) in the page cache (mincore)."""
-    import ctypes
-    import mmap
-
-    page = mmap.PAGESIZE
-    start -= start % page
-    libc = ctypes.CDLL(None, use_errno=True)
-    with open(path, "rb") as f:
-        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-        try:
-            addr = np.frombuffer(m, np.uint8).ctypes.data
-            pages = (end - start + page - 1) // page
-            vec = (ctypes.c_ubyte * pages)()
-            assert libc.mincore(ctypes.c_void_p(addr + start), ctypes.c_size_t(end - start), vec) == 0
-            return sum(v & 1 for v in vec) / pages
-        finally:
-            m.close()
-
-
 @pytest.mark.parametrize(
     "iterator",
     [
@@ -458,7 +438,7 @@ def test_checkpoint_tensors_of_served_tables_are_never_read(plugin, memnode, tmp
         for k, v in header.items()
         if k != "__metadata__"
     }
-    if max(_resident(path, *span) for span in spans.values()) > 0.5:
+    if max(resident_share(path, *span) for span in spans.values()) > 0.5:
         pytest.skip("this filesystem keeps the file in the page cache (tmpfs?): cannot tell what was read")
 
     configure(PluginConfig(address=memnode.address, transport="tcp", layers={1: "local"}))
@@ -471,9 +451,9 @@ def test_checkpoint_tensors_of_served_tables_are_never_read(plugin, memnode, tmp
     assert set(got) == set(tensors) - served
     for k in got:
         assert torch.equal(got[k], tensors[k])
-    assert _resident(path, *spans["layers.1.engram.embed.weight"]) > 0.5  # read
+    assert resident_share(path, *spans["layers.1.engram.embed.weight"]) > 0.5  # read
     # never read: at most the kernel's readahead next to what was read (the 4.8 MB scales may be all of it)
-    assert _resident(path, *spans["layers.14.engram.embed.weight"]) < 0.25
+    assert resident_share(path, *spans["layers.14.engram.embed.weight"]) < 0.25
     # whatever iterator a load format uses, load_weights itself drops served tables' tensors too
     assert hooks._wraps(DeepseekV4ForCausalLM.load_weights, hooks._load_weights)
     configure(PluginConfig(address=memnode.address, layers={1: "local"}))
@@ -492,19 +472,12 @@ def test_checkpoint_tensors_of_served_tables_are_never_read(plugin, memnode, tmp
 
 
 # ---------------------------------------------------------------------- refusing to start
-def _launch(env_extra: dict, code: str = "from sglang.srt.plugins import load_plugins; load_plugins()"):
+LOAD_PLUGINS = "from sglang.srt.plugins import load_plugins; load_plugins()\n"
+
+
+def _launch(env_extra: dict, code: str = LOAD_PLUGINS):
     """SGLang's plugin loading in a fresh process, as a scheduler process starts."""
-    import subprocess
-    import sys
-
-    from conftest import EVENT_TIMEOUT, ROOT
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TABLESERVER_")}
-    env.update(SGLANG_PLUGINS="tableserver", **env_extra)
-    prelude = "import sys; sys.path.insert(0, 'tests'); import sglang_cpu\n"
-    return subprocess.run(
-        [sys.executable, "-c", prelude + code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=EVENT_TIMEOUT
-    )
+    return run_fresh(code, {"SGLANG_PLUGINS": "tableserver", **env_extra}, prelude="torchvision_cpu")
 
 
 def test_enabled_but_misconfigured_stops_start_up_with_one_line(tmp_path):
@@ -522,12 +495,7 @@ def test_enabled_but_misconfigured_stops_start_up_with_one_line(tmp_path):
 
 def test_other_sglang_versions_are_refused(tmp_path):
     """Until a version is tested, the plugin refuses it at start-up (SGLang itself only logs plugin errors)."""
-    code = (
-        "import importlib.metadata as m; real = m.version\n"
-        "m.version = lambda name: '0.5.24' if name == 'sglang' else real(name)\n"
-        "from sglang.srt.plugins import load_plugins; load_plugins()\n"
-    )
-    res = _launch({"TABLESERVER_ADDRESS": "mem:7070"}, code)
+    res = _launch({"TABLESERVER_ADDRESS": "mem:7070"}, as_version("sglang", "0.5.24", LOAD_PLUGINS))
     assert res.returncode != 0
     assert res.stderr.strip().splitlines()[-1] == (
         "tableserver plugin: SGLang 0.5.24 is not supported (tested with 0.5.23, whose Engram internals it hooks): "
@@ -536,10 +504,8 @@ def test_other_sglang_versions_are_refused(tmp_path):
 
 
 def test_not_configured_leaves_sglang_alone():
-    code = (
-        "from sglang.srt.plugins import load_plugins; load_plugins()\n"
-        "from sglang.srt.layers.engram import EngramEmbedding\n"
-        "print(hasattr(EngramEmbedding.forward, '__wrapped__'))\n"
+    code = LOAD_PLUGINS + (
+        "from sglang.srt.layers.engram import EngramEmbedding\nprint(hasattr(EngramEmbedding.forward, '__wrapped__'))\n"
     )
     res = _launch({}, code)
     assert res.returncode == 0 and res.stdout.strip() == "False", res.stderr[-2000:]

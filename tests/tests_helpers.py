@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 import urllib.request
 
 import grpc
@@ -165,3 +166,52 @@ def freeze(pid: int) -> None:
 
     os.kill(pid, signal.SIGSTOP)
     wait_for(stopped, f"process {pid} to stop on SIGSTOP")
+
+
+def run_fresh(code: str, env: dict, prelude: str = "") -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter from the repository root, as an engine's process starts: ``prelude``
+    (a module of tests/) imported first, no TABLESERVER_* variables but those in ``env``."""
+    import os
+    import sys
+
+    from conftest import ROOT
+
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("TABLESERVER_")}
+    environ.update(env)
+    head = f"import sys; sys.path.insert(0, 'tests'); import {prelude}\n" if prelude else ""
+    return subprocess.run(
+        [sys.executable, "-c", head + code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=environ,
+        timeout=EVENT_TIMEOUT,
+    )
+
+
+def as_version(dist: str, version: str, code: str) -> str:
+    """``code`` run where importlib.metadata reports ``dist`` at ``version``."""
+    return (
+        "import importlib.metadata as m; real = m.version\n"
+        f"m.version = lambda name: {version!r} if name == {dist!r} else real(name)\n" + code
+    )
+
+
+def resident_share(path: str, start: int, end: int) -> float:
+    """Share of the file's bytes [start, end) in the page cache (mincore): what a loader read of it."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    start -= start % page
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        try:
+            addr = np.frombuffer(m, np.uint8).ctypes.data
+            pages = (end - start + page - 1) // page
+            vec = (ctypes.c_ubyte * pages)()
+            assert libc.mincore(ctypes.c_void_p(addr + start), ctypes.c_size_t(end - start), vec) == 0
+            return sum(v & 1 for v in vec) / pages
+        finally:
+            m.close()

@@ -3,11 +3,13 @@ uses and a second engine's adapter uses the same way.
 
 ``config`` (:class:`PluginConfig`: per-layer placement, addresses, failure policy, graph modes),
 ``rows`` (:class:`EngramRows`: one client and one step per tableserver, prefetch at step start, the
-packed rows a layer asks for; :func:`dequantize`). The graph-safe step is ``tableclient.graphstep``.
+packed rows a layer asks for; :func:`dequantize`), ``plugin`` (:class:`PluginState`, the entry
+point's start-up, :class:`PluginError`). The graph-safe step is ``tableclient.graphstep``.
 Nothing here imports an engine.
 """
 
 from tableclient.engine.config import ConfigError, PluginConfig
+from tableclient.engine.plugin import PluginError, PluginState
 from tableclient.engine.rows import EngramRows, EngramRowsError, dequantize
 
-__all__ = ["ConfigError", "PluginConfig", "EngramRows", "EngramRowsError", "dequantize"]
+__all__ = ["ConfigError", "PluginConfig", "PluginError", "PluginState", "EngramRows", "EngramRowsError", "dequantize"]

@@ -1,7 +1,7 @@
-"""The SGLang plugin's configuration: where each Engram layer's rows come from.
+"""The engine plugins' configuration: where each Engram layer's rows come from.
 
-One TOML file named by ``TABLESERVER_SGLANG_CONFIG`` and/or ``TABLESERVER_*``
-environment variables (the environment wins, so one file can serve a fleet
+One TOML file named by ``TABLESERVER_SGLANG_CONFIG`` (SGLang) or ``TABLESERVER_VLLM_CONFIG`` (vLLM)
+and/or ``TABLESERVER_*`` environment variables (the environment wins, so one file can serve a fleet
 while a pod overrides its address)::
 
     address = "memnode:7070"          # TABLESERVER_ADDRESS: the memory node of "remote" layers
@@ -17,7 +17,7 @@ while a pod overrides its address)::
     table_prefix = "engram.layer"     # table of layer L, unless [tables] names it
 
     [layers]                          # TABLESERVER_PLACEMENT="1=local,14=remote"
-    1 = "local"                       # SGLang's own table, untouched
+    1 = "local"                       # the engine's own table, untouched
     14 = "remote"                     # every layer not named here: remote
 
     [tables]                          # optional: table name per layer
@@ -33,14 +33,15 @@ while a pod overrides its address)::
 
 Placements: ``remote`` (a memory node: rdma or tcp), ``node`` (a tableserver
 on this host, over shm: one copy of the table per node) and ``local``
-(SGLang's own table for that layer, as without the plugin). ``make replay``
+(the engine's own table for that layer, as without the plugin). ``make replay``
 writes the ``[layers]`` and ``[graph]`` tables it recommends from measured read times.
 
-Graph modes (decode CUDA graphs on; client/tableclient/sglang/graphs.py): ``before_replay`` (the default: rows
+Graph modes, SGLang's (decode CUDA graphs on; client/tableclient/sglang/graphs.py): ``before_replay`` (the default: rows
 gathered on the host before each replay, for any layer), ``in_graph`` (the graph publishes its ids and
 waits for the rows just before the layer: the gather overlaps the layers before it; for a layer whose
 window covers its gather, e.g. 14), ``eager_break`` (with ``--cuda-graph-backend-decode breakable``:
-the layer runs eagerly between captured segments).
+the layer runs eagerly between captured segments). Under vLLM a served layer always runs through vLLM's own
+eager break (piecewise graphs): only ``eager_break`` applies there (client/tableclient/vllm/hooks.py).
 """
 
 from __future__ import annotations
@@ -133,18 +134,19 @@ class PluginConfig:
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def load(cls, environ=None) -> PluginConfig:
+    def load(cls, environ=None, file_var: str = "TABLESERVER_SGLANG_CONFIG") -> PluginConfig:
+        """From the TOML file ``environ[file_var]`` names (if set) and the ``TABLESERVER_*`` variables."""
         environ = os.environ if environ is None else environ
         values: dict = {}
-        path = environ.get("TABLESERVER_SGLANG_CONFIG")
+        path = environ.get(file_var)
         if path:
             try:
                 with open(path, "rb") as f:
                     doc = tomllib.load(f)
             except OSError as e:
-                raise ConfigError(f"TABLESERVER_SGLANG_CONFIG={path}: {e.strerror}") from None
+                raise ConfigError(f"{file_var}={path}: {e.strerror}") from None
             except tomllib.TOMLDecodeError as e:
-                raise ConfigError(f"TABLESERVER_SGLANG_CONFIG={path}: not valid TOML ({e})") from None
+                raise ConfigError(f"{file_var}={path}: not valid TOML ({e})") from None
             known = {f.name for f in fields(cls)}
             unknown = sorted(set(doc) - known)
             if unknown:
@@ -193,11 +195,11 @@ class PluginConfig:
         (l1, w1), (l2, w2) = sorted(WINDOWS_S.items())
         return max(0.0, w1 + (layer - l1) * (w2 - w1) / (l2 - l1))
 
-    def describe(self, layers) -> str:
+    def describe(self, layers, engine: str = "SGLang") -> str:
         """``1 local, 14 remote (memnode:7070)``: one phrase for a log line."""
 
         def where(placement: str) -> str:
-            return "SGLang's own table" if placement == "local" else self.address_of(placement)
+            return f"{engine}'s own table" if placement == "local" else self.address_of(placement)
 
         return ", ".join(f"layer {layer} {self.placement(layer)} ({where(self.placement(layer))})" for layer in layers)
 

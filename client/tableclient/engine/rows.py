@@ -14,7 +14,12 @@ buffers receive the rows.
   (the same tensor the hasher returned, checked by identity, never by value),
   otherwise fetched now. The failure policy (fail / zeros / fallback) and the
   deadline accounting are the step's.
-* :func:`dequantize` turns packed rows into bf16 with SGLang's arithmetic.
+* :meth:`issue` / :meth:`collect` are the same per layer, for an engine that hands each layer its ids
+  separately (vLLM's ``prepare_embeddings``): one layer's gather begun when it is issued, its rows
+  when the layer runs. Ids equal to the engine's ``dead_id`` (vLLM's ``DEAD_ID``, padding and dummy
+  runs) are never sent: their rows come back as zeros.
+* :func:`dequantize` turns packed rows into bf16 with SGLang's arithmetic, or vLLM's
+  (``exponent_scales``: the scale byte is the float32 exponent field).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import weakref
 from dataclasses import dataclass
 
 from tableclient.engine.config import PluginConfig
+from tableclient.model import ROWS_PER_TOKEN
 
 FP8_BLOCK = 32
 
@@ -34,17 +40,22 @@ class EngramRowsError(RuntimeError):
     """A served layer cannot work as configured (wrong table, unreachable server); says what to fix."""
 
 
-def dequantize(packed, dim: int):
+def dequantize(packed, dim: int, *, exponent_scales: bool = False):
     """uint8 ``[..., dim + dim/32]`` rows (fp8 e4m3 values, e8m0 block scales) -> bf16 ``[..., dim]``.
 
-    SGLang's arithmetic (``EngramEmbedding._owned_rows``): ``bf16(float32(fp8) * float32(e8m0))``
-    per block of 32 values, one rounding.
+    ``bf16(float32(fp8) * float32(scale))`` per block of 32 values, one rounding. The scale is SGLang's
+    (``EngramEmbedding._owned_rows``: the byte as ``float8_e8m0fnu``, byte 0 = 2**-127, 255 = NaN) or,
+    with ``exponent_scales``, vLLM's (``_engram_lookup_kernel``: the byte shifted into the float32
+    exponent field, byte 0 = 0.0, 255 = inf). The two agree on every byte but 0 and 255.
     """
     import torch
 
     weight = packed[..., :dim].contiguous().view(torch.float8_e4m3fn)
-    scale = packed[..., dim:].contiguous().view(torch.float8_e8m0fnu)
-    values = weight.float().unflatten(-1, (-1, FP8_BLOCK)) * scale.float().unsqueeze(-1)
+    if exponent_scales:
+        scale = (packed[..., dim:].to(torch.int32) << 23).view(torch.float32)
+    else:
+        scale = packed[..., dim:].contiguous().view(torch.float8_e8m0fnu).float()
+    values = weight.float().unflatten(-1, (-1, FP8_BLOCK)) * scale.unsqueeze(-1)
     return values.flatten(-2).to(torch.bfloat16)
 
 
@@ -59,15 +70,18 @@ class ServedLayer:
     graph_mode: str = (
         "before_replay"  # how its rows reach a captured decode graph (client/tableclient/sglang/graphs.py)
     )
+    columns: int = ROWS_PER_TOKEN  # row ids per token this process gathers (fewer: a rank's share of the heads)
 
 
 class EngramRows:
     """Rows of every ``remote``/``node`` Engram layer of this process; ``engine`` names the serving
-    engine in the clients' names (the daemon's session list and logs)."""
+    engine in the clients' names (the daemon's session list and logs). Row ids equal to ``dead_id``
+    (an engine's marker for padding, e.g. vLLM's ``DEAD_ID = -1``) get zero rows and are never sent."""
 
-    def __init__(self, config: PluginConfig, client_factory=None, engine: str = "sglang"):
+    def __init__(self, config: PluginConfig, client_factory=None, engine: str = "sglang", dead_id: int | None = None):
         self.config = config
         self.engine = engine
+        self.dead_id = dead_id
         self._client_factory = client_factory
         self.layers: dict[int, ServedLayer] = {}
         self._clients: dict[str, object] = {}  # remote / node / fallback -> TableClient
@@ -77,6 +91,7 @@ class EngramRows:
         self._fences: dict[str, list] = {}  # channel -> copies out of its staging still in flight
         self._lock = threading.RLock()
         self._pending = None  # (weakref to the hasher's output, {layer: view geometry}) of the last prefetch
+        self._issued: dict[int, tuple] = {}  # layer -> (key, dead mask or None) of its issued, uncollected gather
         self.served = {}  # layer -> rows served (prefetched, staged, fetched now): for logs and tests
 
     # ------------------------------------------------------------------ setup
@@ -113,10 +128,15 @@ class EngramRows:
         )
         return client
 
-    def add_layer(self, layer: int, placement: str, num_embeddings: int, dim: int) -> ServedLayer:
-        """Registers a served layer and checks its table against what SGLang would have allocated."""
+    def add_layer(
+        self, layer: int, placement: str, num_embeddings: int, dim: int, columns: int = ROWS_PER_TOKEN
+    ) -> ServedLayer:
+        """Registers a served layer and checks its table against what the engine would have allocated.
+        ``columns``: row ids per token this process gathers for it (a tensor-parallel rank's heads)."""
         c = self.config
-        served = ServedLayer(layer, placement, c.table(layer), c.window(layer), dim, graph_mode=c.graph_mode(layer))
+        served = ServedLayer(
+            layer, placement, c.table(layer), c.window(layer), dim, graph_mode=c.graph_mode(layer), columns=columns
+        )
         client = self.client(placement)
         info = client.tables.get(served.table)
         row_bytes = dim + dim // FP8_BLOCK
@@ -143,7 +163,7 @@ class EngramRows:
         with self._lock:
             self.layers[layer] = served
             self.served.setdefault(layer, {"prefetched": 0, "staged": 0, "fetched": 0})
-            for key in [k for k in self._steps if k[1] == placement]:
+            for key in [k for k in self._steps if k[1] == placement and (len(k) == 2 or k[2] == layer)]:
                 self._steps.pop(key).abandon()  # rebuilt with this layer on next use
         return served
 
@@ -151,24 +171,27 @@ class EngramRows:
         with self._lock:
             self.layers[layer].hash_index = index
 
-    def _step(self, placement: str, channel: str = "forward"):
-        """The EngramStep over every served layer of ``placement`` (built once the layers are known)."""
+    def _step(self, placement: str, channel: str = "forward", layer: int | None = None):
+        """The EngramStep over every served layer of ``placement`` (built once the layers are known), or
+        over ``layer`` alone (the steps of :meth:`issue`)."""
         from tableclient.step import EngramStep, LayerPlan
 
-        step = self._steps.get((channel, placement))
+        key = (channel, placement) if layer is None else (channel, placement, layer)
+        step = self._steps.get(key)
         if step is None:
-            layers = [s for s in self.layers.values() if s.placement == placement]
+            layers = [s for s in self.layers.values() if s.placement == placement and layer in (None, s.layer)]
             c = self.config
             step = EngramStep(
                 self.client(placement),
                 [LayerPlan(s.layer, s.table, s.window_s, c.mode) for s in layers],
                 c.max_tokens,
+                rows_per_token=max(s.columns for s in layers),
                 policy=c.policy,
                 fallback=self.client("fallback") if c.policy == "fallback" else None,
                 timeout=c.timeout,
                 deadlines=channel == "forward",
             )
-            self._steps[(channel, placement)] = step
+            self._steps[key] = step
         return step
 
     def graph_steps(self, max_tokens: int, device) -> dict:
@@ -276,6 +299,81 @@ class EngramRows:
             self.served[layer]["staged"] += 1
             return self._step(self.layers[layer].placement, channel).wait(layer)
 
+    # ------------------------------------------------------------------ one layer at a time
+    def issue(self, layer: int, ids, key=None) -> bool:
+        """Begins ``layer``'s gather for host ids ``[T, C]`` now, on that layer's own step (its staging,
+        its deadline accounting); :meth:`collect` with the same ``key`` hands the rows over. Returns False
+        when nothing was issued (an empty step, or more tokens than the staging holds): ``collect``
+        fetches those ids then. A gather issued before for the layer and never collected is cancelled."""
+        import numpy as np
+
+        with self._lock:
+            self._issued.pop(layer, None)
+            step = self._step(self.layers[layer].placement, "forward", layer)
+            step.abandon()
+            for copy in self._fences.pop(f"layer{layer}", []):  # copies still reading the staging
+                copy.synchronize()
+            ids = np.asarray(ids)
+            if len(ids) == 0 or len(ids) > self.config.max_tokens:
+                self._issued[layer] = (key, None, ids)
+                return False
+            live, dead = self._live(ids)
+            step.begin_step({layer: live})
+            self._issued[layer] = (key, dead, None)
+            return True
+
+    def collect(self, layer: int, key=None, ids=None):
+        """The packed rows ``[T, C, row_bytes]`` (uint8, host) of ``layer``'s gather issued with ``key``:
+        a view of its staging, valid until its next :meth:`issue` (hand a copy out of it to :meth:`fence`
+        with channel ``f"layer{layer}"``), or a fresh array where ``issue`` could not stage them. If none
+        was issued with that key, the rows of ``ids`` (host, or a callable returning them) fetched now;
+        without ``ids``, EngramRowsError. Dead ids' rows are zero either way. Each issue is collected once."""
+        import torch
+
+        with self._lock:
+            step = self._step(self.layers[layer].placement, "forward", layer)
+            issued = self._issued.pop(layer, None)
+            if issued is None or issued[0] != key:
+                step.abandon()
+                if ids is None:
+                    raise EngramRowsError(
+                        f"tableserver plugin: Engram layer {layer} asked for rows that were not issued at step start"
+                    )
+                return self.fetch_now(layer, ids() if callable(ids) else ids)
+            _, dead, later = issued
+            if later is not None:
+                return self.fetch_now(layer, later)
+            rows = step.wait(layer)
+            self.served[layer]["prefetched"] += 1
+        if dead is not None:
+            rows[torch.from_numpy(dead)] = 0
+        return rows
+
+    def _live(self, ids):
+        """(ids safe to send, mask of the dead ones or None): a dead id is sent as row 0, its row zeroed."""
+        import numpy as np
+
+        ids = np.asarray(ids)
+        if self.dead_id is None:
+            return ids, None
+        dead = ids == self.dead_id
+        if not dead.any():
+            return ids, None
+        return np.where(dead, 0, ids), dead
+
+    def fetch_now(self, layer: int, ids):
+        """``layer``'s packed rows for host ids of any shape, gathered now into a fresh array (its own
+        step's failure policy; dead ids' rows zero). An issued gather of the layer is left alone."""
+        import torch
+
+        with self._lock:
+            live, dead = self._live(ids)
+            rows = torch.from_numpy(self._step(self.layers[layer].placement, "forward", layer).gather_now(layer, live))
+            self.served[layer]["fetched"] += 1
+        if dead is not None:
+            rows[torch.from_numpy(dead)] = 0
+        return rows
+
     def fence(self, channel: str, copy) -> None:
         """``copy`` (anything with ``synchronize()``, e.g. a CUDA event) still reads ``channel``'s staging:
         the next prefetch on that channel waits for it before overwriting the buffers."""
@@ -286,7 +384,7 @@ class EngramRows:
         """Per layer: placement, table, rows prefetched / staged / fetched, and the forward's deadline figures."""
         out = {}
         for layer, s in self.layers.items():
-            step = self._steps.get(("forward", s.placement))
+            step = self._steps.get(("forward", s.placement, layer)) or self._steps.get(("forward", s.placement))
             stats = step.summary().get(layer, {}) if step is not None else {}
             out[layer] = {"placement": s.placement, "table": s.table, **self.served.get(layer, {}), **stats}
         return out

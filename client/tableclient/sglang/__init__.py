@@ -11,7 +11,7 @@ scheduler process and in the launcher. With ``TABLESERVER_ADDRESS`` or
 Without configuration it does nothing. Enabled but unable to engage (another
 SGLang version, a bad configuration, hooks that did not apply) it stops the
 start-up with one line saying why: SGLang logs and ignores exceptions from
-plugins, so that line is raised as SystemExit.
+plugins, so that line is raised as SystemExit (``tableclient.engine.plugin.start``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from __future__ import annotations
 import logging
 
 from tableclient.engine import ConfigError, EngramRows, EngramRowsError, PluginConfig, dequantize
-from tableclient.sglang.hooks import PluginError, configure, rows
+from tableclient.engine.plugin import PluginError, start
+from tableclient.sglang.hooks import configure, rows
 
 log = logging.getLogger("tableclient.sglang")
 
@@ -38,33 +39,12 @@ __all__ = [
 
 def register() -> bool:
     """The ``sglang.srt.plugins`` entry point. Returns whether the hooks are in place."""
-    import os
-
     from tableclient.sglang import hooks
 
-    try:
-        config = PluginConfig.load()
-        if not config.enabled:
-            log.info(
-                "tableserver plugin installed but not configured (set TABLESERVER_ADDRESS or "
-                "TABLESERVER_SGLANG_CONFIG): SGLang keeps its own Engram tables"
-            )
-            return False
+    def engage(config: PluginConfig) -> str:
         version = hooks.check_sglang()
         configure(config)
         hooks.register_hooks()
-    except Exception as e:  # SGLang would log and go on without us: with TABLESERVER_* set, stop instead
-        if not isinstance(e, (ConfigError, PluginError)) and not any(k.startswith("TABLESERVER_") for k in os.environ):
-            raise
-        text = str(e).removeprefix("tableserver plugin: ")
-        raise SystemExit(
-            f"tableserver plugin: {text if isinstance(e, (ConfigError, PluginError)) else repr(e)}"
-        ) from None
-    log.info(
-        "tableserver plugin: hooks in place in SGLang %s (%s)",
-        version,
-        "every Engram layer remote"
-        if not config.layers
-        else ", ".join(f"layer {k} {v}" for k, v in sorted(config.layers.items())),
-    )
-    return True
+        return version
+
+    return start("SGLang", "TABLESERVER_SGLANG_CONFIG", engage, log)

@@ -33,12 +33,11 @@ launch flag that avoids it.
 
 from __future__ import annotations
 
-import importlib.metadata
-import inspect
 import logging
 import re
 
 from tableclient.engine.config import PluginConfig
+from tableclient.engine.plugin import PluginError, check_layout, check_placement, check_release
 from tableclient.engine.rows import EngramRows, dequantize
 from tableclient.sglang import graphs
 
@@ -57,10 +56,6 @@ GRAPH_ADVICE = (
 )
 
 _state: dict = {"config": None, "rows": None, "registered": False}
-
-
-class PluginError(RuntimeError):
-    """The plugin is enabled but cannot engage as configured; the message says why and what to do."""
 
 
 def config() -> PluginConfig | None:
@@ -91,16 +86,7 @@ def served(layer: int) -> bool:
 # ---------------------------------------------------------------------- registration
 def check_sglang() -> str:
     """The installed SGLang's version, if this plugin supports it; PluginError naming the fix otherwise."""
-    try:
-        version = importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        raise PluginError("tableserver plugin: sglang is not installed in this environment") from None
-    if version != SUPPORTED_SGLANG:
-        raise PluginError(
-            f"tableserver plugin: SGLang {version} is not supported (tested with {SUPPORTED_SGLANG}, "
-            f"whose Engram internals it hooks): install sglang=={SUPPORTED_SGLANG}, or unset "
-            "TABLESERVER_ADDRESS to run SGLang without the plugin"
-        )
+    version = check_release("sglang", "SGLang", SUPPORTED_SGLANG)
     from sglang.srt.layers import engram, engram_staging
     from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
 
@@ -115,13 +101,7 @@ def check_sglang() -> str:
         engram.EngramHasher.forward: ["self", "input_ids", "forward_batch"],
         engram_staging.EngramRowStager.stage: ["self", "batch"],
     }
-    for fn, params in expected.items():
-        got = list(inspect.signature(inspect.unwrap(fn)).parameters)
-        if got != params:
-            raise PluginError(
-                f"tableserver plugin: SGLang's {fn.__qualname__}{tuple(got)} is not the layout this "
-                f"plugin hooks ({tuple(params)}): install sglang=={SUPPORTED_SGLANG}"
-            )
+    check_layout(expected, "SGLang", f"sglang=={SUPPORTED_SGLANG}")
     return version
 
 
@@ -359,25 +339,11 @@ def _stager_from_model(original, cls, model, hasher, device):
 def _verify(engrams) -> None:
     """Start-up check that each layer is where the configuration puts it; logs what is engaged."""
     cfg = config()
-    layers = []
-    for e in engrams:
-        layer_id = getattr(e, "_tableserver_layer_id", None)  # set by the Engram.__init__ hook
-        if layer_id is None:
-            raise PluginError(
-                "tableserver plugin: an Engram layer was built without the plugin's hooks: the plugin cannot engage"
-            )
-        layers.append(layer_id)
-        if served(layer_id) and getattr(e.embed, "_tableserver_layer", None) is None:
-            raise PluginError(
-                f"tableserver plugin: Engram layer {layer_id} is placed {cfg.placement(layer_id)} but "
-                "SGLang built its own table: the plugin's hooks did not engage"
-            )
-    unknown = sorted(set(cfg.layers) - set(layers))
-    if unknown:
-        raise PluginError(
-            f"tableserver plugin: [layers] names layer {unknown[0]}, which is not an Engram layer of "
-            f"this model (it has {', '.join(map(str, layers))}): fix the placement"
-        )
+    built = [
+        (getattr(e, "_tableserver_layer_id", None), getattr(e.embed, "_tableserver_layer", None) is not None)
+        for e in engrams
+    ]  # _tableserver_layer_id: set by the Engram.__init__ hook
+    layers = check_placement(cfg, built, "SGLang")
     log.info("tableserver plugin engaged: %s", cfg.describe(layers))
 
 

@@ -1,0 +1,330 @@
+"""The plugin's hooks into vLLM 0.33.0's DeepSeek-V4.1 Engram (``vllm/models/deepseek_v41/common/engram.py``).
+
+vLLM has no hook registry: the hooks are wrappers put on vLLM's own functions (``patch``), once per
+process, behind the exact version pin and a check of every hooked function's parameters. A ``local``
+layer, or any layer while the plugin is not configured, passes straight through to vLLM's code.
+
+What a layer placed ``remote`` or ``node`` gets:
+
+* ``Engram._create_embedding`` (the only place vLLM allocates table memory): a
+  :class:`~tableclient.vllm.embedding.RemoteEngramEmbedding` instead, with empty parameters; the
+  tableserver's table is checked against the layer (rows, row size) right there. CUDA graph modes
+  that would capture the gather (FULL, or piecewise without vLLM's breakable graphs) are refused
+  with the flag to use.
+* ``Engram.prepare_embeddings`` (step start, before the decoder layers: vLLM calls it for every
+  Engram layer in turn, so layer 1 is issued first): this rank's columns of the step's ids copied to
+  the host and the layer's gather issued (``EngramRows.issue``).
+* ``Engram._ready_rows`` (when the layer runs): the rows waited for, copied to the device and
+  dequantized with vLLM's arithmetic into the layer's persistent ``staged_rows``; vLLM's own
+  ``Engram.embed`` then joins the ranks' columns (tensor and sequence parallelism) as it does for a
+  local table.
+
+Both run in functions decorated with vLLM's ``eager_break_during_capture``: in vLLM's breakable
+(piecewise) CUDA graphs they run eagerly between captured segments at every replay, on the same
+persistent buffers, so a replay gathers that step's rows.
+
+Loading: the checkpoint's tensors of a served table are skipped before they are read by vLLM's
+safetensors iterator (``weight_utils.should_skip_weight``), shards holding nothing else are not opened
+by any load format (``is_unused_checkpoint_weight``), and ``load_weights`` drops whatever a whole-file
+load format read anyway, counts the served parameters as loaded, and runs the start-up check.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+
+from tableclient.engine.config import PluginConfig
+from tableclient.engine.plugin import PluginError, PluginState, check_layout, check_placement, check_release
+
+log = logging.getLogger("tableclient.vllm")
+
+SUPPORTED_VLLM = "0.33.0"
+ENGRAM = "vllm.models.deepseek_v41.common.engram"
+WEIGHTS = "vllm.model_executor.model_loader.weight_utils"
+MODEL = "vllm.models.deepseek_v41"  # DeepseekV41ForCausalLM, the NVIDIA or the ROCm build of it
+DEAD_ID = -1  # vLLM's engram.DEAD_ID, checked at start-up: ids of padding and dummy runs, zero rows
+#: checkpoint tensors of a layer's table: the checkpoint's names and vLLM's after its weights mapper
+TABLE_KEY = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.engram\.(?:embed\.(?:weight|scale)|embed_tokens\.(?:weight|weight_scale_inv))$"
+)
+PIECEWISE_FLAG = """--compilation-config '{"cudagraph_mode": "PIECEWISE"}'"""
+
+_state = PluginState("vllm", dead_id=DEAD_ID)
+
+
+def config() -> PluginConfig | None:
+    return _state.config
+
+
+def rows():
+    return _state.rows()
+
+
+def configure(cfg: PluginConfig, client_factory=None):
+    """Makes ``cfg`` this process's configuration (layers built from now on follow it)."""
+    return _state.configure(cfg, client_factory)
+
+
+def served(layer: int) -> bool:
+    return _state.served(layer)
+
+
+# ---------------------------------------------------------------------- the pin and the layout
+def check_vllm() -> str:
+    """The installed vLLM's version, if this plugin supports it; PluginError naming the fix otherwise."""
+    version = check_release("vllm", "vLLM", SUPPORTED_VLLM)
+    engram, weights, model = _modules()
+    expected = {
+        engram.Engram.__init__: [
+            "self", "config", "quant_config", "layout", "layer_hash_index", "use_sequence_parallel", "prefix",
+            "prefetch_stream",
+        ],
+        engram.Engram._create_embedding: ["self", "layout", "layer_hash_index"],
+        engram.Engram._init_staging: ["self", "max_tokens", "head_dim"],
+        engram.Engram.prepare_embeddings: ["self", "hash_ids"],
+        engram.Engram._ready_rows: ["self", "num_tokens"],
+        engram.Engram.embed: ["self", "hash_ids"],
+        engram.ParallelEngramEmbedding.lookup: ["self", "indices", "out", "background"],
+        weights.should_skip_weight: ["weight_name", "local_expert_ids"],
+        model.DeepseekV41ForCausalLM.load_weights: ["self", "weights"],
+    }  # fmt: skip
+    pin = f"vllm=={SUPPORTED_VLLM}"
+    check_layout(expected, "vLLM", pin, original=_original)
+    if getattr(engram, "DEAD_ID", None) != DEAD_ID or not callable(getattr(engram, "eager_break_during_capture", None)):
+        raise PluginError(
+            f"tableserver plugin: vLLM's Engram module has no DEAD_ID = {DEAD_ID} or eager_break_during_capture: "
+            f"install {pin}"
+        )
+    return version
+
+
+def check_config(cfg: PluginConfig) -> None:
+    """What of a (shared) placement file vLLM cannot honour: SGLang's decode-graph modes."""
+    for layer, mode in sorted(cfg.graph.items()):
+        if mode != "eager_break":
+            raise PluginError(
+                f"tableserver plugin: graph.{layer} = {mode!r} is an SGLang decode-graph mode; under vLLM a served "
+                f"layer always runs through vLLM's eager break (piecewise CUDA graphs): remove it, or set 'eager_break'"
+            )
+
+
+def _modules():
+    import importlib
+
+    return importlib.import_module(ENGRAM), importlib.import_module(WEIGHTS), importlib.import_module(MODEL)
+
+
+def _original(fn):
+    return getattr(fn, "_tableserver_original", fn)
+
+
+# ---------------------------------------------------------------------- putting the hooks in place
+def patch() -> None:
+    """Wraps vLLM's functions (once per process; again is a no-op)."""
+    engram, weights, model = _modules()
+    eager = engram.eager_break_during_capture
+    targets = [
+        (engram.Engram, "_create_embedding", _create_embedding),
+        (engram.Engram, "prepare_embeddings", _prepare_embeddings),
+        (engram.Engram, "_ready_rows", _ready_rows),
+        (weights, "should_skip_weight", _should_skip_weight),
+        (model.DeepseekV41ForCausalLM, "load_weights", _load_weights),
+    ]
+    cls = model.DeepseekV41ForCausalLM
+    targets.append((cls, "is_unused_checkpoint_weight", _is_unused))
+    for owner, name, hook in targets:
+        current = getattr(owner, name, None)
+        if not hasattr(current, "_tableserver_original"):
+            setattr(owner, name, _as_function(hook, current))
+    _eager["issue"] = eager(_issue)
+    _eager["collect"] = eager(_collect)
+
+
+def _as_function(hook, original):
+    """A plain function calling ``hook(original, ...)`` (a method when set on a class), marked as ours."""
+
+    def wrapper(*args, **kwargs):
+        return hook(original, *args, **kwargs)
+
+    if original is not None:
+        functools.update_wrapper(wrapper, original)
+    wrapper._tableserver_original = original
+    wrapper._tableserver_hook = hook
+    return wrapper
+
+
+def hooked(fn, hook) -> bool:
+    """Whether ``fn`` (as vLLM now has it) is the plugin's wrapper calling ``hook``."""
+    return getattr(fn, "_tableserver_hook", None) is hook
+
+
+_eager: dict = {}  # issue / collect wrapped by vLLM's eager_break_during_capture (set by patch)
+
+
+# ---------------------------------------------------------------------- the layer
+def _create_embedding(original, self, layout, layer_hash_index):
+    layer = layout.layer_ids[layer_hash_index]
+    self._tableserver_layer_id = layer  # every Engram, local ones too: the start-up check reads it
+    if not served(layer):
+        return original(self, layout, layer_hash_index)
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    from tableclient.vllm.embedding import RemoteEngramEmbedding
+
+    cfg = config()
+    placement = cfg.placement(layer)
+    _check_graphs(layer, placement)
+    heads = tuple(size for order in layout.primes[layer_hash_index] for size in order)
+    num_embeddings = layout.num_embeddings[layer_hash_index]
+    embed = RemoteEngramEmbedding(
+        rows(),
+        layer,
+        num_embeddings,
+        layout.head_dim,
+        heads,
+        get_tensor_model_parallel_world_size(),
+        get_tensor_model_parallel_rank(),
+    )
+    # the table must be this layer's (rows, row size) before anything else is built: EngramRowsError if not
+    rows().add_layer(layer, placement, num_embeddings, layout.head_dim, columns=embed.part_n_hash_cols)
+    self._tableserver_layer = layer
+    log.info(
+        "tableserver plugin: Engram layer %d reads table %r from %s (%s), hash columns %d..%d; no table allocated",
+        layer,
+        cfg.table(layer),
+        cfg.address_of(placement),
+        placement,
+        embed.head_start,
+        embed.head_end - 1,
+    )
+    return embed
+
+
+def _check_graphs(layer: int, placement: str) -> None:
+    """PluginError (naming the flag) where vLLM would capture a served layer's gather into a CUDA graph."""
+    from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
+    from vllm.config import get_current_vllm_config
+
+    mode = get_current_vllm_config().compilation_config.cudagraph_mode
+    if mode is None:
+        return
+    where = f"Engram layer {layer} is placed {placement}: its rows reach vLLM's CUDA graphs through vLLM's eager break"
+    if mode.has_full_cudagraphs():
+        raise PluginError(
+            f"tableserver plugin: {where}, which FULL graphs do not take (cudagraph_mode {mode.name}): launch vLLM "
+            f"with {PIECEWISE_FLAG} (or --enforce-eager), or place the layer 'local'"
+        )
+    if mode.has_piecewise_cudagraphs() and not is_breakable_cudagraph_enabled():
+        raise PluginError(
+            f"tableserver plugin: {where}, which only breakable graphs take: launch vLLM with "
+            "VLLM_USE_BREAKABLE_CUDAGRAPH=1 (the default for this model), or --enforce-eager"
+        )
+
+
+def _prepare_embeddings(original, self, hash_ids):
+    layer = getattr(self, "_tableserver_layer", None)
+    if layer is None:
+        return original(self, hash_ids)
+    assert self.staged_rows.shape[0] >= hash_ids.shape[0], "engram staging buffer too small"
+    _eager["issue"](self, hash_ids)
+    return None
+
+
+def _ready_rows(original, self, num_tokens):
+    layer = getattr(self, "_tableserver_layer", None)
+    if layer is None:
+        return original(self, num_tokens)
+    rows_out = self.staged_rows[:num_tokens]
+    _eager["collect"](self, rows_out)
+    return rows_out
+
+
+def _issue(engram, hash_ids) -> None:
+    """Step start (eager, also between captured segments): this rank's columns to the host, gather issued."""
+    _refuse_capture(engram, hash_ids)
+    embed = engram.embed_tokens
+    rows().issue(embed.layer, embed.columns(hash_ids), key=_key(hash_ids))
+
+
+def _collect(engram, out) -> None:
+    """The layer runs (eager): its rows waited for, dequantized into ``out`` (its persistent staged rows)."""
+    import torch
+
+    _refuse_capture(engram, out)
+    embed = engram.embed_tokens
+    packed = rows().collect(embed.layer, key=out.shape[0])
+    embed.dequantize_into(packed, out)
+    if out.is_cuda:
+        copied = torch.cuda.Event()
+        copied.record()
+        rows().fence(f"layer{embed.layer}", copied)  # the next issue refills the staging after this copy
+
+
+def _key(hash_ids) -> int:
+    """What pairs a collect with its issue: the step's token count (each issue is collected once)."""
+    return hash_ids.shape[0]
+
+
+def _refuse_capture(engram, t) -> None:
+    import torch
+
+    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise PluginError(
+            f"tableserver plugin: Engram layer {engram.embed_tokens.layer}'s gather is being captured into a CUDA "
+            f"graph (vLLM ran its eager break inline): launch vLLM with {PIECEWISE_FLAG} (or --enforce-eager)"
+        )
+
+
+# ---------------------------------------------------------------------- checkpoint loading
+def served_key(name: str) -> bool:
+    """Whether checkpoint tensor ``name`` belongs to a served layer's table."""
+    m = TABLE_KEY.search(name)
+    return m is not None and served(int(m.group(1)))
+
+
+def _should_skip_weight(original, weight_name, local_expert_ids):
+    """vLLM's safetensors iterator asks before reading each tensor: a served table's are never read."""
+    return served_key(weight_name) or original(weight_name, local_expert_ids)
+
+
+def _is_unused(original, self, name: str) -> bool:
+    """Shards holding only served tables' tensors are not opened, whatever the load format."""
+    return served_key(name) or (original is not None and original(self, name))
+
+
+def _load_weights(original, self, weights):
+    """A served table's tensors never reach a parameter; its (empty) parameters count as loaded."""
+    if not _state.configured or not config().enabled:
+        return original(self, weights)
+    loaded = original(self, ((name, w) for name, w in weights if not served_key(name)))
+    engrams = verify(self)
+    if loaded is not None:
+        for name, module in self.named_modules():
+            if module in engrams and getattr(module, "_tableserver_layer", None) is not None:
+                loaded |= {f"{name}.embed_tokens.{p}" for p, _ in module.embed_tokens.named_parameters()}
+    return loaded
+
+
+def verify(model) -> list:
+    """Start-up check, once the model is built: each Engram layer is where the configuration puts it, the
+    configuration names no other layer, and no local table is sharded over data-parallel ranks beside a
+    served layer (vLLM would hand that one every replica's tokens). Returns the Engram modules."""
+    engram_cls = _modules()[0].Engram
+    engrams = [m for m in model.modules() if isinstance(m, engram_cls)]
+    cfg = config()
+    built = [
+        (getattr(e, "_tableserver_layer_id", None), getattr(e, "_tableserver_layer", None) is not None) for e in engrams
+    ]
+    layers = check_placement(cfg, built, "vLLM")
+    if any(served(x) for x in layers) and any(
+        not served(x) and e.embed_tokens.dp_size > 1 for x, e in zip(layers, engrams)
+    ):
+        raise PluginError(
+            "tableserver plugin: a local Engram table here is sharded over data-parallel ranks "
+            "(EngramConfig.embedding_across_dp), which vLLM cannot mix with a served layer: place every Engram "
+            "layer remote or node, or turn embedding_across_dp off"
+        )
+    log.info("tableserver plugin engaged: %s", cfg.describe(layers, engine="vLLM"))
+    return engrams

@@ -1,0 +1,574 @@
+"""The plugin inside the released vLLM (0.33.0, pinned): vLLM's own Engram classes on the CPU.
+
+Every module here is vLLM's: ``ModelConfig``/``VllmConfig`` of a DeepSeek-V4.1 model directory (its
+config class, its tokenizer), ``EngramLayout``, ``NgramHashState`` (the V2 runner's stateless hash,
+int32 ids, image spans dead), ``Engram`` and its ``ParallelEngramEmbedding`` (loaded through vLLM's
+weight loader), vLLM's process groups (gloo), its safetensors iterator and file filter. Their Triton
+kernels run in Triton's interpreter (tests/vllm_cpu.py). The hooks come from vLLM's real
+``load_general_plugins()``, which finds the ``tableserver`` entry point of this installed package.
+
+Two sets of layers are built over the same tables: one where vLLM holds its own table for every layer,
+one with the plugin. The same steps (prefill with an image span, chunked prefill, decode) go through
+both as ``DeepseekV4Model.forward`` drives them (hash once, every layer's ``prepare_embeddings``, then
+each layer); outputs must be bit-identical, and the tableserver's own metrics must show it served them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import vllm_cpu  # noqa: F401  (before vllm: Triton's interpreter, torchvision on a CPU torch)
+from conftest import EVENT_TIMEOUT, ROOT, local_tables, start_daemon
+from tests_helpers import as_version, resident_share, run_fresh, scrape, value
+from vllm_cpu import HC, HIDDEN, LAYERS
+
+from tableserver.demo import DemoTable, write_demo_file
+
+torch = pytest.importorskip("torch")
+try:
+    import vllm.models.deepseek_v41.common.engram  # noqa: F401
+except ModuleNotFoundError as e:  # only vllm itself missing skips; an installed vLLM that cannot load fails
+    if (e.name or "").split(".")[0] != "vllm":
+        raise
+    pytest.skip("vllm==0.33.0 is installed by `make test`", allow_module_level=True)
+
+from tableclient.engine import PluginConfig  # noqa: E402
+from tableclient.vllm import hooks  # noqa: E402
+from vllm.models.deepseek_v41.common.engram import DEAD_ID, Engram, ParallelEngramEmbedding  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+# ---------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("vllm-model"))
+    return path, vllm_cpu.write_model(path)
+
+
+@pytest.fixture(scope="module")
+def engram_tables(model_dir, tmp_path_factory):
+    _, sizes = model_dir
+    path = str(tmp_path_factory.mktemp("vllm-tables") / "engram.bin")
+    write_demo_file(
+        path, [DemoTable(f"engram.layer{layer}", rows, 264, layer) for layer, rows in zip(LAYERS, sizes)], seed=11
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def memnode(engram_tables, tmp_path_factory):
+    d = start_daemon(str(tmp_path_factory.mktemp("memnode")), "--tables", engram_tables)
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def plugin(memnode):
+    """vLLM's own plugin loading (once per process, as in every vLLM process), enabled by TABLESERVER_ADDRESS."""
+    from vllm.plugins import load_general_plugins
+
+    os.environ["TABLESERVER_ADDRESS"] = memnode.address
+    os.environ["VLLM_PLUGINS"] = "tableserver"  # vLLM's allow-list: ours is the one plugin loaded
+    try:
+        load_general_plugins()
+    finally:
+        del os.environ["TABLESERVER_ADDRESS"]
+    assert hooks.hooked(Engram.prepare_embeddings, hooks._prepare_embeddings), "load_general_plugins did not hook"
+    yield
+    hooks.configure(PluginConfig())  # closes the clients; every layer local again
+
+
+@pytest.fixture(scope="module")
+def vllm_config(model_dir, plugin):
+    cfg = vllm_cpu.make_vllm_config(model_dir[0])
+    vllm_cpu.init_parallel(cfg)
+    yield cfg
+    vllm_cpu.close_parallel()
+
+
+@pytest.fixture(scope="module")
+def hasher(vllm_config):
+    return vllm_cpu.make_hasher(vllm_config)
+
+
+def build(cfg, tables_path, *, placement=None, address=None, layers=LAYERS, **plugin_options):
+    """vLLM's Engram layers, each table loaded through vLLM's weight loader; plugin placement or none."""
+    plugin_options.setdefault("transport", "tcp")  # a memory node is another host (auto would pick shm here)
+    hooks.configure(PluginConfig(address=address or "", layers=placement or {}, **plugin_options))
+    engrams = vllm_cpu.build_engrams(cfg, layers=layers)
+    tables = local_tables(tables_path)
+    for e, layer in zip(engrams, layers):
+        vllm_cpu.load_table(e, np.array(tables[f"engram.layer{layer}"]))
+    return engrams
+
+
+def table_bytes(engram) -> int:
+    return sum(p.numel() * p.element_size() for p in engram.embed_tokens.parameters())
+
+
+def run(engrams, hasher, seed: int = 0):
+    """Every step of the conversation: (hash ids, each layer's output)."""
+    rng = np.random.default_rng(seed)
+    outs = []
+    for requests in vllm_cpu.conversation():
+        ids, hashes, mask = vllm_cpu.hash_batch(hasher, requests)
+        x = torch.from_numpy(rng.standard_normal((len(ids), HC, HIDDEN)).astype(np.float32)).to(torch.bfloat16)
+        outs.append((hashes, vllm_cpu.step(engrams, hashes, x, mask)))
+    return outs
+
+
+def assert_bit_identical(got, want):
+    assert len(got) == len(want)
+    for (h1, o1), (h2, o2) in zip(got, want):
+        assert h1.dtype == torch.int32 and torch.equal(h1, h2)
+        for a, b in zip(o1, o2):
+            assert a.dtype == torch.bfloat16 and a.shape == b.shape
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))  # bit for bit, not just close
+
+
+def server_rows(memnode, table) -> float:
+    return value(scrape(memnode.ready["metrics"]), "tableserver_gather_rows_total", table=table)
+
+
+# ---------------------------------------------------------------------- served layers in vLLM's forward
+def test_every_layer_remote_is_bit_identical_and_served_remotely(vllm_config, hasher, engram_tables, memnode):
+    local = build(vllm_config, engram_tables)
+    assert all(isinstance(e.embed_tokens, ParallelEngramEmbedding) and table_bytes(e) > 0 for e in local)
+    want = run(local, hasher)
+    before = {t: server_rows(memnode, t) for t in ("engram.layer1", "engram.layer14")}
+
+    remote = build(vllm_config, engram_tables, address=memnode.address)
+    assert [table_bytes(e) for e in remote] == [0, 0]  # vLLM allocated no table rows
+    assert all(e.staged_rows.shape[1:] == (24, 256) for e in remote)  # TP=1: every hash column on this rank
+    got = run(remote, hasher)
+    assert_bit_identical(got, want)
+
+    summary = hooks.rows().summary()
+    for layer in LAYERS:  # every step's rows were issued in prepare_embeddings, before the layers ran
+        assert summary[layer]["prefetched"] == len(want) and summary[layer]["fetched"] == 0, summary
+    served = {t: server_rows(memnode, t) - before[t] for t in before}
+    ids = sum(h.shape[0] for h, _ in got) * 24
+    assert all(0 < n <= ids for n in served.values()), served  # distinct ids of each gather, from the server
+
+
+def test_mixed_placement_layer1_local_layer14_remote(vllm_config, hasher, engram_tables, memnode, model_dir):
+    want = run(build(vllm_config, engram_tables), hasher)
+    before = {t: server_rows(memnode, t) for t in ("engram.layer1", "engram.layer14")}
+    mixed = build(vllm_config, engram_tables, address=memnode.address, placement={1: "local", 14: "remote"})
+    assert table_bytes(mixed[0]) == 264 * model_dir[1][0] and table_bytes(mixed[1]) == 0
+    assert_bit_identical(run(mixed, hasher), want)
+    assert server_rows(memnode, "engram.layer1") == before["engram.layer1"]  # layer 1 never asked the server
+    assert server_rows(memnode, "engram.layer14") > before["engram.layer14"]
+
+
+def test_node_placement_reads_this_hosts_server_over_shm(vllm_config, hasher, engram_tables, memnode):
+    want = run(build(vllm_config, engram_tables), hasher)
+    node = build(vllm_config, engram_tables, placement={1: "node", 14: "node"}, node_address=memnode.address)
+    assert_bit_identical(run(node, hasher), want)
+    assert hooks.rows().client("node").transport == "shm"
+
+
+def test_dead_ids_and_int32_ids_give_vllms_zero_rows(vllm_config, hasher, engram_tables, memnode):
+    """DEAD_ID (-1) marks padding and dummy runs: vLLM's lookup gives those rows zeros. The plugin never
+    sends them (the server would refuse a negative id) and zero-fills them, whatever else is in the step."""
+    local = build(vllm_config, engram_tables)
+    remote = build(vllm_config, engram_tables, address=memnode.address)
+    _, hashes, mask = vllm_cpu.hash_batch(hasher, [([], list(range(3, 40)))])
+    hashes = hashes.clone()
+    hashes[5] = DEAD_ID  # a padded token
+    hashes[9, :, ::3] = DEAD_ID  # and single columns
+    dummy, keep = vllm_cpu.make_hasher(vllm_config).dummy_hashes(torch.zeros(4, dtype=torch.int32))  # vLLM's own
+    assert dummy.dtype == torch.int32 and bool((dummy == DEAD_ID).all())
+    x = torch.randn((len(hashes), HC, HIDDEN), generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    for hash_ids, token_mask, inputs in ((hashes, mask, x), (dummy, keep, x[:4])):
+        for a, b in zip(
+            vllm_cpu.step(local, hash_ids, inputs, token_mask), vllm_cpu.step(remote, hash_ids, inputs, token_mask)
+        ):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    for e in remote:  # the staged rows of the dead ids are exact zeros
+        e.prepare_embeddings(hashes[:, e.layer_hash_index])
+        rows = e.embed(hashes[:, e.layer_hash_index])
+        assert not rows[5].any() and not rows[9, ::3].any() and rows[9, 1::3].any()
+
+
+def test_embedding_lookup_and_forward_are_vllms(vllm_config, hasher, engram_tables, memnode):
+    """The served embedding answers vLLM's ParallelEngramEmbedding interface too (lookup into bf16 or packed
+    rows, forward), with the same bytes."""
+    local = build(vllm_config, engram_tables, layers=(14,))[0].embed_tokens
+    remote = build(vllm_config, engram_tables, address=memnode.address, layers=(14,))[0].embed_tokens
+    _, hashes, _ = vllm_cpu.hash_batch(hasher, [([], list(range(50, 70)))])
+    ids = hashes[:, 1].clone()
+    ids[3] = DEAD_ID
+    assert torch.equal(local(ids).view(torch.int16), remote(ids).view(torch.int16))
+    for dtype, width in ((torch.bfloat16, 256), (torch.uint8, 264)):
+        want, got = (torch.empty((len(ids), 24, width), dtype=dtype) for _ in range(2))
+        local.lookup(ids, want)
+        remote.lookup(ids, got)
+        assert torch.equal(want.view(torch.uint8), got.view(torch.uint8))
+
+
+def test_dequantize_follows_vllms_scale_arithmetic():
+    """vLLM's lookup kernel puts the scale byte into the float32 exponent (byte 0 -> 0.0); torch's e8m0
+    type (SGLang's arithmetic) reads byte 0 as 2**-127. The plugin uses vLLM's."""
+    from tableclient.engine import dequantize
+
+    packed = torch.zeros((1, 264), dtype=torch.uint8)
+    packed[0, :256] = 0x38  # fp8 e4m3 1.0
+    packed[0, 256:] = torch.tensor([0, 1, 100, 126, 127, 128, 150, 200], dtype=torch.uint8)
+    got = dequantize(packed, 256, exponent_scales=True).float().view(8, 32)[:, 0]
+    assert got[0] == 0.0 and got[1] == 2.0**-126 and got[4] == 1.0 and got[6] == 2.0**23
+    assert dequantize(packed, 256).float()[0, 0] == 2.0**-127  # SGLang's
+
+
+@pytest.mark.slow
+def test_tensor_and_sequence_parallel_ranks_gather_their_columns(model_dir, engram_tables, memnode):
+    """TP=2 in two processes over gloo (tests/vllm_ranks.py): each rank's served layers gather only its
+    hash columns (12 of 24), and vLLM's own collectives join them, as for its head-sharded local tables;
+    with sequence parallelism too. Every output bit-identical to vLLM's own tables on that rank."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [str(port), model_dir[0], engram_tables, memnode.address]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "tests", "vllm_ranks.py"), str(rank), "2", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )  # fmt: skip
+        for rank in range(2)
+    ]
+    reports = []
+    for proc in ranks:
+        out, err = proc.communicate(timeout=EVENT_TIMEOUT)
+        assert proc.returncode == 0, err[-3000:]
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    for rank, report in enumerate(reports):
+        for mode in ("tp", "sp"):
+            assert report[mode]["identical"], report
+            assert report[mode]["columns"] == [[12 * rank, 12 * rank + 12]] * 2, report
+        assert report["served"] == {"1": 8, "14": 8}  # sp's steps, each issued at step start
+
+
+# ---------------------------------------------------------------------- start-up
+def test_wrong_or_missing_table_fails_at_construction(vllm_config, engram_tables, memnode):
+    from tableclient.engine import EngramRowsError
+
+    with pytest.raises(EngramRowsError, match="serves no table 'nope.14'"):
+        build(vllm_config, engram_tables, address=memnode.address, tables={14: "nope.14"})
+    with pytest.raises(EngramRowsError, match="has .* rows of 264 B but layer 1 of this model needs"):
+        build(vllm_config, engram_tables, address=memnode.address, tables={1: "engram.layer14"})
+
+
+def test_start_up_check(vllm_config, engram_tables, memnode, caplog):
+    engrams = build(vllm_config, engram_tables, address=memnode.address, placement={1: "local"})
+    with caplog.at_level("INFO", logger="tableclient.vllm"):
+        hooks.verify(torch.nn.ModuleList(engrams))
+    assert "engaged: layer 1 local (vLLM's own table), layer 14 remote" in caplog.text
+    engrams = build(vllm_config, engram_tables, address=memnode.address, placement={1: "local", 7: "remote"})
+    with pytest.raises(hooks.PluginError, match="names layer 7, which is not an Engram layer"):
+        hooks.verify(torch.nn.ModuleList(engrams))
+
+
+@pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL", "PIECEWISE"])
+def test_cuda_graph_modes_that_would_capture_the_gather_are_refused(vllm_config, engram_tables, memnode, mode):
+    """FULL graphs capture vLLM's eager break inline: a served layer's gather would replay capture-time rows.
+    Piecewise graphs run it eagerly at every replay, with vLLM's breakable graphs (this model's default)."""
+    from vllm.config import CUDAGraphMode
+
+    compilation = vllm_config.compilation_config
+    saved, breakable = compilation.cudagraph_mode, os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH")
+    compilation.cudagraph_mode = CUDAGraphMode[mode]
+    os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
+    try:
+        if mode == "PIECEWISE":
+            assert build(vllm_config, engram_tables, address=memnode.address)[1].embed_tokens.rows is hooks.rows()
+            os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "0"
+            with pytest.raises(hooks.PluginError, match="VLLM_USE_BREAKABLE_CUDAGRAPH=1"):
+                build(vllm_config, engram_tables, address=memnode.address)
+        else:
+            with pytest.raises(hooks.PluginError, match="FULL graphs do not take .*cudagraph_mode.*PIECEWISE"):
+                build(vllm_config, engram_tables, address=memnode.address)
+            build(vllm_config, engram_tables, address=memnode.address, placement={1: "local", 14: "local"})
+    finally:
+        compilation.cudagraph_mode = saved
+        if breakable is None:
+            os.environ.pop("VLLM_USE_BREAKABLE_CUDAGRAPH", None)
+        else:
+            os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = breakable
+
+
+def test_gathers_run_in_vllms_eager_break(plugin):
+    """The issue and the wait are wrapped by vLLM's eager_break_during_capture: piecewise graphs run them
+    between captured segments at every replay."""
+    from vllm.compilation.breakable_cudagraph import eager_break_during_capture
+
+    for name, fn in (("issue", hooks._issue), ("collect", hooks._collect)):
+        wrapped = hooks._eager[name]
+        assert wrapped.__wrapped__ is fn
+        assert wrapped.__code__ is eager_break_during_capture(fn).__code__
+
+
+@pytest.mark.parametrize("policy", ["fail", "zeros", "fallback"])
+def test_failure_policy_when_the_memory_node_dies(vllm_config, hasher, engram_tables, tmp_path, policy):
+    from prometheus_client import REGISTRY
+    from tableclient import TableClientError
+
+    primary = start_daemon(str(tmp_path / "primary"), "--tables", engram_tables)
+    backup = start_daemon(str(tmp_path / "backup"), "--tables", engram_tables) if policy == "fallback" else None
+    try:
+        zero = build(vllm_config, engram_tables, layers=(14,))[0]  # vLLM's own layer 14 over an all-zero table
+        zero.embed_tokens.weight.data.view(torch.uint8).zero_()
+        zero.embed_tokens.weight_scale_inv.data.zero_()
+        local = build(vllm_config, engram_tables)
+        extra = {"fallback_address": backup.address} if backup else {}
+        remote = build(
+            vllm_config,
+            engram_tables,
+            address=primary.address,
+            placement={1: "local"},
+            policy=policy,
+            timeout=30.0,
+            **extra,
+        )
+        steps = list(vllm_cpu.conversation())
+        _, hashes, mask = vllm_cpu.hash_batch(hasher, steps[0])
+        x = torch.ones((len(hashes), HC, HIDDEN), dtype=torch.bfloat16)
+        vllm_cpu.step(remote, hashes, x, mask)  # served normally
+        primary.stop(signal.SIGKILL)  # the memory node dies between steps
+        _, hashes, mask = vllm_cpu.hash_batch(hasher, steps[1])
+        x = torch.ones((len(hashes), HC, HIDDEN), dtype=torch.bfloat16)
+        zeros_before = REGISTRY.get_sample_value("tableserver_client_zero_rows_served_total", {"layer": "14"}) or 0
+        if policy == "fail":
+            with pytest.raises(TableClientError):
+                vllm_cpu.step(remote, hashes, x, mask)
+            return
+        got, want = vllm_cpu.step(remote, hashes, x, mask), vllm_cpu.step(local, hashes, x, mask)
+        assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))  # layer 1 is local
+        if policy == "zeros":  # layer 14 ran on zero rows
+            zero.prepare_embeddings(hashes[:, 1])
+            assert torch.equal(got[1].view(torch.int16), zero(x, hashes[:, 1], mask).view(torch.int16))
+            assert not torch.equal(got[1], want[1])
+            value = REGISTRY.get_sample_value("tableserver_client_zero_rows_served_total", {"layer": "14"})
+            assert value == zeros_before + 1
+        else:
+            assert torch.equal(got[1].view(torch.int16), want[1].view(torch.int16))
+            assert hooks.rows().summary()[14]["fallbacks"] >= 1
+    finally:
+        hooks.configure(PluginConfig())
+        primary.stop()
+        if backup:
+            backup.stop()
+
+
+# ---------------------------------------------------------------------- checkpoint loading
+def _checkpoint(tmp_path, rows: int = 600_000):
+    """Two safetensors shards named as DeepSeek-V4.1's are: one with both layers' tables (154 MB each: far
+    more than the readahead around what is read) and a projection, one holding nothing but a table of layer
+    14. Returns (paths, the first file's tensors, their byte spans in it)."""
+    import struct
+
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    first = {
+        f"layers.{layer}.engram.embed.{name}": torch.randint(0, 120, (rows, n), generator=g, dtype=torch.uint8)
+        for layer in LAYERS
+        for name, n in (("weight", 256), ("scale", 8))
+    }
+    first["layers.14.engram.wkv.weight"] = torch.randn(64, 32, generator=g)
+    only14 = {
+        f"layers.14.engram.embed.{name}": torch.zeros((1000, n), dtype=torch.uint8)
+        for name, n in (("weight", 256), ("scale", 8))
+    }
+    paths = [str(tmp_path / "model-00001-of-00002.safetensors"), str(tmp_path / "model-00002-of-00002.safetensors")]
+    save_file(first, paths[0])
+    save_file(only14, paths[1])
+    with open(paths[0], "rb") as f:
+        header_len = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(header_len))
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    spans = {
+        k: (8 + header_len + v["data_offsets"][0], 8 + header_len + v["data_offsets"][1])
+        for k, v in header.items()
+        if k != "__metadata__"
+    }
+    return paths, first, spans
+
+
+def test_checkpoint_tensors_of_served_tables_are_never_read(plugin, memnode, tmp_path):
+    """vLLM's default safetensors iterator, hooked: layer 14's table (served) is neither yielded nor read from
+    disk, and the shard holding nothing but it is not even opened; layer 1's (local) and every other tensor
+    are read, unchanged."""
+    from vllm.model_executor.model_loader.weight_utils import (
+        filter_safetensors_files_by_weight_name,
+        safetensors_weights_iterator,
+    )
+    from vllm.models.deepseek_v41 import DeepseekV41ForCausalLM
+
+    paths, tensors, spans = _checkpoint(tmp_path)
+    if max(resident_share(paths[0], *span) for span in spans.values()) > 0.5:
+        pytest.skip("this filesystem keeps the file in the page cache (tmpfs?): cannot tell what was read")
+    hooks.configure(PluginConfig(address=memnode.address, transport="tcp", layers={1: "local"}))
+    try:
+        # the load format's shard filter, with the model's rule: the layer-14-only shard is dropped
+        unused = DeepseekV41ForCausalLM.is_unused_checkpoint_weight.__get__(object.__new__(DeepseekV41ForCausalLM))
+        assert filter_safetensors_files_by_weight_name(paths, unused) == paths[:1]
+        got = dict(safetensors_weights_iterator(paths[:1], False))
+    finally:
+        hooks.configure(PluginConfig())
+    served = {k for k in tensors if k.startswith("layers.14.engram.embed.")}
+    assert set(got) == set(tensors) - served
+    for k in got:
+        assert torch.equal(got[k], tensors[k])
+    assert resident_share(paths[0], *spans["layers.1.engram.embed.weight"]) > 0.5  # read
+    # never read: at most the kernel's readahead next to what was read
+    assert resident_share(paths[0], *spans["layers.14.engram.embed.weight"]) < 0.25
+    assert hooks.hooked(DeepseekV41ForCausalLM.load_weights, hooks._load_weights)
+    hooks.configure(PluginConfig(address=memnode.address, layers={1: "local"}))
+    try:
+        names = [
+            "layers.14.engram.embed.weight",
+            "layers.14.engram.embed.scale",
+            "model.layers.14.engram.embed_tokens.weight",
+            "model.layers.14.engram.embed_tokens.weight_scale_inv",
+            "layers.1.engram.embed.weight",
+            "layers.14.engram.wkv.weight",
+        ]
+        assert [hooks.served_key(k) for k in names] == [True, True, True, True, False, False]
+    finally:
+        hooks.configure(PluginConfig())
+
+
+def test_a_whole_file_load_format_reaches_the_served_layer_and_is_dropped(
+    vllm_config, engram_tables, memnode, model_dir
+):
+    """Load formats that read whole shards hand the served table's tensors to its parameters by name: the
+    parameters exist (vLLM's params_dict finds them) and their loader drops the bytes."""
+    remote = build(vllm_config, engram_tables, address=memnode.address, layers=(14,))[0]  # loaded as vLLM loads
+    assert table_bytes(remote) == 0
+    assert remote.embed_tokens.discarded_bytes == 264 * model_dir[1][1]
+
+
+def test_load_weights_hook_drops_served_tensors_and_counts_their_parameters(
+    vllm_config, engram_tables, memnode, caplog
+):
+    """The model's load_weights, hooked (vLLM's DeepseekV41ForCausalLM needs a GPU to build, so the hook runs here
+    around a recorder): whatever the load format read, a served table's tensors never reach vLLM's loading, its
+    empty parameters count as loaded (vLLM checks every parameter was), and the start-up check runs."""
+    from vllm.models.deepseek_v41 import DeepseekV41ForCausalLM
+
+    assert hooks.hooked(DeepseekV41ForCausalLM.load_weights, hooks._load_weights)
+    engrams = build(vllm_config, engram_tables, address=memnode.address, placement={1: "local"})
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(torch.nn.Module() for _ in range(16))
+    for e, layer in zip(engrams, LAYERS):
+        model.layers[layer].engram = e
+    seen = []
+
+    def vllms_load_weights(self, weights):
+        seen.extend(name for name, _ in weights)
+        return set(seen)
+
+    weights = [(f"layers.{layer}.engram.embed.{n}", torch.zeros(1)) for layer in LAYERS for n in ("weight", "scale")]
+    with caplog.at_level("INFO", logger="tableclient.vllm"):
+        loaded = hooks._load_weights(vllms_load_weights, model, iter(weights + [("layers.14.engram.wkv.weight", 0)]))
+    assert seen == ["layers.1.engram.embed.weight", "layers.1.engram.embed.scale", "layers.14.engram.wkv.weight"]
+    assert {"layers.14.engram.embed_tokens.weight", "layers.14.engram.embed_tokens.weight_scale_inv"} <= loaded
+    assert "engaged: layer 1 local (vLLM's own table), layer 14 remote" in caplog.text
+
+
+# ---------------------------------------------------------------------- memory with and without the plugin
+@pytest.mark.slow
+def test_parameter_bytes_and_rss_with_and_without_the_plugin(tmp_path):
+    """Layers 1 and 14 with tables of 127 MB each, built and loaded from a checkpoint by vLLM's own iterator,
+    mapper and loaders, in a fresh process each (bench/bench_vllm.py): vLLM's own tables cost their size in
+    parameters and resident memory, the served layers neither, and compute the same bits."""
+    metrics = tmp_path / "prometheus"
+    metrics.mkdir()
+    res = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "bench_vllm.py"), "--engram-vocab", "20000", "--json",
+         "--cases", "local,remote", "--workdir", str(tmp_path / "work"), "--out", str(tmp_path),
+         "--metrics-dir", str(metrics)],
+        capture_output=True, text=True, cwd=ROOT, timeout=EVENT_TIMEOUT,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    figures = json.loads(res.stdout.strip().splitlines()[-1])
+    assert figures["identical"], res.stdout
+    table = figures["table_bytes"]
+    assert table > 100e6
+    assert figures["local"]["param_bytes"] == table and figures["remote"]["param_bytes"] == 0
+    assert figures["local"]["rss_growth"] > 0.9 * table
+    assert figures["remote"]["rss_growth"] < 0.1 * table, figures
+    # the workers' client metrics, as vLLM's /metrics aggregates them in multiprocess mode
+    from prometheus_client import generate_latest
+    from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics)
+    try:
+        text = generate_latest(get_prometheus_registry()).decode()
+    finally:
+        del os.environ["PROMETHEUS_MULTIPROC_DIR"]
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+    for layer in LAYERS:
+        assert samples[("tableserver_client_layer_waits_total", (("layer", str(layer)),))] == 1, text[-3000:]
+        key = (("layer", str(layer)), ("table", f"engram.layer{layer}"), ("transport", "tcp"))
+        assert samples[("tableserver_client_rows_total", key)] == 64 * 24  # the step: 64 tokens, 24 ids each
+
+
+# ---------------------------------------------------------------------- refusing to start
+LOAD_PLUGINS = "from vllm.plugins import load_general_plugins; load_general_plugins()\n"
+
+
+def _launch(env_extra: dict, code: str = LOAD_PLUGINS):
+    """vLLM's plugin loading in a fresh process, as each vLLM process starts."""
+    return run_fresh(code, {"VLLM_PLUGINS": "tableserver", **env_extra}, prelude="vllm_cpu")
+
+
+def test_enabled_but_misconfigured_stops_start_up_with_one_line(tmp_path):
+    bad = tmp_path / "placement.toml"
+    bad.write_text('address = "mem:7070"\n[layers]\n14 = "elsewhere"\n')
+    res = _launch({"TABLESERVER_VLLM_CONFIG": str(bad)})
+    assert res.returncode != 0
+    assert (
+        res.stderr.strip().splitlines()[-1]
+        == "tableserver plugin: layers.14 = 'elsewhere': use one of remote, node, local"
+    )
+    res = _launch({"TABLESERVER_ADDRESS": "mem:7070", "TABLESERVER_GRAPH_MODE": "14=in_graph"})
+    assert res.returncode != 0
+    assert "graph.14 = 'in_graph' is an SGLang decode-graph mode" in res.stderr.strip().splitlines()[-1]
+
+
+def test_other_vllm_versions_are_refused():
+    res = _launch({"TABLESERVER_ADDRESS": "mem:7070"}, as_version("vllm", "0.33.1", LOAD_PLUGINS))
+    assert res.returncode != 0
+    assert res.stderr.strip().splitlines()[-1] == (
+        "tableserver plugin: vLLM 0.33.1 is not supported (tested with 0.33.0, whose Engram internals it hooks): "
+        "install vllm==0.33.0, or unset TABLESERVER_ADDRESS to run vLLM without the plugin"
+    )
+
+
+def test_not_configured_leaves_vllm_alone():
+    code = LOAD_PLUGINS + (
+        "from vllm.models.deepseek_v41.common.engram import Engram\n"
+        "print(hasattr(Engram.prepare_embeddings, '_tableserver_original'))\n"
+    )
+    res = _launch({}, code)
+    assert res.returncode == 0 and res.stdout.strip().splitlines()[-1] == "False", res.stderr[-2000:]
