@@ -188,10 +188,12 @@ def test_dead_ids_and_int32_ids_give_vllms_zero_rows(vllm_config, hasher, engram
     assert dummy.dtype == torch.int32 and bool((dummy == DEAD_ID).all())
     x = torch.randn((len(hashes), HC, HIDDEN), generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     for hash_ids, token_mask, inputs in ((hashes, mask, x), (dummy, keep, x[:4])):
-        for a, b in zip(
-            vllm_cpu.step(local, hash_ids, inputs, token_mask), vllm_cpu.step(remote, hash_ids, inputs, token_mask)
-        ):
+        before = server_rows(memnode, "engram.layer14")
+        want = vllm_cpu.step(local, hash_ids, inputs, token_mask)
+        for a, b in zip(want, vllm_cpu.step(remote, hash_ids, inputs, token_mask)):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+        if hash_ids is dummy:  # a dummy run (every id dead) sends nothing
+            assert server_rows(memnode, "engram.layer14") == before
     for e in remote:  # the staged rows of the dead ids are exact zeros
         e.prepare_embeddings(hashes[:, e.layer_hash_index])
         rows = e.embed(hashes[:, e.layer_hash_index])
@@ -277,6 +279,21 @@ def test_start_up_check(vllm_config, engram_tables, memnode, caplog):
     assert "engaged: layer 1 local (vLLM's own table), layer 14 remote" in caplog.text
     engrams = build(vllm_config, engram_tables, address=memnode.address, placement={1: "local", 7: "remote"})
     with pytest.raises(hooks.PluginError, match="names layer 7, which is not an Engram layer"):
+        hooks.verify(torch.nn.ModuleList(engrams))
+
+
+def test_a_local_table_sharded_over_dp_ranks_cannot_sit_beside_a_served_layer(vllm_config, engram_tables, memnode):
+    """With Engram DP groups vLLM may shard a local table over the replicas (dp_size 2 below, as vLLM sets it
+    for two replicas) and then stages every layer as one batch of all replicas' tokens: a served layer
+    reads its own replica's rows, so the mix is refused when the model is built, and again at load."""
+    from vllm.models.deepseek_v41.common.engram import EngramBatch
+
+    engrams = build(vllm_config, engram_tables, address=memnode.address, placement={1: "local"})
+    assert EngramBatch.create(engrams, 64) is None  # dp_size 1 everywhere: vLLM builds no batch, as before
+    engrams[0].embed_tokens.dp_size = 2
+    with pytest.raises(hooks.PluginError, match="sharded over data-parallel ranks"):
+        EngramBatch.create(engrams, 64)
+    with pytest.raises(hooks.PluginError, match="sharded over data-parallel ranks"):
         hooks.verify(torch.nn.ModuleList(engrams))
 
 

@@ -314,10 +314,10 @@ class EngramRows:
             for copy in self._fences.pop(f"layer{layer}", []):  # copies still reading the staging
                 copy.synchronize()
             ids = np.asarray(ids)
-            if len(ids) == 0 or len(ids) > self.config.max_tokens:
-                self._issued[layer] = (key, None, ids)
-                return False
             live, dead = self._live(ids)
+            if len(ids) == 0 or len(ids) > self.config.max_tokens or (dead is not None and dead.all()):
+                self._issued[layer] = (key, None, ids)  # collect: fetched then (or zeros, sending nothing)
+                return False
             step.begin_step({layer: live})
             self._issued[layer] = (key, dead, None)
             return True
@@ -363,11 +363,15 @@ class EngramRows:
 
     def fetch_now(self, layer: int, ids):
         """``layer``'s packed rows for host ids of any shape, gathered now into a fresh array (its own
-        step's failure policy; dead ids' rows zero). An issued gather of the layer is left alone."""
+        step's failure policy; dead ids' rows zero, and no request at all when every id is dead). An
+        issued gather of the layer is left alone."""
         import torch
 
         with self._lock:
             live, dead = self._live(ids)
+            if dead is not None and dead.all():  # a dummy run's or padding's ids: nothing to fetch
+                s = self.layers[layer]
+                return torch.zeros((*live.shape, s.dim + s.dim // FP8_BLOCK), dtype=torch.uint8)
             rows = torch.from_numpy(self._step(self.layers[layer].placement, "forward", layer).gather_now(layer, live))
             self.served[layer]["fetched"] += 1
         if dead is not None:

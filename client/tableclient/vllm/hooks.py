@@ -87,6 +87,7 @@ def check_vllm() -> str:
         engram.Engram._ready_rows: ["self", "num_tokens"],
         engram.Engram.embed: ["self", "hash_ids"],
         engram.ParallelEngramEmbedding.lookup: ["self", "indices", "out", "background"],
+        engram.EngramBatch.create: ["layers", "max_tokens"],
         weights.should_skip_weight: ["weight_name", "local_expert_ids"],
         model.DeepseekV41ForCausalLM.load_weights: ["self", "weights"],
     }  # fmt: skip
@@ -138,6 +139,8 @@ def patch() -> None:
         current = getattr(owner, name, None)
         if not hasattr(current, "_tableserver_original"):
             setattr(owner, name, _as_function(hook, current))
+    if not hasattr(engram.EngramBatch.create, "_tableserver_original"):  # a classmethod: called on the class
+        engram.EngramBatch.create = staticmethod(_as_function(_batch_create, engram.EngramBatch.create))
     _eager["issue"] = eager(_issue)
     _eager["collect"] = eager(_collect)
 
@@ -221,6 +224,26 @@ def _check_graphs(layer: int, placement: str) -> None:
             f"tableserver plugin: {where}, which only breakable graphs take: launch vLLM with "
             "VLLM_USE_BREAKABLE_CUDAGRAPH=1 (the default for this model), or --enforce-eager"
         )
+
+
+DP_MIX = (
+    "tableserver plugin: a local Engram table here is sharded over data-parallel ranks (embedding_across_dp, or "
+    "/dev/shm too small to share it), which vLLM cannot mix with a served layer: place every Engram layer remote "
+    "or node, or keep local tables whole per replica"
+)
+
+
+def _batch_create(original, layers, max_tokens):
+    """vLLM stages every Engram layer as one batch when the first one's table is sharded over DP ranks: a
+    served layer cannot join it (its rows are this replica's, whole per token)."""
+    if (
+        layers
+        and getattr(layers[0], "_tableserver_layer", None) is None
+        and layers[0].embed_tokens.dp_size > 1
+        and any(getattr(layer, "_tableserver_layer", None) is not None for layer in layers)
+    ):
+        raise PluginError(DP_MIX)
+    return original(layers, max_tokens)
 
 
 def _prepare_embeddings(original, self, hash_ids):
@@ -321,10 +344,6 @@ def verify(model) -> list:
     if any(served(x) for x in layers) and any(
         not served(x) and e.embed_tokens.dp_size > 1 for x, e in zip(layers, engrams)
     ):
-        raise PluginError(
-            "tableserver plugin: a local Engram table here is sharded over data-parallel ranks "
-            "(EngramConfig.embedding_across_dp), which vLLM cannot mix with a served layer: place every Engram "
-            "layer remote or node, or turn embedding_across_dp off"
-        )
+        raise PluginError(DP_MIX)
     log.info("tableserver plugin engaged: %s", cfg.describe(layers, engine="vLLM"))
     return engrams
