@@ -52,8 +52,8 @@ class RemoteEngramEmbedding(nn.Module):
         self.vocab_start_idx, self.vocab_end_idx = 0, num_embeddings  # ids are global: the server has every row
         self.part_num_embeddings = 0
         self.discarded_bytes = 0
-        weight = torch.empty(0, dim, dtype=torch.float8_e4m3fn, device="cpu")
-        scales = torch.empty(0, dim // block_size, dtype=torch.uint8, device="cpu")
+        weight = torch.empty(0, dim, dtype=torch.float8_e4m3fn)  # on whatever device vLLM builds the model
+        scales = torch.empty(0, dim // block_size, dtype=torch.uint8)
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight_scale_inv = nn.Parameter(scales, requires_grad=False)
         for param in (self.weight, self.weight_scale_inv):

@@ -52,6 +52,7 @@ TABLE_KEY = re.compile(
 PIECEWISE_FLAG = """--compilation-config '{"cudagraph_mode": "PIECEWISE"}'"""
 
 _state = PluginState("vllm", dead_id=DEAD_ID)
+_eager: dict = {}  # issue / collect wrapped by vLLM's eager_break_during_capture (set by patch)
 
 
 def config() -> PluginConfig | None:
@@ -132,9 +133,8 @@ def patch() -> None:
         (engram.Engram, "_ready_rows", _ready_rows),
         (weights, "should_skip_weight", _should_skip_weight),
         (model.DeepseekV41ForCausalLM, "load_weights", _load_weights),
+        (model.DeepseekV41ForCausalLM, "is_unused_checkpoint_weight", _is_unused),  # vLLM's is optional: None
     ]
-    cls = model.DeepseekV41ForCausalLM
-    targets.append((cls, "is_unused_checkpoint_weight", _is_unused))
     for owner, name, hook in targets:
         current = getattr(owner, name, None)
         if not hasattr(current, "_tableserver_original"):
@@ -161,9 +161,6 @@ def _as_function(hook, original):
 def hooked(fn, hook) -> bool:
     """Whether ``fn`` (as vLLM now has it) is the plugin's wrapper calling ``hook``."""
     return getattr(fn, "_tableserver_hook", None) is hook
-
-
-_eager: dict = {}  # issue / collect wrapped by vLLM's eager_break_during_capture (set by patch)
 
 
 # ---------------------------------------------------------------------- the layer
