@@ -7,6 +7,7 @@ over real sockets; expected rows always come from the table file itself
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -24,6 +25,12 @@ from tableserver.tablefile import read_header
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IN_GUEST = os.environ.get("TABLESERVER_IN_GUEST") == "1"
+
+# Where vLLM is installed, its kernels run in Triton's interpreter on a CPU-only machine (tests/vllm_cpu.py).
+# Triton has to be in that mode before anything imports it, so before any test module is collected: SGLang's
+# modules import Triton too, and Triton's own library functions decorated before would not run interpreted.
+if not IN_GUEST and importlib.util.find_spec("vllm") is not None:
+    import vllm_cpu  # noqa: F401
 #: The bound on any wait for an event (a log line, a metric, a socket state, a process exit). Generous on
 #: purpose: each wait ends as soon as its event happens, so a busy machine makes a test slower, never red.
 EVENT_TIMEOUT = float(os.environ.get("TABLESERVER_TEST_EVENT_TIMEOUT", "600"))

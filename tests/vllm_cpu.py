@@ -1,14 +1,15 @@
 """Running vLLM's own Engram classes on this machine's CPU (torch 2.13 CPU build, no GPU, no vllm._C).
 
-Import this module before anything imports vllm. Without CUDA it sets, for this process and the ones
-it starts:
+Import this module before anything imports vllm or Triton (tests/conftest.py does, where vLLM is
+installed). Without CUDA it sets, for this process and the ones it starts:
 
 * ``CUDA_VISIBLE_DEVICES=""``: with no active Triton driver vLLM disables Triton
   (``vllm/triton_utils/importing.py``) unless the visible-device list is empty, as in its distributed
   workers; then it keeps the real Triton, and
 * ``TRITON_INTERPRET=1``: Triton's interpreter runs vLLM's own kernels (the n-gram hash, the table
-  lookup and dequantization, the gate) on CPU tensors. It must be set before vLLM's kernels are
-  decorated, i.e. before ``vllm.models.deepseek_v41.common.engram`` is imported;
+  lookup and dequantization, the gate) on CPU tensors. It must be set before any ``@triton.jit``
+  function is decorated: vLLM's kernels, and Triton's own library (``tl.sum``), which is decorated when
+  Triton is first imported, by whichever engine comes first;
 * ``cpu_site`` on PYTHONPATH: vLLM inspects a model class in a fresh interpreter, which needs
   ``torchvision_cpu`` too (its ``sitecustomize`` applies it on the first ``import torchvision``);
 * ``VLLM_CACHE_ROOT``: a temporary directory, so the run reads and leaves nothing in ``~/.cache/vllm``.
