@@ -121,6 +121,10 @@ def main() -> int:
     if args.case:
         print(json.dumps(run_case(args.case, args.model, args.checkpoint, args.address)))
         return 0
+    if not 1_000 <= args.engram_vocab <= 20_000_000:
+        print(f"bench_vllm: --engram-vocab {args.engram_vocab}: use 1000 .. 20000000 (about 24x that many rows per table)",
+              file=sys.stderr)  # fmt: skip
+        return 2
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = sorted(set(cases) - set(CASES))
     if unknown or not cases:

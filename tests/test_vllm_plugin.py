@@ -200,6 +200,24 @@ def test_dead_ids_and_int32_ids_give_vllms_zero_rows(vllm_config, hasher, engram
         assert not rows[5].any() and not rows[9, ::3].any() and rows[9, 1::3].any()
 
 
+def test_a_layer_never_gets_rows_it_did_not_issue(vllm_config, hasher, engram_tables, memnode):
+    """Each step's rows are handed over once, to the layer and token count they were issued for: a layer run
+    without its prepare_embeddings, or a second time, fails instead of reusing another step's rows."""
+    from tableclient.engine import EngramRowsError
+
+    e = build(vllm_config, engram_tables, address=memnode.address, layers=(14,))[0]
+    _, hashes, _ = vllm_cpu.hash_batch(hasher, [([], list(range(3, 12)))])
+    with pytest.raises(EngramRowsError, match="not issued at step start"):
+        e.embed(hashes[:, 1])
+    e.prepare_embeddings(hashes[:, 1])
+    e.embed(hashes[:, 1])
+    with pytest.raises(EngramRowsError, match="not issued at step start"):
+        e.embed(hashes[:, 1])  # collected already
+    e.prepare_embeddings(hashes[:5, 1])
+    with pytest.raises(EngramRowsError, match="not issued at step start"):
+        e.embed(hashes[:, 1])  # issued for 5 tokens, asked for 9
+
+
 def test_embedding_lookup_and_forward_are_vllms(vllm_config, hasher, engram_tables, memnode):
     """The served embedding answers vLLM's ParallelEngramEmbedding interface too (lookup into bf16 or packed
     rows, forward), with the same bytes."""
@@ -585,7 +603,7 @@ def test_other_vllm_versions_are_refused():
 def test_not_configured_leaves_vllm_alone():
     code = LOAD_PLUGINS + (
         "from vllm.models.deepseek_v41.common.engram import Engram\n"
-        "print(hasattr(Engram.prepare_embeddings, '_tableserver_original'))\n"
+        "print(hasattr(Engram.prepare_embeddings, '__wrapped__'))\n"
     )
     res = _launch({}, code)
     assert res.returncode == 0 and res.stdout.strip().splitlines()[-1] == "False", res.stderr[-2000:]

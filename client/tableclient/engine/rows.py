@@ -322,12 +322,12 @@ class EngramRows:
             self._issued[layer] = (key, dead, None)
             return True
 
-    def collect(self, layer: int, key=None, ids=None):
+    def collect(self, layer: int, key=None):
         """The packed rows ``[T, C, row_bytes]`` (uint8, host) of ``layer``'s gather issued with ``key``:
         a view of its staging, valid until its next :meth:`issue` (hand a copy out of it to :meth:`fence`
-        with channel ``f"layer{layer}"``), or a fresh array where ``issue`` could not stage them. If none
-        was issued with that key, the rows of ``ids`` (host, or a callable returning them) fetched now;
-        without ``ids``, EngramRowsError. Dead ids' rows are zero either way. Each issue is collected once."""
+        with channel ``f"layer{layer}"``), or a fresh array where ``issue`` could not stage them. Dead ids'
+        rows are zero. Each issue is collected once; with none issued under ``key``, EngramRowsError
+        (never another step's rows)."""
         import torch
 
         with self._lock:
@@ -335,11 +335,9 @@ class EngramRows:
             issued = self._issued.pop(layer, None)
             if issued is None or issued[0] != key:
                 step.abandon()
-                if ids is None:
-                    raise EngramRowsError(
-                        f"tableserver plugin: Engram layer {layer} asked for rows that were not issued at step start"
-                    )
-                return self.fetch_now(layer, ids() if callable(ids) else ids)
+                raise EngramRowsError(
+                    f"tableserver plugin: Engram layer {layer} asked for rows that were not issued at step start"
+                )
             _, dead, later = issued
             if later is not None:
                 return self.fetch_now(layer, later)

@@ -53,6 +53,7 @@ PIECEWISE_FLAG = """--compilation-config '{"cudagraph_mode": "PIECEWISE"}'"""
 
 _state = PluginState("vllm", dead_id=DEAD_ID)
 _eager: dict = {}  # issue / collect wrapped by vLLM's eager_break_during_capture (set by patch)
+_wrappers: dict = {}  # each wrapper patch() put on vLLM -> (its hook, vLLM's function under it)
 
 
 def config() -> PluginConfig | None:
@@ -119,7 +120,8 @@ def _modules():
 
 
 def _original(fn):
-    return getattr(fn, "_tableserver_original", fn)
+    """vLLM's own function under the plugin's wrapper (``fn`` itself when not wrapped)."""
+    return _wrappers.get(fn, (None, fn))[1]
 
 
 # ---------------------------------------------------------------------- putting the hooks in place
@@ -137,30 +139,29 @@ def patch() -> None:
     ]
     for owner, name, hook in targets:
         current = getattr(owner, name, None)
-        if not hasattr(current, "_tableserver_original"):
+        if current not in _wrappers:
             setattr(owner, name, _as_function(hook, current))
-    if not hasattr(engram.EngramBatch.create, "_tableserver_original"):  # a classmethod: called on the class
+    if engram.EngramBatch.create not in _wrappers:  # a classmethod: called on the class
         engram.EngramBatch.create = staticmethod(_as_function(_batch_create, engram.EngramBatch.create))
     _eager["issue"] = eager(_issue)
     _eager["collect"] = eager(_collect)
 
 
 def _as_function(hook, original):
-    """A plain function calling ``hook(original, ...)`` (a method when set on a class), marked as ours."""
+    """A plain function calling ``hook(original, ...)`` (a method when set on a class), recorded as ours."""
 
     def wrapper(*args, **kwargs):
         return hook(original, *args, **kwargs)
 
     if original is not None:
         functools.update_wrapper(wrapper, original)
-    wrapper._tableserver_original = original
-    wrapper._tableserver_hook = hook
+    _wrappers[wrapper] = (hook, original)
     return wrapper
 
 
 def hooked(fn, hook) -> bool:
     """Whether ``fn`` (as vLLM now has it) is the plugin's wrapper calling ``hook``."""
-    return getattr(fn, "_tableserver_hook", None) is hook
+    return _wrappers.get(fn, (None, None))[0] is hook
 
 
 # ---------------------------------------------------------------------- the layer
