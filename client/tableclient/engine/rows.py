@@ -91,7 +91,8 @@ class EngramRows:
         self._fences: dict[str, list] = {}  # channel -> copies out of its staging still in flight
         self._lock = threading.RLock()
         self._pending = None  # (weakref to the hasher's output, {layer: view geometry}) of the last prefetch
-        self._issued: dict[int, tuple] = {}  # layer -> (key, dead mask or None) of its issued, uncollected gather
+        # layer -> (key, dead mask or None, ids collect fetches itself or None) of its issued, uncollected gather
+        self._issued: dict[int, tuple] = {}
         self.served = {}  # layer -> rows served (prefetched, staged, fetched now): for logs and tests
 
     # ------------------------------------------------------------------ setup
@@ -303,8 +304,8 @@ class EngramRows:
     def issue(self, layer: int, ids, key=None) -> bool:
         """Begins ``layer``'s gather for host ids ``[T, C]`` now, on that layer's own step (its staging,
         its deadline accounting); :meth:`collect` with the same ``key`` hands the rows over. Returns False
-        when nothing was issued (an empty step, or more tokens than the staging holds): ``collect``
-        fetches those ids then. A gather issued before for the layer and never collected is cancelled."""
+        when nothing was issued (an empty step, more tokens than the staging holds, or every id dead):
+        ``collect`` fetches those ids then (nothing for dead ones). A gather issued before for the layer and never collected is cancelled."""
         import numpy as np
 
         with self._lock:
