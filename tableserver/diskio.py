@@ -49,12 +49,20 @@ back), and a half is reused only once its rows are out and its reads all back. A
 batches has its pages read once: the shared pages are moved over, not reread.
 
 Faults. A read error (EIO, any OSError), a short read, or a file changed under the reader (``fstat``
-of the fd and ``stat`` of the path against the inode, size and mtime seen at open, once per gather,
-after the reads) raises :class:`DiskReadError` naming the file, the offset and the fix; the gather's
-``out`` is then undefined, and no wrong row is ever returned as a success. Every wait (the pool lock,
+of the fd and ``stat`` of the path against the :class:`FileIdentity` seen at open -- inode, size, mtime
+and ctime, which userspace cannot set back -- once per gather, after the reads) raises
+:class:`DiskReadError` naming the file, the offset and the fix; the gather's ``out`` is then undefined,
+and no wrong row is ever returned as a success. ``expect`` ties a reader to the file another open saw
+(the header's, the verification's): a file replaced or written in between is refused at open.
+
+Output. A gather writes into its ``out`` only inside its :class:`OutputGuard` (when given): once the
+guard's :meth:`~OutputGuard.cancel` returns, no write is under way and none starts, so its caller may
+reuse ``out`` at once (the reads still in flight write only into the reader's own pool). Every wait (the pool lock,
 the reads) is bounded by ``timeout``; a read that outlives it poisons the pool (its buffer may still
 be written by the kernel) and later gathers fail until it is back. ``close`` never unmaps the pool (nor
-frees the native engine's ring or threads) under such a read: it leaves them mapped and logs it.
+frees the native engine's ring or threads) under such a read: it leaves them mapped and logs it; nor
+under a running gather: it waits for the gather lock (up to ``timeout``), else the gather frees the
+reader as it ends.
 
 O_DIRECT: every file is opened with it and probed with one page read; where the filesystem refuses it
 (EINVAL: tmpfs before Linux 6.6, 9p, some FUSE) the reader falls back to buffered reads, logs why, and
@@ -72,7 +80,6 @@ import itertools
 import logging
 import mmap
 import os
-import stat
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -83,6 +90,7 @@ import numpy as np
 
 from tableserver.common.take import in_range
 from tableserver.errors import TableFileError
+from tableserver.fileid import FileIdentity
 
 try:
     from tableserver import _diskio
@@ -117,6 +125,50 @@ class DiskReadError(TableFileError):
     """A disk table's read failed (EIO, a short read, a file changed or replaced under the reader, or a
     read past the timeout). One line naming the file, the offset and the fix; ``errno`` is the OS error
     number where one caused it."""
+
+
+class GatherCancelled(Exception):
+    """A gather whose :class:`OutputGuard` was cancelled: it stopped before writing more rows."""
+
+
+class OutputGuard:
+    """Who may still write into one gather's output. The gather writes rows only inside ``with guard:``
+    (which raises :class:`GatherCancelled` once cancelled); :meth:`cancel` returns when no write is under
+    way, and none starts after it: a barrier for the owner of the output."""
+
+    __slots__ = ("_lock", "cancelled")
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.cancelled = False
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        if self.cancelled:
+            self._lock.release()
+            raise GatherCancelled("the gather was cancelled")
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+
+
+class _Unguarded:
+    """The guard of a gather nobody cancels."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+_UNGUARDED = _Unguarded()
 
 
 def _sysctl(name: str) -> str | None:
@@ -178,7 +230,8 @@ class DiskTable:
     try O_DIRECT; ``timeout``: seconds any wait may take; ``io``: the read engine, ``"auto"``, ``"io_uring"``,
     ``"threads"`` or ``"python"`` (see the module; a named engine that cannot run here raises
     :class:`DiskReadError` saying why and what to do). ``engine`` is the one that runs, ``engine_reason``
-    one line on why.
+    one line on why. ``expect``: the :class:`FileIdentity` each file must still have (None entries: any),
+    e.g. the one its header was read from; another file, or one written since, is refused.
 
     Use as a context manager, or call :meth:`close` (idempotent)."""
 
@@ -197,6 +250,7 @@ class DiskTable:
         io: str = "auto",
         rows_per_page: int = 0,
         row_base: int = 0,
+        expect=None,
     ):
         self.paths = [os.fspath(paths)] if isinstance(paths, (str, os.PathLike)) else [os.fspath(p) for p in paths]
         n = len(self.paths)
@@ -254,7 +308,7 @@ class DiskTable:
         self.engine_reason = "not started"
         self._fds: list[int] = []
         self._fd_of = np.zeros(0, np.int64)
-        self._stats: list[tuple[int, int, int, int, int]] = []  # dev, ino, size, mtime_ns, rdev (block: != 0)
+        self._ids: list[FileIdentity] = []  # each file as opened
         self._pool = None
         self._rows_view = None
         self._executor = None
@@ -262,10 +316,11 @@ class DiskTable:
         self._inflight: list = []
         self._lock = threading.Lock()
         self._closed = False
+        self._freed = False
         try:
             self._need = self._file_needs()
             self._need_arr = np.asarray(self._need, np.int64)
-            self._open_files(direct)
+            self._open_files(direct, expect)
             self._pool = mmap.mmap(-1, self.pool_pages * self.page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             self._buf = np.frombuffer(self._pool, np.uint8)
             self._view = memoryview(self._pool)
@@ -300,13 +355,11 @@ class DiskTable:
             needs.append(full * self.stripe + (rem if i == units % n else 0))
         return needs
 
-    @staticmethod
-    def _size(fd: int, st: os.stat_result) -> int:
-        """Bytes a file holds; a block device's st_size is 0, its size is where SEEK_END lands."""
-        return os.lseek(fd, 0, os.SEEK_END) if stat.S_ISBLK(st.st_mode) else st.st_size
-
-    def _open_files(self, direct: bool) -> None:
-        for path, need in zip(self.paths, self._need):
+    def _open_files(self, direct: bool, expect) -> None:
+        expect = list(expect) if expect is not None else [None] * len(self.paths)
+        if len(expect) != len(self.paths):
+            raise ValueError(f"expect names {len(expect)} files, the reader has {len(self.paths)}")
+        for path, need, want in zip(self.paths, self._need, expect):
             flags = os.O_RDONLY | os.O_CLOEXEC
             fd = -1
             if self.direct:
@@ -326,15 +379,19 @@ class DiskTable:
                         f"{path}: cannot open the disk table ({e.strerror}): check the path", e.errno
                     ) from None
             self._fds.append(fd)
-            st = os.fstat(fd)
-            size = self._size(fd, st)
-            if size < need:
+            ident = FileIdentity.of(fd)
+            why = want.change_at(fd, path) if want is not None else None
+            if why is not None:
                 raise DiskReadError(
-                    f"{path}: truncated disk table file: {size} bytes, the table needs {need} "
+                    f"{path}: the table file {why} since it was first opened (a re-pack or copy during start-up?): "
+                    "restart once the file is final"
+                )
+            if ident.size < need:
+                raise DiskReadError(
+                    f"{path}: truncated disk table file: {ident.size} bytes, the table needs {need} "
                     f"(offset {self.offset}, {self.rows} rows of {self.row_bytes} B): re-copy or re-pack it"
                 )
-            rdev = st.st_rdev if stat.S_ISBLK(st.st_mode) else 0
-            self._stats.append((st.st_dev, st.st_ino, size, st.st_mtime_ns, rdev))
+            self._ids.append(ident)
 
     def _go_buffered(self, reason: str) -> None:
         if self.direct:
@@ -358,9 +415,9 @@ class DiskTable:
             for i, fd in enumerate(self._fds):
                 os.close(fd)
                 self._fds[i] = os.open(self.paths[i], os.O_RDONLY | os.O_CLOEXEC)
-                st = os.fstat(self._fds[i])
-                if (st.st_dev, st.st_ino) != self._stats[i][:2]:
-                    raise self._changed(i, "replaced while opening")
+                why = self._ids[i].change(FileIdentity.of(self._fds[i]))
+                if why is not None:
+                    raise self._changed(i, why + " while opening")
 
     def _probe_at(self, i: int) -> int:
         return self.offset // self.page * self.page if len(self._fds) == 1 else 0
@@ -459,10 +516,17 @@ class DiskTable:
 
     # -- gathering -------------------------------------------------------------------------------
 
-    def gather(self, row_ids, out: np.ndarray | None = None) -> np.ndarray:
+    @property
+    def identities(self) -> tuple[FileIdentity, ...]:
+        """Each file's identity as opened (pass it as another reader's ``expect``)."""
+        return tuple(self._ids)
+
+    def gather(self, row_ids, out: np.ndarray | None = None, guard: OutputGuard | None = None) -> np.ndarray:
         """Rows ``row_ids`` (any integer array) into ``out`` (uint8, C-contiguous, shape
         ``row_ids.shape + (row_bytes,)``; allocated when None), which is returned. Ids outside
-        ``0..rows-1``: ValueError, before any read. A failed read: DiskReadError (``out`` undefined)."""
+        ``0..rows-1``: ValueError, before any read. A failed read: DiskReadError (``out`` undefined).
+        ``guard``: rows are written into ``out`` only inside it; cancelled, the gather stops with
+        :class:`GatherCancelled`."""
         if self._closed:
             raise ValueError("DiskTable is closed: open a new one")
         ids = np.asarray(row_ids)
@@ -489,13 +553,29 @@ class DiskTable:
                 errno_module.ETIMEDOUT,
             )
         try:
+            if self._closed:
+                raise ValueError("DiskTable is closed: open a new one")
             self._check_idle()
-            self._gather(flat.astype(np.int64, copy=False), out.reshape(-1, self.row_bytes))
+            self._gather(flat.astype(np.int64, copy=False), out.reshape(-1, self.row_bytes), guard or _UNGUARDED)
             self._check_files()
             self.gathers += 1
         finally:
+            if self._closed:  # closed while this gather ran: close() left the freeing to it
+                self._free()
             self._lock.release()
         return out
+
+    def file_change(self) -> tuple[str, str] | None:
+        """(path, how it changed) of the first file changed or replaced since it was opened (what every
+        gather checks after its reads, as a DiskReadError); None when every file is as opened."""
+        with self._lock:
+            if self._closed:
+                raise ValueError("DiskTable is closed: open a new one")
+            for fd, path, opened in zip(self._fds, self.paths, self._ids):
+                why = opened.change_at(fd, path)
+                if why is not None:
+                    return path, why
+        return None
 
     def _row_start(self, r):
         """Logical byte (past ``offset``) of table row ``r`` (an int or an int64 array)."""
@@ -504,7 +584,7 @@ class DiskTable:
             return (r // k) * self.page + (r % k) * self.row_bytes
         return r * self.row_bytes
 
-    def _gather(self, ids: np.ndarray, out2: np.ndarray) -> None:
+    def _gather(self, ids: np.ndarray, out2: np.ndarray, guard) -> None:
         page, rb = self.page, self.row_bytes
         start = self.offset + self._row_start(ids + self.row_base if self.row_base else ids)
         first = start // page
@@ -519,7 +599,8 @@ class DiskTable:
         within = start - first * page
         if len(pages) <= self._batch:  # one batch: rows straight into out, in their own order
             self._read_now(pages, 0, len(pages))
-            self._copy_rows(fslot * page + within, out2)
+            with guard:
+                self._copy_rows(fslot * page + within, out2)
             return
         # Batches of first pages, read into the two halves of the pool in turn: the next batch is read while
         # the rows of one are copied out (a pool too small to halve holds one batch at a time)
@@ -551,7 +632,8 @@ class DiskTable:
                 base = (k % nreg) * region
                 part = np.empty((sel.size, rb), np.uint8)
                 self._copy_rows((base + fslot[sel] - lo) * page + within[sel], part)
-                out2[sel] = part
+                with guard:
+                    out2[sel] = part
                 if k + 1 < len(plans) and plans[k + 1][3]:
                     # the next batch's first pages are this one's last (straddling rows): moved, not reread
                     keep, src = plans[k + 1][3], (base + plans[k + 1][1] - lo) * page
@@ -752,33 +834,36 @@ class DiskTable:
             self._inflight = []
 
     def _check_files(self) -> None:
-        """The file behind each fd, and the file at each path, are still the ones opened (a block device:
-        the same device, of the same size; its node's mtime means nothing)."""
+        """The file behind each fd, and the file at each path, are still the ones opened, unchanged (a
+        block device: the same device, of the same size; its node's times mean nothing)."""
         for i, (fd, path) in enumerate(zip(self._fds, self.paths)):
-            dev, ino, size, mtime, rdev = self._stats[i]
-            st = os.fstat(fd)
-            now = os.lseek(fd, 0, os.SEEK_END) if rdev else st.st_size
-            if now != size:
-                raise self._changed(i, f"changed size ({size} -> {now} bytes)")
-            if not rdev and st.st_mtime_ns != mtime:
-                raise self._changed(i, "was modified (mtime changed)")
-            try:
-                sp = os.stat(path)
-            except OSError:
-                raise self._changed(i, "was removed or renamed") from None
-            if (sp.st_dev, sp.st_ino) != (dev, ino):
-                raise self._changed(i, "was replaced (another inode at the path)")
-            if rdev and sp.st_rdev != rdev:
-                raise self._changed(i, "was replaced (another device at the path)")
+            why = self._ids[i].change_at(fd, path)
+            if why is not None:
+                raise self._changed(i, why)
 
     # -- lifetime --------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stops the engine and closes the files and the pool; idempotent. Reads still in flight after
-        ``timeout`` leave the pool mapped (and the native engine's ring or threads to them)."""
+        """Stops the engine and closes the files and the pool; idempotent. Waits up to ``timeout`` for a
+        running gather (past it, that gather frees the reader as it ends: nothing is freed under it).
+        Reads still in flight after ``timeout`` leave the pool mapped (and the native engine's ring or
+        threads to them)."""
         if self._closed:
             return
-        self._closed = True
+        self._closed = True  # no gather starts from here on
+        if not self._lock.acquire(timeout=self.timeout):
+            log.warning("%s: closed during a gather; the reader is freed when it ends", self.paths[0])
+            return
+        try:
+            self._free()
+        finally:
+            self._lock.release()
+
+    def _free(self) -> None:
+        """close()'s work, under the gather lock; once."""
+        if self._freed:
+            return
+        self._freed = True
         stalled = False
         if self._engine is not None:
             stalled = not self._engine.close(self.timeout)

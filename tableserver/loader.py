@@ -320,8 +320,9 @@ class DiskOptions:
     stripes: list | None = None
     stripe_unit: int = 1 << 20
 
-    def reader(self, path: str, spec: TableSpec, lo: int, hi: int) -> DiskTable:
-        """A DiskTable of rows lo..hi-1 of ``spec`` from ``path`` or from the stripes."""
+    def reader(self, path: str, spec: TableSpec, lo: int, hi: int, expect=None) -> DiskTable:
+        """A DiskTable of rows lo..hi-1 of ``spec`` from ``path`` or from the stripes, its files the ones
+        ``expect`` names (DiskTable's)."""
         k = spec.rows_per_page  # page-aligned: the rows of a shard start at row_base, not at a byte offset
         shift, base = (0, lo) if k else (lo * spec.row_bytes, 0)
         if self.stripes:
@@ -329,20 +330,41 @@ class DiskOptions:
         else:
             paths, offset, stripe = path, spec.offset + shift, None
         return DiskTable(paths, offset, hi - lo, spec.row_bytes, stripe=stripe, queue_depth=self.queue_depth,
-                         timeout=self.timeout, io=self.io, rows_per_page=k, row_base=base)  # fmt: skip
+                         timeout=self.timeout, io=self.io, rows_per_page=k, row_base=base,
+                         expect=expect)  # fmt: skip
 
 
 def _open_disk_table(index, source, spec, rows, pool, advance, verify, o: DiskOptions) -> Table:
-    """A disk table: its chunks verified on disk (progress counted as they are), then its reader opened."""
+    """A disk table: its reader opened on the file the header was read from, its chunks verified on disk
+    (progress counted as they are) through that same file, then checked unchanged: what is served is what
+    was verified, or the start fails (a file re-packed or copied over during start-up)."""
     lo, hi = rows
-    if verify and (o.stripes or spec.rows_per_page):
-        with o.reader(source.path, spec, 0, spec.rows) as whole:  # chunks span rows outside a shard's
-            _verify_through(whole, spec, o, lambda n: advance(min(n, (hi - lo) * spec.row_bytes)))
-    elif verify:
-        source.verify(spec, pool, lambda n: advance(min(n, (hi - lo) * spec.row_bytes)), rows=rows)
-    else:
-        advance((hi - lo) * spec.row_bytes)
-    reader = o.reader(source.path, spec, lo, hi)
+    # the serving reader first: its fds pin the files; every later open must find the same ones
+    reader = o.reader(source.path, spec, lo, hi, expect=None if o.stripes else [source.identity])
+    try:
+
+        def count(n: int) -> None:
+            advance(min(n, (hi - lo) * spec.row_bytes))
+
+        if verify and (o.stripes or spec.rows_per_page):
+            if (lo, hi) == (0, spec.rows):
+                _verify_through(reader, spec, o, count)
+            else:  # chunks span rows outside a shard's: read through a whole-table reader of the same files
+                with o.reader(source.path, spec, 0, spec.rows, expect=reader.identities) as whole:
+                    _verify_through(whole, spec, o, count)
+        elif verify:
+            source.verify(spec, pool, count, rows=rows)  # its opens are checked against the header's file
+        else:
+            advance((hi - lo) * spec.row_bytes)
+        change = reader.file_change()
+        if change is not None:
+            raise TableFileError(
+                f"{change[0]}: the file of disk table {spec.name!r} {change[1]} while the daemon verified it (re-packed "
+                "or copied during start-up?): restart once the file is final"
+            )
+    except BaseException:
+        reader.close()
+        raise
     checksum = spec.checksum if verify else unverified(spec.checksum)
     table = Table(index, spec, checksum, source.path, None, lo, hi, DiskQueue(reader, spec.name))
     where = f"disk ({reader.engine}, {reader.io_mode}, queue depth {o.queue_depth}"

@@ -30,6 +30,7 @@ import numpy as np
 
 from tableserver.common.model import FP8_BYTES, ROW_BYTES, SCALE_BYTES
 from tableserver.errors import TableFileError
+from tableserver.fileid import FileIdentity
 from tableserver.tablefile import (
     ENGRAM_DTYPE,
     MAGIC,
@@ -75,6 +76,40 @@ class TableFileSource:
         self.header = read_header(path)
         self.specs = list(self.header.tables)
 
+    @property
+    def identity(self) -> FileIdentity | None:
+        """The file the header was read from: every later open must find it, unchanged."""
+        return self.header.identity
+
+    def _open(self, flags: int = 0) -> int:
+        """An fd of the table file: the file its header was read from, unchanged (else TableFileError)."""
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | flags)
+        try:
+            self.check_same(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _open_direct(self) -> int:
+        """An O_DIRECT fd of the table file (checked as :meth:`_open`), or -1 where the filesystem has none
+        (tmpfs, 9p, ...)."""
+        try:
+            return self._open(os.O_DIRECT)
+        except OSError:
+            return -1
+
+    def check_same(self, fd: int) -> None:
+        """TableFileError when ``fd`` reads another file than the header's, or the file changed since (a
+        re-pack, copy or in-place write during start-up): what is read must be what the header describes."""
+        want = self.header.identity
+        why = want.change_at(fd, self.path) if want is not None else None
+        if why is not None:
+            raise TableFileError(
+                f"{self.path}: the table file {why} since its header was read (re-packed or copied during "
+                "start-up?): restart once the file is final"
+            )
+
     def load(self, spec: TableSpec, dest: np.ndarray, pool: ThreadPoolExecutor, progress: Progress, verify: bool,
              direct: bool = False, rows: tuple[int, int] | None = None) -> str:  # fmt: skip
         """Reads ``spec``'s bytes into ``dest`` (uint8 [nbytes]); returns its checksum.
@@ -96,8 +131,8 @@ class TableFileSource:
         if rows is not None and rows != (0, spec.rows):
             return self._load_range(spec, dest, pool, progress, verify, rows)
 
-        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        dfd = _open_direct(self.path) if direct else -1
+        fd = self._open()
+        dfd = self._open_direct() if direct else -1
         try:
             view = memoryview(dest)
 
@@ -116,6 +151,7 @@ class TableFileSource:
 
             for _ in pool.map(chunk, enumerate(chunk_ranges(spec.nbytes, spec.chunk_bytes))):
                 pass
+            self.check_same(fd)  # and nothing was written in place while it was read
         finally:
             os.close(fd)
             if dfd >= 0:
@@ -130,7 +166,7 @@ class TableFileSource:
 
         k, rb = spec.rows_per_page, spec.row_bytes
         start, stop = rows[0] * rb, rows[1] * rb
-        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = self._open()
         try:
 
             def chunk(i_range):
@@ -151,6 +187,7 @@ class TableFileSource:
 
             for _ in pool.map(chunk, enumerate(chunk_ranges(spec.nbytes, spec.chunk_bytes))):
                 pass
+            self.check_same(fd)  # and nothing was written in place while it was read
         finally:
             os.close(fd)
         return spec.checksum if verify else unverified(spec.checksum)
@@ -166,8 +203,8 @@ class TableFileSource:
 
         lo, hi = rows if rows is not None else (0, spec.rows)
         start, stop = lo * spec.row_bytes, hi * spec.row_bytes
-        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        dfd = _open_direct(self.path) if direct else -1
+        fd = self._open()
+        dfd = self._open_direct() if direct else -1
         try:
 
             def chunk(i_range):
@@ -193,6 +230,7 @@ class TableFileSource:
 
             for _ in pool.map(chunk, enumerate(chunk_ranges(spec.nbytes, spec.chunk_bytes))):
                 pass
+            self.check_same(fd)  # and nothing was written in place while it was read
         finally:
             os.close(fd)
             if dfd >= 0:
@@ -239,7 +277,7 @@ class TableFileSource:
         from tableserver.tablefile import checksum_error, chunk_ranges
 
         start, stop = rows[0] * spec.row_bytes, rows[1] * spec.row_bytes
-        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = self._open()
         try:
 
             def read(buf, at):
@@ -266,6 +304,7 @@ class TableFileSource:
 
             for _ in pool.map(chunk, enumerate(chunk_ranges(spec.nbytes, spec.chunk_bytes))):
                 pass
+            self.check_same(fd)  # and nothing was written in place while it was read
         finally:
             os.close(fd)
         return spec.checksum if verify else unverified(spec.checksum)
@@ -274,14 +313,6 @@ class TableFileSource:
 #: O_DIRECT offsets, lengths and buffer addresses are multiples of this (tables start 2 MiB-aligned
 #: in the file, chunks are 64 MiB, destinations are page-aligned mappings)
 DIRECT_ALIGN = 4096
-
-
-def _open_direct(path: str) -> int:
-    """An O_DIRECT fd of ``path``, or -1 where the filesystem has none (tmpfs, 9p, ...)."""
-    try:
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
-    except OSError:
-        return -1
 
 
 def page_cache_fraction(path: str, samples: int = 64, window: int = 1 << 20) -> float:

@@ -27,6 +27,7 @@ so a partial table file is never visible under its final name.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -42,6 +43,7 @@ import numpy as np
 
 from tableserver.atomic import create_temp  # noqa: F401 (public here too)
 from tableserver.errors import ChecksumError, TableFileError
+from tableserver.fileid import FileIdentity
 
 MAGIC = b"TBLSRV01"
 FORMAT_VERSION = 1
@@ -165,6 +167,8 @@ class TableFileHeader:
     tables: tuple[TableSpec, ...]
     created_by: str = ""
     metadata: dict = field(default_factory=dict)
+    #: the file the header was read from (every later open of ``path`` must find the same, unchanged)
+    identity: FileIdentity | None = None
 
 
 # --------------------------------------------------------------------------- reading
@@ -204,6 +208,7 @@ def file_bytes(fd: int) -> int:
 def read_header(path: str) -> TableFileHeader:
     """Reads and validates a table file's header (no row data is read)."""
     with open_table_file(path, permission_fix=": fix its mode or run as a user that can read it") as f:
+        identity = FileIdentity.of(f.fileno())
         file_size = file_bytes(f.fileno())
         pre = f.read(PREAMBLE.size)
         if len(pre) < PREAMBLE.size:
@@ -234,7 +239,7 @@ def read_header(path: str) -> TableFileHeader:
         raise _bad(path, f"bad header JSON ({e})") from None
     except RecursionError:
         raise _bad(path, "bad header JSON (nested too deep)") from None
-    return _parse_header(path, file_size, data_offset, header_bytes, doc)
+    return dataclasses.replace(_parse_header(path, file_size, data_offset, header_bytes, doc), identity=identity)
 
 
 def _parse_header(path: str, file_size: int, data_offset: int, header_bytes: int, doc) -> TableFileHeader:

@@ -9,6 +9,7 @@ import shutil
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -219,31 +220,29 @@ def test_io_error_fails_over_to_a_replica(demo_file, demo_local, tmp_path):
     paths = [str(tmp_path / f"r{k}.bin") for k in range(2)]
     for p in paths:
         shutil.copy(demo_file, p)
-    mtimes = [os.stat(p).st_mtime_ns for p in paths]
     nodes = [
         start_daemon(str(tmp_path / f"d{k}"), "--tables", p, "--disk-tables", "engram.layer14", "--node-id", f"n{k}")
         for k, p in enumerate(paths)
     ]
 
-    def touch(k: int, changed: bool) -> None:  # the reader compares mtimes: putting it back heals it
-        os.utime(paths[k], ns=(mtimes[k], mtimes[k] + (1_000_000_000 if changed else 0)))
+    def touch(k: int) -> None:  # a changed file stays refused (its ctime moved: no utime puts it back)
+        os.utime(paths[k], ns=(os.stat(paths[k]).st_atime_ns, os.stat(paths[k]).st_mtime_ns + 1_000_000_000))
 
-    series = 'tableserver_disk_read_errors_total{table="engram.layer14"}'
+    errors = 'tableserver_disk_read_errors_total{table="engram.layer14"}'
+    gathers = 'tableserver_disk_gathers_total{table="engram.layer14"}'
     try:
         with TableClient(",".join(n.address for n in nodes), transport="tcp") as c:
             t = c.table("engram.layer14")
             ids = np.arange(0, 3000, 2)
             want = demo_local["engram.layer14"][ids]
             np.testing.assert_array_equal(t.gather(ids), want)
-            for k in range(2):  # each replica's file changed in turn: whichever the client prefers fails once
-                touch(k, True)
-                for _ in range(3):
-                    np.testing.assert_array_equal(t.gather(ids), want)
-                    np.testing.assert_array_equal(t.gather_async(ids).wait(), want)
-                touch(k, False)
-            assert sum(_metric(n, series) for n in nodes) >= 1  # a replica refused, and the gather moved on
-            touch(0, True)
-            touch(1, True)
+            preferred = max(range(2), key=lambda k: _metric(nodes[k], gathers))  # the replica that served it
+            touch(preferred)  # the client's preferred replica fails its reads: the gathers move on
+            for _ in range(3):
+                np.testing.assert_array_equal(t.gather(ids), want)
+                np.testing.assert_array_equal(t.gather_async(ids).wait(), want)
+            assert _metric(nodes[preferred], errors) >= 1  # it refused, and the gather moved on
+            touch(1 - preferred)
             with pytest.raises(RemoteError) as e:
                 t.gather(ids)
             assert e.value.status == "IO_ERROR"
@@ -376,3 +375,103 @@ def test_page_aligned_disk_shard(aligned_file, tmp_path):
     finally:
         a.stop()
         b.stop()
+
+
+# -- the served file is the verified file (issue 34) ---------------------------------------------------
+
+
+def _same_shape_files(tmp_path, page_aligned: bool = False) -> tuple[str, str]:
+    """Two table files of one shape and other rows (an atomic re-pack of the same model, say)."""
+    tables = [DemoTable("engram.layer14", 40_000, 264, 14)]
+    a = write_demo_file(str(tmp_path / "engram.bin"), tables, seed=1, page_aligned=page_aligned)
+    b = write_demo_file(str(tmp_path / "other.bin"), tables, seed=2, page_aligned=page_aligned)
+    return a, b
+
+
+def _served_rows(tables, name: str, ids: np.ndarray) -> np.ndarray:
+    t = tables.by_name[name]
+    out = np.empty((ids.size, t.row_bytes), np.uint8)
+    t.disk.gather(ids, out)
+    return out
+
+
+@pytest.mark.parametrize("layout", ["row-major", "page-aligned", "striped", "shard"])
+def test_disk_table_replaced_while_verifying_is_never_served(tmp_path, layout):
+    """`rename(other.bin, engram.bin)` (or over a stripe file) while the loader verifies a disk table: the
+    start fails with one line naming the change; it never serves the other file's rows under the first
+    file's checksum."""
+    from tableserver.errors import TableFileError
+    from tableserver.loader import load_tables
+
+    path, other = _same_shape_files(tmp_path, page_aligned=layout == "page-aligned")
+    kw: dict = {"disk_tables": ["all"]}
+    victim, replacement = path, other
+    if layout == "striped":
+        stripes = [str(tmp_path / f"s{k}.stripe") for k in range(2)]
+        others = [str(tmp_path / f"o{k}.stripe") for k in range(2)]
+        for src, outs in ((path, stripes), (other, others)):
+            r = run_cli("stripe", src, *outs, "--table", "engram.layer14", "--unit", str(64 << 10))
+            assert r.returncode == 0, r.stderr
+        kw = {"disk_stripes": {"engram.layer14": stripes}, "disk_stripe_unit": 64 << 10}
+        victim, replacement = stripes[1], others[1]
+    elif layout == "shard":
+        kw["shard"] = (1, 2)
+    swapped = []
+
+    def swap_once():  # called as verified bytes arrive: the file changes under the verification
+        if not swapped:
+            os.rename(replacement, victim)
+            swapped.append(True)
+
+    try:
+        tables = load_tables([path], cancel=swap_once, progress="never", lock=False, disk_timeout=5.0, **kw)
+    except TableFileError as e:
+        assert swapped
+        assert "was replaced" in str(e) and "restart once the file is final" in str(e), e
+        assert "\n" not in str(e), e
+        return
+    with tables:  # before the fix: served, every row the other file's, under the first file's checksum
+        ids = np.arange(0, tables.by_name["engram.layer14"].rows, 997)
+        served = _served_rows(tables, "engram.layer14", ids)
+        pytest.fail(f"served {served.shape[0]} rows of a file that changed while it was verified")
+
+
+def test_disk_table_replaced_after_its_header_is_refused(tmp_path):
+    """A file replaced between the header read and the reader's open: the reader refuses it (one line)."""
+    from tableserver.diskio import DiskReadError, DiskTable
+    from tableserver.errors import TableFileError
+    from tableserver.sources import TableFileSource
+
+    path, other = _same_shape_files(tmp_path)
+    source = TableFileSource(path)
+    spec = source.specs[0]
+    os.rename(other, path)
+    with pytest.raises(DiskReadError, match="since it was first opened") as e:
+        DiskTable(path, spec.offset, spec.rows, spec.row_bytes, expect=[source.identity])
+    assert "\n" not in str(e.value)
+    with ThreadPoolExecutor(2) as pool, pytest.raises(TableFileError, match="since its header was read"):
+        source.verify(spec, pool, lambda n: None)
+
+
+def test_same_size_write_with_mtime_restored_is_detected(tmp_path):
+    """A same-size in-place write that puts the mtime back with utime: the ctime still moves, and the next
+    gather raises instead of returning the rewritten rows."""
+    from tableserver.diskio import DiskReadError, DiskTable
+    from tableserver.sources import TableFileSource
+
+    path, other = _same_shape_files(tmp_path)
+    spec = TableFileSource(path).specs[0]
+    want = np.array(local_tables(path)["engram.layer14"])  # a copy: the file is written below
+    with DiskTable(path, spec.offset, spec.rows, spec.row_bytes, io="threads") as reader:
+        ids = np.arange(20) * 1999
+        np.testing.assert_array_equal(reader.gather(ids), want[ids])
+        st = os.stat(path)
+        replacement = local_tables(other)["engram.layer14"]
+        with open(path, "r+b") as f:
+            for i in ids:
+                f.seek(spec.offset + int(i) * spec.row_bytes)
+                f.write(replacement[i].tobytes())
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert os.stat(path).st_mtime_ns == st.st_mtime_ns and os.stat(path).st_size == st.st_size
+        with pytest.raises(DiskReadError, match="ctime changed"):
+            reader.gather(ids)
