@@ -64,7 +64,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     k = sub.add_parser("pack", help="build a table file from safetensors files")
     k.add_argument("output", help="table file to write")
-    k.add_argument("inputs", nargs="+", help=".safetensors files")
+    k.add_argument(
+        "inputs",
+        nargs="+",
+        help=".safetensors files: their Engram tables (an FP8 e4m3 [N, 256] weight with its ue8m0 [N, 8] "
+        "scale) are packed, listed first with their sizes",
+    )
+    k.add_argument(
+        "--tensor",
+        dest="tensors",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="also pack the 2-D tensor NAME as a table of plain rows (repeatable; by default a checkpoint's "
+        "other tensors, its linear weights among them, are left out)",
+    )
     k.add_argument(
         "--version",
         dest="table_version",
@@ -211,7 +225,14 @@ def _pack(args) -> int:
     from tableserver.pack import pack
 
     _writable_target(args.output)
-    pack(args.output, args.inputs, version=args.table_version, page_aligned=args.page_aligned)
+    pack(
+        args.output,
+        args.inputs,
+        version=args.table_version,
+        page_aligned=args.page_aligned,
+        tensors=args.tensors,
+        out=sys.stdout,
+    )
     return 0
 
 

@@ -1,9 +1,11 @@
 """``tableserver pack`` and ``tableserver inspect``.
 
-pack: every table found in the given safetensors files (see sources.py for
-the DeepSeek-V4.1 Engram rule) is streamed, in row blocks, into one table file
-written atomically. inspect: prints a file's catalog and re-computes every
-chunk checksum, naming the corrupt region if one differs.
+pack: the Engram tables found in the given safetensors files (an FP8 e4m3
+``[N, 256]`` weight with its ue8m0 ``[N, 8]`` scale, see sources.py), plus only
+the other 2-D tensors named with ``--tensor`` (a checkpoint's linear weights are
+tensors too, and no table), are listed, then streamed in row blocks into one
+table file written atomically. inspect: prints a file's catalog and re-computes
+every chunk checksum, naming the corrupt region if one differs.
 """
 
 from __future__ import annotations
@@ -15,26 +17,40 @@ import numpy as np
 
 from tableserver.errors import ChecksumError, TableFileError
 from tableserver.progress import Progress, human_bytes
-from tableserver.sources import SafetensorsSource, open_source, open_sources
-from tableserver.tablefile import TableFileWriter, checksum_error, chunk_ranges, logical_bytes, rows_per_page
+from tableserver.sources import SafetensorsSource, open_source
+from tableserver.tablefile import (
+    ENGRAM_DTYPE,
+    TableFileWriter,
+    TableSpec,
+    checksum_error,
+    chunk_ranges,
+    logical_bytes,
+    rows_per_page,
+)
 
 log = logging.getLogger("tableserver.pack")
 _BLOCK_ROWS = 1 << 16
 
 
-def pack(output: str, inputs: list[str], version: int = 1, page_aligned: bool = False) -> str:
-    def safetensors_only(path, src):
-        if not isinstance(src, SafetensorsSource):
-            raise TableFileError(f"{path}: pack reads .safetensors files; this is already a table file")
-
-    entries = open_sources(inputs, "comes from both", "pack them separately or rename a tensor", safetensors_only)
+def pack(
+    output: str,
+    inputs: list[str],
+    version: int = 1,
+    page_aligned: bool = False,
+    tensors: tuple[str, ...] | list[str] = (),
+    out=None,
+) -> str:
+    """Packs the Engram tables of ``inputs`` and the 2-D tensors named in ``tensors`` into ``output``,
+    after listing them on ``out`` (one line per table). TableFileError when there is nothing to pack or a
+    named tensor is not a 2-D tensor of the inputs."""
+    entries, others = _chosen(inputs, tuple(dict.fromkeys(tensors)))
     sources = [src for src, _ in entries]
     specs = [
         dataclasses.replace(spec, version=version, rows_per_page=rows_per_page(spec.row_bytes) if page_aligned else 0)
         for _, spec in entries
     ]
-    if not specs:
-        raise TableFileError(f"no 2-D tensors in {', '.join(inputs)}: nothing to pack")
+    if out is not None:
+        _list(out, output, [spec for _, spec in entries], others)
     bar = Progress(sum(s.nbytes for s in specs), f"packing {output}")
     with TableFileWriter(output, specs, metadata={"sources": inputs}) as w:
         for i, (src, spec) in enumerate(zip(sources, specs)):
@@ -45,6 +61,74 @@ def pack(output: str, inputs: list[str], version: int = 1, page_aligned: bool = 
     bar.finish()
     log.info("packed %d tables (%s) into %s", len(specs), human_bytes(sum(s.nbytes for s in specs)), output)
     return output
+
+
+def _chosen(inputs: list[str], named: tuple[str, ...]) -> tuple[list[tuple], list[TableSpec]]:
+    """``(source, spec)`` of every table to pack (each name once), and the specs of the other tables
+    of ``inputs`` left out."""
+    entries, others, where, found, sources = [], [], {}, set(), []
+    for path in inputs:
+        src = open_source(path)
+        if not isinstance(src, SafetensorsSource):
+            raise TableFileError(f"{path}: pack reads .safetensors files; this is already a table file")
+        sources.append(src)
+        for spec in src.specs:
+            hit = [t for t in (spec.name, *src.tensors_of(spec)) if t in named]  # its table or tensor name
+            found.update(hit)
+            if spec.dtype != ENGRAM_DTYPE and not hit:
+                others.append(spec)
+                continue
+            if spec.name in where:
+                raise TableFileError(
+                    f"table {spec.name!r} comes from both {where[spec.name]} and {path}: "
+                    "pack them separately or rename a tensor"
+                )
+            where[spec.name] = path
+            entries.append((src, spec))
+    for name in named:
+        if name in found:
+            continue
+        held = next(((src.path, shape) for src in sources if (shape := src.tensor_shape(name)) is not None), None)
+        if held is None:
+            raise TableFileError(
+                f"--tensor {name}: no tensor of that name in {_files(inputs)}: "
+                "`tableserver inspect FILE.safetensors` lists a file's tables"
+            )
+        path, shape = held
+        raise TableFileError(
+            f"--tensor {name}: {path} holds it as a {len(shape)}-D tensor of shape {shape}, and only 2-D tensors "
+            "of non-empty rows become tables: drop it from --tensor"
+        )
+    if not entries:
+        besides = f" (only {len(others)} other 2-D tensor{'s' if len(others) != 1 else ''})" if others else ""
+        raise TableFileError(
+            f"no Engram tables (an FP8 e4m3 [N, 256] weight beside its ue8m0 [N, 8] scale) in "
+            f"{_files(inputs)}{besides}: name the tensors to pack with --tensor NAME"
+        )
+    return entries, others
+
+
+def _files(paths: list[str]) -> str:
+    """``paths`` for a one-line message: all of a few, or the first two and how many in all."""
+    return ", ".join(paths) if len(paths) <= 3 else f"{paths[0]}, {paths[1]}, ... ({len(paths)} files)"
+
+
+def _list(out, output: str, specs: list[TableSpec], others: list[TableSpec]) -> None:
+    """What pack is about to write, one line per table; then what it leaves out."""
+    width = max(len(s.name) for s in specs)
+    total = sum(s.nbytes for s in specs)
+    w = out.write
+    w(f"packing {len(specs)} table{'s' if len(specs) != 1 else ''} ({human_bytes(total)}) into {output}:\n")
+    dims = [f"{s.rows:,} rows x {s.row_bytes} B" for s in specs]
+    across = max(map(len, dims))
+    for s, d in zip(specs, dims):
+        w(f"  {s.name:<{width}}  {d:>{across}}  {human_bytes(s.nbytes):>10}\n")
+    if others:
+        w(
+            f"not packed: {len(others)} other 2-D tensor{'s' if len(others) != 1 else ''} "
+            f"({human_bytes(sum(s.nbytes for s in others))}); add --tensor NAME to pack one\n"
+        )
+    out.flush()
 
 
 def inspect_file(path: str, verify: bool = True, out=None) -> int:

@@ -427,6 +427,16 @@ class SafetensorsSource:
             raise TableFileError(f"{self.path}: two tensors map to table name {dup!r}: rename one")
         return specs
 
+    def tensors_of(self, spec: TableSpec) -> tuple[str, ...]:
+        """The tensors whose bytes make table ``spec``'s rows, in row order (an Engram table: the
+        weight, then its scale)."""
+        return tuple(tensor for tensor, _ in self._plans[spec.name])
+
+    def tensor_shape(self, name: str) -> list[int] | None:
+        """The shape of tensor ``name`` in this file (None: the file holds no such tensor)."""
+        info = self._tensors.get(name)
+        return None if info is None else list(info["shape"])
+
     def _tensor_rows(self, tensor: str, row_bytes: int) -> np.ndarray:
         a, b = self._tensors[tensor]["data_offsets"]
         mm = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self._data_start + a, shape=(b - a,))
