@@ -36,6 +36,7 @@ frames back into it (:meth:`Refused.from_wire`, :func:`parse_challenge`,
 from __future__ import annotations
 
 import enum
+import select
 import socket
 import struct
 import time
@@ -222,11 +223,28 @@ def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = N
 
 
 def send_all(sock: socket.socket, parts: list, deadline: float | None = None) -> None:
-    """sendmsg of several buffers, looping over partial sends (all sent by ``deadline`` when given)."""
+    """sendmsg of several buffers, looping over partial sends. With ``deadline`` (time.monotonic()) all
+    of it is sent by then, else TimeoutError (a peer that stops reading cannot hold the sender): it
+    waits for room with ``poll`` and sends with MSG_DONTWAIT, leaving the socket's blocking mode and
+    timeouts as they were (a reader on another thread may be using them)."""
     views = [memoryview(p).cast("B") for p in parts if len(p)]
+    poller = None
     while views:
-        _arm(sock, deadline)
-        sent = sock.sendmsg(views)
+        if deadline is None:
+            sent = sock.sendmsg(views)
+        else:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("deadline passed")
+            if poller is None:
+                poller = select.poll()
+                poller.register(sock, select.POLLOUT)
+            if not poller.poll(int(left * 1000) + 1):  # ms, rounded up: never wakes before the deadline
+                continue
+            try:
+                sent = sock.sendmsg(views, [], socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                continue
         while views and sent >= len(views[0]):
             sent -= len(views[0])
             views.pop(0)

@@ -75,6 +75,12 @@ STAGING_WAIT_S = 10.0
 _set_rdma = None  # SendWR.set_wr_rdma, bound at first use
 
 
+def probe_wait(deadline: float, now: float) -> float:
+    """How long the connect probe's READ may wait at ``now``: what is left of the connect ``deadline``
+    (both time.monotonic()), no more; 0 once it has passed."""
+    return max(deadline - now, 0.0)
+
+
 def _failed(what: str, e: BaseException, kind=TransportError):
     """A verbs failure (``VerbsError`` or pyverbs' own) as this client's error saying what failed."""
     return kind(f"{what}: {e}", errno=error_errno(e))
@@ -273,6 +279,7 @@ class RdmaTransport(ClientTransport):
 
     def __init__(self, offer, session, catalog, connect_timeout=10.0, options=DEFAULT_OPTIONS, prepared=None):
         global _set_rdma
+        deadline = time.monotonic() + connect_timeout  # the handshake and the probe, all of it
         if not isinstance(prepared, RdmaPrepared):
             raise TransportUnavailable("rdma needs device resources prepared before the session opened")
         v = verbs()
@@ -292,7 +299,7 @@ class RdmaTransport(ClientTransport):
         self._buffers: list[RegisteredBuffer] = []
         self._tables: dict[int, _TableState] = {}
         try:
-            self._connect(offer.rdma, catalog, connect_timeout)
+            self._connect(offer.rdma, catalog, deadline)
         except (VerbsError, v.Error, TransportError) as e:  # this client cannot use the offer: the next one
             self.close()
             raise _failed(f"rdma to the server on {self.device}", e, TransportUnavailable) from None
@@ -300,7 +307,7 @@ class RdmaTransport(ClientTransport):
             self.close()
             raise
 
-    def _connect(self, ep, catalog: list, connect_timeout: float) -> None:
+    def _connect(self, ep, catalog: list, deadline: float) -> None:
         # Software RDMA (rxe, siw) executes on the host CPUs: spin briefly, then sleep between polls.
         software = self.dev.name.startswith(("rxe", "siw")) or int(getattr(self.dev.attr, "vendor_id", 1)) == 0
         self.spin_polls = 100 if software else 2000
@@ -328,7 +335,7 @@ class RdmaTransport(ClientTransport):
             )
         if self.pack_max_rows:
             self._setup_pack()
-        self._probe(connect_timeout)
+        self._probe(deadline)
 
     # ------------------------------------------------------------------ setup
     def _table(self, index: int) -> _TableState:
@@ -385,15 +392,22 @@ class RdmaTransport(ClientTransport):
                 self._recv_wrs.append((qp, wr))
                 qp.post_recv(wr)
 
-    def _probe(self, timeout: float) -> None:
-        """One READ proves the path to the server works (else auto moves on to shm/tcp)."""
+    def _probe(self, deadline: float) -> None:
+        """One READ proves the path to the server works (else auto moves on to shm/tcp), waited for
+        until the connect ``deadline`` at most."""
         infos = [t.info for t in self._tables.values() if t.info.rows > 0 and len(t.starts)]
         if not infos:
             return
         info = min(infos, key=lambda i: i.row_bytes)
         out = np.empty((1, info.row_bytes), np.uint8)
+        wait = probe_wait(deadline, time.monotonic())
+        if wait <= 0:
+            raise TransportUnavailable(
+                f"rdma to the server on {self.device}: the connect deadline passed before the RDMA READ probe: "
+                "raise connect_timeout"
+            )
         try:
-            self.gather(info.index, np.zeros(1, np.int64), out).wait(max(timeout, 1.0))
+            self.gather(info.index, np.zeros(1, np.int64), out).wait(wait)
         except (GatherTimeout, TransportError) as e:
             raise TransportUnavailable(f"RDMA READ to the server on {self.device} failed: {e}") from None
 

@@ -75,6 +75,9 @@ _TIMEVAL = struct.Struct("@ll")  # struct timeval for SO_RCVTIMEO
 #: (a signal restarts a recv with its full SO_RCVTIMEO: only a handler firing more often than this,
 #: while the server stalls mid-response, could stretch a wait past its deadline)
 RECV_SLICE_S = 0.25
+#: the least time a request has to be taken by the server's socket: each request is sent within the
+#: connect_timeout the transport was opened with (what the session's open had left of it), at least this
+MIN_SEND_TIMEOUT_S = 1.0
 
 
 def _connect(address: tuple, deadline: float) -> socket.socket:
@@ -150,6 +153,9 @@ class TcpTransport(ClientTransport):
 
     def __init__(self, offer, session, catalog, connect_timeout=10.0, options=DEFAULT_OPTIONS, prepared=None):
         self.busy_poll = max(0.0, float(options.busy_poll))
+        #: how long one request may take to be sent: a server that reads none of it for that long has
+        #: stopped reading (the connection is then broken, not waited on forever)
+        self.send_timeout = max(float(connect_timeout), MIN_SEND_TIMEOUT_S)
         deadline = time.monotonic() + connect_timeout  # connect and handshake, all of it
         sock = self._dial(offer, deadline)
         self._sock = sock
@@ -245,7 +251,7 @@ class TcpTransport(ClientTransport):
                 raise self._error
             p = _TcpPending(out, next(self._ids), self, sync)
             self._pending.append(p)  # before sending: a reader may see the answer at once
-            sent = 0
+            sent = 0  # > 0 once (part of) the frame may be on the wire
             try:
                 header = request_header(FrameType.GATHER, p.request_id, table_index, ids.size)
                 if self._seal_tx is None:
@@ -253,15 +259,29 @@ class TcpTransport(ClientTransport):
                 else:
                     payload = self._seal_tx.seal(header, memoryview(ids).cast("B"))
                     size = len(payload)
-                sent = self._sock.sendmsg([header, payload])
-                if sent < len(header) + size:  # the socket was full: the rest, blocking
+                try:  # never blocking: a server that stops reading must not hold this thread
+                    sent = self._sock.sendmsg([header, payload], [], socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    sent = 0
+                if sent < len(header) + size:  # the socket was full: the rest as room frees, by the deadline
                     rest = memoryview(header + memoryview(payload).cast("B").tobytes())[sent:]
-                    send_all(self._sock, [rest])
+                    sent = max(sent, 1)
+                    send_all(self._sock, [rest], time.monotonic() + self.send_timeout)
+            except TimeoutError:
+                self._fail(
+                    TransportError(
+                        f"tcp connection to {self.endpoint} closed: the server did not take a "
+                        f"{len(header) + size}-byte request within {self.send_timeout:.1f} s (it stopped reading "
+                        "its data port): check the server, or raise connect_timeout if it is only slow"
+                    )
+                )
+                self.abort("the server stopped reading requests")
+                raise self._error from None
             except OSError as e:
                 self._fail(TransportError(f"tcp connection to {self.endpoint} broke while sending: {e}"))
                 raise self._error from None
             except BaseException:
-                if sent:  # half a frame is on the wire: the connection cannot be used any more
+                if sent:  # (part of) a frame is on the wire: the connection cannot be used any more
                     self._fail(TransportError(f"tcp connection to {self.endpoint} abandoned mid-request"))
                 elif self._pending and self._pending[-1] is p:  # refused before a byte went out
                     self._pending.pop()
