@@ -7,7 +7,7 @@ DEV := $(VENV)/.dev-installed
 # torch 2.13.0 is the CPU build this machine kind keeps on disk; newer picks a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test test-fast lint bench replay observe proto clean
+.PHONY: demo test test-fast lint sanitize bench replay observe proto clean
 
 $(BASE): setup.cfg pyproject.toml setup.py tableserver/common/_take.c client/tableclient/_flags.c tableserver/_diskio.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,7 +23,7 @@ $(DEV): $(BASE) tests/requirements-engines.txt
 demo: $(BASE)
 	$(BIN)/tableserver demo
 
-test: lint
+test: lint sanitize
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The house plan (import contracts in setup.cfg) and ruff's lint and format check over every Python file
@@ -31,6 +31,12 @@ lint: $(DEV)
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+# The three C extensions built with -fsanitize=address,undefined in a copy of the tree (build/sanitize: the
+# in-tree .so files stay as they are), their unit tests and a randomized stress of each run under them with
+# gcc's libasan/libubsan preloaded; fails on any report (tests/sanitize/run.py). SANITIZE_SEED=n repeats a run.
+sanitize: $(DEV)
+	$(BIN)/python tests/sanitize/run.py $(SANITIZE_ARGS)
 
 test-fast: $(DEV)
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)

@@ -32,10 +32,18 @@
  *   BUSY (detail: reads in flight) when an abandoned batch's reads are not back within timeout_s.
  *   The GIL is released while any of these wait.
  *
- * close(timeout_s=0) -> bool; idempotent. Drains, waiting up to timeout_s; True when the engine freed
- *   everything. False: reads are still in flight (or a call is still running in another thread), so the
- *   ring, the threads' state and the pool buffer are deliberately leaked (`leaked` is True): the kernel,
- *   or a stalled preadv, may still write into the pool, which must stay mapped.
+ * close(timeout_s=0) -> bool; idempotent. Waits up to timeout_s for a call running in another thread to
+ *   return, then drains, waiting for the rest of timeout_s; True when the engine freed everything. False:
+ *   reads are still in flight (or a call is still running in another thread), so the ring, the threads'
+ *   state and the pool buffer are deliberately leaked (`leaked` is True): the kernel, or a stalled preadv,
+ *   may still write into the pool, which must stay mapped. A close() while another thread's close() runs
+ *   waits for it (up to its own timeout_s: False when that one is still running) and returns its outcome.
+ *   From the moment close() starts, every call raises ValueError ("the engine is closed").
+ *
+ * Getters: mode, depth, fixed, ext_arg, note, inflight, queued, closed, leaked; safe from any thread at any
+ *   time, during close() too. Once close() has started: mode "closed", depth 0, fixed and ext_arg False,
+ *   queued and inflight 0 -- but for a leaked engine, whose inflight and queued still count what its reads
+ *   hold (its core is never freed).
  *
  * _fault(file_offset, code): for tests only. code > 0: a read covering byte file_offset (of any file)
  *   completes with that errno instead of being issued; code -1: such a read is held in flight (io_uring:
@@ -936,8 +944,13 @@ typedef struct {
     struct core *c;
     Py_buffer pool;
     int have_pool;
-    pthread_mutex_t call; /* one call at a time */
-    int call_ok, closed, leaked;
+    /* One call into the engine at a time. A call takes it (enter_call) and checks `closed` with the GIL held;
+     * close() sets `closed` with the GIL held, then waits for it before it drains and frees the core. */
+    pthread_mutex_t call;
+    /* Held by the close() that runs (taken with the GIL, before that close releases it; let go of with the
+     * GIL, once `leaked` and `c` say how it ended): a second close() waits on it for the outcome. */
+    pthread_mutex_t closing_mu;
+    int call_ok, closing_ok, closed, closing, leaked;
     unsigned long fork_gen;
     PyObject *note;
 } Engine;
@@ -976,6 +989,9 @@ static int Engine_init(Engine *self, PyObject *args, PyObject *kw)
         PyErr_SetString(PyExc_RuntimeError, "Engine is initialised once");
         return -1;
     }
+    /* closed until it is all up: parsing the arguments may run Python code (and another thread, which
+     * must not initialise it a second time, nor call it) */
+    self->closed = 1;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "siO", kwlist, &mode, &depth, &pool))
         return -1;
     int m = strcmp(mode, "io_uring") == 0 ? MODE_URING : strcmp(mode, "threads") == 0 ? MODE_THREADS : 0;
@@ -990,16 +1006,22 @@ static int Engine_init(Engine *self, PyObject *args, PyObject *kw)
     if (PyObject_GetBuffer(pool, &self->pool, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
         return -1;
     self->have_pool = 1;
-    self->closed = 1; /* until it is all up */
     if (self->pool.len <= 0) {
         PyErr_SetString(PyExc_ValueError, "pool must be a non-empty writable buffer");
         goto fail;
     }
-    if (pthread_mutex_init(&self->call, NULL) != 0) {
-        PyErr_SetString(PyExc_OSError, "pthread_mutex_init failed");
+    if ((e = pthread_mutex_init(&self->call, NULL)) != 0) {
+        errno = e;
+        PyErr_SetFromErrnoWithFilename(PyExc_OSError, "pthread_mutex_init");
         goto fail;
     }
     self->call_ok = 1;
+    if ((e = pthread_mutex_init(&self->closing_mu, NULL)) != 0) {
+        errno = e;
+        PyErr_SetFromErrnoWithFilename(PyExc_OSError, "pthread_mutex_init");
+        goto fail;
+    }
+    self->closing_ok = 1;
     struct core *c = calloc(1, sizeof *c);
     if (c == NULL) {
         PyErr_NoMemory();
@@ -1095,10 +1117,23 @@ static int usable(Engine *self)
     return 1;
 }
 
-static int lock_call(Engine *self)
+/* The way into the engine of every call that releases the GIL (submit, read, wait, drain): the call lock,
+ * then `closed` checked again under it, all with the GIL held. close() sets `closed` with the GIL held and
+ * only then waits for the call lock, so a call that holds the lock and saw `closed` clear has the core
+ * until it lets go of the lock; one that sees `closed` set (a close waiting for the lock, or one that has
+ * freed the core and waits for the GIL to clear self->c) touches nothing. 1: entered (unlock self->call
+ * when done); 0: refused, with the exception set. Anything that may run Python code (argument
+ * conversions, buffer exports) must come before it: the GIL may change hands there. */
+static int enter_call(Engine *self)
 {
+    if (!usable(self))
+        return 0;
     if (pthread_mutex_trylock(&self->call) != 0) {
         PyErr_SetString(PyExc_RuntimeError, "the engine is in use by another thread: one call at a time");
+        return 0;
+    }
+    if (!usable(self)) {
+        pthread_mutex_unlock(&self->call);
         return 0;
     }
     return 1;
@@ -1151,7 +1186,11 @@ static PyObject *queue_batch(Engine *self, PyObject *const *args, Py_ssize_t nar
     }
     size_t n = (size_t)b[0].len / 8;
     const int64_t *const a[5] = {b[0].buf, b[1].buf, b[2].buf, b[3].buf, b[4].buf};
-    int64_t pool_len = (int64_t)self->c->pool_len;
+    /* the buffer exports above may have run Python code, and another thread close(): self->c only from here */
+    if (!enter_call(self))
+        goto done;
+    struct core *c = self->c;
+    int64_t pool_len = (int64_t)c->pool_len;
     for (size_t i = 0; i < n; i++) {
         int64_t fd = a[0][i], off = a[1][i], dst = a[2][i], len = a[3][i], need = a[4][i];
         if (fd < 0 || fd > INT32_MAX || off < 0 || len <= 0 || len > INT32_MAX || dst < 0 || dst > pool_len - len ||
@@ -1161,12 +1200,10 @@ static PyObject *queue_batch(Engine *self, PyObject *const *args, Py_ssize_t nar
                          "(pool of %lld bytes)",
                          i, (long long)fd, (long long)off, (long long)dst, (long long)len, (long long)need,
                          (long long)pool_len);
+            pthread_mutex_unlock(&self->call);
             goto done;
         }
     }
-    if (!lock_call(self))
-        goto done;
-    struct core *c = self->c;
     int64_t r[5] = {ST_OK, -1, 0, 0, 0};
     int st, full;
     Py_BEGIN_ALLOW_THREADS
@@ -1209,7 +1246,7 @@ static PyObject *Engine_read(Engine *self, PyObject *const *args, Py_ssize_t nar
 static PyObject *Engine_wait(Engine *self, PyObject *arg)
 {
     double timeout = get_timeout(arg);
-    if (timeout < 0 || !usable(self) || !lock_call(self))
+    if (timeout < 0 || !enter_call(self))
         return NULL;
     struct core *c = self->c;
     int64_t r[5] = {ST_OK, -1, 0, 0, 0};
@@ -1232,7 +1269,7 @@ static PyObject *Engine_wait(Engine *self, PyObject *arg)
 static PyObject *Engine_drain(Engine *self, PyObject *arg)
 {
     double timeout = get_timeout(arg);
-    if (timeout < 0 || !usable(self) || !lock_call(self))
+    if (timeout < 0 || !enter_call(self))
         return NULL;
     struct core *c = self->c;
     int64_t left;
@@ -1245,11 +1282,37 @@ static PyObject *Engine_drain(Engine *self, PyObject *arg)
     return PyLong_FromLongLong((long long)left);
 }
 
-/* Frees the engine when nothing is in flight, else leaks what reads may still touch. Returns 1 when freed. */
+/* Another thread's close() is running (its GIL released): waits for it up to timeout. 1 when it ended. */
+static int wait_other_close(Engine *self, double timeout)
+{
+    if (!self->closing)
+        return 1;
+    if (!self->closing_ok || self->fork_gen != fork_gen) /* a forked child: that close ran in the parent */
+        return 0;
+    int ended;
+    Py_BEGIN_ALLOW_THREADS
+    struct timespec rt;
+    clock_gettime(CLOCK_REALTIME, &rt);
+    int64_t wait_ns = deadline_after(timeout) - now_ns();
+    struct timespec until = to_timespec((int64_t)rt.tv_sec * 1000000000 + rt.tv_nsec + wait_ns);
+    ended = pthread_mutex_timedlock(&self->closing_mu, &until) == 0;
+    if (ended)
+        pthread_mutex_unlock(&self->closing_mu);
+    Py_END_ALLOW_THREADS
+    return ended && !self->closing;
+}
+
+/* Frees the engine when nothing is in flight, else leaks what reads may still touch. Returns 1 when freed.
+ * Called with the GIL. `closed` is set before the GIL is first released: from then on every getter and
+ * every call refuses to touch the core (enter_call, live()); the core is freed only with the call lock
+ * held, so after every call that entered before has let go of it. */
 static int engine_close(Engine *self, double timeout)
 {
-    if (self->closed)
+    if (self->closed) {
+        if (!wait_other_close(self, timeout))
+            return 0; /* still closing: not (yet) known to be freed */
         return !self->leaked;
+    }
     self->closed = 1;
     struct core *c = self->c;
     if (c == NULL)
@@ -1264,6 +1327,9 @@ static int engine_close(Engine *self, double timeout)
         }
         return 1;
     }
+    /* Uncontended: only the one close() that found `closed` clear takes it, with the GIL, before releasing it */
+    int held = pthread_mutex_trylock(&self->closing_mu) == 0;
+    self->closing = held;
     int64_t left = 1;
     Py_BEGIN_ALLOW_THREADS
     int64_t deadline = deadline_after(timeout);
@@ -1285,14 +1351,17 @@ static int engine_close(Engine *self, double timeout)
     Py_END_ALLOW_THREADS
     if (left) {
         self->leaked = 1; /* the core (kept in self->c, never freed) and the pool buffer outlive the reads */
-        return 0;
+    } else {
+        self->c = NULL;
+        if (self->have_pool) {
+            PyBuffer_Release(&self->pool);
+            self->have_pool = 0;
+        }
     }
-    self->c = NULL;
-    if (self->have_pool) {
-        PyBuffer_Release(&self->pool);
-        self->have_pool = 0;
-    }
-    return 1;
+    self->closing = 0;
+    if (held)
+        pthread_mutex_unlock(&self->closing_mu); /* with the GIL: a waiting close() then reads `leaked` */
+    return !left;
 }
 
 static PyObject *Engine_close(Engine *self, PyObject *const *args, Py_ssize_t nargs)
@@ -1321,7 +1390,9 @@ static PyObject *Engine_fault(Engine *self, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_ValueError, "code: an errno, -1 (hold) or 0 (clear)");
         return NULL;
     }
-    if (self->c == NULL || (!self->leaked && !usable(self))) { /* a leaked engine's fault may still be cleared */
+    /* From here on the GIL is held throughout (no Python code, no release): close() cannot start before this
+     * returns, and a leaked core (`leaked` set) is never freed. A leaked engine's fault may still be cleared. */
+    if (self->c == NULL || (!self->leaked && !usable(self))) {
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_ValueError, "the engine is closed");
         return NULL;
@@ -1347,25 +1418,58 @@ static PyObject *Engine_fault(Engine *self, PyObject *const *args, Py_ssize_t na
 
 static void Engine_dealloc(Engine *self)
 {
-    int freed = engine_close(self, 0);
+    int freed = engine_close(self, 0); /* no other thread can be in a call, nor in close(): they hold a reference */
     if (freed && self->call_ok)
         pthread_mutex_destroy(&self->call);
+    if (self->closing_ok && !self->closing)
+        pthread_mutex_destroy(&self->closing_mu);
     Py_CLEAR(self->note);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static PyObject *get_mode(Engine *self, void *_)
+/* The getters run with the GIL and never release it. They touch the core only through live() or kept():
+ * close() sets `closed` with the GIL before it frees anything, and sets `leaked` (with the GIL) only once
+ * it has let go of the core for good. `closed`, `leaked` and `note` live in the object itself. */
+
+/* The core, while no close() has started (else NULL) */
+static struct core *live(Engine *self) { return self->closed ? NULL : self->c; }
+
+/* The core whose queue may be read under its mu: a live one, or a leaked one (never freed); NULL in a
+ * forked child (mu may be held there forever by a thread that does not exist) */
+static struct core *kept(Engine *self)
 {
-    if (self->c == NULL || self->closed)
-        return PyUnicode_FromString("closed");
-    return PyUnicode_FromString(self->c->mode == MODE_THREADS ? "threads" : "io_uring");
+    struct core *c = self->closed && !self->leaked ? NULL : self->c;
+    return c != NULL && c->mu_ok && self->fork_gen == fork_gen ? c : NULL;
 }
 
-static PyObject *get_fixed(Engine *self, void *_) { return PyBool_FromLong(self->c && self->c->fixed); }
+static PyObject *get_mode(Engine *self, void *_)
+{
+    struct core *c = live(self);
+    if (c == NULL)
+        return PyUnicode_FromString("closed");
+    return PyUnicode_FromString(c->mode == MODE_THREADS ? "threads" : "io_uring");
+}
+
+static PyObject *get_fixed(Engine *self, void *_)
+{
+    struct core *c = live(self);
+    return PyBool_FromLong(c && c->fixed);
+}
+
+static PyObject *get_depth(Engine *self, void *_)
+{
+    struct core *c = live(self);
+    return PyLong_FromLong(c ? c->depth : 0);
+}
+
+static PyObject *get_ext_arg(Engine *self, void *_)
+{
+    struct core *c = live(self);
+    return PyBool_FromLong(c && c->ring.ext_arg);
+}
+
 static PyObject *get_closed(Engine *self, void *_) { return PyBool_FromLong(self->closed); }
 static PyObject *get_leaked(Engine *self, void *_) { return PyBool_FromLong(self->leaked); }
-static PyObject *get_depth(Engine *self, void *_) { return PyLong_FromLong(self->c ? self->c->depth : 0); }
-static PyObject *get_ext_arg(Engine *self, void *_) { return PyBool_FromLong(self->c && self->c->ring.ext_arg); }
 
 static PyObject *get_note(Engine *self, void *_)
 {
@@ -1377,9 +1481,9 @@ static PyObject *get_note(Engine *self, void *_)
 
 static PyObject *get_inflight(Engine *self, void *_)
 {
-    struct core *c = self->c;
+    struct core *c = kept(self);
     int64_t n = 0;
-    if (c != NULL && c->mu_ok && self->fork_gen == fork_gen) { /* in a forked child mu may be held forever */
+    if (c != NULL) {
         pthread_mutex_lock(&c->mu);
         n = in_flight(c);
         pthread_mutex_unlock(&c->mu);
@@ -1389,9 +1493,9 @@ static PyObject *get_inflight(Engine *self, void *_)
 
 static PyObject *get_queued(Engine *self, void *_)
 {
-    struct core *c = self->c;
+    struct core *c = kept(self);
     long n = 0;
-    if (c != NULL && c->mu_ok && self->fork_gen == fork_gen) {
+    if (c != NULL) {
         pthread_mutex_lock(&c->mu);
         n = (long)c->count;
         pthread_mutex_unlock(&c->mu);

@@ -588,3 +588,114 @@ def test_native_engine_interface(mode):
         with pytest.raises(ValueError, match="closed"):
             eng.read(*batch([7], 0), 1.0)
     pool.close()  # the engine let go of its buffer
+
+
+@pytest.mark.parametrize("mode", ["io_uring", "threads"])
+def test_native_engine_getters_and_calls_during_and_after_close(mode):
+    """The engine's close() against other threads (the use-after-free of issue 34: a getter read the core
+    close() was freeing with the GIL released). Six threads read every getter and call submit, read, wait,
+    drain, _fault and close while the main thread closes the engine: nothing crashes, every refusal is
+    ValueError "closed" or RuntimeError (in use, queue), and a second close() waits for the first one's
+    outcome. After close(): mode "closed", depth 0, fixed and ext_arg False, queued and inflight 0, every
+    call ValueError; a leaked engine's inflight still counts its held read, and its fault can be cleared."""
+    import time
+
+    why = engine_missing(mode)
+    if why:
+        pytest.skip(f"{mode}: {why}")
+    E = diskio._diskio
+    getters = ("mode", "depth", "fixed", "ext_arg", "note", "inflight", "queued", "closed", "leaked")
+    # what every getter of a closed (and not leaked) engine says, from the moment close() starts
+    CLOSED_STATE = {"mode": "closed", "depth": 0, "fixed": False, "ext_arg": False, "inflight": 0, "queued": 0}
+    with tempfile.TemporaryFile() as f:
+        f.write(np.random.default_rng(21).integers(0, 256, 16 * PAGE, dtype=np.uint8).tobytes())
+        f.flush()
+        fd = f.fileno()
+
+        def batch(k, n=2):
+            length = np.full(n, PAGE, np.int64)
+            pages = (np.arange(n, dtype=np.int64) + k) % 16
+            return np.full(n, fd, np.int64), pages * PAGE, (k * 2 + np.arange(n, dtype=np.int64)) * PAGE, length, length
+
+        def calls(eng, k):
+            return (
+                lambda: eng.read(*batch(k), 1.0),
+                lambda: eng.submit(*batch(k), 0.5),
+                lambda: eng.wait(0.01),
+                lambda: eng.drain(0.01),
+                lambda: eng._fault(3 * PAGE, errno.EIO if k % 2 else 0),
+            )
+
+        for it in range(10):
+            pool = mmap.mmap(-1, 16 * PAGE)
+            eng = E.Engine(mode, 1 + it % 4, pool)
+            note = eng.note
+            stop = threading.Event()
+            errors, closes = [], []
+
+            def hammer(k, eng=eng, stop=stop, errors=errors, closes=closes):
+                ops = calls(eng, k)
+                i = 0
+                while not stop.is_set():
+                    i += 1
+                    try:
+                        closed = eng.closed
+                        seen = {name: getattr(eng, name) for name in getters}
+                        if closed and {g: seen[g] for g in CLOSED_STATE} != CLOSED_STATE:
+                            errors.append(f"getters of a closing engine: {seen}")  # the freed core's (issue 34)
+                        if k == 5 and i == 3 + it % 7:
+                            closes.append(eng.close(10.0))  # a close racing the main thread's
+                        ops[(i + k) % len(ops)]()
+                    except ValueError as e:
+                        if "closed" not in str(e):
+                            errors.append(e)
+                    except RuntimeError:
+                        pass  # in use by another thread, queue full or not empty, no batch queued
+                    except Exception as e:  # noqa: BLE001 -- reported below
+                        errors.append(e)
+
+            threads = [threading.Thread(target=hammer, args=(k,)) for k in range(6)]
+            for th in threads:
+                th.start()
+            time.sleep(0.001 * (it % 5))
+            closes.append(eng.close(10.0))
+            state = {name: getattr(eng, name) for name in getters}
+            time.sleep(0.005)  # the threads go on calling the closed engine
+            stop.set()
+            for th in threads:
+                th.join(30)
+                assert not th.is_alive()
+            assert not errors, errors
+            assert closes and all(c is True for c in closes), closes  # nothing held: freed, and both say so
+            assert state == {**CLOSED_STATE, "note": note, "closed": True, "leaked": False}
+            for op in calls(eng, 0):
+                with pytest.raises(ValueError, match="closed"):
+                    op()
+            assert eng.close() is True
+            pool.close()  # the engine let go of its buffer
+
+        # a read held in flight: close() leaks the engine, whose getters stay safe and say so
+        pool = mmap.mmap(-1, 16 * PAGE)
+        eng = E.Engine(mode, 2, pool)
+        eng._fault(0, HOLD)
+        assert eng.submit(*batch(0), 1.0) == E.OK
+        deadline = time.monotonic() + 30
+        while not eng.inflight and time.monotonic() < deadline:  # the held read started
+            time.sleep(0.001)
+        first = []
+        closer = threading.Thread(target=lambda eng=eng: first.append(eng.close(0.3)))
+        closer.start()
+        while not eng.closed:
+            time.sleep(0.001)
+        assert eng.close(10.0) is False  # waited for the first close() (still draining), which leaked the engine
+        closer.join()
+        assert first == [False] and eng.close(0.0) is False and eng.leaked and eng.closed
+        assert (eng.mode, eng.depth, eng.fixed, eng.ext_arg) == ("closed", 0, False, False)
+        assert eng.inflight >= 1
+        with pytest.raises(ValueError, match="closed"):
+            eng.read(*batch(0), 1.0)
+        eng._fault(0, 0)  # the held read goes on, into the pool it still holds
+        while eng.inflight and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert eng.inflight == 0
+        del eng  # leaked for good: the pool stays exported (never unmapped under a read)
