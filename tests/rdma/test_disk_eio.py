@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import vm
-from conftest import EVENT_TIMEOUT, local_tables, run_cli, start_daemon
+from conftest import EVENT_TIMEOUT, local_tables, run_cli
+from guest import SLOW_CLIENT, guest_daemon
 from tableclient import TableClient
 from tableclient.errors import RemoteError
 
@@ -118,9 +119,12 @@ def test_the_device_fails_exactly_the_chosen_pages(failing_disk):
 
 def open_disk_table(d: FailingDisk, name: str, io: str, direct: bool) -> DiskTable:
     spec = d.specs[name]
+    # timeout: what a gather's reads may take (default 30 s), the event bound on a slow guest: a failing page
+    # fails at once (EIO), never by the timeout
     return DiskTable(
-        d.device, offset=spec.offset, rows=spec.rows, row_bytes=spec.row_bytes, direct=direct, queue_depth=8, io=io
-    )
+        d.device, offset=spec.offset, rows=spec.rows, row_bytes=spec.row_bytes, direct=direct, queue_depth=8, io=io,
+        timeout=EVENT_TIMEOUT,
+    )  # fmt: skip
 
 
 #: (table, read engine, O_DIRECT): every engine both ways on disk.a, the default engine on disk.b
@@ -187,9 +191,9 @@ def test_daemon_answers_io_error_then_serves_exact_rows(failing_disk, tmp_path):
     name = f"ts-eio-live-{os.getpid()}"
     device = vm.dm_create(name, d.healthy)
     try:
-        daemon = start_daemon(str(tmp_path / "d"), "--tables", device, "--disk-tables", "all", "--transports", "tcp")
+        daemon = guest_daemon(str(tmp_path / "d"), "--tables", device, "--disk-tables", "all", "--transports", "tcp")
         try:
-            with TableClient(daemon.address, transport="tcp") as c:
+            with TableClient(daemon.address, transport="tcp", **SLOW_CLIENT) as c:
                 for table in FAILING:
                     ids = d.bad[table]
                     np.testing.assert_array_equal(

@@ -69,6 +69,13 @@ DEBIAN_PYVERBS = "/usr/lib/python3/dist-packages/pyverbs"
 #: the guest's PATH (root's): where it finds the host's tools, sbin included
 GUEST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 QEMU = "qemu-system-x86_64"
+#: the guest's whole console (boot, the command's output), a file in the work directory beside results/
+CONSOLE_LOG = "console.log"
+#: dmsetup, losetup, blockdev in the guest finish in well under a second; under TCG on a busy host a suspend
+#: waiting for reads in flight can take seconds: this only catches a hang
+BLOCK_TOOL_TIMEOUT_S = 600
+#: the console pipe ends once QEMU has exited; a busy host may take a while to run the reader that drains it
+CONSOLE_DRAIN_S = 600
 
 
 class GuestUnavailable(RuntimeError):
@@ -85,6 +92,7 @@ class GuestResult:
     console: str
     results: str  # host directory the guest wrote into
     seconds: float
+    console_log: str = ""  # the whole console, as a file (CONSOLE_LOG in the work directory)
 
 
 def _version_key(version: str) -> list:
@@ -354,16 +362,20 @@ def run_guest(
     ]
     start = time.monotonic()
     console = io.StringIO()
+    console_log = os.path.join(workdir, CONSOLE_LOG)  # beside results/, which the guest writes into
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, errors="replace"
     )
 
     def pump():
-        for line in proc.stdout:
-            console.write(line)
-            if echo:
-                sys.stdout.write(line)
-                sys.stdout.flush()
+        with open(console_log, "w") as log:  # line by line: a guest that hangs or is killed leaves it all here
+            for line in proc.stdout:
+                console.write(line)
+                log.write(line)
+                log.flush()
+                if echo:
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
 
     import threading
 
@@ -374,11 +386,12 @@ def run_guest(
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-        reader.join(5)
+        reader.join(CONSOLE_DRAIN_S)
         raise TimeoutError(
-            f"guest did not finish in {timeout:.0f} s; console tail:\n{console.getvalue()[-4000:]}"
+            f"guest did not finish in {timeout:.0f} s (whole console: {console_log}); console tail:\n"
+            f"{console.getvalue()[-8000:]}"
         ) from None
-    reader.join(5)
+    reader.join(CONSOLE_DRAIN_S)  # the rest of the console (the test summary) is still in the pipe
     try:
         with open(rc_file) as f:
             rc = int(f.read().strip() or 1)
@@ -387,14 +400,14 @@ def run_guest(
         if failed:  # the boot itself failed: say where, in one line
             raise GuestBootFailed(f"Soft-RoCE guest (kernel {version}) did not boot: {failed[0][7:]}") from None
         rc = 255  # the guest never reached the end of the script
-    return GuestResult(rc, console.getvalue(), results, time.monotonic() - start)
+    return GuestResult(rc, console.getvalue(), results, time.monotonic() - start, console_log)
 
 
 # -- block devices, in the guest (root, no udev) -----------------------------------------------------
 
 
 def _block_tool(*args: str, env: dict | None = None, stdin: str | None = None) -> str:
-    res = subprocess.run(args, input=stdin, capture_output=True, text=True, env=env, timeout=120)
+    res = subprocess.run(args, input=stdin, capture_output=True, text=True, env=env, timeout=BLOCK_TOOL_TIMEOUT_S)
     if res.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} failed ({res.returncode}): {(res.stderr or res.stdout).strip()}")
     return res.stdout.strip()
