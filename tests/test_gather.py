@@ -326,3 +326,17 @@ def test_out_must_be_contiguous_and_writable_on_every_transport(client):
     with pytest.raises(ValueError, match="writable"):
         table.gather(ids, out=frozen)
     assert not strided.any() and not frozen.any()
+
+
+def test_cancel_is_a_barrier_for_the_duplicate_expansion(daemon):
+    """A gather of repeated ids fetches each distinct row once and expands them into ``out`` on the waiting
+    thread. Before: cancel() neither stopped nor waited for that expansion, and rows of a cancelled gather
+    kept landing in ``out`` after cancel() returned. Now not one row changes after cancel() returns."""
+    from tests_helpers import rows_changed_after_cancel
+
+    with TableClient(daemon.address, transport="tcp") as c:
+        table = c.table("engram.layer14")
+        # 60 distinct ids, fewer than dedup samples (64): deduplicated for sure, then a long expansion
+        ids = np.random.default_rng(4).integers(0, 60, 200_000)
+        changed = rows_changed_after_cancel(table, ids, 30)
+    assert not any(changed), f"rows written after cancel() returned, per trial: {changed}"

@@ -320,6 +320,33 @@ def test_a_shard_that_restarts_with_another_range_never_yields_an_unwritten_row(
             d.stop()
 
 
+def test_a_part_whose_rows_come_to_span_two_segments_is_split_again(tmp_path, one_table):
+    """A gather split while both nodes held every row (one segment), then both restarted with halves of
+    the table before its part was re-issued: the part's ids now span two segments. Before: the gather
+    failed ("moved to other nodes while the gather was in flight"). Now the part is split again over the
+    new segments and every row comes back bit-exact."""
+    local = local_tables(one_table)["t"]
+    ports = [free_port_block(), free_port_block()]
+    started = [node(tmp_path, "a", one_table, ports[0]), node(tmp_path, "b", one_table, ports[1])]
+    every = np.arange(20_000)
+    try:
+        with TableClient(",".join(d.address for d in started), transport="tcp", reconnect_wait=EVENT_TIMEOUT) as c:
+            t = c.table("t")
+            np.testing.assert_array_equal(t.gather(every, timeout=EVENT_TIMEOUT), local)
+            for d in started:
+                d.stop(signal.SIGKILL)
+            wait_for(lambda: all(r["state"] == "down" for r in c.replicas().values()), "both nodes to be down")
+            handle = t.gather_async(every)  # one part: rows 0..19999, on a or b, neither up
+            started.append(node(tmp_path, "a2", one_table, ports[0], "--rows", "0:10000"))
+            started.append(node(tmp_path, "b2", one_table, ports[1], "--rows", "10000:20000"))
+            np.testing.assert_array_equal(handle.wait(EVENT_TIMEOUT), local)
+            ids = np.random.default_rng(8).integers(0, 20_000, 5000)  # and split so from the start now
+            np.testing.assert_array_equal(t.gather(ids, timeout=EVENT_TIMEOUT), local[ids])
+    finally:
+        for d in started:
+            d.stop()
+
+
 def test_a_gather_waiting_when_the_client_closes_ends(tmp_path, v1):
     """Found in review: closing the client while a gather waited on a failing primary left the waiter
     looping for ever, opening (and closing) a session with the standby on every turn. Now it ends with a
@@ -357,3 +384,27 @@ def test_a_gather_waiting_when_the_client_closes_ends(tmp_path, v1):
         for d in (a, b):
             os.kill(d.proc.pid, signal.SIGCONT)
             d.stop()
+
+
+@pytest.fixture(scope="module")
+def wide_table(tmp_path_factory):
+    """One table of wide rows: a gather of every row moves 80 MB, so its reorder takes a while."""
+    return write_demo_file(str(tmp_path_factory.mktemp("wide") / "wide.bin"), [DemoTable("w", 40_000, 2048, 1)], seed=4)
+
+
+def test_cancel_is_a_barrier_for_the_shards_reorder(tmp_path, wide_table):
+    """A gather over two shards lands in scratch by shard and is reordered into ``out`` on the waiting
+    thread. Before: cancel() neither stopped nor waited for that reorder, and rows of a cancelled gather
+    kept landing in ``out`` after cancel() returned. Now not one row changes after cancel() returns."""
+    from tests_helpers import rows_changed_after_cancel
+
+    nodes = [node(tmp_path, "a", wide_table, None, "--rows", "0:20000"),
+             node(tmp_path, "b", wide_table, None, "--rows", "20000:40000")]  # fmt: skip
+    try:
+        with TableClient(",".join(d.address for d in nodes), transport="tcp") as c:
+            ids = np.random.default_rng(6).permutation(40_000)  # distinct ids: no dedup, the reorder alone
+            changed = rows_changed_after_cancel(c.table("w"), ids, 30)
+    finally:
+        for d in nodes:
+            d.stop()
+    assert not any(changed), f"rows written after cancel() returned, per trial: {changed}"

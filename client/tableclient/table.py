@@ -17,6 +17,7 @@ import numpy as np
 from tableclient.errors import GatherTimeout, RemoteError, TableClientError
 from tableclient.metrics import GatherRecorder, metrics
 from tableclient.rowids import dedup, in_range, prepare_out, to_row_ids
+from tableclient.transports.base import WriteGuard
 from tableserver.common.buffers import rows_buffer
 from tableserver.common.model import NO_LIMIT
 from tableserver.common.take import native_take, take_checked
@@ -97,14 +98,19 @@ def check_catalog(infos: list[TableInfo]) -> list[TableInfo]:
 
 
 class GatherHandle:
-    """One gather in flight. ``wait`` returns its rows; ``cancel`` abandons it."""
+    """One gather in flight. ``wait`` returns its rows; ``cancel`` abandons it.
 
-    __slots__ = ("_pendings", "_result", "_finish", "rows", "_t0", "_latency")
+    ``expand``: ``(scratch, inverse, out)`` when the requests fetch each distinct row once into
+    ``scratch``; ``wait`` then writes row ``inverse[i]`` of it into row i of ``out`` (the caller's
+    buffer), a few MiB at a time, and ``cancel`` is a barrier for that copy too."""
 
-    def __init__(self, pendings: list, result, finish=None, rows: int = 0, t0: float = 0.0, latency=None):
+    __slots__ = ("_pendings", "_result", "_expand", "_guard", "rows", "_t0", "_latency")
+
+    def __init__(self, pendings: list, result, expand=None, rows: int = 0, t0: float = 0.0, latency=None):
         self._pendings = pendings
         self._result = result
-        self._finish = finish
+        self._expand = expand
+        self._guard = WriteGuard() if expand is not None else None
         self.rows = rows
         self._t0 = t0  # perf_counter() at issue
         self._latency = latency  # GatherRecorder, observed once on the first successful wait
@@ -120,7 +126,7 @@ class GatherHandle:
     def wait(self, timeout: float | None = None):
         """The rows, once every request has completed; GatherTimeout past ``timeout`` seconds.
 
-        A timed-out handle stays valid: wait again or cancel it.
+        A timed-out handle stays valid: wait again or cancel it. A cancelled one raises TableClientError.
         """
         try:
             if timeout is None:
@@ -143,10 +149,16 @@ class GatherHandle:
                 metrics().error(e)
             raise
         finish_s = 0.0
-        if self._finish is not None:
+        if self._expand is not None:
             f0 = time.perf_counter()
-            self._finish()
-            self._finish = None
+            scratch, inverse, out = self._expand
+
+            def expand(a: int, b: int) -> None:  # inverse indexes scratch by construction
+                take_checked(scratch, inverse[a:b], out[a:b])
+
+            if not self._guard.copy(inverse.size, out.shape[-1], expand):
+                raise TableClientError(f"gather of {self.rows} rows was cancelled: its rows are not in out")
+            self._expand = None
             finish_s = time.perf_counter() - f0
         if self._latency is not None:
             # Rows were in place when the last request completed (plus the
@@ -158,7 +170,10 @@ class GatherHandle:
         return self._result
 
     def cancel(self) -> None:
-        """Abandons the gather: rows arriving later never touch the output buffer."""
+        """Abandons the gather. A barrier: once this returns, nothing of it writes into the output buffer
+        (neither rows arriving later nor the expansion of duplicates another thread's ``wait`` runs)."""
+        if self._guard is not None:
+            self._guard.cancel()
         for p in self._pendings:
             p.cancel()
 
@@ -380,10 +395,7 @@ class RemoteTable:
                         return GatherHandle([pending], result, None, flat_ids.size, t0, recorder)
                     scratch = rows_buffer(unique.size, info.row_bytes)
                     pendings = self._post(transport, unique, scratch, sync, mode, hedge_after)
-                    # inverse indexes scratch by construction
-                    return GatherHandle(
-                        pendings, result, lambda: take_checked(scratch, inverse, flat_out), flat_ids.size, t0, recorder
-                    )
+                    return GatherHandle(pendings, result, (scratch, inverse, flat_out), flat_ids.size, t0, recorder)
             recorder.count(flat_ids.size, flat_ids.size, flat_out.nbytes)
             return GatherHandle(
                 self._post(transport, flat_ids, flat_out, sync, mode, hedge_after),

@@ -96,6 +96,9 @@ class DataPath:
                 return attempt
             if moved:  # the layout changed since the gather was split: the segment holding them now, if one does
                 shard = members.layout.holding(routed.name, part.ids)
+                if shard is None and not hedge:  # several segments hold them now (or none): split over them
+                    self._split(routed, part)
+                    return None
                 if shard is None or shard is part.shard:
                     return None
                 part.shard = shard
@@ -112,16 +115,50 @@ class DataPath:
                     continue
                 members.changed.wait(min(remaining, REPLICA_WAIT_S))
 
+    def _split(self, routed: RoutedPending, part: Part) -> None:
+        """Splits ``part``, whose ids the layout now puts in several segments, into one child part per
+        segment of the map now (each issued at once, and hedged like the part); ``finish_part`` drives
+        the children and puts their rows back into the part's ``out`` in order."""
+        order, ordered, pieces = self._members.layout.split(routed.name, part.ids)
+        scratch = rows_buffer(part.out.shape[:-1], part.out.shape[-1])
+        children = [Part(shard, ordered[a:b], scratch[a:b], part.hedge_at) for shard, a, b in pieces]
+        with routed.lock:
+            part.split(order, scratch, children)
+        log.info("gather of %r: rows %d..%d span %d segments now (the nodes' row ranges changed): split over them",
+                 routed.name, int(part.ids.min()), int(part.ids.max()), len(children))  # fmt: skip
+        for child in children:
+            self.issue(routed, child)
+            if child.hedge_at is not None:
+                self.hedger.schedule(routed, child)
+
+    def _finish_children(self, routed: RoutedPending, part: Part, deadline: float, bound: float) -> None:
+        """Drives a split part's children to completion, then puts their rows into its ``out`` in order."""
+        for child in part.children:
+            self.finish_part(routed, child, deadline, bound)
+        order, scratch, out = part.order, part.scratch, part.out
+
+        def reorder(a: int, b: int) -> None:
+            out[order[a:b]] = scratch[a:b]
+
+        routed.write(order.size, reorder)
+        part.done = True
+
     def finish_part(self, routed: RoutedPending, part: Part, deadline: float, bound: float) -> None:
-        """Drives one part of a routed gather to completion by ``deadline``: waits, fails over, hedges."""
+        """Drives one part of a routed gather to completion by ``deadline``: waits, fails over, hedges;
+        splits it again when its ids came to span several segments."""
         while not part.done:
             if routed.cancelled:  # a barrier: no attempt is issued (or re-issued) for a cancelled gather
                 raise TableClientError(f"gather of {part.ids.size} rows of {routed.name!r} was cancelled")
+            if part.children is not None:
+                self._finish_children(routed, part, deadline, bound)
+                return
             with routed.lock:
                 live = part.live()
             if not live:
                 wait_until = min(deadline, time.monotonic() + self._members.options.reconnect_wait)
                 if self.issue(routed, part, wait_until=wait_until) is None:
+                    if part.children is not None:
+                        continue  # split over the segments that hold its ids now
                     if part.error is not None:  # every replica left refused these rows: say why
                         raise part.error
                     raise ConnectError(self._unreachable(routed.name, part))
@@ -172,8 +209,12 @@ class DataPath:
             losers = [a for a in part.attempts if a is not winner and a.pending is not None]
         for a in losers:
             a.pending.cancel()  # a barrier: nothing of theirs lands after this
-        if winner.buf is not part.out:
-            np.copyto(part.out, winner.buf)
+        if winner.buf is not part.out:  # a hedge won: its rows into the part's out (the caller's, maybe)
+
+            def copy(a: int, b: int) -> None:
+                np.copyto(part.out[a:b], winner.buf[a:b])
+
+            routed.write(part.out.shape[0], copy)
         if winner.hedge:
             self._metrics.hedges.labels("won").inc()
 

@@ -60,6 +60,11 @@ class Layout:
         shard = m.shards[int(np.searchsorted(m.bounds, lo, side="right"))]
         return shard if shard.replicas and hi < shard.hi else None
 
+    def split(self, name: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, list]:
+        """How ``ids`` (a part's) go to the segments of the current map of table ``name``: the map's
+        ``split`` -- ``(order, ordered ids, [(segment, start, stop)])``."""
+        return self.maps[name].split(ids)
+
     def holes(self, name: str, lo: int, hi: int) -> list[Shard]:
         """The holes (rows on no node) of table ``name`` among rows ``lo..hi``."""
         m = self.maps.get(name)

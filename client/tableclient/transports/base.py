@@ -140,6 +140,39 @@ class Pending:
         self.cancelled = True
 
 
+#: bytes one step of a :class:`WriteGuard` copy writes: the most a ``cancel()`` waits for
+GUARD_STEP_BYTES = 4 << 20
+
+
+class WriteGuard:
+    """Makes ``cancel()`` a barrier for a copy into a caller's buffer that runs on the waiting thread (the
+    expansion of duplicate rows, the reorder of shards' rows): :meth:`copy` writes in steps of at most
+    GUARD_STEP_BYTES, each under a lock and only while not cancelled; :meth:`cancel` marks it cancelled
+    and returns once the step in progress, if any, has ended. After ``cancel()`` returns, no step writes."""
+
+    __slots__ = ("_lock", "cancelled")
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.cancelled = False
+
+    def copy(self, rows: int, row_bytes: int, step) -> bool:
+        """``step(a, b)`` over rows ``0..rows`` in order, a few MiB at a time; False (the rest not written)
+        once cancelled."""
+        chunk = max(1, GUARD_STEP_BYTES // max(row_bytes, 1))
+        for a in range(0, rows, chunk):
+            with self._lock:
+                if self.cancelled:
+                    return False
+                step(a, min(a + chunk, rows))
+        return True
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        with self._lock:  # the step in progress ends first; every later one sees the flag
+            pass
+
+
 class Completed(Pending):
     """A request that finished synchronously (one shared instance: DONE)."""
 
