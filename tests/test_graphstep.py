@@ -239,6 +239,26 @@ def _wait_released_then_arm(g: GraphStep) -> None:
     g.arm(2)
 
 
+@pytest.mark.parametrize("modes", [{}, {14: "in_graph"}], ids=["before_replay", "in_graph"])
+def test_a_closed_graph_step_refuses_to_arm_and_keeps_its_flags_released(daemon, local, modes):
+    """Before: arm() after close() was accepted (before_replay layers alone) or waited out its timeout for a
+    release nobody would give (in_graph), and reset() after close() cleared the rows flags close() had
+    released, so the next replay waited on them forever. Now arm() and before_replay() raise one line at
+    once, and reset() leaves the flags released."""
+    with TableClient(daemon.address, transport="tcp") as c:
+        g = make(c, modes, timeout=2.0)
+        rng = np.random.default_rng(12)
+        ids, _ = one_step(g, rng, local, 4)
+        g.close()
+        with pytest.raises(GraphStepError, match="GraphStep is closed"):
+            g.arm(4)
+        with pytest.raises(GraphStepError, match="GraphStep is closed"):
+            g.before_replay({layer: ids[layer] for layer in g.layers if g.modes[layer] == "before_replay"})
+        g.reset()
+        assert all(g.flags.host[g.flags.index(i, 1)] == 1 for i in range(len(g.ids))), "a replay would wait"
+        g.close()  # idempotent
+
+
 def test_modes_are_checked(daemon):
     with TableClient(daemon.address, transport="tcp") as c:
         with pytest.raises(ValueError, match="unknown graph mode 'sometimes'"):

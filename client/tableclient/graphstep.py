@@ -302,6 +302,7 @@ class GraphStep:
         in place (the failure policy applied per layer). The caller sees to it that the last replay's
         copies out of the staging are done (SGLang's hook: copying the step's ids to the host waits for
         the stream, and with it for the last replay)."""
+        self._check_open()
         if self.pre is None:
             return
         t0 = time.perf_counter()
@@ -316,7 +317,8 @@ class GraphStep:
         the last one still runs on the GPU (SGLang's overlap scheduler): arm waits, bounded by the
         timeout, until the last step was released, its graph consumed the release (``rows == 0``), and
         a late ids flag of a step released before its ids came was consumed; GraphStepError past that
-        (a replay armed and never launched: call :meth:`reset`)."""
+        (a replay armed and never launched: call :meth:`reset`), or at once once closed."""
+        self._check_open()
         if tokens > self.max_tokens:
             raise ValueError(f"{tokens} tokens in a step, this GraphStep holds {self.max_tokens}")
         if not self._slots:
@@ -325,6 +327,7 @@ class GraphStep:
         host = self.flags.host
         with self._lock:
             while True:
+                self._check_open()  # closed meanwhile: nobody would release this step
                 busy = [
                     s
                     for s in self._slots.values()
@@ -366,10 +369,13 @@ class GraphStep:
 
     def reset(self) -> None:
         """After a replay that was armed but may not have run (the engine's launch raised): waits for the
-        device to finish what it queued, then clears every flag and step state."""
+        device to finish what it queued, then clears every flag and step state. Once closed it leaves
+        the flags as close released them (a replay waits for nobody)."""
         if self.device.type == "cuda":
             self.torch.cuda.synchronize(self.device)
         with self._lock:
+            if self._closed:
+                return
             for slot in self._slots.values():
                 handle, slot.handle = slot.handle, None
                 if handle is not None:
@@ -378,6 +384,13 @@ class GraphStep:
                 slot.step += 1  # nothing decided before the reset applies after it
                 self.flags.host[slot.ids_flag] = self.flags.host[slot.rows_flag] = 0
             self._released.notify_all()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise GraphStepError(
+                "this GraphStep is closed: no poller or watchdog would release a step armed now; build a new "
+                "GraphStep (and capture the graphs that use it again)"
+            )
 
     # ------------------------------------------------------------------ poller and watchdog
     def _poll(self, slot: _Slot) -> None:
