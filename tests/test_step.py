@@ -96,6 +96,43 @@ def test_bad_input(daemon):
             EngramStep(c, PLANS, 8, policy="fallback")
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_dead_ids_are_never_sent_and_their_rows_are_zero(daemon, demo_local, transport):
+    """``dead_id`` (vLLM's DEAD_ID): a step mixing live and dead ids asks for the live ids alone (the client's
+    own count of row ids says so), over shm's take in begin_step and gathers alike and in gather_now, and
+    hands back zeros for the dead ones; a step of dead ids alone asks for nothing."""
+    from tests_helpers import client_rows
+
+    names = {1: "engram.layer1", 14: "engram.layer14"}
+    with TableClient(daemon.address, transport=transport) as c:
+        step = EngramStep(c, PLANS, max_tokens=64, dead_id=-1)
+        ids = _ids(np.random.default_rng(9), 40)
+        for layer_ids in ids.values():
+            layer_ids[3] = -1  # a padded token
+            layer_ids[7, ::4] = -1  # and single columns
+        live = {layer: int((v != -1).sum()) for layer, v in ids.items()}
+
+        def asked():
+            return {layer: client_rows(name, layer, transport) for layer, name in names.items()}
+
+        before = asked()
+        step.begin_step(ids)
+        for layer, name in names.items():
+            rows, dead = step.wait(layer).numpy(), ids[layer] == -1
+            assert not rows[dead].any()
+            np.testing.assert_array_equal(rows[~dead], demo_local[name][ids[layer][~dead]])
+        now = asked()
+        assert {layer: now[layer] - before[layer] for layer in names} == live
+        rows = step.gather_now(14, ids[14])
+        assert not rows[ids[14] == -1].any()
+        np.testing.assert_array_equal(rows[ids[14] != -1], demo_local[names[14]][ids[14][ids[14] != -1]])
+        assert asked()[14] - now[14] == live[14]
+        now = asked()
+        step.begin_step({layer: np.full((5, 24), -1) for layer in names})
+        assert not step.wait(1).numpy().any() and not step.wait(14).numpy().any()
+        assert asked() == now
+
+
 @pytest.mark.parametrize("policy", ["fail", "zeros", "fallback"])
 def test_failure_policy_with_the_server_killed_mid_step(fresh_daemon, demo_local, policy):
     primary = fresh_daemon()

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import vllm_cpu  # noqa: F401  (before vllm: Triton's interpreter, torchvision on a CPU torch)
 from conftest import EVENT_TIMEOUT, ROOT, local_tables, start_daemon
-from tests_helpers import as_version, resident_share, run_fresh, scrape, value
+from tests_helpers import as_version, client_rows, resident_share, run_fresh, scrape, value
 from vllm_cpu import HC, HIDDEN, LAYERS
 
 from tableserver.demo import DemoTable, write_demo_file
@@ -198,6 +198,45 @@ def test_dead_ids_and_int32_ids_give_vllms_zero_rows(vllm_config, hasher, engram
         e.prepare_embeddings(hashes[:, e.layer_hash_index])
         rows = e.embed(hashes[:, e.layer_hash_index])
         assert not rows[5].any() and not rows[9, ::3].any() and rows[9, 1::3].any()
+
+
+def tcp_rows(table: str) -> float:
+    """Row ids this process's clients asked for from ``table`` over tcp."""
+    return client_rows(table, int(table.removeprefix("engram.layer")), "tcp")
+
+
+def test_a_step_mixing_live_and_dead_ids_sends_only_the_live_ones(vllm_config, hasher, engram_tables, memnode):
+    """DEAD_ID marks vLLM's padding and dummy runs. Before: whenever a step mixed live and dead
+    ids, every dead id was sent as row 0 (measured in vLLM: 2,832 rows per layer for 2,712 live ids). Now
+    the client asks for exactly the live ids, in prepare_embeddings' gathers and in the embedding's
+    lookup, the server serves no more than those, and every output stays bit-identical with vLLM's."""
+    local = build(vllm_config, engram_tables)
+    remote = build(vllm_config, engram_tables, address=memnode.address)
+    _, hashes, mask = vllm_cpu.hash_batch(hasher, next(vllm_cpu.conversation()))  # a prefill, two requests
+    hashes = hashes.clone()
+    hashes[40] = DEAD_ID  # a padded token
+    hashes[20, :, ::5] = DEAD_ID  # and single columns
+    x = torch.randn((len(hashes), HC, HIDDEN), generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    tables = [f"engram.layer{layer}" for layer in LAYERS]
+    live = {t: int((hashes[:, e.layer_hash_index] != DEAD_ID).sum()) for t, e in zip(tables, remote)}
+    assert all(0 < n < hashes[:, 0].numel() for n in live.values()), live  # a mix of live and dead ids
+    asked, served = {t: tcp_rows(t) for t in tables}, {t: server_rows(memnode, t) for t in tables}
+    want = vllm_cpu.step(local, hashes, x, mask)
+    for a, b in zip(want, vllm_cpu.step(remote, hashes, x, mask)):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    asked = {t: tcp_rows(t) - asked[t] for t in tables}
+    served = {t: server_rows(memnode, t) - served[t] for t in tables}
+    assert asked == live, f"row ids sent {asked} for live ids {live}"
+    assert all(served[t] <= live[t] for t in tables), (served, live)
+    embed = remote[1].embed_tokens  # vLLM's lookup and forward: gathered now
+    ids = hashes[:, remote[1].layer_hash_index]
+    before = tcp_rows(tables[1])
+    got = torch.empty((len(ids), 24, 264), dtype=torch.uint8)
+    embed.lookup(ids, got)
+    assert tcp_rows(tables[1]) - before == live[tables[1]]
+    want = torch.empty_like(got)
+    local[1].embed_tokens.lookup(ids, want)
+    assert torch.equal(got, want)
 
 
 def test_a_layer_never_gets_rows_it_did_not_issue(vllm_config, hasher, engram_tables, memnode):

@@ -101,11 +101,15 @@ class _Done:
 
 
 class EngramStep:
-    """Issues a step's gathers at step start and hands each layer its rows when it waits."""
+    """Issues a step's gathers at step start and hands each layer its rows when it waits.
+
+    ``dead_id``: an engine's marker for padding (vLLM's ``DEAD_ID``): ids equal to it are never sent,
+    and their rows come back as zeros (in ``wait`` and in ``gather_now``/``gather_into``)."""
 
     def __init__(self, client, plans: list, max_tokens: int, *, rows_per_token: int = 24, policy: str = "fail",
                  fallback=None, device=None, pin: bool | None = None, timeout: float = 5.0,
-                 keep_latencies: int = 100_000, deadlines: bool = True, hedge: bool = True):  # fmt: skip
+                 keep_latencies: int = 100_000, deadlines: bool = True, hedge: bool = True,
+                 dead_id: int | None = None):  # fmt: skip
         if policy not in POLICIES:
             raise ValueError(f"unknown failure policy {policy!r}: use {', '.join(POLICIES)}")
         if policy == "fallback" and fallback is None:
@@ -120,6 +124,8 @@ class EngramStep:
         # waits are then not compared with the layers' windows, in stats or metrics.
         self.deadlines = deadlines
         self.hedge = hedge  # with replicas: re-issue a late layer elsewhere at hedge_fraction of its window
+        #: an engine's marker for padding (vLLM's DEAD_ID): such ids are never sent, their rows are zeros
+        self.dead_id = dead_id
         self.tables = {p.layer: client.table(p.table, mode=p.mode) for p in self.plans}
         self.stats = {p.layer: LayerStats() for p in self.plans}
         m = metrics()
@@ -161,6 +167,7 @@ class EngramStep:
                 self._events[p.layer] = torch.cuda.Event()
         self._handles: dict = {}
         self._ids: dict = {}
+        self._live: dict = {}  # layer -> (positions of its live ids, dead mask) when this step has dead ids
         self._tokens = 0
         self._t0 = 0.0
         self.issue_order: list = []
@@ -178,7 +185,7 @@ class EngramStep:
         self._t0 = time.perf_counter()
         if self._stream is not None:  # what the previous step queued, its readers of the device rows included
             self._readers.record(self._torch.cuda.current_stream(self._stream.device))
-        self._handles, self.issue_order, self._ids = {}, [], {}
+        self._handles, self.issue_order, self._ids, self._live = {}, [], {}, {}
         sizes = set()
         for p in self.plans:
             ids = row_ids[p.layer]
@@ -186,16 +193,26 @@ class EngramStep:
             if t > self.max_tokens:
                 raise ValueError(f"{t} tokens in a step, this EngramStep holds {self.max_tokens}")
             sizes.add(t)
-            self._ids[p.layer] = ids  # a reference, for the fallback policy
             out = self._staging_np[p.layer][:t]
+            live = self._live_ids(p.layer, ids)
+            if live is not None:  # only the live ids are sent, into the staging's first rows
+                self._live[p.layer] = live
+                ids = np.asarray(ids).reshape(-1)[live[0]]
+                out = self._staging_np[p.layer].reshape(-1, out.shape[-1])[: ids.size]
+            self._ids[p.layer] = ids  # a reference, for the fallback policy
             try:
                 table = self.tables[p.layer]
                 local = table.reader.local() if not self.issue_order else None
-                if local is not None:
+                if live is not None and not ids.size:  # every id dead: nothing to send
+                    self._handles[p.layer] = _Done()
+                    self._spread(p.layer, t)
+                elif local is not None:
                     # the shortest window's rows are mapped here (shm): one copy now, in this thread, beats
                     # handing it to a worker (a wake-up) while this thread races on to the next layer
                     table.take_local(local, ids, out)
                     self._handles[p.layer] = _Done()
+                    if live is not None:
+                        self._spread(p.layer, t)
                     if self._stream is not None:  # and on its way to the GPU while the next layer is issued
                         self._copy_to_device(p.layer, t)
                 else:
@@ -220,17 +237,49 @@ class EngramStep:
         for handle in self._handles.values():
             getattr(handle, "cancel", lambda: None)()
         self._handles = {}
+        self._live = {}
+
+    def _live_ids(self, layer: int, ids):
+        """(positions of the live ids in ``ids`` flattened, mask of the dead ones) when some of ``ids`` are
+        ``dead_id``, else None (every id is sent as it is)."""
+        if self.dead_id is None:
+            return None
+        ids = np.asarray(ids)
+        dead = ids == self.dead_id
+        if not dead.any():
+            return None
+        if ids.shape[1:] != (self.rows_per_token,):
+            raise ValueError(
+                f"layer {layer}: row ids of shape {tuple(ids.shape)}: pass [T, {self.rows_per_token}] ids, "
+                "the shape of its staging"
+            )
+        return np.flatnonzero(~dead), dead.reshape(-1)
+
+    def _spread(self, layer: int, tokens: int) -> None:
+        """The live ids' rows, gathered into the staging's first rows, moved to their places among the
+        step's ``tokens`` tokens; the dead ids' rows zeroed."""
+        live, dead = self._live.pop(layer)
+        rows = self._staging_np[layer][:tokens]
+        flat = rows.reshape(-1, rows.shape[-1])
+        if live.size:
+            flat[live] = flat[: live.size]  # live is ascending: numpy buffers the overlapping source
+        flat[dead] = 0
 
     def wait(self, layer: int):
         """That layer's rows: a ``[T, 24, row_bytes]`` view of its persistent staging buffer."""
         handle = self._handles.pop(layer)
         view = self._staging_np[layer][: self._tokens]
+        sparse = layer in self._live
+        if sparse:  # only the live ids were gathered, into the first rows
+            view = view.reshape(-1, view.shape[-1])[: self._ids[layer].size]
         stats = self.stats[layer]
         try:
             handle.wait(self.timeout)
         except (TableClientError, TimeoutError, OSError) as e:
             getattr(handle, "cancel", lambda: None)()  # late rows must not overwrite what the policy serves
             self.on_failure(layer, view, self._ids[layer], e)
+        if sparse:
+            self._spread(layer, self._tokens)
         now = time.perf_counter()
         elapsed = now - self._t0
         done_at = getattr(handle, "completed_at", 0.0)
@@ -318,9 +367,23 @@ class EngramStep:
 
     def gather_into(self, layer: int, row_ids, out: np.ndarray, timeout: float | None = None) -> None:
         """One layer's rows for ``row_ids`` gathered now into ``out`` (``[*row_ids.shape, row_bytes]``,
-        e.g. a slice of its staging): no allocation, the failure policy applied as in :meth:`wait`.
+        e.g. a slice of its staging): no allocation where no id is dead, the failure policy applied as in
+        :meth:`wait`.
         Returns once the rows are in place; on a failure the gather is cancelled first, so nothing of it
-        lands in ``out`` after this returns."""
+        lands in ``out`` after this returns. Ids equal to ``dead_id`` are not sent: their rows are zeros."""
+        dead = None if self.dead_id is None else np.asarray(row_ids) == self.dead_id
+        if dead is not None and dead.any():  # the live ids alone, gathered apart, then put in their places
+            flat = out.reshape(-1, out.shape[-1])
+            live = np.flatnonzero(~dead)
+            if live.size:
+                rows = rows_buffer(live.shape, flat.shape[-1])
+                self._gather_into(layer, np.asarray(row_ids).reshape(-1)[live], rows, timeout)
+                flat[live] = rows
+            flat[dead.reshape(-1)] = 0
+            return
+        self._gather_into(layer, row_ids, out, timeout)
+
+    def _gather_into(self, layer: int, row_ids, out: np.ndarray, timeout: float | None) -> None:
         try:
             self.tables[layer].gather(row_ids, out=out, timeout=self.timeout if timeout is None else timeout)
         except (TableClientError, TimeoutError, OSError) as e:

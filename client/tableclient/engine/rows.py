@@ -91,7 +91,7 @@ class EngramRows:
         self._fences: dict[str, list] = {}  # channel -> copies out of its staging still in flight
         self._lock = threading.RLock()
         self._pending = None  # (weakref to the hasher's output, {layer: view geometry}) of the last prefetch
-        # layer -> (key, dead mask or None, ids collect fetches itself or None) of its issued, uncollected gather
+        # layer -> (key, ids collect fetches itself or None) of its issued, uncollected gather
         self._issued: dict[int, tuple] = {}
         self.served = {}  # layer -> rows served (prefetched, staged, fetched now): for logs and tests
 
@@ -191,6 +191,7 @@ class EngramRows:
                 fallback=self.client("fallback") if c.policy == "fallback" else None,
                 timeout=c.timeout,
                 deadlines=channel == "forward",
+                dead_id=self.dead_id,
             )
             self._steps[key] = step
         return step
@@ -315,12 +316,11 @@ class EngramRows:
             for copy in self._fences.pop(f"layer{layer}", []):  # copies still reading the staging
                 copy.synchronize()
             ids = np.asarray(ids)
-            live, dead = self._live(ids)
-            if len(ids) == 0 or len(ids) > self.config.max_tokens or (dead is not None and dead.all()):
-                self._issued[layer] = (key, None, ids)  # collect: fetched then (or zeros, sending nothing)
+            if len(ids) == 0 or len(ids) > self.config.max_tokens or self._all_dead(ids):
+                self._issued[layer] = (key, ids)  # collect: fetched then (or zeros, sending nothing)
                 return False
-            step.begin_step({layer: live})
-            self._issued[layer] = (key, dead, None)
+            step.begin_step({layer: ids})  # the step sends the live ids alone
+            self._issued[layer] = (key, None)
             return True
 
     def collect(self, layer: int, key=None):
@@ -329,8 +329,6 @@ class EngramRows:
         with channel ``f"layer{layer}"``), or a fresh array where ``issue`` could not stage them. Dead ids'
         rows are zero. Each issue is collected once; with none issued under ``key``, EngramRowsError
         (never another step's rows)."""
-        import torch
-
         with self._lock:
             step = self._step(self.layers[layer].placement, "forward", layer)
             issued = self._issued.pop(layer, None)
@@ -339,42 +337,32 @@ class EngramRows:
                 raise EngramRowsError(
                     f"tableserver plugin: Engram layer {layer} asked for rows that were not issued at step start"
                 )
-            _, dead, later = issued
+            _, later = issued
             if later is not None:
                 return self.fetch_now(layer, later)
-            rows = step.wait(layer)
+            rows = step.wait(layer)  # the dead ids' rows zeroed by the step
             self.served[layer]["prefetched"] += 1
-        if dead is not None:
-            rows[torch.from_numpy(dead)] = 0
         return rows
 
-    def _live(self, ids):
-        """(ids safe to send, mask of the dead ones or None): a dead id is sent as row 0, its row zeroed."""
-        import numpy as np
-
-        ids = np.asarray(ids)
-        if self.dead_id is None:
-            return ids, None
-        dead = ids == self.dead_id
-        if not dead.any():
-            return ids, None
-        return np.where(dead, 0, ids), dead
+    def _all_dead(self, ids) -> bool:
+        """Whether every id of ``ids`` is the engine's dead id (a dummy run's or padding's)."""
+        return self.dead_id is not None and bool((ids == self.dead_id).all())
 
     def fetch_now(self, layer: int, ids):
         """``layer``'s packed rows for host ids of any shape, gathered now into a fresh array (its own
         step's failure policy; dead ids' rows zero, and no request at all when every id is dead). An
         issued gather of the layer is left alone."""
+        import numpy as np
         import torch
 
         with self._lock:
-            live, dead = self._live(ids)
-            if dead is not None and dead.all():  # a dummy run's or padding's ids: nothing to fetch
+            ids = np.asarray(ids)
+            if self._all_dead(ids):  # a dummy run's or padding's ids: nothing to fetch
                 s = self.layers[layer]
-                return torch.zeros((*live.shape, s.dim + s.dim // FP8_BLOCK), dtype=torch.uint8)
-            rows = torch.from_numpy(self._step(self.layers[layer].placement, "forward", layer).gather_now(layer, live))
+                return torch.zeros((*ids.shape, s.dim + s.dim // FP8_BLOCK), dtype=torch.uint8)
+            step = self._step(self.layers[layer].placement, "forward", layer)
+            rows = torch.from_numpy(step.gather_now(layer, ids))  # the live ids alone sent, dead rows zero
             self.served[layer]["fetched"] += 1
-        if dead is not None:
-            rows[torch.from_numpy(dead)] = 0
         return rows
 
     def fence(self, channel: str, copy) -> None:
