@@ -215,3 +215,51 @@ def resident_share(path: str, start: int, end: int) -> float:
             return sum(v & 1 for v in vec) / pages
         finally:
             m.close()
+
+
+def rows_changed_after_cancel(table, ids: np.ndarray, trials: int) -> list[int]:
+    """Races ``cancel()`` against the waiter of ``trials`` gathers of ``ids`` from ``table``, each into an
+    ``out`` filled with a sentinel: this thread cancels as soon as the gather's requests are done (the
+    waiter's thread then expands duplicates or reorders shards into ``out``), snapshots ``out`` the moment
+    cancel returns (every 61st row first, a copy that takes no time, then all of it) and compares once the
+    waiter has ended. Per trial: rows of ``out`` written after cancel() returned (a barrier leaves 0 in
+    every trial)."""
+    import threading
+    import time
+
+    from tableclient import TableClientError
+
+    out = np.empty(ids.shape + (table.row_bytes,), np.uint8)
+    changed = []
+
+    def wait(handle):
+        try:
+            handle.wait(EVENT_TIMEOUT)
+        except TableClientError:
+            pass  # cancelled: what a waiter of a cancelled gather may get
+
+    for _ in range(trials):
+        out.fill(0x5A)
+        handle = table.gather_async(ids, out=out)
+        waiter = threading.Thread(target=wait, args=(handle,))
+        waiter.start()
+        while not handle.done():  # the rows are in: the waiter is about to write them into out
+            time.sleep(0.0002)
+        handle.cancel()
+        sample = out.reshape(-1, table.row_bytes)[::61].copy()  # before a writer still running gets far
+        snapshot = out.copy()
+        waiter.join(EVENT_TIMEOUT)
+        assert not waiter.is_alive(), "the waiter of a cancelled gather never returned"
+        late = (out != snapshot).any(axis=-1).reshape(-1)
+        late[::61] |= (out.reshape(-1, table.row_bytes)[::61] != sample).any(axis=-1)
+        changed.append(int(late.sum()))
+    return changed
+
+
+def client_rows(table: str, layer: int, transport: str) -> float:
+    """Row ids this process's clients asked for from ``table`` over ``transport`` (the client's own
+    tableserver_client_rows_total; collecting it applies the deferred counts first)."""
+    from prometheus_client import REGISTRY
+
+    labels = {"table": table, "layer": str(layer), "transport": transport}
+    return REGISTRY.get_sample_value("tableserver_client_rows_total", labels) or 0.0
