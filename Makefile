@@ -51,6 +51,7 @@ bench: $(DEV)
 	$(BIN)/python bench/soak.py             # 16 clients + a flood client, every row checked
 	$(BIN)/python bench/bench_disk.py       # the disk tier's reader against fio (needs fio)
 	$(BIN)/python bench/bench_disk_daemon.py --gib 2
+	$(BIN)/python bench/bench_disk_flood.py   # a small disk gather and the daemon's memory under hostile clients
 
 # Engram traffic replay + deadline model on the demo table: bench/out/replay.txt and replay_cdf.png
 replay: $(DEV)

@@ -156,6 +156,9 @@ SERVE_OPTIONS = (
     Option("disk_queue_depth", "int", 64, "page reads each disk table keeps in flight", metavar="N", lo=1, hi=1024),
     Option("disk_timeout", "float", 10.0, "a disk gather whose reads take longer fails (IO_ERROR)", metavar="SECONDS",
            lo=0.01, hi=3600),
+    Option("disk_buffer_mib", "int", 512, "row buffers of disk gathers not yet sent, all disk tables together; a "
+           "session may hold an eighth (gathers past it wait, then are refused BUSY)", metavar="MIB", lo=1,
+           hi=1 << 20),
     Option("ready_file", "str", "", "write a JSON file with the bound addresses once SERVING", metavar="PATH"),
     Option("progress", "choice", "auto", "load progress on stderr", choices=("auto", "always", "never")),
     Option("load_io", "choice", "auto", "how table files are read: direct (O_DIRECT, disk straight into pinned "

@@ -516,6 +516,16 @@ class DiskTable:
 
     # -- gathering -------------------------------------------------------------------------------
 
+    def twin(self, pool_pages: int | None = None) -> DiskTable:
+        """Another reader of the same files (checked to be the very ones this one has open), with the same
+        geometry, engine and reads in flight, and a pool of its own (``pool_pages``, default as this one's)."""
+        return DiskTable(
+            self.paths, self.offset, self.rows, self.row_bytes, page=self.page, stripe=self.stripe or None,
+            queue_depth=self.queue_depth, direct=self.direct, pool_pages=pool_pages, timeout=self.timeout,
+            io=self.engine if self.engine in ENGINES else "auto", rows_per_page=self.rows_per_page,
+            row_base=self.row_base, expect=self._ids,
+        )  # fmt: skip
+
     @property
     def identities(self) -> tuple[FileIdentity, ...]:
         """Each file's identity as opened (pass it as another reader's ``expect``)."""

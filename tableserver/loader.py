@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tableserver.diskio import DiskTable
-from tableserver.diskqueue import DiskQueue
+from tableserver.diskqueue import BUDGET_BYTES, DiskBudget, DiskQueue
 from tableserver.errors import TableFileError
 from tableserver.logs import kv
 from tableserver.memory import PinnedRegion, plan_memory
@@ -208,13 +208,15 @@ def load_tables(
     disk_timeout: float = 10.0,
     disk_stripes: dict | None = None,
     disk_stripe_unit: int = 1 << 20,
+    disk_buffer_bytes: int = BUDGET_BYTES,
 ) -> TableSet:
     """Loads every table of every file in ``paths`` into pinned memory, but those named in
     ``disk_tables`` (``["all"]``: every one), which are served from their file: verified there
     (when ``verify``) and opened as a :class:`DiskTable` (``disk_io``, ``disk_queue_depth``,
     ``disk_timeout`` are its engine, reads in flight and time limit). ``disk_stripes`` {name: files}
     serves a table from the stripe files ``tableserver stripe`` wrote (unit ``disk_stripe_unit``), verified
-    through them.
+    through them. ``disk_buffer_bytes``: the row buffers their gathers may hold, all together (a
+    :class:`~tableserver.diskqueue.DiskBudget`).
 
     ``rows=(lo, hi)`` or ``shard=(k, n)`` load only a row range of each table
     (see :func:`row_range`).
@@ -260,6 +262,7 @@ def load_tables(
     if any(direct.values()) or on_disk:
         workers = max(workers, 8)  # O_DIRECT reads wait on the disk, not the CPU: keep more in flight
     tables: list[Table] = []
+    budget = DiskBudget(disk_buffer_bytes)
     t0 = time.monotonic()
     try:
         with ThreadPoolExecutor(workers, thread_name_prefix="tableserver-load") as pool:
@@ -277,6 +280,7 @@ def load_tables(
                             DiskOptions(
                                 disk_io, disk_queue_depth, disk_timeout, stripes.get(spec.name), disk_stripe_unit
                             ),
+                            budget,
                         )
                     )
                     continue
@@ -334,7 +338,7 @@ class DiskOptions:
                          expect=expect)  # fmt: skip
 
 
-def _open_disk_table(index, source, spec, rows, pool, advance, verify, o: DiskOptions) -> Table:
+def _open_disk_table(index, source, spec, rows, pool, advance, verify, o: DiskOptions, budget: DiskBudget) -> Table:
     """A disk table: its reader opened on the file the header was read from, its chunks verified on disk
     (progress counted as they are) through that same file, then checked unchanged: what is served is what
     was verified, or the start fails (a file re-packed or copied over during start-up)."""
@@ -366,7 +370,7 @@ def _open_disk_table(index, source, spec, rows, pool, advance, verify, o: DiskOp
         reader.close()
         raise
     checksum = spec.checksum if verify else unverified(spec.checksum)
-    table = Table(index, spec, checksum, source.path, None, lo, hi, DiskQueue(reader, spec.name))
+    table = Table(index, spec, checksum, source.path, None, lo, hi, DiskQueue(reader, spec.name, budget=budget))
     where = f"disk ({reader.engine}, {reader.io_mode}, queue depth {o.queue_depth}"
     where += f", striped over {len(o.stripes)} files)" if o.stripes else ")"
     _log_table(table, where, verify, memory="disk", disk_engine=reader.engine, direct=reader.direct)

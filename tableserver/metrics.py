@@ -84,13 +84,14 @@ STATUS_REASON = {
 END_REASONS = ("closed", "disconnected", "lease_expired", "unbound", "shutdown", "setup_failed")
 
 
-#: disk table counters (name, help, DiskTable attribute), read from each reader at scrape time
+#: disk table counters (name, help, DiskQueue attribute), read from each table's queue at scrape time
 DISK_COUNTERS = (
     ("tableserver_disk_gathers", "Gathers a disk table answered from its file.", "gathers"),
     ("tableserver_disk_pages_read", "Pages a disk table read (each distinct page of a gather once).", "pages_read"),
     ("tableserver_disk_read_bytes", "Bytes a disk table read from its file(s).", "bytes_read"),
     ("tableserver_disk_reads", "Read requests a disk table issued (one per run of contiguous pages).", "reads"),
     ("tableserver_disk_read_errors", "Disk gathers that failed (EIO, short read, file changed, timeout).", "errors"),
+    ("tableserver_disk_cancelled_gathers", "Disk gathers stopped because their client left or timed out.", "cancelled"),
 )
 
 
@@ -102,16 +103,29 @@ def _disk_families(tables):
     buffers = GaugeMetricFamily(
         "tableserver_disk_buffer_bytes", "I/O buffer memory of each disk table's reader.", labels=["table"]
     )
+    queued = GaugeMetricFamily(
+        "tableserver_disk_queued_gathers", "Gathers of each disk table queued or being read.", labels=["table"]
+    )
+    budget = None
     for t in tables or ():
         tier.add_metric([t.name], 1.0 if t.disk is not None else 0.0)
         if t.disk is not None:
-            reader = t.disk.reader
             for family, (_, _, attr) in zip(counters, DISK_COUNTERS):
-                family.add_metric([t.name], t.disk.errors if attr == "errors" else getattr(reader, attr))
-            buffers.add_metric([t.name], reader.pool_pages * reader.page)
+                family.add_metric([t.name], getattr(t.disk, attr))
+            buffers.add_metric([t.name], t.disk.buffer_bytes)
+            queued.add_metric([t.name], t.disk.queued)
+            budget = t.disk.budget
     yield tier
     yield from counters
     yield buffers
+    yield queued
+    if budget is not None:
+        held = GaugeMetricFamily(
+            "tableserver_disk_rows_held_bytes",
+            "Row buffers of disk gathers read or being read and not yet sent (all disk tables).",
+        )
+        held.add_metric([], budget.held)
+        yield held
 
 
 def end_reason(text: str) -> str:

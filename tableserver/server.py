@@ -310,6 +310,7 @@ class TableServer:
             disk_timeout=cfg.get("disk_timeout", 10.0),
             disk_stripes=self.stripes,
             disk_stripe_unit=cfg.get("disk_stripe_unit", 1 << 20),
+            disk_buffer_bytes=cfg.get("disk_buffer_mib", 512) << 20,
         )
 
     def _announce(self) -> None:

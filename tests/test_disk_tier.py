@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
+import struct
 import threading
 import time
 import urllib.request
@@ -15,7 +17,9 @@ import numpy as np
 import pytest
 from conftest import local_tables, run_cli, start_daemon
 from tableclient import RemoteError, TableClient
+from tests_helpers import open_raw_session, scrape, tcp_hello, value
 
+from tableserver.common.wire import FrameType, request_header, send_all
 from tableserver.demo import DemoTable, write_demo_file
 
 DISK = "engram.layer14,dense.f32"
@@ -475,3 +479,135 @@ def test_same_size_write_with_mtime_restored_is_detected(tmp_path):
         assert os.stat(path).st_mtime_ns == st.st_mtime_ns and os.stat(path).st_size == st.st_size
         with pytest.raises(DiskReadError, match="ctime changed"):
             reader.gather(ids)
+
+
+# -- hostile clients of the disk tier (issue 34) ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def big_disk_file(tmp_path_factory) -> str:
+    """A 200,000-row Engram table, served from disk by the tests below (65,536-row gathers read for long)."""
+    path = str(tmp_path_factory.mktemp("bigdisk") / "big.bin")
+    return write_demo_file(path, [DemoTable("engram.layer14", 200_000, 264, 14)], seed=5)
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError("no VmRSS")
+
+
+def _raw_gather(d, session, ids: np.ndarray, repeat: int = 1) -> tuple[socket.socket | None, int]:
+    """A raw tcp connection of ``session`` that sends ``repeat`` gathers of ``ids`` (table 0) and reads
+    nothing after its HELLO: (the socket, or None when the HELLO was refused; the HELLO's status)."""
+    host, port = d.ready["tcp"].rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=30)
+    status, _ = tcp_hello(s, session.session_id, session.secret)
+    if status != 0:
+        s.close()
+        return None, status
+    for k in range(repeat):
+        send_all(s, [request_header(FrameType.GATHER, k + 1, 0, ids.size), ids.astype("<i8")])
+    return s, status
+
+
+def _reset(s: socket.socket) -> None:
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    s.close()  # RST: the client is gone at once
+
+
+def test_clients_that_leave_while_parked_free_their_slots_reads_and_memory(big_disk_file, tmp_path):
+    """Rounds of 8 connections (one session's cap) each sending a 65,536-row disk gather, then, once the
+    daemon has taken every request, resetting: the daemon sees each hang-up while the gather is parked and
+    cancels it (the reads stop: far fewer pages than the gathers' are read), frees the slot (every later
+    HELLO is accepted) and the rows (RSS flat over rounds)."""
+    d = start_daemon(str(tmp_path / "d"), "--tables", big_disk_file, "--disk-tables", "all", "--progress", "never")
+    table = {"table": "engram.layer14"}
+
+    def counts() -> dict:
+        f = scrape(d.ready["metrics"])
+        return {k: value(f, f"tableserver_disk_{k}", **table) for k in
+                ("pages_read_total", "gathers_total", "cancelled_gathers_total", "queued_gathers")}  # fmt: skip
+
+    try:
+        session = open_raw_session(d.address)
+        rng = np.random.default_rng(9)
+        refused, rss, cancelled = 0, [], 0
+        for _ in range(4):
+            before = counts()
+            socks, full_pages = [], 0
+            for _ in range(8):
+                ids = rng.integers(0, 200_000, 65_536)
+                full_pages += np.unique(np.concatenate(((ids * 264) >> 12, (ids * 264 + 263) >> 12))).size
+                s, status = _raw_gather(d, session, ids)
+                if s is None:
+                    refused += 1
+                else:
+                    socks.append(s)
+            taken = lambda c: c["queued_gathers"] + c["gathers_total"] - before["gathers_total"]  # noqa: E731
+            wait_until = time.monotonic() + 120
+            while taken(counts()) < len(socks):  # every request read and queued (or, the first, already done)
+                assert time.monotonic() < wait_until, "the daemon never took the requests"
+                time.sleep(0.01)
+            for s in socks:
+                _reset(s)
+            while counts()["queued_gathers"]:
+                assert time.monotonic() < wait_until, "the disk queue never drained"
+                time.sleep(0.05)
+            after = counts()
+            done = after["gathers_total"] - before["gathers_total"]
+            stopped = after["cancelled_gathers_total"] - before["cancelled_gathers_total"]
+            assert done + stopped == len(socks), (done, stopped)
+            pages = after["pages_read_total"] - before["pages_read_total"]
+            assert pages < 0.5 * full_pages, f"read {pages:.0f} of {full_pages} pages for clients that left"
+            cancelled += stopped
+            rss.append(_rss(d.proc.pid))
+        assert cancelled >= 16, f"only {cancelled} of 32 gathers of departed clients were stopped"
+        assert value(scrape(d.ready["metrics"]), "tableserver_errors_total", reason="disconnect") >= cancelled
+        assert refused == 0, f"{refused} of 32 HELLOs refused: departed connections still held their slots"
+        assert rss[-1] - rss[0] < 64 << 20, f"RSS over rounds {[r >> 20 for r in rss]} MiB"
+        with TableClient(d.address, transport="tcp") as c:  # and the daemon serves on
+            ids = rng.integers(0, 200_000, 24)
+            np.testing.assert_array_equal(
+                c.table("engram.layer14").gather(ids), local_tables(big_disk_file)["engram.layer14"][ids]
+            )
+    finally:
+        d.stop()
+
+
+def test_unread_disk_gathers_stay_inside_the_budget_and_others_are_served(big_disk_file, tmp_path):
+    """4 sessions x 8 connections, each sending two 65,536-row disk gathers and never reading: the rows the
+    daemon holds stay inside --disk-buffer-mib (RSS with them), and another client's small disk gathers
+    are served bit-exact meanwhile."""
+    d = start_daemon(str(tmp_path / "d"), "--tables", big_disk_file, "--disk-tables", "all", "--progress", "never",
+                     "--disk-buffer-mib", "64")  # fmt: skip
+    socks = []
+    try:
+        metrics = d.ready["metrics"]
+        want = local_tables(big_disk_file)["engram.layer14"]
+        rng = np.random.default_rng(10)
+        with TableClient(d.address, transport="tcp") as c:
+            t = c.table("engram.layer14")
+            t.gather(rng.integers(0, 200_000, 24))
+            base = _rss(d.proc.pid)
+            for _ in range(4):
+                session = open_raw_session(d.address)
+                for _ in range(8):
+                    s, status = _raw_gather(d, session, rng.integers(0, 200_000, 65_536), repeat=2)
+                    assert s is not None, f"HELLO refused ({status})"
+                    socks.append(s)
+            held = []
+            for _ in range(40):
+                ids = rng.integers(0, 200_000, 24)
+                np.testing.assert_array_equal(t.gather(ids), want[ids])
+                held.append(value(scrape(metrics), "tableserver_disk_rows_held_bytes"))
+            grown = _rss(d.proc.pid) - base
+        assert max(held) <= 64 << 20, f"disk rows held {max(held) / 2**20:.0f} MiB, the budget is 64 MiB"
+        assert max(held) > 0  # the flood's gathers were read and are held, unsent
+        assert grown < 160 << 20, f"RSS grew {grown >> 20} MiB under the flood"
+    finally:
+        for s in socks:
+            _reset(s)
+        d.stop()

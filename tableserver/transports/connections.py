@@ -31,7 +31,13 @@ A :class:`Protocol` (one per transport) supplies the greeting sent on accept and
 handles a ready connection; it returns what to wait for next, or ``PARK``: the
 connection waits on something else (a disk read) and no worker gets it until
 the protocol calls :meth:`ConnectionLoop.resume` (the fd stays disarmed, so
-nothing it receives meanwhile wakes a worker).
+nothing it receives meanwhile wakes a worker). A protocol parks a connection
+with :meth:`ConnectionLoop.park` before it hands the work on: while parked, the
+housekeeper watches the socket for a hang-up (EPOLLRDHUP, EPOLLHUP, EPOLLERR on
+an epoll set of its own) and, when the peer left, calls the protocol's
+:meth:`Protocol.hangup` (which stops the work) and drops the connection: its
+slot, its session's count and its buffers are freed at once, not when the work
+ends. Whichever of ``resume`` and the hang-up comes first owns the connection.
 """
 
 from __future__ import annotations
@@ -75,6 +81,8 @@ _TRANSIENT = {
 }
 _ONESHOT = select.EPOLLONESHOT
 _EVENTS = {READ: select.EPOLLIN | _ONESHOT, WRITE: select.EPOLLOUT | _ONESHOT}
+#: what a parked connection is watched for: its peer gone
+_HANGUP = select.EPOLLRDHUP | select.EPOLLHUP | select.EPOLLERR
 
 
 def default_max_connections(transports: int = 2) -> int:
@@ -104,7 +112,7 @@ class Limits:
 class Connection:
     """One accepted socket and its protocol state (``state``, owned by the Protocol)."""
 
-    __slots__ = ("sock", "fd", "peer", "session", "opened", "last_active", "state", "evicted", "send_since")
+    __slots__ = ("sock", "fd", "peer", "session", "opened", "last_active", "state", "evicted", "send_since", "parked")
 
     def __init__(self, sock: socket.socket, peer: str):
         self.sock = sock
@@ -115,6 +123,7 @@ class Connection:
         self.state = None
         self.evicted = False
         self.send_since = 0.0  # monotonic time the response being sent began sending (0: none)
+        self.parked = False  # waiting on the protocol's work, watched for a hang-up (under the loop's lock)
 
     def shutdown(self) -> None:
         """Wakes whichever worker owns or will get this connection; it drops it (only a worker closes)."""
@@ -143,6 +152,9 @@ class Protocol:
     def closed(self, conn: Connection) -> None:
         """The connection is gone (its state may be freed)."""
 
+    def hangup(self, conn: Connection) -> None:
+        """The peer of a parked connection left: stop the work it waits on (it is dropped next)."""
+
 
 class ConnectionLoop:
     def __init__(
@@ -157,6 +169,7 @@ class ConnectionLoop:
         listener.setblocking(False)
         self._listen_fd = listener.fileno()
         self._ep = select.epoll()
+        self._park_ep = select.epoll()  # parked connections, watched for hang-ups by the housekeeper
         self._lock = threading.Lock()
         self._conns: dict[int, Connection] = {}
         self._handshakes: collections.OrderedDict[int, Connection] = collections.OrderedDict()
@@ -207,6 +220,7 @@ class ConnectionLoop:
         for c in conns:
             c.sock.close()
         self._ep.close()
+        self._park_ep.close()
 
     # ------------------------------------------------------------------ sessions
     def attach(self, conn: Connection, session) -> None:
@@ -293,13 +307,50 @@ class ConnectionLoop:
             return
         self._rearm(conn, want)
 
+    def park(self, conn: Connection) -> None:
+        """Marks ``conn`` parked (its protocol returns PARK next) and watches it for a hang-up; call it
+        before handing the work on, so that a resume from the work always finds it parked."""
+        with self._lock:
+            if self._conns.get(conn.fd) is not conn or conn.parked:
+                return
+            conn.parked = True
+            try:
+                self._park_ep.register(conn.fd, _HANGUP)
+            except (OSError, ValueError):
+                pass  # the loop is closing: resume or close drops it
+
+    def _unpark_locked(self, conn: Connection) -> bool:
+        """Takes ``conn`` out of the parked state (True), or says another thread took it (False)."""
+        if not conn.parked:
+            return False
+        conn.parked = False
+        try:
+            self._park_ep.unregister(conn.fd)
+        except (OSError, ValueError):
+            pass
+        return True
+
     def resume(self, conn: Connection, want: str) -> None:
         """Re-arms a parked connection for ``want`` (READ, WRITE or CLOSE), from any thread. A connection
-        dropped meanwhile (the loop closed) is left alone."""
+        dropped meanwhile (its peer hung up, or the loop closed) is left alone."""
         with self._lock:
-            if self._conns.get(conn.fd) is not conn:
+            if self._conns.get(conn.fd) is not conn or not self._unpark_locked(conn):
                 return
         self._rearm(conn, want)
+
+    def _hung_up(self, fd: int) -> None:
+        """The housekeeper saw parked ``fd``'s peer leave: the protocol stops its work, the connection goes."""
+        with self._lock:
+            conn = self._conns.get(fd)
+            if conn is None or not self._unpark_locked(conn):
+                return
+        if self.metrics is not None:
+            self.metrics.error("disconnect")  # a peer that left mid-request
+        try:
+            self.protocol.hangup(conn)
+        except Exception:
+            log.exception("%s %s: stopping a parked connection's work", self.name, conn.peer)
+        self._drop(conn)
 
     def _rearm(self, conn: Connection, want: str) -> None:
         if want == CLOSE or self._closed:
@@ -315,6 +366,7 @@ class ConnectionLoop:
         with self._lock:
             if self._conns.pop(conn.fd, None) is None:
                 return
+            self._unpark_locked(conn)
             self._handshakes.pop(conn.fd, None)
             if conn.session is not None:
                 group = self._by_session.get(id(conn.session))
@@ -457,7 +509,15 @@ class ConnectionLoop:
 
     def _housekeep(self) -> None:
         limits = self.limits
-        while not self._stop.wait(0.05):
+        while not self._stop.is_set():
+            try:  # the housekeeper's tick, and the parked connections' hang-ups
+                hangups = self._park_ep.poll(0.05)
+            except InterruptedError:
+                continue
+            except (OSError, ValueError):
+                return  # closed
+            for fd, _ in hangups:
+                self._hung_up(fd)
             now = time.monotonic()
             if self._accept_resume and now >= self._accept_resume:
                 self._accept_resume = 0.0

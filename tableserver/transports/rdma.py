@@ -470,7 +470,7 @@ class RdmaTransport(ServerTransport):
             nbytes = count * table.row_bytes
             rows = s.staging.array[:nbytes].reshape(count, table.row_bytes)
             if table.disk is not None:  # read here, on the packer: pack sessions wait meanwhile (docs/DESIGN.md)
-                table.disk.gather(ids, rows)
+                table.disk.gather(ids, rows, owner=id(s.session))
             else:
                 take_checked(table.data, ids, rows)  # checked above
             sge = v.wr.SGE(s.staging.addr, nbytes, s.staging.mr.lkey)

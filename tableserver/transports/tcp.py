@@ -19,14 +19,16 @@ client may pipeline several.
 A disk table's gather (``table.disk``) cannot stream: a read error must
 still be answered with an error frame, so the rows are read whole first. The
 worker hands the gather to the table's DiskQueue and **parks** the connection
-(no worker holds it while the drive works); the queue's thread builds the
-response (OK header + rows, or IO_ERROR) and resumes the connection for
-writing.
+(no worker holds it while the drive works; the connection layer watches it for
+a hang-up, which cancels the gather); the queue's thread sets up the response
+(OK header, or IO_ERROR / BUSY) and resumes the connection for writing; the
+rows then go out as a memory table's do, from the job's buffer, which goes back
+to the disk tier's budget once sent.
 
 Memory a connection can make the server hold: its row-id buffer (at most
-8 * max_rows_per_request bytes) and one chunk (CHUNK_BYTES), or, for a disk
-gather, its rows (at most row_bytes * max_rows_per_request bytes, dropped
-after sending when larger than DISK_KEEP_BYTES).
+8 * max_rows_per_request bytes) and one chunk (CHUNK_BYTES); a disk gather's
+rows are the disk tier's budget (``--disk-buffer-mib``, a share per session),
+not the connection's.
 
 Invariants: no byte outside a table is ever read (ids are range-checked, and
 ``np.take(mode="clip")`` could not read outside even if they were not); a
@@ -85,12 +87,17 @@ log = logging.getLogger("tableserver.tcp")
 
 #: rows are gathered and sent in chunks of at most this many bytes
 CHUNK_BYTES = 512 << 10
+
+
+def chunk_rows(row_bytes: int) -> int:
+    """Rows of ``row_bytes`` in one chunk."""
+    return max(1, CHUNK_BYTES // row_bytes)
+
+
 #: how long a worker waits for a reading client's socket to drain before re-arming it for later
 SEND_SPIN_S = 0.002
 #: requests one connection may have answered per turn before the worker serves others
 REQUESTS_PER_TURN = 8
-#: a connection keeps a disk gather's row buffer for the next one up to this size
-DISK_KEEP_BYTES = 4 << 20
 
 
 def bind_listener(host: str, port: int, what: str, flag: str) -> socket.socket:
@@ -161,6 +168,10 @@ class TcpTransport(ServerTransport):
     def release(self, session) -> None:
         if self._loop is not None:
             self._loop.release(session)
+
+    def park(self, conn: Connection) -> None:
+        """Parks a connection whose gather goes to a disk queue (watched for a hang-up meanwhile)."""
+        self._loop.park(conn)
 
     def resume(self, conn: Connection, want: str) -> None:
         """Re-arms a connection the protocol parked (a disk gather done)."""
@@ -249,6 +260,8 @@ class _State:
         "cipher_buf",
         "sealed_buf",
         "client_nonce",
+        "disk_job",
+        "source_rows",
     )
 
     def __init__(self, nonce: bytes):
@@ -273,6 +286,15 @@ class _State:
         self.cipher_buf = copy_buffer(0)  # a sealed request's payload + tag as received
         self.sealed_buf = copy_buffer(0)  # an encrypted chunk of rows
         self.client_nonce = b""
+        self.disk_job = None  # the DiskJob of the disk gather parked or being answered
+        self.source_rows = None  # its rows, read: sent as they are (memory tables' rows are taken chunk by chunk)
+
+    def drop_disk_job(self) -> None:
+        """Stops the disk gather (a barrier: nothing writes into its rows after) and gives its rows back."""
+        job, self.disk_job, self.source_rows = self.disk_job, None, None
+        if job is not None:
+            job.cancel()
+            job.release()
 
     def expect_header(self) -> None:
         self.got, self.need, self.target = 0, HEADER_BYTES, memoryview(self.head)
@@ -315,7 +337,15 @@ class _TcpProtocol(Protocol):
         return Refused(Status.BUSY, message).frame(FrameType.CHALLENGE)
 
     def closed(self, conn: Connection) -> None:
+        st: _State | None = conn.state
         conn.state = None
+        if st is not None:
+            st.drop_disk_job()
+
+    def hangup(self, conn: Connection) -> None:
+        st: _State | None = conn.state
+        if st is not None:
+            st.drop_disk_job()
 
     def ready(self, conn: Connection, events: int) -> str:
         st: _State = conn.state
@@ -464,43 +494,43 @@ class _TcpProtocol(Protocol):
         return False
 
     def _park(self, conn: Connection, table) -> None:
-        """Hands a disk table's gather to its queue; :meth:`_disk_done` answers it."""
+        """Hands a disk table's gather to its queue, the connection parked first (a completion may come at
+        once); :meth:`_disk_done` answers it."""
         st: _State = conn.state
         st.error = None
         st.sending = False  # no send timeout while the drive works (the disk timeout bounds it)
         st.chunk_busy = False
         st.expect_header()
-        n = st.count
-        rows = st.chunk(n, table.row_bytes)
-        table.disk.submit(st.ids_buf[:n], rows, lambda error: self._disk_done(conn, table, rows, error))
+        self.t.park(conn)
+        st.disk_job = table.disk.job(  # held before it starts: its completion may come at once
+            st.ids_buf[: st.count], None, lambda job: self._disk_done(conn, table, job), owner=id(conn.session)
+        )
+        table.disk.start(st.disk_job)
+        if conn.state is None:  # the peer hung up while it was handed over: stop it (closed() may not have seen it)
+            st.drop_disk_job()
 
-    def _disk_done(self, conn: Connection, table, rows: np.ndarray, error: Refused | None) -> None:
-        """On the disk queue's thread: the response to a parked gather, then the connection resumed."""
-        st: _State = conn.state
-        if st is None:  # dropped meanwhile (the loop closed)
+    def _disk_done(self, conn: Connection, table, job) -> None:
+        """On the disk queue's thread: the response to a parked gather set up, then the connection resumed."""
+        st: _State | None = conn.state
+        if st is None:  # dropped meanwhile (closed() stopped the job, or it finished first)
+            job.release()
             return
-        seal = st.tx.seal if st.tx is not None else None
+        error = job.error
         if error is None:
             header = response_header(FrameType.GATHER, Status.OK, st.req_id, table.row_bytes, st.count)
-            view = memoryview(rows.reshape(-1))
-            if st.tx is not None:
-                enc = st.tx.encryptor(header)
-                if len(st.sealed_buf) < len(view) + 15 + TAG_BYTES:
-                    st.sealed_buf = copy_buffer(max(len(view), CHUNK_BYTES) + 15 + TAG_BYTES)
-                crypt_into(enc, view, memoryview(st.sealed_buf)[: len(view) + 15])
-                enc.finalize()
-                memoryview(st.sealed_buf)[len(view) : len(view) + TAG_BYTES] = enc.tag
-                view = memoryview(st.sealed_buf)[: len(view) + TAG_BYTES]
-            st.parts = [memoryview(header), view]
-            st.next_row = st.count
-            st.chunk_busy = True  # the rows are in the parts: nothing left to gather
+            st.parts = [memoryview(header)]
+            st.source_rows = job.rows
+            st.next_row = 0
+            st.chunk_busy = False
+            st.enc = st.tx.encryptor(header) if st.tx is not None else None
         else:
+            st.drop_disk_job()
             self.t.metrics.refused(error.status)
             self.ratelog.warning(error.name, "%s %s: %s", self.t.name, conn.peer, error.describe())
-            st.parts = [memoryview(error.frame(st.ftype, st.req_id, seal))]
+            st.parts = [memoryview(error.frame(st.ftype, st.req_id, st.tx.seal if st.tx is not None else None))]
             st.next_row = st.count = 0
             st.closing = error.fatal
-        st.enc = None
+            st.enc = None
         st.sending = True
         conn.send_since = time.monotonic()
         self.t.resume(conn, WRITE)
@@ -560,9 +590,17 @@ class _TcpProtocol(Protocol):
         while True:
             if st.next_row < st.count and not st.chunk_busy:
                 table = self.t.tables[st.table]
-                n = min(st.count - st.next_row, max(1, CHUNK_BYTES // table.row_bytes))
-                rows = st.chunk(n, table.row_bytes)
-                take_checked(table.data, st.ids_buf[st.next_row : st.next_row + n], rows)  # checked in _check
+                if st.source_rows is not None:  # a disk gather's rows, read: sent from where they are
+                    n = (
+                        st.count - st.next_row
+                        if st.enc is None
+                        else min(st.count - st.next_row, chunk_rows(table.row_bytes))
+                    )
+                    rows = st.source_rows[st.next_row : st.next_row + n]
+                else:
+                    n = min(st.count - st.next_row, chunk_rows(table.row_bytes))
+                    rows = st.chunk(n, table.row_bytes)
+                    take_checked(table.data, st.ids_buf[st.next_row : st.next_row + n], rows)  # checked in _check
                 st.next_row += n
                 view = memoryview(rows.reshape(-1))
                 if st.enc is not None:
@@ -607,8 +645,8 @@ class _TcpProtocol(Protocol):
             self.t.instruments(st.table).defer(
                 st.count, st.count * self.t.tables[st.table].row_bytes, time.perf_counter() - st.started
             )
-        if st.chunk_buf.size > DISK_KEEP_BYTES:  # a large disk gather's rows: not kept for the connection's life
-            st.chunk_buf = np.empty(0, np.uint8)
+        if st.disk_job is not None:  # a disk gather's rows are out: back to the disk tier's budget
+            st.drop_disk_job()
         if st.closing:
             try:  # the error frame is out: half-close, then drain what the peer still sends
                 conn.sock.shutdown(socket.SHUT_WR)
