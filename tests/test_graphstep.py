@@ -284,3 +284,6 @@ def test_the_flag_wait_is_native_where_required_and_checks_its_arguments():
             graphstep._native_wait(flags, 32, 1, 0.0)
         with pytest.raises(TypeError, match="native uint32"):
             graphstep._native_wait(np.zeros(4, np.int64), 0, 1, 0.0)
+        misaligned = np.frombuffer(bytearray(17), np.uint32, 4, 1)  # an atomic load there may tear
+        with pytest.raises(TypeError, match="4-byte aligned"):
+            graphstep._native_wait(misaligned, 0, 1, 0.0)

@@ -58,6 +58,10 @@ static PyObject *wait_u32(PyObject *self, PyObject *const *args, Py_ssize_t narg
         PyErr_SetString(PyExc_TypeError, "flags must be a buffer of native uint32");
         goto done;
     }
+    if ((uintptr_t)b.buf & 3) { /* an atomic load of a misaligned word may tear: a value nobody wrote */
+        PyErr_SetString(PyExc_TypeError, "flags must be 4-byte aligned uint32 (a view at an odd offset?)");
+        goto done;
+    }
     if (index < 0 || index >= b.len / 4 || value > UINT32_MAX || !(timeout >= 0)) {
         PyErr_SetString(PyExc_ValueError, "index outside the flags, value not a uint32, or a negative timeout");
         goto done;
