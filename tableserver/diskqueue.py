@@ -52,9 +52,12 @@ log = logging.getLogger("tableserver.diskqueue")
 
 #: jobs one disk table's queue holds before refusing more (BUSY)
 MAX_QUEUED = 4096
-#: rows one turn reads of a job (a long slice keeps the drive's queue full; the express lane keeps short
-#: gathers from waiting for it)
+#: rows of one job a turn reads while other sessions wait (the express lane keeps short gathers from
+#: waiting for a turn)
 SLICE_ROWS = 1024
+#: rows one turn of the main lane reads in all: slices of several sessions, or more of one when the others
+#: have less (a turn's reads drain the drive's queue at its end: longer turns, fewer drains)
+TURN_ROWS = 4096
 #: the longest job the express lane takes
 EXPRESS_ROWS = 256
 #: the disk tier's row buffers, all tables together, by default
@@ -299,10 +302,10 @@ class DiskQueue:
     # -- the queue's thread ------------------------------------------------------------------------
 
     def _turn(self, lane: _Lane) -> tuple[list[tuple[_Owner, DiskJob, int]], list[DiskJob]]:
-        """For ``lane``, under the lock: the slices of one read, owners' first jobs in order of their slices'
-        finish tags, at most ``slice_rows`` rows in all (the express lane: its ``most_rows``) and one slice
-        per owner (their jobs admitted from the budget if they are not yet); and the jobs refused BUSY
-        meanwhile (waiting past admit_timeout)."""
+        """For ``lane``, under the lock: the parts of one read, owners' first jobs in order of their slices'
+        finish tags, a slice each (their jobs admitted from the budget if they are not yet), then, while the
+        turn has room (TURN_ROWS; the express lane: its ``most_rows``), more of the same jobs in that order;
+        and the jobs refused BUSY meanwhile (waiting past admit_timeout)."""
         v = self._vtime
         candidates = []
         for key, owner in list(self._owners.items()):
@@ -317,7 +320,7 @@ class DiskQueue:
             candidates.append((max(v, owner.finish) + n, n, owner, job))
         candidates.sort(key=lambda c: c[0])  # of slices that start together, the shorter ends first
         parts, refused, now = [], [], time.monotonic()
-        room = min(self.slice_rows, lane.most_rows or self.slice_rows)  # the express lane's turns stay short
+        room = lane.most_rows or TURN_ROWS  # the express lane's turns stay short
         for finish, n, owner, job in candidates:
             if job.state == _QUEUED:
                 if job.rows is None and job.nbytes:
@@ -337,11 +340,19 @@ class DiskQueue:
             if not parts:
                 self._vtime = finish - n  # the first slice's start: virtual time goes with the reads
             owner.finish, owner.busy = max(v, owner.finish) + n, True
-            parts.append((owner, job, n))
+            parts.append([owner, job, n])
             room -= n
             if not room:
                 break
-        return parts, refused
+        for part in parts:  # room left: more of the same jobs, in the same order (one contiguous part each)
+            if not room:
+                break
+            owner, job, n = part
+            more = min(room, job.ids.size - job.next - n)
+            part[2] += more
+            owner.finish += more
+            room -= more
+        return [tuple(p) for p in parts], refused
 
     def _finish(self, job: DiskJob) -> bool:
         """Takes a finished (or failed) job off its owner's queue; False when it was cancelled. Under the lock."""
@@ -357,7 +368,7 @@ class DiskQueue:
         return True
 
     def _run(self, lane: _Lane) -> None:
-        scratch = np.empty((self.slice_rows, self.reader.row_bytes), np.uint8)  # a turn of several slices
+        scratch = np.empty((lane.most_rows or TURN_ROWS, self.reader.row_bytes), np.uint8)  # a turn of several jobs
         while True:
             with self._ready:
                 while True:
