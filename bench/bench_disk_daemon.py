@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 from bench_disk import fio  # noqa: E402
+from common import process_rss  # noqa: E402
 from tableclient import TableClient  # noqa: E402
 
 from tableserver.common.model import ROW_BYTES, WINDOWS_S  # noqa: E402
@@ -42,14 +43,6 @@ from tableserver.tablefile import read_header  # noqa: E402
 
 PAGE = 4096
 ROWS_PER_PAGE = PAGE // ROW_BYTES  # 15
-
-
-def rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def pages_read(metrics: str) -> float:
@@ -169,7 +162,7 @@ def main(argv=None) -> int:
             path, tmp, ["--disk-tables", "all", "--disk-queue-depth", str(args.qd), "--transports", "shm,tcp"]
         )
         try:
-            rss0 = rss(proc.pid)
+            rss0 = process_rss(proc.pid)
             fio_iops, daemon_pages_s, peak = [], [], rss0
             for _ in range(args.rounds):
                 f = fio(path, spec.nbytes, args.qd, "io_uring", args.seconds)
@@ -178,7 +171,7 @@ def main(argv=None) -> int:
                 p0 = pages_read(ready["metrics"])
                 n, wall = load(ready["control"], args.transport, args.clients, args.seconds, rows, local)
                 daemon_pages_s.append((pages_read(ready["metrics"]) - p0) / wall)
-                peak = max(peak, rss(proc.pid))
+                peak = max(peak, process_rss(proc.pid))
             lat = latencies(ready["control"], args.transport, rows, args.seconds)
         finally:
             proc.terminate()

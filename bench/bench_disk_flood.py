@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import grpc  # noqa: E402
 import numpy as np  # noqa: E402
+from common import process_rss  # noqa: E402
 from tableclient import TableClient  # noqa: E402
 
 from tableserver.common.wire import (  # noqa: E402
@@ -52,14 +53,6 @@ from tableserver.v1 import tableserver_pb2_grpc as pb_grpc  # noqa: E402
 
 BIG = 65_536
 SMALL = 24
-
-
-def rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def metric(metrics: str, name: str) -> float | None:
@@ -154,7 +147,7 @@ def main(argv=None) -> int:
                 t = c.table("engram.layer14")
                 small_gathers(t, args.rows, 1.0, local, rng)  # warm
                 quiet = small_gathers(t, args.rows, args.seconds, local, rng)
-                base = rss(pid)
+                base = process_rss(pid)
                 socks = []
                 for _ in range(4):
                     session = open_session(ready["control"])
@@ -170,7 +163,7 @@ def main(argv=None) -> int:
 
                 def sample():
                     while not stop.wait(0.2):
-                        held.append((rss(pid), metric(metrics, "tableserver_disk_rows_held_bytes")))
+                        held.append((process_rss(pid), metric(metrics, "tableserver_disk_rows_held_bytes")))
 
                 sampler = threading.Thread(target=sample, daemon=True)
                 sampler.start()
@@ -185,7 +178,7 @@ def main(argv=None) -> int:
                     reset(s)
             q50, q99 = pcts(quiet)
             f50, f99 = pcts(flood)
-            peak = max(r for r, _ in held) if held else rss(pid)
+            peak = max(r for r, _ in held) if held else process_rss(pid)
             rows_held = [h for _, h in held if h is not None]
             print(f"disk tier under hostile clients: {args.rows:,} rows of 264 B on disk, {args.transport} client")
             print(f"  {len(socks)} flood connections (4 sessions x 8), 2 x {BIG:,}-row gathers each, never read")
@@ -218,7 +211,7 @@ def main(argv=None) -> int:
                 pages = (metric(metrics, "tableserver_disk_pages_read_total") or 0.0) - pages0
                 print(
                     f"  departing round {r + 1}: {refused} of {args.connections} HELLOs refused BUSY, "
-                    f"{pages:,.0f} pages read for them, drained {drained:.1f} s after, RSS {rss(pid) / 2**20:.0f} MiB"
+                    f"{pages:,.0f} pages read for them, drained {drained:.1f} s after, RSS {process_rss(pid) / 2**20:.0f} MiB"
                 )
         finally:
             proc.terminate()

@@ -23,6 +23,18 @@ def rss_bytes() -> int:
     return total
 
 
+def process_rss(pid: int) -> int:
+    """Resident memory of process ``pid`` (VmRSS), in bytes (0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def run_placements(script: str, cases, argv: list, env: dict | None = None) -> list | None:
     """``python script --case CASE *argv`` for each case, one fresh process each, in order: the JSON line
     each prints last, or None (their error printed) as soon as one fails."""

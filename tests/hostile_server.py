@@ -48,7 +48,10 @@ def boot_id() -> str:
 
 
 class ScriptedServer:
-    """gRPC control plane + tcp data port + shm socket on loopback, misbehaving as ``behaviour`` says."""
+    """gRPC control plane + tcp data port + shm socket on loopback, misbehaving as ``behaviour`` says.
+    ``table_shape``: the rows and row bytes its one table's catalog entry claims."""
+
+    table_shape = (ROWS, ROW_BYTES)
 
     def __init__(self, behaviour: str, workdir: str):
         self.behaviour = behaviour
@@ -98,18 +101,19 @@ class ScriptedServer:
 
     # ----------------------------------------------------------------- control plane
     def table_info(self) -> pb.TableInfo:
+        rows, row_bytes = self.table_shape
         t = dict(
             index=0,
             name="t",
-            rows=ROWS,
-            row_bytes=ROW_BYTES,
+            rows=rows,
+            row_bytes=row_bytes,
             dtype="uint8",
-            shape=[ROWS, ROW_BYTES],
+            shape=[rows, row_bytes],
             layer=1,
             version=1,
             checksum="sha256:" + "ab" * 32,
-            nbytes=ROWS * ROW_BYTES,
-            total_rows=ROWS,
+            nbytes=rows * row_bytes,
+            total_rows=rows,
             row_lo=0,
         )
         b = self.behaviour

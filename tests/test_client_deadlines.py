@@ -16,8 +16,6 @@ import pytest
 from conftest import ROOT
 from hostile_server import ScriptedServer
 
-from tableserver.v1 import tableserver_pb2 as pb
-
 CONNECT_TIMEOUT = 2.0
 #: far over what the failing gather takes on a busy machine (a few connect_timeouts), far under forever
 BOUND_S = 60.0
@@ -32,24 +30,10 @@ class StopsReading(ScriptedServer):
     completes the handshake, and keeps its control plane and keepalive answering. Its one table is wide
     enough for a gather of millions of distinct ids (whose rows it never sends)."""
 
+    table_shape = (ROWS, ROW_BYTES)
+
     def __init__(self, workdir: str):
         super().__init__("gather_silent", workdir)
-
-    def table_info(self) -> pb.TableInfo:
-        return pb.TableInfo(
-            index=0,
-            name="t",
-            rows=ROWS,
-            row_bytes=ROW_BYTES,
-            dtype="uint8",
-            shape=[ROWS, ROW_BYTES],
-            layer=1,
-            version=1,
-            checksum="sha256:" + "ab" * 32,
-            nbytes=ROWS * ROW_BYTES,
-            total_rows=ROWS,
-            row_lo=0,
-        )
 
 
 CLIENT = r"""
