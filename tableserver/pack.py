@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import numpy as np
 
@@ -68,6 +69,10 @@ def _chosen(inputs: list[str], named: tuple[str, ...]) -> tuple[list[tuple], lis
     of ``inputs`` left out."""
     entries, others, where, found, sources = [], [], {}, set(), []
     for path in inputs:
+        if not os.path.isfile(path):
+            raise TableFileError(
+                f"{path}: no such file: pass the checkpoint's .safetensors files (e.g. model-*.safetensors) to pack"
+            )
         src = open_source(path)
         if not isinstance(src, SafetensorsSource):
             raise TableFileError(f"{path}: pack reads .safetensors files; this is already a table file")

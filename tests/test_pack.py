@@ -172,3 +172,10 @@ def test_pack_refuses_a_named_tensor_that_is_not_a_2d_tensor_of_its_inputs(model
     for name, says in (("no.such.weight", "no tensor"), ("model.layers.1.input_layernorm.weight", "1-D")):
         assert_one_line_error(run_cli("pack", str(out), *shards, "--tensor", name), f"--tensor {name}", says)
         assert not out.exists()
+
+
+def test_pack_refuses_a_missing_input_naming_what_to_pass(tmp_path):
+    out = tmp_path / "engram.bin"
+    missing = str(tmp_path / "model-00001-of-00002.safetensors")
+    assert_one_line_error(run_cli("pack", str(out), missing), missing, "pass the checkpoint's .safetensors files")
+    assert not out.exists()
