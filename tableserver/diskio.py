@@ -57,7 +57,9 @@ and no wrong row is ever returned as a success. ``expect`` ties a reader to the 
 
 Output. A gather writes into its ``out`` only inside its :class:`OutputGuard` (when given): once the
 guard's :meth:`~OutputGuard.cancel` returns, no write is under way and none starts, so its caller may
-reuse ``out`` at once (the reads still in flight write only into the reader's own pool). Every wait (the pool lock,
+reuse ``out`` at once (the reads still in flight write only into the reader's own pool).
+
+Every wait (the pool lock,
 the reads) is bounded by ``timeout``; a read that outlives it poisons the pool (its buffer may still
 be written by the kernel) and later gathers fail until it is back. ``close`` never unmaps the pool (nor
 frees the native engine's ring or threads) under such a read: it leaves them mapped and logs it; nor
@@ -88,6 +90,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from tableserver.common.guard import OutputGuard
 from tableserver.common.take import in_range
 from tableserver.errors import TableFileError
 from tableserver.fileid import FileIdentity
@@ -125,35 +128,6 @@ class DiskReadError(TableFileError):
     """A disk table's read failed (EIO, a short read, a file changed or replaced under the reader, or a
     read past the timeout). One line naming the file, the offset and the fix; ``errno`` is the OS error
     number where one caused it."""
-
-
-class GatherCancelled(Exception):
-    """A gather whose :class:`OutputGuard` was cancelled: it stopped before writing more rows."""
-
-
-class OutputGuard:
-    """Who may still write into one gather's output. The gather writes rows only inside ``with guard:``
-    (which raises :class:`GatherCancelled` once cancelled); :meth:`cancel` returns when no write is under
-    way, and none starts after it: a barrier for the owner of the output."""
-
-    __slots__ = ("_lock", "cancelled")
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.cancelled = False
-
-    def __enter__(self) -> None:
-        self._lock.acquire()
-        if self.cancelled:
-            self._lock.release()
-            raise GatherCancelled("the gather was cancelled")
-
-    def __exit__(self, *exc) -> None:
-        self._lock.release()
-
-    def cancel(self) -> None:
-        with self._lock:
-            self.cancelled = True
 
 
 class _Unguarded:
@@ -536,7 +510,7 @@ class DiskTable:
         ``row_ids.shape + (row_bytes,)``; allocated when None), which is returned. Ids outside
         ``0..rows-1``: ValueError, before any read. A failed read: DiskReadError (``out`` undefined).
         ``guard``: rows are written into ``out`` only inside it; cancelled, the gather stops with
-        :class:`GatherCancelled`."""
+        ``tableserver.common.guard.Cancelled``."""
         if self._closed:
             raise ValueError("DiskTable is closed: open a new one")
         ids = np.asarray(row_ids)
@@ -581,10 +555,15 @@ class DiskTable:
         with self._lock:
             if self._closed:
                 raise ValueError("DiskTable is closed: open a new one")
-            for fd, path, opened in zip(self._fds, self.paths, self._ids):
-                why = opened.change_at(fd, path)
-                if why is not None:
-                    return path, why
+            change = self._first_change()
+        return (self.paths[change[0]], change[1]) if change is not None else None
+
+    def _first_change(self) -> tuple[int, str] | None:
+        """(file index, how) of the first file changed or replaced since it was opened."""
+        for i, (fd, path, opened) in enumerate(zip(self._fds, self.paths, self._ids)):
+            why = opened.change_at(fd, path)
+            if why is not None:
+                return i, why
         return None
 
     def _row_start(self, r):
@@ -846,10 +825,9 @@ class DiskTable:
     def _check_files(self) -> None:
         """The file behind each fd, and the file at each path, are still the ones opened, unchanged (a
         block device: the same device, of the same size; its node's times mean nothing)."""
-        for i, (fd, path) in enumerate(zip(self._fds, self.paths)):
-            why = self._ids[i].change_at(fd, path)
-            if why is not None:
-                raise self._changed(i, why)
+        change = self._first_change()
+        if change is not None:
+            raise self._changed(*change)
 
     # -- lifetime --------------------------------------------------------------------------------
 

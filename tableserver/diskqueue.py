@@ -44,8 +44,9 @@ from collections.abc import Callable, Hashable
 import numpy as np
 
 from tableserver.common.buffers import OFFSET, PAGE
+from tableserver.common.guard import Cancelled, OutputGuard
 from tableserver.common.wire import Refused, Status
-from tableserver.diskio import DiskReadError, DiskTable, GatherCancelled, OutputGuard
+from tableserver.diskio import DiskReadError, DiskTable
 from tableserver.logs import RateLimitedLog
 
 log = logging.getLogger("tableserver.diskqueue")
@@ -408,7 +409,7 @@ class DiskQueue:
                 try:
                     reader.gather(job.ids[a : a + n], rows[a : a + n], guard=job.guard)
                     job.next = a + n
-                except GatherCancelled:
+                except Cancelled:
                     pass
             elif live:
                 ids = np.concatenate([job.ids[job.next : job.next + n] for job, n, _ in live])
@@ -420,7 +421,7 @@ class DiskQueue:
                         with job.guard:
                             rows[a : a + n] = scratch[k : k + n]
                         job.next = a + n
-                    except GatherCancelled:
+                    except Cancelled:
                         pass
                     k += n
         except DiskReadError as e:

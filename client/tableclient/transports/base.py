@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tableclient.errors import GatherTimeout, RemoteError
+from tableserver.common.guard import Cancelled, OutputGuard
 from tableserver.common.take import take_checked
 
 
@@ -144,33 +145,25 @@ class Pending:
 GUARD_STEP_BYTES = 4 << 20
 
 
-class WriteGuard:
+class WriteGuard(OutputGuard):
     """Makes ``cancel()`` a barrier for a copy into a caller's buffer that runs on the waiting thread (the
     expansion of duplicate rows, the reorder of shards' rows): :meth:`copy` writes in steps of at most
-    GUARD_STEP_BYTES, each under a lock and only while not cancelled; :meth:`cancel` marks it cancelled
-    and returns once the step in progress, if any, has ended. After ``cancel()`` returns, no step writes."""
+    GUARD_STEP_BYTES, each inside the guard; :meth:`cancel` returns once the step in progress, if any,
+    has ended. After ``cancel()`` returns, no step writes."""
 
-    __slots__ = ("_lock", "cancelled")
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.cancelled = False
+    __slots__ = ()
 
     def copy(self, rows: int, row_bytes: int, step) -> bool:
         """``step(a, b)`` over rows ``0..rows`` in order, a few MiB at a time; False (the rest not written)
         once cancelled."""
         chunk = max(1, GUARD_STEP_BYTES // max(row_bytes, 1))
-        for a in range(0, rows, chunk):
-            with self._lock:
-                if self.cancelled:
-                    return False
-                step(a, min(a + chunk, rows))
+        try:
+            for a in range(0, rows, chunk):
+                with self:
+                    step(a, min(a + chunk, rows))
+        except Cancelled:
+            return False
         return True
-
-    def cancel(self) -> None:
-        self.cancelled = True
-        with self._lock:  # the step in progress ends first; every later one sees the flag
-            pass
 
 
 class Completed(Pending):
