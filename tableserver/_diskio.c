@@ -40,10 +40,14 @@
  *   waits for it (up to its own timeout_s: False when that one is still running) and returns its outcome.
  *   From the moment close() starts, every call raises ValueError ("the engine is closed").
  *
- * Getters: mode, depth, fixed, ext_arg, note, inflight, queued, closed, leaked; safe from any thread at any
- *   time, during close() too. Once close() has started: mode "closed", depth 0, fixed and ext_arg False,
- *   queued and inflight 0 -- but for a leaked engine, whose inflight and queued still count what its reads
- *   hold (its core is never freed).
+ * limit: reads the engine may have in flight now, 1..depth (depth at first); settable from any thread while
+ *   a call runs (it never waits on the call lock). Lowered, no read starts until fewer than it are in
+ *   flight (those already at the drive finish); raised, more start at once. ValueError once closed.
+ *
+ * Getters: mode, depth, limit, fixed, ext_arg, note, inflight, queued, closed, leaked; safe from any thread
+ *   at any time, during close() too. Once close() has started: mode "closed", depth and limit 0, fixed and
+ *   ext_arg False, queued and inflight 0 -- but for a leaked engine, whose inflight and queued still count
+ *   what its reads hold (its core is never freed).
  *
  * _fault(file_offset, code): for tests only. code > 0: a read covering byte file_offset (of any file)
  *   completes with that errno instead of being issued; code -1: such a read is held in flight (io_uring:
@@ -239,6 +243,8 @@ struct event {
  * The queue, the counters and `cut` are under mu; a run's state belongs to the thread reading it. */
 struct core {
     int mode, depth;
+    int limit; /* reads the engine may have in flight now, 1..depth (Engine.limit; under mu) */
+    int busy;  /* threads: runs being read */
     char *pool;
     size_t pool_len;
     /* the fault hook (tests) */
@@ -569,7 +575,7 @@ static void *worker(void *arg)
     while (!c->stop) {
         unsigned s;
         size_t j;
-        if (!claim(c, &s, &j)) {
+        if (c->busy >= c->limit || !claim(c, &s, &j)) {
             c->idle++;
             pthread_cond_wait(&c->work, &c->mu);
             c->idle--;
@@ -577,10 +583,12 @@ static void *worker(void *arg)
         }
         struct batch *b = &c->q[s];
         struct run *u = &b->runs[j];
+        c->busy++;
         pthread_mutex_unlock(&c->mu);
         int64_t detail = 0, bytes = 0, reads = 0;
         int st = thread_run(c, b, u, &detail, &bytes, &reads);
         pthread_mutex_lock(&c->mu);
+        c->busy--;
         record(c, s, j, st, detail, bytes, reads);
     }
     pthread_mutex_unlock(&c->mu);
@@ -799,11 +807,12 @@ static void *driver(void *arg)
                 c->retry[keep++] = p;
         }
         nretry = keep;
-        while (inflight + nfill < depth && nretry)
+        unsigned lim = (unsigned)c->limit < depth ? (unsigned)c->limit : depth; /* lowered: the reads drain to it */
+        while (inflight + nfill < lim && nretry)
             c->fill[nfill++] = c->retry[--nretry];
         unsigned s;
         size_t j;
-        while (inflight + nfill < depth && claim(c, &s, &j)) {
+        while (inflight + nfill < lim && claim(c, &s, &j)) {
             c->fill[nfill].slot = s;
             c->fill[nfill++].j = j;
         }
@@ -1029,7 +1038,7 @@ static int Engine_init(Engine *self, PyObject *args, PyObject *kw)
     }
     self->c = c;
     c->mode = m;
-    c->depth = depth;
+    c->depth = c->limit = depth;
     c->pool = self->pool.buf;
     c->pool_len = (size_t)self->pool.len;
     c->efd = -1;
@@ -1468,6 +1477,45 @@ static PyObject *get_ext_arg(Engine *self, void *_)
     return PyBool_FromLong(c && c->ring.ext_arg);
 }
 
+static PyObject *get_limit(Engine *self, void *_)
+{
+    struct core *c = self->fork_gen == fork_gen ? live(self) : NULL;
+    long n = 0;
+    if (c != NULL) {
+        pthread_mutex_lock(&c->mu);
+        n = c->limit;
+        pthread_mutex_unlock(&c->mu);
+    }
+    return PyLong_FromLong(n);
+}
+
+/* Lowering the limit starts no read until fewer than it are in flight; raising it starts more at once. With
+ * the GIL held throughout: a close() that has not set `closed` has not begun, so the core is there. */
+static int set_limit(Engine *self, PyObject *value, void *_)
+{
+    if (value == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "limit cannot be deleted");
+        return -1;
+    }
+    long n = PyLong_AsLong(value);
+    if (n == -1 && PyErr_Occurred())
+        return -1;
+    if (!usable(self))
+        return -1;
+    struct core *c = self->c;
+    if (n < 1 || n > c->depth) {
+        PyErr_Format(PyExc_ValueError, "limit=%ld: pass 1..%d (the engine's depth)", n, c->depth);
+        return -1;
+    }
+    pthread_mutex_lock(&c->mu);
+    int raised = n > c->limit;
+    c->limit = (int)n;
+    if (raised)
+        pthread_cond_broadcast(&c->work);
+    pthread_mutex_unlock(&c->mu);
+    return 0;
+}
+
 static PyObject *get_closed(Engine *self, void *_) { return PyBool_FromLong(self->closed); }
 static PyObject *get_leaked(Engine *self, void *_) { return PyBool_FromLong(self->leaked); }
 
@@ -1510,6 +1558,9 @@ static PyGetSetDef Engine_getset[] = {
     {"ext_arg", (getter)get_ext_arg, NULL, "io_uring: waits with IORING_ENTER_EXT_ARG (else poll on the ring fd)",
      NULL},
     {"note", (getter)get_note, NULL, "one line on how it reads", NULL},
+    {"limit", (getter)get_limit, (setter)set_limit,
+     "reads the engine may have in flight now, 1..depth (lowered: those in flight drain to it); 0 once closed",
+     NULL},
     {"inflight", (getter)get_inflight, NULL, "reads in flight now", NULL},
     {"queued", (getter)get_queued, NULL, "batches queued (submitted, not yet waited for or drained)", NULL},
     {"closed", (getter)get_closed, NULL, "close() was called", NULL},

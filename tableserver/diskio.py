@@ -500,6 +500,27 @@ class DiskTable:
             row_base=self.row_base, expect=self._ids,
         )  # fmt: skip
 
+    def throttle(self, reads: int | None) -> None:
+        """Lets the reader keep at most ``reads`` reads in flight from now on (None: ``queue_depth`` again);
+        callable from any thread, during a gather too: the reads already at the drive finish, no new one
+        starts past the limit. The native engines only (the python engine keeps its depth); a closed reader
+        ignores it."""
+        eng = self._engine
+        if eng is None:
+            return
+        try:
+            eng.limit = self.queue_depth if reads is None else max(1, min(int(reads), self.queue_depth))
+        except ValueError:  # closed meanwhile: nothing left to throttle
+            pass
+
+    @property
+    def read_limit(self) -> int:
+        """Reads the reader may keep in flight now (:meth:`throttle`); 0 once closed."""
+        eng = self._engine
+        if eng is None:
+            return 0 if self._closed else self.queue_depth
+        return eng.limit
+
     @property
     def identities(self) -> tuple[FileIdentity, ...]:
         """Each file's identity as opened (pass it as another reader's ``expect``)."""

@@ -13,8 +13,11 @@ next slice starts where its last one ended, or at the slice in service when the 
 its length later). An owner that has just arrived therefore goes before owners that keep the drive busy,
 whatever they have queued. Two *lanes* read: the table's reader, which takes any job, and an express
 lane, a second reader of the same files that takes only short jobs (at most ``express_rows`` rows): a
-short gather does not wait for the long slice being read, it is read beside it (the drive has the queue
-depth for both). One owner's jobs run in order, one slice at a time.
+short gather does not wait for the long slice being read, it is read beside it. Its reads still wait at
+the drive behind the main lane's reads in flight, so while the express lane has work (and EXPRESS_HOLD_S
+after, the gap between one client's back-to-back gathers) the main lane keeps at most 1/EXPRESS_SHARE of
+its depth in flight (:meth:`DiskTable.throttle`): short gathers stay near their quiet latency, and a flood
+reads at a lower depth only while they come. One owner's jobs run in order, one slice at a time.
 
 Memory. A job writes into the buffer its caller gives (the rdma packer's staging), or into rows the queue
 allocates when it admits the job, from the :class:`DiskBudget` every disk table shares: at most
@@ -61,6 +64,11 @@ SLICE_ROWS = 1024
 TURN_ROWS = 4096
 #: the longest job the express lane takes
 EXPRESS_ROWS = 256
+#: while the express lane has work, and this long after, the main lane keeps at most 1/EXPRESS_SHARE of its
+#: reads in flight: a short gather's reads queue at the drive behind every read in flight, so it waits for
+#: few of them (the hold spans the gap between one client's back-to-back gathers)
+EXPRESS_SHARE = 32
+EXPRESS_HOLD_S = 0.005
 #: the disk tier's row buffers, all tables together, by default
 BUDGET_BYTES = 512 << 20
 #: an owner's share of the budget by default: this fraction of it
@@ -370,6 +378,8 @@ class DiskQueue:
 
     def _run(self, lane: _Lane) -> None:
         scratch = np.empty((lane.most_rows or TURN_ROWS, self.reader.row_bytes), np.uint8)  # a turn of several jobs
+        express = lane is not self.lanes[0]
+        held_until = 0.0  # the express lane's: the main lane is throttled until then
         while True:
             with self._ready:
                 while True:
@@ -378,7 +388,19 @@ class DiskQueue:
                     parts, refused = self._turn(lane) if self._owners else ([], [])
                     if parts or refused:
                         break
-                    self._ready.wait(0.05 if self._owners else None)  # unadmitted jobs: their timeout ticks
+                    wait = 0.05 if self._owners else None  # unadmitted jobs: their timeout ticks
+                    if held_until:
+                        left = held_until - time.monotonic()
+                        if left <= 0:
+                            self.reader.throttle(None)
+                            held_until = 0.0
+                        else:
+                            wait = min(wait or left, left)
+                    self._ready.wait(wait)
+            if parts and express:
+                if not held_until:
+                    self.reader.throttle(self.reader.queue_depth // EXPRESS_SHARE)
+                held_until = time.monotonic() + EXPRESS_HOLD_S
             if parts:
                 self._read(lane.reader, parts, scratch)
             done = []

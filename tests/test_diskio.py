@@ -591,6 +591,56 @@ def test_native_engine_interface(mode):
 
 
 @pytest.mark.parametrize("mode", ["io_uring", "threads"])
+def test_engine_limit_caps_the_reads_in_flight(mode):
+    """Engine.limit, set while a batch runs: lowered, no read starts past it (eight reads held at the drive
+    by the fault hook: only `limit` of them are ever in flight); raised, the rest start at once; every read
+    still lands. Out of 1..depth: ValueError, the limit unchanged."""
+    import time
+
+    why = engine_missing(mode)
+    if why:
+        pytest.skip(f"{mode}: {why}")
+    E = diskio._diskio
+    pool = mmap.mmap(-1, 8 * PAGE)
+    with tempfile.TemporaryFile() as f:
+        data = np.random.default_rng(5).integers(0, 256, 8 * PAGE, dtype=np.uint8)
+        f.write(data.tobytes())
+        f.flush()
+        eng = E.Engine(mode, 8, pool)
+        assert eng.limit == 8
+        for bad in (0, 9, -1):
+            with pytest.raises(ValueError, match="1..8"):
+                eng.limit = bad
+        eng.limit = 2
+        assert eng.limit == 2
+        eng._fault(0, HOLD)  # every read covering byte 0 is held in flight
+        n = 8
+        length = np.full(n, PAGE, np.int64)
+        assert eng.submit(np.full(n, f.fileno(), np.int64), np.zeros(n, np.int64),
+                          np.arange(n, dtype=np.int64) * PAGE, length, length, 5.0) == E.OK  # fmt: skip
+
+        def settle(want, seconds=30.0):
+            deadline = time.monotonic() + seconds
+            while eng.inflight != want and time.monotonic() < deadline:
+                time.sleep(0.001)
+            return eng.inflight
+
+        assert settle(2) == 2
+        time.sleep(0.05)
+        assert eng.inflight == 2  # no read past the limit
+        eng.limit = 5
+        assert settle(5) == 5
+        eng.limit = 1  # lowered under five held reads: they stay, no new one starts
+        eng._fault(0, 0)
+        assert eng.wait(10.0) == (E.OK, -1, 0, n * PAGE, n)
+        assert np.array_equal(np.frombuffer(pool, np.uint8).reshape(n, PAGE), np.tile(data[:PAGE], (n, 1)))
+        assert eng.close(5.0) is True and eng.limit == 0
+        with pytest.raises(ValueError, match="closed"):
+            eng.limit = 1
+    pool.close()
+
+
+@pytest.mark.parametrize("mode", ["io_uring", "threads"])
 def test_native_engine_getters_and_calls_during_and_after_close(mode):
     """The engine's close() against other threads (the use-after-free of issue 34: a getter read the core
     close() was freeing with the GIL released). Six threads read every getter and call submit, read, wait,
@@ -604,9 +654,10 @@ def test_native_engine_getters_and_calls_during_and_after_close(mode):
     if why:
         pytest.skip(f"{mode}: {why}")
     E = diskio._diskio
-    getters = ("mode", "depth", "fixed", "ext_arg", "note", "inflight", "queued", "closed", "leaked")
+    getters = ("mode", "depth", "limit", "fixed", "ext_arg", "note", "inflight", "queued", "closed", "leaked")
     # what every getter of a closed (and not leaked) engine says, from the moment close() starts
-    CLOSED_STATE = {"mode": "closed", "depth": 0, "fixed": False, "ext_arg": False, "inflight": 0, "queued": 0}
+    CLOSED_STATE = {"mode": "closed", "depth": 0, "limit": 0, "fixed": False, "ext_arg": False, "inflight": 0,
+                    "queued": 0}  # fmt: skip
     with tempfile.TemporaryFile() as f:
         f.write(np.random.default_rng(21).integers(0, 256, 16 * PAGE, dtype=np.uint8).tobytes())
         f.flush()
@@ -624,6 +675,7 @@ def test_native_engine_getters_and_calls_during_and_after_close(mode):
                 lambda: eng.wait(0.01),
                 lambda: eng.drain(0.01),
                 lambda: eng._fault(3 * PAGE, errno.EIO if k % 2 else 0),
+                lambda: setattr(eng, "limit", 1),
             )
 
         for it in range(10):
@@ -690,7 +742,7 @@ def test_native_engine_getters_and_calls_during_and_after_close(mode):
         assert eng.close(10.0) is False  # waited for the first close() (still draining), which leaked the engine
         closer.join()
         assert first == [False] and eng.close(0.0) is False and eng.leaked and eng.closed
-        assert (eng.mode, eng.depth, eng.fixed, eng.ext_arg) == ("closed", 0, False, False)
+        assert (eng.mode, eng.depth, eng.limit, eng.fixed, eng.ext_arg) == ("closed", 0, 0, False, False)
         assert eng.inflight >= 1
         with pytest.raises(ValueError, match="closed"):
             eng.read(*batch(0), 1.0)

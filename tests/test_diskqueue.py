@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+from tableserver import diskqueue
 from tableserver.common.wire import Refused
 from tableserver.diskio import DiskTable
 from tableserver.diskqueue import DiskBudget, DiskQueue
@@ -126,6 +127,45 @@ def test_small_gather_goes_before_an_owner_that_floods_the_queue(table_file, exp
                 job.cancel()
         finally:
             q.close()
+
+
+def test_main_lane_keeps_few_reads_in_flight_while_the_express_lane_has_work(table_file):
+    """A short gather's reads wait at the drive behind every read in flight: while the express lane reads
+    (and for EXPRESS_HOLD_S after), the main lane may keep only 1/EXPRESS_SHARE of its depth in flight;
+    then its whole depth again. The flood's rows stay bit-exact throughout."""
+    path, data = table_file
+    rng = np.random.default_rng(4)
+    with _reader(path, queue_depth=64) as reader:
+        q = DiskQueue(reader, "rows", budget=DiskBudget(1 << 30, 1 << 30))
+        try:
+            assert reader.read_limit == 64
+            flood_ids = [rng.integers(0, ROWS, 65_536) for _ in range(2)]
+            flood_done = [threading.Event() for _ in flood_ids]
+            flood = [q.submit(ids, None, lambda job, e=e: e.set(), owner="a") for ids, e in zip(flood_ids, flood_done)]
+            _wait(lambda: reader.gathers > 0, "reading A's first gather")
+            seen = []
+            for _ in range(5):
+                ids = rng.integers(0, ROWS, 24)
+                out = np.empty((24, ROW_BYTES), np.uint8)
+                done = threading.Event()
+
+                def called_back(job, done=done):  # on the express lane's thread, before it can lift the limit
+                    seen.append(reader.read_limit)
+                    done.set()
+
+                q.submit(ids, out, called_back, owner="b")
+                _wait(done.is_set, "B's gather done")
+                np.testing.assert_array_equal(out, data[ids])
+            assert seen == [64 // diskqueue.EXPRESS_SHARE] * 5
+            _wait(lambda: reader.read_limit == 64, "the main lane's depth given back", timeout=5)
+            for job, ids, done in zip(flood, flood_ids, flood_done, strict=True):
+                _wait(done.is_set, "A's gather done")
+                assert job.error is None
+                np.testing.assert_array_equal(job.rows, data[ids])
+                job.release()
+        finally:
+            q.close()
+    assert reader.read_limit == 0
 
 
 def test_rows_held_stay_inside_the_budget_and_each_owners_share(table_file):

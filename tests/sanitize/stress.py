@@ -88,7 +88,7 @@ def engine_modes() -> list[str]:
     return modes
 
 
-GETTERS = ("mode", "depth", "fixed", "ext_arg", "note", "inflight", "queued", "closed", "leaked")
+GETTERS = ("mode", "depth", "limit", "fixed", "ext_arg", "note", "inflight", "queued", "closed", "leaked")
 
 
 def read_getters(eng) -> None:
@@ -149,8 +149,11 @@ def engine_iteration(mode: str, fd: int, data: np.ndarray, rng: random.Random) -
                     count(f"submit {eng.submit(*batch(r, k, r.random() < 0.1)[1], r.choice((0.0, 0.01)))}")
                 elif op < 0.50:
                     count(f"wait {eng.wait(r.choice((0.0, 0.001, 0.05)))[0]}")
-                elif op < 0.55:
+                elif op < 0.53:
                     eng.drain(r.choice((0.0, 0.01)))
+                elif op < 0.55:
+                    eng.limit = r.randint(1, 8)  # past the depth: ValueError
+                    count("limit set")
                 elif op < 0.60:
                     code = r.choice((errno.EIO, errno.EIO, 0, 0, -1))
                     eng._fault(r.randrange(FILE_PAGES) * PAGE, code)
