@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 
 .PHONY: demo test test-fast lint sanitize bench replay observe proto clean
 
-$(BASE): setup.cfg pyproject.toml setup.py tableserver/common/_take.c client/tableclient/_flags.c tableserver/_diskio.c
+$(BASE): setup.cfg pyproject.toml setup.py tableserver/common/_take.c client/tableclient/_flags.c tableserver/disk/_diskio.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -e .
 	touch $@
@@ -68,4 +68,4 @@ proto: $(DEV)
 		proto/tableserver/v1/tableserver.proto
 
 clean:
-	rm -rf $(VENV) build *.egg-info tableserver/common/_take*.so client/tableclient/_flags*.so tableserver/_diskio*.so
+	rm -rf $(VENV) build *.egg-info tableserver/common/_take*.so client/tableclient/_flags*.so tableserver/disk/_diskio*.so

@@ -1,10 +1,10 @@
 """Metadata lives in setup.cfg; this adds the optional C extensions: the row gather (tableserver/common/take.py
 says why), the flag wait of graph-safe steps (client/tableclient/_flags.c says why) and the disk tier's read
-engine (tableserver/_diskio.c says why).
+engine (tableserver/disk/_diskio.c says why).
 
 ``optional=True``: without a C compiler or Python's headers the package installs all the same and
 ``tableserver.common.take`` runs numpy's gather (``tableserver.common.take.NATIVE`` is then False), and
-``tableserver.diskio.DiskTable`` reads with its Python thread pool (``engine == "python"``).
+``tableserver.disk.reader.DiskTable`` reads with its Python thread pool (``engine == "python"``).
 ``TABLESERVER_BUILD_NATIVE=0`` leaves it out on purpose: a pure wheel, for another Python version.
 """
 
@@ -20,6 +20,8 @@ native = [
         "tableserver.common._take", ["tableserver/common/_take.c"], optional=optional, extra_compile_args=["-O2"]
     ),
     Extension("tableclient._flags", ["client/tableclient/_flags.c"], optional=optional, extra_compile_args=["-O2"]),
-    Extension("tableserver._diskio", ["tableserver/_diskio.c"], optional=optional, extra_compile_args=["-O2"]),
+    Extension(
+        "tableserver.disk._diskio", ["tableserver/disk/_diskio.c"], optional=optional, extra_compile_args=["-O2"]
+    ),
 ]
 setup(ext_modules=[] if os.environ.get("TABLESERVER_BUILD_NATIVE") == "0" else native)

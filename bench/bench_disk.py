@@ -5,7 +5,7 @@ queue depth of ``--qd`` (default 1, 32 and 128), on the same file:
 
 * the floor: ``fio`` random 4 KiB O_DIRECT reads over the table's bytes, twice -- ``psync`` with
   ``numjobs=QD`` (what a preadv thread pool is) and ``io_uring`` with ``iodepth=QD``;
-* ``tableserver.diskio.DiskTable`` with each read engine of ``--engines`` (io_uring, threads, python), the
+* ``tableserver.disk.reader.DiskTable`` with each read engine of ``--engines`` (io_uring, threads, python), the
   same queue depth: gathers of 24 / 1,536 / 6,144 random rows (batch 1 / 64 / 256 of layer 14's 24 rows
   per token): page reads/s, per-gather p50/p99, the ratio of its page reads/s to fio's at the same depth
   (goal >= 0.8x the better fio engine), and the process's RSS against the table.
@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from tableserver.common.model import ROW_BYTES  # noqa: E402
-from tableserver.diskio import DiskReadError, DiskTable  # noqa: E402
+from tableserver.disk.reader import DiskReadError, DiskTable  # noqa: E402
 
 OFFSET = 2 << 20  # a table starts 2 MiB-aligned in a table file (tablefile.py)
 SIZES = (24, 1536, 6144)

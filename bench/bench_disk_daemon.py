@@ -36,10 +36,10 @@ from common import process_rss  # noqa: E402
 from tableclient import TableClient  # noqa: E402
 
 from tableserver.common.model import ROW_BYTES, WINDOWS_S  # noqa: E402
-from tableserver.demo import DemoTable, write_demo_file  # noqa: E402
-from tableserver.demo_run import start_server  # noqa: E402
-from tableserver.diskio import DiskTable  # noqa: E402
-from tableserver.tablefile import read_header  # noqa: E402
+from tableserver.disk.reader import DiskTable  # noqa: E402
+from tableserver.ops.demo_run import start_server  # noqa: E402
+from tableserver.tables.demo import DemoTable, write_demo_file  # noqa: E402
+from tableserver.tables.tablefile import read_header  # noqa: E402
 
 PAGE = 4096
 ROWS_PER_PAGE = PAGE // ROW_BYTES  # 15

@@ -46,8 +46,8 @@ from tableserver.common.wire import (  # noqa: E402
     request_header,
     send_all,
 )
-from tableserver.demo import DemoTable, write_demo_file  # noqa: E402
-from tableserver.demo_run import start_server  # noqa: E402
+from tableserver.ops.demo_run import start_server  # noqa: E402
+from tableserver.tables.demo import DemoTable, write_demo_file  # noqa: E402
 from tableserver.v1 import tableserver_pb2 as pb  # noqa: E402
 from tableserver.v1 import tableserver_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     if not os.path.exists(path):
         write_demo_file(path, [DemoTable("engram.layer14", args.rows, 264, 14)], seed=3)
     local = np.memmap(path, np.uint8, "r")
-    from tableserver.tablefile import read_header
+    from tableserver.tables.tablefile import read_header
 
     spec = read_header(path).tables[0]
     local = local[spec.offset : spec.offset + spec.nbytes].reshape(spec.rows, spec.row_bytes)

@@ -83,7 +83,7 @@ def main() -> int:
     args = ap.parse_args()
     import netns
 
-    from tableserver.demo import DemoTable, write_demo_file
+    from tableserver.tables.demo import DemoTable, write_demo_file
 
     why = netns.unavailable()
     if why:

@@ -43,9 +43,9 @@ from tableclient.step import EngramStep, LayerPlan  # noqa: E402
 from tableserver.common.buffers import OFFSET, PAGE, pinned_rows_buffer  # noqa: E402
 from tableserver.common.model import ROW_BYTES, ROWS_PER_TOKEN, WINDOWS_S  # noqa: E402
 from tableserver.common.take import NATIVE, take  # noqa: E402
-from tableserver.demo import DEFAULT_ROWS  # noqa: E402
-from tableserver.demo_run import ensure_demo_file, start_server  # noqa: E402
-from tableserver.tablefile import read_header  # noqa: E402
+from tableserver.ops.demo_run import ensure_demo_file, start_server  # noqa: E402
+from tableserver.tables.demo import DEFAULT_ROWS  # noqa: E402
+from tableserver.tables.tablefile import read_header  # noqa: E402
 
 
 def pct(a, q) -> float:

@@ -47,8 +47,8 @@ from tableclient.graphstep import GraphStep, HostStreamOps  # noqa: E402
 from tableclient.step import LayerPlan  # noqa: E402
 
 from tableserver.common.model import ROWS_PER_TOKEN, WINDOWS_S  # noqa: E402
-from tableserver.demo_run import ensure_demo_file, start_server  # noqa: E402
-from tableserver.tablefile import read_header  # noqa: E402
+from tableserver.ops.demo_run import ensure_demo_file, start_server  # noqa: E402
+from tableserver.tables.tablefile import read_header  # noqa: E402
 
 MODES = {"before_replay": {}, "layer14_in_graph": {14: "in_graph"}, "both_in_graph": {1: "in_graph", 14: "in_graph"}}
 PLANS = [LayerPlan(1, "engram.layer1", WINDOWS_S[1]), LayerPlan(14, "engram.layer14", WINDOWS_S[14])]

@@ -31,7 +31,7 @@ import time
 
 from common import Hugepages, bench_table
 
-from tableserver.demo_run import start_server
+from tableserver.ops.demo_run import start_server
 
 
 def time_cat(path: str) -> float:

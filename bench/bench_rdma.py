@@ -155,7 +155,7 @@ def in_guest(rounds: int = 3) -> None:
     from conftest import start_daemon
     from tableclient import TableClient
 
-    from tableserver.demo import DemoTable, write_demo_file
+    from tableserver.tables.demo import DemoTable, write_demo_file
 
     n_ib = 20000
     rng = np.random.default_rng(0)

@@ -75,7 +75,7 @@ def run_case(case: str, table: str, address: str, rows_per_layer: int) -> dict:
     from tableclient.sglang import PluginConfig, configure, hooks
     from test_sglang_plugin import decode_batch, extend_batch, make_tokenizer
 
-    from tableserver.tablefile import read_header
+    from tableserver.tables.tablefile import read_header
 
     tokenizer = make_tokenizer()
     cfg = engram_config(rows_per_layer)
@@ -138,8 +138,8 @@ def main() -> int:
         return 0
     import torchvision_cpu  # noqa: F401
 
-    from tableserver.demo import DemoTable, write_demo_file
-    from tableserver.demo_run import start_server
+    from tableserver.ops.demo_run import start_server
+    from tableserver.tables.demo import DemoTable, write_demo_file
 
     cfg = engram_config(args.rows_per_layer)
     rows = list(cfg.engram_num_embeddings)

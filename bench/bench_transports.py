@@ -69,8 +69,8 @@ from tableclient import TableClient, rows_buffer
 from tableserver.common.buffers import copy_buffer
 from tableserver.common.model import ROW_BYTES
 from tableserver.common.take import NATIVE, take
-from tableserver.demo_run import start_server
-from tableserver.tablefile import read_header
+from tableserver.ops.demo_run import start_server
+from tableserver.tables.tablefile import read_header
 
 SIZES = (1536, 12288)
 GAP_S = 0.020

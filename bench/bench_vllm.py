@@ -87,7 +87,7 @@ def write_checkpoint(path: str, table: str) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from tableserver.tablefile import read_header
+    from tableserver.tables.tablefile import read_header
 
     mm = np.memmap(table, dtype=np.uint8, mode="r")
     tensors = {}
@@ -137,8 +137,8 @@ def main() -> int:
 def measure(args, cases: list, work: str) -> int:
     import vllm_cpu  # noqa: F401  (before vllm)
 
-    from tableserver.demo import DemoTable, write_demo_file
-    from tableserver.demo_run import start_server
+    from tableserver.ops.demo_run import start_server
+    from tableserver.tables.demo import DemoTable, write_demo_file
 
     os.makedirs(work, exist_ok=True)
     model = os.path.join(work, "model")

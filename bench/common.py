@@ -9,8 +9,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tableserver.common.model import ROW_BYTES  # noqa: E402
-from tableserver.demo import DemoTable, write_demo_file  # noqa: E402
-from tableserver.demo_run import cache_dir  # noqa: E402
+from tableserver.ops.demo_run import cache_dir  # noqa: E402
+from tableserver.tables.demo import DemoTable, write_demo_file  # noqa: E402
 
 
 def rss_bytes() -> int:

@@ -83,7 +83,7 @@ class PrometheusServer:
             stderr=subprocess.STDOUT,
             cwd=workdir,
         )
-        from tableserver.dashboard import Prometheus
+        from tableserver.ops.dashboard import Prometheus
 
         self.api = Prometheus(self.url)
         deadline = time.monotonic() + timeout
@@ -258,8 +258,8 @@ def main() -> int:
     if prometheus_binary() is None:
         print("prometheus is not installed: apt-get install prometheus (Debian package)", file=sys.stderr)
         return 1
-    from tableserver.dashboard import check, load_targets, render
-    from tableserver.demo_run import ensure_demo_file, start_server
+    from tableserver.ops.dashboard import check, load_targets, render
+    from tableserver.ops.demo_run import ensure_demo_file, start_server
 
     table = args.table or ensure_demo_file()
     with tempfile.TemporaryDirectory(prefix="tableserver-observe-") as tmp:

@@ -65,8 +65,8 @@ from tableclient.step import EngramStep, LayerPlan  # noqa: E402
 
 from tableserver.common.model import ROWS_PER_TOKEN, WINDOWS_S  # noqa: E402
 from tableserver.common.take import NATIVE, take  # noqa: E402
-from tableserver.demo import DEFAULT_ROWS  # noqa: E402
-from tableserver.demo_run import ensure_demo_file, start_server  # noqa: E402
+from tableserver.ops.demo_run import ensure_demo_file, start_server  # noqa: E402
+from tableserver.tables.demo import DEFAULT_ROWS  # noqa: E402
 
 VOCAB = 50_000
 # A prime search start so each layer's 24 head tables fit a demo table of DEFAULT_ROWS rows.
@@ -292,7 +292,7 @@ def main() -> int:
     path = ensure_demo_file(DEFAULT_ROWS)
     hasher = EngramHasher(ENGRAM, np.arange(VOCAB))
     assert max(hasher.layout.table_rows) <= DEFAULT_ROWS
-    from tableserver.tablefile import read_header
+    from tableserver.tables.tablefile import read_header
 
     mm = np.memmap(path, dtype=np.uint8, mode="r")
     local = {

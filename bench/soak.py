@@ -54,7 +54,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tableserver.common.model import ROW_BYTES  # noqa: E402
-from tableserver.demo import DemoTable, write_demo_file  # noqa: E402
+from tableserver.tables.demo import DemoTable, write_demo_file  # noqa: E402
 
 CLIENTS = [(t, m) for t in ("shm", "tcp") for m in ("sync", "async")] * 4  # 16 processes
 BATCH = 512
@@ -103,7 +103,7 @@ def scrape(address: str) -> dict:
 
 def file_tables(path: str) -> dict:
     """Every table of the file, read-only from the file itself: {name: uint8 [rows, row_bytes]}."""
-    from tableserver.tablefile import read_header
+    from tableserver.tables.tablefile import read_header
 
     return {
         s.name: np.memmap(path, np.uint8, "r", s.offset, s.nbytes).reshape(s.rows, s.row_bytes)
@@ -582,7 +582,7 @@ def main() -> int:
     )
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "soak.txt"))
     args = ap.parse_args()
-    from tableserver.demo_run import start_server
+    from tableserver.ops.demo_run import start_server
 
     lines = []
 

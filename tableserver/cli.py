@@ -196,8 +196,8 @@ def _serve(args) -> int:
 
 
 def _gen_demo(args) -> int:
-    from tableserver.demo import DEFAULT_ROWS, default_tables, write_demo_file
-    from tableserver.progress import Progress
+    from tableserver.tables.demo import DEFAULT_ROWS, default_tables, write_demo_file
+    from tableserver.tables.progress import Progress
 
     try:
         layers = [int(x) for x in args.layers.split(",") if x.strip()]
@@ -222,7 +222,7 @@ def _writable_target(path: str) -> None:
 
 
 def _pack(args) -> int:
-    from tableserver.pack import pack
+    from tableserver.tables.pack import pack
 
     _writable_target(args.output)
     pack(
@@ -237,13 +237,13 @@ def _pack(args) -> int:
 
 
 def _inspect(args) -> int:
-    from tableserver.pack import inspect_file
+    from tableserver.tables.pack import inspect_file
 
     return inspect_file(args.path, verify=not args.no_verify, out=sys.stdout)
 
 
 def _stripe(args) -> int:
-    from tableserver.stripe import stripe
+    from tableserver.tables.stripe import stripe
 
     for out in args.outputs:
         _writable_target(out)
@@ -260,7 +260,7 @@ def _stripe(args) -> int:
 
 
 def _demo(args) -> int:
-    from tableserver.demo_run import run_demo
+    from tableserver.ops.demo_run import run_demo
 
     return run_demo(
         rows=args.rows,
@@ -274,8 +274,8 @@ def _demo(args) -> int:
 def _doctor(args) -> int:
     import os
 
-    from tableserver import doctor
     from tableserver.config import ENV_PREFIX, SERVE_OPTIONS, resolve
+    from tableserver.ops import doctor
 
     given = (
         hasattr(args, "config")
@@ -290,7 +290,7 @@ def _doctor(args) -> int:
 
 
 def _dashboard(args) -> int:
-    from tableserver import dashboard
+    from tableserver.ops import dashboard
 
     path = args.dashboard or dashboard.DEFAULT_DASHBOARD
     if not os.path.exists(path):

@@ -363,3 +363,28 @@ def _read_config(path: str, limit: int = MAX_CONFIG_BYTES) -> dict:
         raise ConfigError(f"config file {path} is not valid TOML ({e})") from None
     except RecursionError:
         raise ConfigError(f"config file {path} is nested too deep to be a tableserver config: fix --config") from None
+
+
+def parse_row_range(shard: str, rows: str) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+    """(--shard K/N, --rows LO:HI) as (k, n) and (lo, hi); ConfigError naming the flag otherwise."""
+    if shard and rows:
+        raise ConfigError("--shard and --rows both given: a server holds one row range, pick one")
+    if shard:
+        k, sep, n = shard.partition("/")
+        try:
+            k, n = int(k), int(n)
+        except ValueError:
+            k = n = -1
+        if not sep or not 0 <= k < n:
+            raise ConfigError(f"--shard {shard!r}: expected K/N with 0 <= K < N, e.g. 0/2")
+        return (k, n), None
+    if rows:
+        lo, sep, hi = rows.partition(":")
+        try:
+            lo, hi = int(lo), int(hi)
+        except ValueError:
+            lo = hi = -1
+        if not sep or not 0 <= lo < hi:
+            raise ConfigError(f"--rows {rows!r}: expected LO:HI with 0 <= LO < HI, e.g. 0:1000000")
+        return None, (lo, hi)
+    return None, None

@@ -26,15 +26,15 @@ import time
 
 from tableserver.auth import TokenAuthInterceptor, load_token, server_credentials
 from tableserver.common.host import host_id
-from tableserver.config import parse_hostport
+from tableserver.config import parse_hostport, parse_row_range
 from tableserver.control import OpenRate, ServerState, is_loopback, set_serving, start_control_plane
 from tableserver.errors import ConfigError, ListenError, TableServerError, TransportUnavailable
-from tableserver.loader import load_tables
 from tableserver.logs import kv
 from tableserver.metrics import MetricsInterceptor, ServerMetrics
-from tableserver.progress import human_bytes
 from tableserver.sessions import SessionRegistry
-from tableserver.stripe import check_unit, parse_stripes
+from tableserver.tables.loader import load_tables
+from tableserver.tables.progress import human_bytes
+from tableserver.tables.stripe import check_unit, parse_stripes
 from tableserver.transports import AUTO, KNOWN, open_transport
 
 log = logging.getLogger("tableserver.server")
@@ -388,7 +388,7 @@ def sd_notify(message: str) -> None:
 
 
 def _write_atomic(path: str, text: str, mode: int | None = None) -> None:
-    from tableserver.atomic import write_atomic
+    from tableserver.tables.atomic import write_atomic
 
     write_atomic(path, text, 0o644 if mode is None else mode)
 
@@ -404,28 +404,3 @@ def serve(cfg: dict) -> int:
     """Runs the daemon until SIGTERM/SIGINT; returns the exit code."""
     server = TableServer(cfg)
     return asyncio.run(server.run())
-
-
-def parse_row_range(shard: str, rows: str) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
-    """(--shard K/N, --rows LO:HI) as (k, n) and (lo, hi); ConfigError naming the flag otherwise."""
-    if shard and rows:
-        raise ConfigError("--shard and --rows both given: a server holds one row range, pick one")
-    if shard:
-        k, sep, n = shard.partition("/")
-        try:
-            k, n = int(k), int(n)
-        except ValueError:
-            k = n = -1
-        if not sep or not 0 <= k < n:
-            raise ConfigError(f"--shard {shard!r}: expected K/N with 0 <= K < N, e.g. 0/2")
-        return (k, n), None
-    if rows:
-        lo, sep, hi = rows.partition(":")
-        try:
-            lo, hi = int(lo), int(hi)
-        except ValueError:
-            lo = hi = -1
-        if not sep or not 0 <= lo < hi:
-            raise ConfigError(f"--rows {rows!r}: expected LO:HI with 0 <= LO < HI, e.g. 0:1000000")
-        return None, (lo, hi)
-    return None, None

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from tableserver.demo import DemoTable, write_demo_file
-from tableserver.demo_run import serve_command
-from tableserver.tablefile import read_header
+from tableserver.ops.demo_run import serve_command
+from tableserver.tables.demo import DemoTable, write_demo_file
+from tableserver.tables.tablefile import read_header
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IN_GUEST = os.environ.get("TABLESERVER_IN_GUEST") == "1"

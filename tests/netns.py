@@ -27,7 +27,7 @@ import sys
 
 from conftest import EVENT_TIMEOUT, ROOT, wait_for
 
-from tableserver.demo_run import serve_command
+from tableserver.ops.demo_run import serve_command
 
 PORT = 7070
 

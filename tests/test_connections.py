@@ -177,8 +177,8 @@ def test_a_thread_that_cannot_start_stops_nothing(demo_file, demo_local, monkeyp
 
     from tableclient.transports.tcp import TcpTransport as ClientTcp
 
-    from tableserver.loader import load_tables
     from tableserver.sessions import SessionRegistry
+    from tableserver.tables.loader import load_tables
     from tableserver.transports.tcp import TcpTransport
 
     tables = load_tables([demo_file], hugepages="off", lock=False, progress="never")

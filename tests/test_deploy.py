@@ -96,7 +96,7 @@ def test_a_cgroup_memory_limit_fails_before_loading(tmp_path):
     from conftest import ROOT
     from test_faults import assert_one_line_error
 
-    from tableserver.demo import DemoTable, write_demo_file
+    from tableserver.tables.demo import DemoTable, write_demo_file
 
     made = _memory_cgroup(f"tableserver-test-{os.getpid()}")
     if made is None:
@@ -190,7 +190,7 @@ def test_doctor_names_each_problem_and_its_fix(tmp_path, demo_file):
         assert res.returncode == 1 and lines["memlock"].startswith("FAIL"), res.stdout
         assert "ulimit -l unlimited" in lines["memlock"]
 
-    from tableserver.memory import HUGE_1G, free_hugepages
+    from tableserver.tables.memory import HUGE_1G, free_hugepages
 
     if free_hugepages(HUGE_1G) == 0:
         res, lines = _doctor(*base, "--hugepages", "1g")
@@ -202,7 +202,7 @@ def test_doctor_names_each_problem_and_its_fix(tmp_path, demo_file):
     made = _memory_cgroup(f"tableserver-doctor-{os.getpid()}")
     if made is not None:
         group, knob = made
-        from tableserver.demo import DemoTable, write_demo_file
+        from tableserver.tables.demo import DemoTable, write_demo_file
 
         big = write_demo_file(str(tmp_path / "big.bin"), [DemoTable("engram.layer1", 800_000, 264, 1)])  # 201 MiB
         try:

@@ -20,7 +20,7 @@ from tableclient import RemoteError, TableClient
 from tests_helpers import open_raw_session, scrape, tcp_hello, value
 
 from tableserver.common.wire import FrameType, request_header, send_all
-from tableserver.demo import DemoTable, write_demo_file
+from tableserver.tables.demo import DemoTable, write_demo_file
 
 DISK = "engram.layer14,dense.f32"
 
@@ -315,7 +315,7 @@ def aligned_file(tmp_path_factory):
 
 
 def _aligned_rows(path: str) -> dict:
-    from tableserver.tablefile import logical_bytes, read_header
+    from tableserver.tables.tablefile import logical_bytes, read_header
 
     mm = np.memmap(path, np.uint8, "r")
     return {s.name: logical_bytes(mm, s, 0, s.nbytes).reshape(s.rows, s.row_bytes) for s in read_header(path).tables}
@@ -324,8 +324,8 @@ def _aligned_rows(path: str) -> dict:
 def test_page_aligned_file(aligned_file, demo_file):
     """A page-aligned file: format version 2, one table page per 15 rows, the same rows and identity as
     the row-major file of the same tables, inspect verifies it."""
-    from tableserver.demo import DemoRows, DemoTable
-    from tableserver.tablefile import read_header
+    from tableserver.tables.demo import DemoRows, DemoTable
+    from tableserver.tables.tablefile import read_header
 
     with open(aligned_file, "rb") as f:
         assert int.from_bytes(f.read(10)[8:10], "little") == 2
@@ -405,7 +405,7 @@ def test_disk_table_replaced_while_verifying_is_never_served(tmp_path, layout):
     start fails with one line naming the change; it never serves the other file's rows under the first
     file's checksum."""
     from tableserver.errors import TableFileError
-    from tableserver.loader import load_tables
+    from tableserver.tables.loader import load_tables
 
     path, other = _same_shape_files(tmp_path, page_aligned=layout == "page-aligned")
     kw: dict = {"disk_tables": ["all"]}
@@ -442,9 +442,9 @@ def test_disk_table_replaced_while_verifying_is_never_served(tmp_path, layout):
 
 def test_disk_table_replaced_after_its_header_is_refused(tmp_path):
     """A file replaced between the header read and the reader's open: the reader refuses it (one line)."""
-    from tableserver.diskio import DiskReadError, DiskTable
+    from tableserver.disk.reader import DiskReadError, DiskTable
     from tableserver.errors import TableFileError
-    from tableserver.sources import TableFileSource
+    from tableserver.tables.sources import TableFileSource
 
     path, other = _same_shape_files(tmp_path)
     source = TableFileSource(path)
@@ -460,8 +460,8 @@ def test_disk_table_replaced_after_its_header_is_refused(tmp_path):
 def test_same_size_write_with_mtime_restored_is_detected(tmp_path):
     """A same-size in-place write that puts the mtime back with utime: the ctime still moves, and the next
     gather raises instead of returning the rewritten rows."""
-    from tableserver.diskio import DiskReadError, DiskTable
-    from tableserver.sources import TableFileSource
+    from tableserver.disk.reader import DiskReadError, DiskTable
+    from tableserver.tables.sources import TableFileSource
 
     path, other = _same_shape_files(tmp_path)
     spec = TableFileSource(path).specs[0]

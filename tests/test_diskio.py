@@ -1,4 +1,4 @@
-"""``tableserver.diskio.DiskTable``: rows read page by page from real files, bit-exact against ``np.memmap`` of
+"""``tableserver.disk.reader.DiskTable``: rows read page by page from real files, bit-exact against ``np.memmap`` of
 the same bytes -- duplicates, rows straddling pages, first and last rows, 2-D ids, stripes, an unaligned
 offset, offsets past 4 GiB, a block device -- and its refusals: truncated, changed and replaced files, read
 errors, reads past the timeout, ids out of range, and the bound on its buffer pool. Each with every read
@@ -21,8 +21,8 @@ import threading
 import numpy as np
 import pytest
 
-from tableserver import diskio
-from tableserver.diskio import DiskReadError, DiskTable
+from tableserver.disk import reader as diskio
+from tableserver.disk.reader import DiskReadError, DiskTable
 
 ROW_BYTES = 264
 PAGE = 4096
@@ -468,9 +468,9 @@ def test_engine_fallbacks(tmp_path, monkeypatch):
         assert "seccomp" in diskio._uring_unavailable(OSError(errno.EPERM, "Operation not permitted"))
         assert "ENOSYS" in diskio._uring_unavailable(OSError(errno.ENOSYS, "Function not implemented"))
     monkeypatch.setattr(diskio, "_diskio", None)
-    monkeypatch.setattr(diskio, "_NATIVE_MISSING", "tableserver._diskio not built (No module named x)")
+    monkeypatch.setattr(diskio, "_NATIVE_MISSING", "tableserver.disk._diskio not built (No module named x)")
     with DiskTable(path, 0, 500, ROW_BYTES) as t:
-        assert t.engine == "python" and t.engine_reason.startswith("tableserver._diskio not built")
+        assert t.engine == "python" and t.engine_reason.startswith("tableserver.disk._diskio not built")
         assert np.array_equal(t.gather(ids), table[ids])
     for named in ("io_uring", "threads"):
         with pytest.raises(
@@ -490,7 +490,7 @@ def test_io_uring_without_a_registered_pool(tmp_path):
     write_table(path, 5000)
     code = (
         "import numpy as np, sys\n"
-        "from tableserver.diskio import DiskTable\n"
+        "from tableserver.disk.reader import DiskTable\n"
         "rows = np.memmap(sys.argv[1], np.uint8, 'r', shape=(5000, 264))\n"
         "with DiskTable(sys.argv[1], 0, 5000, 264, io='io_uring', pool_pages=256) as t:\n"
         "    ids = np.random.default_rng(0).integers(0, 5000, 3000)\n"
@@ -515,7 +515,7 @@ def test_io_uring_waits_of_older_kernels(tmp_path):
     write_table(path, 6000)
     code = (
         "import errno, numpy as np, sys\n"
-        "from tableserver.diskio import DiskReadError, DiskTable\n"
+        "from tableserver.disk.reader import DiskReadError, DiskTable\n"
         "rows = np.memmap(sys.argv[1], np.uint8, 'r', shape=(6000, 264))\n"
         "with DiskTable(sys.argv[1], 0, 6000, 264, io='io_uring', queue_depth=8, pool_pages=16, timeout=0.3) as t:\n"
         "    ids = np.random.default_rng(0).integers(0, 6000, 3000)\n"

@@ -1,4 +1,4 @@
-"""The disk tier's queue (tableserver.diskqueue) over real files and the real read engines: a timed-out
+"""The disk tier's queue (tableserver.disk.queue) over real files and the real read engines: a timed-out
 or cancelled gather never writes into its buffer afterwards, a small gather goes before an owner that
 floods the queue, row buffers stay inside the budget and each owner's share, and closing a reader waits
 for the gather running on it."""
@@ -11,10 +11,9 @@ import time
 import numpy as np
 import pytest
 
-from tableserver import diskqueue
 from tableserver.common.wire import Refused
-from tableserver.diskio import DiskTable
-from tableserver.diskqueue import DiskBudget, DiskQueue
+from tableserver.disk.queue import EXPRESS_SHARE, DiskBudget, DiskQueue
+from tableserver.disk.reader import DiskTable
 
 ROW_BYTES = 264
 ROWS = 70_000
@@ -156,7 +155,7 @@ def test_main_lane_keeps_few_reads_in_flight_while_the_express_lane_has_work(tab
                 q.submit(ids, out, called_back, owner="b")
                 _wait(done.is_set, "B's gather done")
                 np.testing.assert_array_equal(out, data[ids])
-            assert seen == [64 // diskqueue.EXPRESS_SHARE] * 5
+            assert seen == [64 // EXPRESS_SHARE] * 5
             _wait(lambda: reader.read_limit == 64, "the main lane's depth given back", timeout=5)
             for job, ids, done in zip(flood, flood_ids, flood_done, strict=True):
                 _wait(done.is_set, "A's gather done")

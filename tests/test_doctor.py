@@ -12,7 +12,7 @@ import sys
 import pytest
 from conftest import ROOT
 
-from tableserver import doctor
+from tableserver.ops import doctor
 
 
 def _venv(tmp_path) -> str:

@@ -25,8 +25,8 @@ from tableserver.common.wire import (
     request_header,
     send_all,
 )
-from tableserver.demo import DemoTable, write_demo_file
-from tableserver.tablefile import TableFileWriter, TableSpec
+from tableserver.tables.demo import DemoTable, write_demo_file
+from tableserver.tables.tablefile import TableFileWriter, TableSpec
 
 
 def assert_one_line_error(res, *needles, code=None):
@@ -65,7 +65,7 @@ def test_truncated_and_corrupt_files(tmp_path, demo_file):
 
 def test_checksum_mismatch_is_refused_unless_no_verify(tmp_path, demo_local):
     path = write_demo_file(str(tmp_path / "flip.bin"), [DemoTable("t", 5000, 264, 1)])
-    from tableserver.tablefile import read_header
+    from tableserver.tables.tablefile import read_header
 
     spec = read_header(path).tables[0]
     with open(path, "r+b") as f:

@@ -29,7 +29,7 @@ from tests_helpers import open_raw_session, tcp_hello
 
 from tableserver.common.wire import HEADER, HEADER_BYTES, REQUEST_MAGIC, RESPONSE_MAGIC, FrameType, Status
 from tableserver.errors import TableServerError
-from tableserver.tablefile import FORMAT_VERSION, MAGIC, PREAMBLE
+from tableserver.tables.tablefile import FORMAT_VERSION, MAGIC, PREAMBLE
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.v1 import tableserver_pb2_grpc as pb_grpc
 
@@ -285,7 +285,7 @@ def _table_file(doc_bytes: bytes) -> bytes:
 
 
 def test_fuzz_table_and_safetensors_headers(tmp_path):
-    from tableserver.sources import open_source
+    from tableserver.tables.sources import open_source
 
     counts = {"files": 0, "tables": 0, "refused": 0}
     path = str(tmp_path / "f.bin")

@@ -32,7 +32,7 @@ def client(request, daemon):
 
 
 def test_catalog_matches_file(client, demo_file, demo_local):
-    from tableserver.tablefile import read_header
+    from tableserver.tables.tablefile import read_header
 
     header = read_header(demo_file)
     assert list(client.tables) == [s.name for s in header.tables]

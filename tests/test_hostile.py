@@ -13,8 +13,8 @@ import pytest
 from conftest import run_cli
 from test_faults import assert_one_line_error
 
-from tableserver.demo import DemoTable, write_demo_file
-from tableserver.tablefile import FORMAT_VERSION, MAGIC, PREAMBLE
+from tableserver.tables.demo import DemoTable, write_demo_file
+from tableserver.tables.tablefile import FORMAT_VERSION, MAGIC, PREAMBLE
 
 
 def _table_file(path, doc: bytes, data_bytes: int = 4 << 20) -> str:
@@ -89,7 +89,7 @@ def test_writers_never_follow_a_planted_symlink(tmp_path, monkeypatch):
     assert res.returncode == 0, res.stderr
     assert victim.read_bytes() == b"precious"
     # even a planted symlink at the very name drawn is refused, not followed
-    import tableserver.tablefile as tf
+    import tableserver.tables.tablefile as tf
 
     monkeypatch.setattr("secrets.token_hex", lambda n: "0" * (2 * n))
     os.symlink(victim, tmp_path / f".again.bin.{'0' * 16}.tmp")
@@ -160,7 +160,7 @@ def test_the_catalog_says_when_it_did_not_verify(fresh_daemon, demo_file):
     Now it says "unverified:", and a client pinning the SHA-256 digest refuses such a server."""
     from tableclient import ConnectError, TableClient
 
-    from tableserver.tablefile import read_header
+    from tableserver.tables.tablefile import read_header
 
     spec = read_header(demo_file).tables[0]
     assert spec.checksum.startswith("sha256:")
@@ -180,7 +180,7 @@ def test_table_memory_without_the_write_seal_is_refused_for_shm():
     import fcntl
 
     from tableserver.errors import TableServerError
-    from tableserver.memory import PinnedRegion
+    from tableserver.tables.memory import PinnedRegion
     from tableserver.transports.shm import check_read_only
 
     with PinnedRegion("t", 4096) as good:

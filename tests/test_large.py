@@ -7,8 +7,8 @@ import pytest
 from conftest import local_tables, start_daemon
 from tableclient import TableClient
 
-from tableserver.demo import DemoRows, DemoTable
-from tableserver.tablefile import TableFileWriter, read_header
+from tableserver.tables.demo import DemoRows, DemoTable
+from tableserver.tables.tablefile import TableFileWriter, read_header
 
 pytestmark = pytest.mark.slow
 

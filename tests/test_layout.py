@@ -59,7 +59,7 @@ def test_the_tree_keeps_every_contract(tree):
             "tableclient is not allowed to import tableserver.server",
         ),
         ("tableserver/common/take.py", "import tableserver.errors", "is not allowed to import tableserver.errors"),
-        ("tableserver/loader.py", "import tableclient", "tableserver is not allowed to import tableclient"),
+        ("tableserver/tables/loader.py", "import tableclient", "tableserver is not allowed to import tableclient"),
         ("tableclient/transports/tcp.py", "import tableclient.routing", "is not allowed to import tableclient.routing"),
         (
             "tableclient/engine/rows.py",

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tableclient import TableClient
 from tests_helpers import run_workers
 
-from tableserver.tablefile import TableFileWriter, TableSpec
+from tableserver.tables.tablefile import TableFileWriter, TableSpec
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.v1 import tableserver_pb2_grpc as pb_grpc
 

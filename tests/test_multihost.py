@@ -18,7 +18,7 @@ from conftest import wait_for
 from netns import PORT, Cluster, Worker
 from tableclient.routing import rendezvous_score
 
-from tableserver.demo import DemoTable, write_demo_file
+from tableserver.tables.demo import DemoTable, write_demo_file
 
 pytestmark = pytest.mark.slow
 TABLES = [DemoTable("engram.layer1", 60_000, 264, 1), DemoTable("engram.layer14", 80_003, 264, 14)]

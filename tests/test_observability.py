@@ -29,8 +29,8 @@ from tableclient.metrics import ClientMetrics, latency_buckets
 from tests_helpers import open_raw_session, scrape, value
 
 from tableserver.common.wire import HEADER, HEADER_BYTES, FrameType, Status, request_header
-from tableserver.dashboard import DEFAULT_DASHBOARD, check, load_targets, substitute
 from tableserver.logs import RateLimitedLog
+from tableserver.ops.dashboard import DEFAULT_DASHBOARD, check, load_targets, substitute
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.v1 import tableserver_pb2_grpc as pb_grpc
 

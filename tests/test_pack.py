@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from tableclient import TableClient
 from test_faults import assert_one_line_error
 
-from tableserver.tablefile import ENGRAM_DTYPE, read_header
+from tableserver.tables.tablefile import ENGRAM_DTYPE, read_header
 
 N1, N14 = 3_000, 4_321
 

@@ -18,7 +18,7 @@ from conftest import EVENT_TIMEOUT, local_tables, start_daemon, wait_for
 from tableclient import ConnectError, TableClient
 from tests_helpers import freeze, scrape, value
 
-from tableserver.demo import DemoTable, write_demo_file
+from tableserver.tables.demo import DemoTable, write_demo_file
 
 TABLES = [DemoTable("engram.layer1", 30_000, 264, 1), DemoTable("engram.layer14", 40_001, 264, 14)]
 
@@ -123,7 +123,7 @@ def test_a_restarted_node_with_other_data_is_refused_never_read(tmp_path, v1, v2
 
 
 def local_checksum(path, name):
-    from tableserver.tablefile import read_header
+    from tableserver.tables.tablefile import read_header
 
     return next(s.checksum for s in read_header(path).tables if s.name == name)
 

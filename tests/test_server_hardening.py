@@ -465,7 +465,7 @@ def test_a_reader_that_trickles_is_dropped_when_the_whole_response_is_late(fresh
 
 
 def test_fix_pyverbs_does_not_follow_a_symlink_planted_at_the_temp_name(tmp_path):
-    from tableserver import doctor
+    from tableserver.ops import doctor
 
     purelib, link_dir, pkg = tmp_path / "site-packages", tmp_path / doctor.LINK_DIR_NAME, tmp_path / "pyverbs"
     purelib.mkdir()

@@ -23,7 +23,7 @@ import torchvision_cpu  # noqa: F401  (before sglang: torchvision on a CPU torch
 from conftest import local_tables, start_daemon
 from tests_helpers import as_version, resident_share, run_fresh, scrape, value
 
-from tableserver.demo import DemoTable, write_demo_file
+from tableserver.tables.demo import DemoTable, write_demo_file
 
 torch = pytest.importorskip("torch")
 try:

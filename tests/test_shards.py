@@ -9,8 +9,8 @@ from tableclient import ConnectError, TableClient
 from tableclient.node import NodeOptions, NodeSession
 from test_faults import assert_one_line_error
 
-from tableserver.demo import DemoRows, DemoTable
-from tableserver.tablefile import TableFileWriter, read_header
+from tableserver.tables.demo import DemoRows, DemoTable
+from tableserver.tables.tablefile import TableFileWriter, read_header
 
 ROWS = 20_000
 

@@ -12,10 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from tableserver.demo import DemoRows, DemoTable, default_tables, write_demo_file
 from tableserver.errors import TableFileError
-from tableserver.sources import compute_checksum
-from tableserver.tablefile import (
+from tableserver.tables.demo import DemoRows, DemoTable, default_tables, write_demo_file
+from tableserver.tables.sources import compute_checksum
+from tableserver.tables.tablefile import (
     ALIGNMENT,
     PREAMBLE,
     TableFileWriter,
@@ -202,8 +202,8 @@ def test_bad_files_are_named_precisely(good_file, tmp_path, case, message):
 def test_loader_reads_bit_exact_with_every_io_mode(tmp_path, io):
     """O_DIRECT reads (aligned body + buffered tail), buffered reads and the auto choice load the same bytes,
     holes included, from a real disk file and from tmpfs (no O_DIRECT there: it falls back)."""
-    from tableserver.loader import load_tables
-    from tableserver.sources import page_cache_fraction
+    from tableserver.tables.loader import load_tables
+    from tableserver.tables.sources import page_cache_fraction
 
     rng = np.random.default_rng(5)
     specs = [TableSpec("odd", 50_001, 264, layer=1), TableSpec("tiny", 3, 5), TableSpec("holes", 40_000, 264)]

@@ -13,7 +13,7 @@ from tableclient.rowids import dedup, prepare_out, to_row_ids
 from tableserver.common.wire import HEADER, FrameType, Status, recv_exact, request_header, response_header, send_all
 from tableserver.config import SERVE_OPTIONS, add_flags, resolve
 from tableserver.errors import ConfigError, MemoryLimitError
-from tableserver.memory import plan_memory
+from tableserver.tables.memory import plan_memory
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ import torch
 from conftest import local_tables, start_daemon
 from tableclient.engine import EngramRows, PluginConfig, dequantize
 
-from tableserver.demo import DemoTable, write_demo_file
+from tableserver.tables.demo import DemoTable, write_demo_file
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),

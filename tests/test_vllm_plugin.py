@@ -28,7 +28,7 @@ from conftest import EVENT_TIMEOUT, ROOT, local_tables, start_daemon
 from tests_helpers import as_version, client_rows, resident_share, run_fresh, scrape, value
 from vllm_cpu import HC, HIDDEN, LAYERS
 
-from tableserver.demo import DemoTable, write_demo_file
+from tableserver.tables.demo import DemoTable, write_demo_file
 
 torch = pytest.importorskip("torch")
 try:

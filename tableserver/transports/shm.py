@@ -55,11 +55,11 @@ from tableserver.common.wire import (
     response_header,
 )
 from tableserver.errors import ConfigError, TableServerError
-from tableserver.limits import connection_limits
 from tableserver.logs import RateLimitedLog
-from tableserver.memory import F_SEAL_FUTURE_WRITE
+from tableserver.tables.memory import F_SEAL_FUTURE_WRITE
 from tableserver.transports.base import ServerTransport
 from tableserver.transports.connections import CLOSE, READ, Connection, ConnectionLoop, Protocol, bind_unix
+from tableserver.transports.limits import connection_limits
 from tableserver.transports.tcp import UnixRowsPort
 from tableserver.v1 import tableserver_pb2 as pb
 

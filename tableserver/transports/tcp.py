@@ -66,7 +66,6 @@ from tableserver.common.wire import (
     response_header,
 )
 from tableserver.errors import ListenError
-from tableserver.limits import connection_limits
 from tableserver.logs import RateLimitedLog
 from tableserver.transports.base import ServerTransport
 from tableserver.transports.connections import (
@@ -81,6 +80,7 @@ from tableserver.transports.connections import (
     cpu_workers,
     wait_writable,
 )
+from tableserver.transports.limits import connection_limits
 from tableserver.v1 import tableserver_pb2 as pb
 
 log = logging.getLogger("tableserver.tcp")

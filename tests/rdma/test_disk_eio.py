@@ -6,7 +6,7 @@ attached to a loop device; a dm device maps it ``linear`` everywhere except an `
 4 KiB pages inside one table's rows (and one page inside another's). Reads go through ``/dev/mapper/<name>``;
 expected rows always come from the table file itself (``np.memmap``), which never fails.
 
-Only one test here starts a daemon: the rest read with :class:`tableserver.diskio.DiskTable` directly.
+Only one test here starts a daemon: the rest read with :class:`tableserver.disk.reader.DiskTable` directly.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from guest import SLOW_CLIENT, guest_daemon
 from tableclient import TableClient
 from tableclient.errors import RemoteError
 
-from tableserver.demo import DemoTable, write_demo_file
-from tableserver.diskio import DiskReadError, DiskTable
-from tableserver.tablefile import read_header
+from tableserver.disk.reader import DiskReadError, DiskTable
+from tableserver.tables.demo import DemoTable, write_demo_file
+from tableserver.tables.tablefile import read_header
 
 pytestmark = pytest.mark.rdma
 

@@ -21,8 +21,8 @@ from tableclient import ConnectError, GatherTimeout, RemoteError, TableClient, T
 from tests_helpers import run_workers, scrape, value
 
 from tableserver.common.verbs import list_devices, verbs
-from tableserver.demo import DemoRows, DemoTable
-from tableserver.tablefile import TableFileWriter
+from tableserver.tables.demo import DemoRows, DemoTable
+from tableserver.tables.tablefile import TableFileWriter
 
 pytestmark = pytest.mark.rdma
 

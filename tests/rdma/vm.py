@@ -43,7 +43,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from tableserver.doctor import fix_pyverbs
+from tableserver.ops.doctor import fix_pyverbs
 
 DEBIAN_PACKAGES = (
     "qemu-system-x86",

@@ -40,7 +40,7 @@ UNIT_TESTS = (
     "tests/test_diskio.py",
     "tests/test_graphstep.py::test_the_flag_wait_is_native_where_required_and_checks_its_arguments",
 )
-EXTENSIONS = ("tableserver/_diskio", "tableserver/common/_take", "client/tableclient/_flags")
+EXTENSIONS = ("tableserver/disk/_diskio", "tableserver/common/_take", "client/tableclient/_flags")
 REPORT = re.compile(
     r"ERROR: (AddressSanitizer|LeakSanitizer)|runtime error:|UndefinedBehaviorSanitizer|SUMMARY: \w+Sanitizer"
 )

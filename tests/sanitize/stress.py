@@ -4,7 +4,7 @@ Run by run.py in the sanitized copy of the tree with libasan/libubsan preloaded;
 against any other build (``--expect-dir``: every extension must be imported from there, and be
 instrumented). What it does, each part seeded (``--seed``) and bounded by ``--iterations``:
 
-* ``tableserver._diskio.Engine``: six threads submitting, reading, waiting, draining, injecting faults
+* ``tableserver.disk._diskio.Engine``: six threads submitting, reading, waiting, draining, injecting faults
   and reading every getter while the main thread (and now and then one of the six) closes the engine,
   then going on calling it after close; each mode the machine runs, a fresh engine an iteration. Every
   read() that returns OK is checked byte for byte, and a close() that returned True must leave the
@@ -56,10 +56,10 @@ def check_imports(expect_dir: str | None) -> None:
     """Every extension imported from the sanitized build, and instrumented (RuntimeError otherwise): else a
     clean run proves nothing."""
     import tableclient._flags
-    import tableserver._diskio
     import tableserver.common._take
+    import tableserver.disk._diskio
 
-    for mod in (tableserver._diskio, tableserver.common._take, tableclient._flags):
+    for mod in (tableserver.disk._diskio, tableserver.common._take, tableclient._flags):
         path = os.path.realpath(mod.__file__)
         if expect_dir is not None and not path.startswith(os.path.realpath(expect_dir) + os.sep):
             raise RuntimeError(f"{mod.__name__} imported from {path}, not from the sanitized build in {expect_dir}")
@@ -76,7 +76,7 @@ def check_imports(expect_dir: str | None) -> None:
 
 
 def engine_modes() -> list[str]:
-    from tableserver import _diskio
+    from tableserver.disk import _diskio
 
     modes = []
     for mode in ("io_uring", "threads"):
@@ -97,7 +97,7 @@ def read_getters(eng) -> None:
 
 
 def engine_iteration(mode: str, fd: int, data: np.ndarray, rng: random.Random) -> None:
-    from tableserver import _diskio
+    from tableserver.disk import _diskio
 
     slots = 4  # pool pages per thread: each thread reads into its own, so its OK reads can be checked
     pool = mmap.mmap(-1, (THREADS + 1) * slots * PAGE)
@@ -200,7 +200,7 @@ def engine_iteration(mode: str, fd: int, data: np.ndarray, rng: random.Random) -
 
 
 def disktable_iteration(path: str, data: np.ndarray, rng: random.Random, io: str) -> None:
-    from tableserver.diskio import DiskTable
+    from tableserver.disk.reader import DiskTable
 
     row_bytes = 264
     rows = len(data) // row_bytes

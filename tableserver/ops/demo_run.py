@@ -21,9 +21,9 @@ import time
 from collections.abc import Sequence
 
 from tableserver.common.model import ROWS_PER_TOKEN
-from tableserver.demo import DEFAULT_ROWS, default_tables, write_demo_file
 from tableserver.errors import TableServerError
-from tableserver.progress import Progress
+from tableserver.tables.demo import DEFAULT_ROWS, default_tables, write_demo_file
+from tableserver.tables.progress import Progress
 
 #: how long the demo server may take to become SERVING (load the tables) before the demo gives up
 READY_TIMEOUT_S = 300
@@ -48,7 +48,7 @@ def cache_dir() -> str:
 
 def ensure_demo_file(rows: int | None = None, path: str | None = None) -> str:
     """The cached demo table file, generated if missing or unreadable."""
-    from tableserver.tablefile import read_header
+    from tableserver.tables.tablefile import read_header
 
     rows = rows or DEFAULT_ROWS
     path = path or os.path.join(cache_dir(), f"demo-engram-{rows}.bin")
@@ -135,7 +135,7 @@ def run_client(control: str, path: str, tables, steps: int, batch: int, transpor
 def run_demo(
     rows: int | None = None, steps: int = 200, batch: int = 64, transports=("shm", "tcp"), table: str | None = None
 ) -> int:
-    from tableserver.tablefile import read_header
+    from tableserver.tables.tablefile import read_header
 
     path = table or ensure_demo_file(rows)
     header = read_header(path)

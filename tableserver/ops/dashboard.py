@@ -25,7 +25,11 @@ import urllib.request
 from dataclasses import dataclass
 
 DEFAULT_DASHBOARD = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "deploy", "grafana", "dashboards", "tableserver.json"
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    "deploy",
+    "grafana",
+    "dashboards",
+    "tableserver.json",
 )
 #: panels drawn by render(), in order (titles of deploy/grafana/dashboards/tableserver.json)
 MAIN_PANELS = (

@@ -1,6 +1,6 @@
 """``tableserver doctor`` with a serve configuration: will this host run that server?
 
-One :class:`~tableserver.findings.Finding` per check, each naming the fix: the table files (reachable,
+One :class:`~tableserver.ops.findings.Finding` per check, each naming the fix: the table files (reachable,
 valid), the disk tables (named tables, opened as the daemon opens them: O_DIRECT, the read engine),
 the memory plan as ``serve`` would make it (hugepages free per size and per NUMA node, cgroup
 memory and hugetlb limits, MemAvailable, locked-memory limit and CAP_IPC_LOCK), the ports (free to bind),
@@ -19,7 +19,7 @@ import os
 import socket
 
 from tableserver.errors import TableServerError
-from tableserver.findings import Finding
+from tableserver.ops.findings import Finding
 
 
 def run(cfg: dict, rdma: bool) -> list[Finding]:
@@ -36,8 +36,8 @@ def run(cfg: dict, rdma: bool) -> list[Finding]:
 
 
 def check_tables(cfg: dict) -> tuple[list[int], Finding]:
-    from tableserver.loader import disk_table_names
-    from tableserver.sources import open_source
+    from tableserver.tables.loader import disk_table_names
+    from tableserver.tables.sources import open_source
 
     paths = cfg.get("tables") or []
     if not paths:
@@ -62,16 +62,16 @@ def check_tables(cfg: dict) -> tuple[list[int], Finding]:
 
 
 def _disk_names(cfg: dict) -> list[str]:
-    from tableserver.stripe import parse_stripes
+    from tableserver.tables.stripe import parse_stripes
 
     return list(cfg.get("disk_tables") or []) + list(parse_stripes(cfg.get("disk_stripes") or []))
 
 
 def check_disk(cfg: dict) -> Finding:
     """Opens each disk table as the daemon would (size, O_DIRECT probe, read engine), reading one page."""
-    from tableserver.loader import DiskOptions
-    from tableserver.sources import open_source
-    from tableserver.stripe import parse_stripes
+    from tableserver.tables.loader import DiskOptions
+    from tableserver.tables.sources import open_source
+    from tableserver.tables.stripe import parse_stripes
 
     seen = []
     try:
@@ -103,7 +103,7 @@ def check_disk(cfg: dict) -> Finding:
 
 
 def check_memory(cfg: dict, sizes: list[int]) -> Finding:
-    from tableserver.memory import plan_memory
+    from tableserver.tables.memory import plan_memory
 
     if not sizes:
         return Finding("memory plan", "warn", "no tables to plan for")
@@ -117,7 +117,7 @@ def check_memory(cfg: dict, sizes: list[int]) -> Finding:
 def check_memlock(cfg: dict, sizes: list[int]) -> Finding:
     import resource
 
-    from tableserver.memory import has_cap_ipc_lock
+    from tableserver.tables.memory import has_cap_ipc_lock
 
     if not cfg.get("mlock", True):
         return Finding("memlock", "warn", "--no-mlock: table memory may be paged out under pressure")
@@ -175,7 +175,7 @@ def check_numa_hugepages(cfg: dict) -> Finding:
 
 
 def check_cgroup() -> Finding:
-    from tableserver.cgroups import hugetlb_allowance, memory_allowance
+    from tableserver.tables.cgroups import hugetlb_allowance, memory_allowance
 
     parts = []
     mem = memory_allowance()

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tableserver.common.model import FP8_BYTES, ROW_BYTES, SCALE_BYTES, TABLE_ROWS
-from tableserver.tablefile import ENGRAM_DTYPE, TableFileWriter, TableSpec, rows_per_page
+from tableserver.tables.tablefile import ENGRAM_DTYPE, TableFileWriter, TableSpec, rows_per_page
 
 DEFAULT_ROWS = 600_000  # x 264 B x 2 tables = 317 MB
 DEFAULT_LAYERS = tuple(TABLE_ROWS)  # (1, 14): the layers DeepSeek-V4.1 has a table for

@@ -17,9 +17,9 @@ import os
 import numpy as np
 
 from tableserver.errors import ChecksumError, TableFileError
-from tableserver.progress import Progress, human_bytes
-from tableserver.sources import SafetensorsSource, open_source
-from tableserver.tablefile import (
+from tableserver.tables.progress import Progress, human_bytes
+from tableserver.tables.sources import SafetensorsSource, open_source
+from tableserver.tables.tablefile import (
     ENGRAM_DTYPE,
     TableFileWriter,
     TableSpec,

@@ -4,7 +4,7 @@ A transport never reads a disk table on its own threads: a gather of a few thous
 the drive for milliseconds, and the tcp workers and the rdma packer serve every other session
 meanwhile. It hands the gather to the table's :class:`DiskQueue` (:meth:`DiskQueue.submit`, which returns
 the :class:`DiskJob`) and goes on; the queue's thread reads it through the table's
-:class:`~tableserver.diskio.DiskTable` and calls back once, with the job (its ``error`` None, or the
+:class:`~tableserver.disk.reader.DiskTable` and calls back once, with the job (its ``error`` None, or the
 :class:`~tableserver.common.wire.Refused` the transport answers with: ``IO_ERROR``, or ``BUSY``).
 
 Fair share. Jobs queue per *owner* (a session). They are read in slices of at most ``slice_rows`` rows,
@@ -49,7 +49,7 @@ import numpy as np
 from tableserver.common.buffers import OFFSET, PAGE
 from tableserver.common.guard import Cancelled, OutputGuard
 from tableserver.common.wire import Refused, Status
-from tableserver.diskio import DiskReadError, DiskTable
+from tableserver.disk.reader import DiskReadError, DiskTable
 from tableserver.logs import RateLimitedLog
 
 log = logging.getLogger("tableserver.diskqueue")

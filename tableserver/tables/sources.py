@@ -1,6 +1,6 @@
 """Where tables come from: table files (``engram.bin``) and safetensors files.
 
-A source lists its tables as :class:`~tableserver.tablefile.TableSpec` and
+A source lists its tables as :class:`~tableserver.tables.tablefile.TableSpec` and
 fills a table's bytes into memory the loader provides. Both sources read
 through zero-copy file views and never hold a whole table in Python objects.
 
@@ -29,9 +29,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from tableserver.common.model import FP8_BYTES, ROW_BYTES, SCALE_BYTES
+from tableserver.disk.fileid import FileIdentity
 from tableserver.errors import TableFileError
-from tableserver.fileid import FileIdentity
-from tableserver.tablefile import (
+from tableserver.tables.tablefile import (
     ENGRAM_DTYPE,
     MAGIC,
     TableSpec,
@@ -124,7 +124,7 @@ class TableFileSource:
         it covers in part are read whole once for their CRC (at most two).
         The checksum returned is the whole table's either way: its identity.
         """
-        from tableserver.tablefile import checksum_error, chunk_ranges
+        from tableserver.tables.tablefile import checksum_error, chunk_ranges
 
         if spec.rows_per_page:
             return self._load_aligned(spec, dest, pool, progress, verify, rows or (0, spec.rows))
@@ -162,7 +162,7 @@ class TableFileSource:
                       verify: bool, rows: tuple[int, int]) -> str:  # fmt: skip
         """A page-aligned table's rows [lo, hi) into ``dest``, back to back: each checksum chunk's pages are
         read (buffered), their rows compacted and checked, and the part inside the range kept."""
-        from tableserver.tablefile import PAGE_BYTES, checksum_error, chunk_ranges
+        from tableserver.tables.tablefile import PAGE_BYTES, checksum_error, chunk_ranges
 
         k, rb = spec.rows_per_page, spec.row_bytes
         start, stop = rows[0] * rb, rows[1] * rb
@@ -199,7 +199,7 @@ class TableFileSource:
         drops it, so memory holds ``pool`` workers' chunks at most. ChecksumError on a mismatch."""
         import mmap
 
-        from tableserver.tablefile import checksum_error, chunk_ranges
+        from tableserver.tables.tablefile import checksum_error, chunk_ranges
 
         lo, hi = rows if rows is not None else (0, spec.rows)
         start, stop = lo * spec.row_bytes, hi * spec.row_bytes
@@ -274,7 +274,7 @@ class TableFileSource:
         rows: tuple[int, int],
     ) -> str:
         """Rows [lo, hi) of ``spec`` into ``dest``, each chunk they touch verified whole (buffered reads)."""
-        from tableserver.tablefile import checksum_error, chunk_ranges
+        from tableserver.tables.tablefile import checksum_error, chunk_ranges
 
         start, stop = rows[0] * spec.row_bytes, rows[1] * spec.row_bytes
         fd = self._open()
@@ -485,7 +485,7 @@ def _zero_chunk_ok(spec: TableSpec, i: int, n: int) -> bool:
     """Whether chunk ``i`` of ``spec`` is ``n`` zero bytes by its checksum (computed once per size)."""
     import zlib
 
-    from tableserver.tablefile import chunk_sha256
+    from tableserver.tables.tablefile import chunk_sha256
 
     sha = spec.chunk_sha256 is not None
     if (n, sha) not in _ZERO_DIGESTS:
@@ -502,7 +502,7 @@ def unverified(checksum: str) -> str:
 
 def compute_checksum(data: np.ndarray, chunk_bytes: int, pool: ThreadPoolExecutor) -> str:
     """The catalog checksum of bytes already in memory (chunk SHA-256s in parallel)."""
-    from tableserver.tablefile import chunk_ranges, chunk_sha256, table_sha256
+    from tableserver.tables.tablefile import chunk_ranges, chunk_sha256, table_sha256
 
     view = memoryview(data)
     return table_sha256(list(pool.map(lambda r: chunk_sha256(view[r[0] : r[1]]), chunk_ranges(len(data), chunk_bytes))))

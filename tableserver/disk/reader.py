@@ -1,7 +1,7 @@
 """Rows read from disk: :class:`DiskTable`, a page reader for a table of fixed-size rows kept in a file
 (or striped over several files) rather than in memory.
 
-The disk tier's reader (issue 27): ``tableserver.loader`` opens one for each table served from disk.
+The disk tier's reader (issue 27): ``tableserver.tables.loader`` opens one for each table served from disk.
 
 Layout. The table lives in a *logical file*: row ``r`` is the ``row_bytes`` bytes at logical byte
 ``offset + r * row_bytes`` -- or, page-aligned (``rows_per_page`` k), at ``offset + (r // k) * page +
@@ -28,7 +28,7 @@ in one file are read by one read (up to ``MAX_RUN_PAGES`` pages), ``queue_depth`
 the whole batch, by one of the engines (``io``; ``engine`` says which runs, ``engine_reason`` why), made
 once per table and kept for its life:
 
-* ``"io_uring"``: the native engine (``tableserver._diskio``, a C extension): one ring of ``queue_depth``
+* ``"io_uring"``: the native engine (``tableserver.disk._diskio``, a C extension): one ring of ``queue_depth``
   entries driven by one engine thread, the page pool registered once as its fixed buffer (READ_FIXED;
   plain READ where registering is refused, e.g. by RLIMIT_MEMLOCK). A batch is handed over in one call,
   the GIL released while Python waits for it.
@@ -92,14 +92,14 @@ import numpy as np
 
 from tableserver.common.guard import OutputGuard
 from tableserver.common.take import in_range
+from tableserver.disk.fileid import FileIdentity
 from tableserver.errors import TableFileError
-from tableserver.fileid import FileIdentity
 
 try:
-    from tableserver import _diskio
+    from tableserver.disk import _diskio
 except ImportError as e:  # built without a C compiler (setup.py): the Python engine only
     _diskio = None
-    _NATIVE_MISSING = f"tableserver._diskio not built ({e})"
+    _NATIVE_MISSING = f"tableserver.disk._diskio not built ({e})"
 else:
     _NATIVE_MISSING = ""
 

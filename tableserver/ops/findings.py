@@ -1,7 +1,7 @@
 """What a ``tableserver doctor`` check found: one line each, ``ok``, ``warn`` or ``FAIL``, naming the fix.
 
-Its own module so both the checks of the host's tools (tableserver/doctor.py: pyverbs, RDMA devices,
-the native take) and those of a serve configuration (tableserver/host_checks.py) make them without
+Its own module so both the checks of the host's tools (tableserver/ops/doctor.py: pyverbs, RDMA devices,
+the native take) and those of a serve configuration (tableserver/ops/host_checks.py) make them without
 importing each other.
 """
 

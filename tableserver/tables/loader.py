@@ -5,7 +5,7 @@ machine fails before anything is read), then fills each table's region from
 its source with a pool of threads (file reads and CRCs release the GIL),
 verifies checksums on the way, locks and seals each region. A disk table
 (``disk_tables``) is not loaded: its chunks are verified on disk once (each
-read, checked and dropped) and a :class:`~tableserver.diskio.DiskTable` is
+read, checked and dropped) and a :class:`~tableserver.disk.reader.DiskTable` is
 opened on its file. On any error every region and disk reader made so far is
 freed: the caller gets either all tables or an exception.
 """
@@ -20,14 +20,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tableserver.diskio import DiskTable
-from tableserver.diskqueue import BUDGET_BYTES, DiskBudget, DiskQueue
+from tableserver.disk.queue import BUDGET_BYTES, DiskBudget, DiskQueue
+from tableserver.disk.reader import DiskTable
 from tableserver.errors import TableFileError
 from tableserver.logs import kv
-from tableserver.memory import PinnedRegion, plan_memory
-from tableserver.progress import Progress, human_bytes
-from tableserver.sources import TableFileSource, open_sources, unverified
-from tableserver.tablefile import TableSpec
+from tableserver.tables.memory import PinnedRegion, plan_memory
+from tableserver.tables.progress import Progress, human_bytes
+from tableserver.tables.sources import TableFileSource, open_sources, unverified
+from tableserver.tables.tablefile import TableSpec
 
 log = logging.getLogger("tableserver.loader")
 
@@ -131,7 +131,7 @@ class TableSet:
 
 
 def _use_direct(path: str, io: str) -> bool:
-    from tableserver.sources import page_cache_fraction
+    from tableserver.tables.sources import page_cache_fraction
 
     if io == "buffered" or path.endswith(".safetensors") or not os.path.isfile(path):
         return False
@@ -216,7 +216,7 @@ def load_tables(
     ``disk_timeout`` are its engine, reads in flight and time limit). ``disk_stripes`` {name: files}
     serves a table from the stripe files ``tableserver stripe`` wrote (unit ``disk_stripe_unit``), verified
     through them. ``disk_buffer_bytes``: the row buffers their gathers may hold, all together (a
-    :class:`~tableserver.diskqueue.DiskBudget`).
+    :class:`~tableserver.disk.queue.DiskBudget`).
 
     ``rows=(lo, hi)`` or ``shard=(k, n)`` load only a row range of each table
     (see :func:`row_range`).
@@ -379,7 +379,7 @@ def _open_disk_table(index, source, spec, rows, pool, advance, verify, o: DiskOp
 
 def _verify_through(reader: DiskTable, spec: TableSpec, o: DiskOptions, advance) -> None:
     """Every chunk of ``spec`` read back through ``reader`` (its stripes) against the table file's digests."""
-    from tableserver.tablefile import checksum_error, chunk_ranges
+    from tableserver.tables.tablefile import checksum_error, chunk_ranges
 
     rb = spec.row_bytes
     for i, (a, b) in enumerate(chunk_ranges(spec.nbytes, spec.chunk_bytes)):

@@ -29,10 +29,10 @@ import subprocess
 import sys
 import sysconfig
 
-from tableserver import host_checks
-from tableserver.atomic import write_atomic
 from tableserver.errors import TableServerError
-from tableserver.findings import Finding, failed
+from tableserver.ops import host_checks
+from tableserver.ops.findings import Finding, failed
+from tableserver.tables.atomic import write_atomic
 
 LINK_DIR_NAME = "tableserver-pyverbs"
 PTH_NAME = "tableserver-pyverbs.pth"

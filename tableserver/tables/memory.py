@@ -64,7 +64,7 @@ def free_hugepages(page_size: int) -> int:
 
 
 def mem_available() -> int:
-    """MemAvailable from /proc/meminfo, in bytes (cgroup limits: tableserver/cgroups.py)."""
+    """MemAvailable from /proc/meminfo, in bytes (cgroup limits: tableserver/tables/cgroups.py)."""
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):
@@ -109,7 +109,7 @@ def plan_memory(sizes: list[int], hugepages: str = "auto", lock: bool = True) ->
     """
     if hugepages not in HUGEPAGE_MODES:
         raise MemoryLimitError(f"unknown --hugepages {hugepages!r}: use one of {', '.join(HUGEPAGE_MODES)}")
-    from tableserver.cgroups import hugetlb_allowance, memory_allowance
+    from tableserver.tables.cgroups import hugetlb_allowance, memory_allowance
 
     free = {HUGE_1G: free_hugepages(HUGE_1G), HUGE_2M: free_hugepages(HUGE_2M)}
     hugetlb = {hp: hugetlb_allowance(hp) for hp in free}

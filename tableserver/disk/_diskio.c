@@ -1,4 +1,4 @@
-/* tableserver._diskio: the native read engine behind tableserver.diskio.DiskTable's page plan.
+/* tableserver.disk._diskio: the native read engine behind tableserver.disk.reader.DiskTable's page plan.
  *
  * Engine(mode, depth, pool)
  *   mode:  "io_uring" -- one ring of `depth` entries, driven by one engine thread; `pool` registered once
@@ -1585,10 +1585,10 @@ static PyMethodDef Engine_methods[] = {
 };
 
 static PyTypeObject EngineType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tableserver._diskio.Engine",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tableserver.disk._diskio.Engine",
     .tp_basicsize = sizeof(Engine),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Engine(mode, depth, pool): reads batches of runs into the page pool (see tableserver/_diskio.c)",
+    .tp_doc = "Engine(mode, depth, pool): reads batches of runs into the page pool (see tableserver/disk/_diskio.c)",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Engine_init,
     .tp_dealloc = (destructor)Engine_dealloc,
@@ -1596,8 +1596,8 @@ static PyTypeObject EngineType = {
     .tp_getset = Engine_getset,
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "tableserver._diskio",
-                                    "The native read engine of tableserver.diskio (io_uring or pthreads).", -1,
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "tableserver.disk._diskio",
+                                    "The native read engine of tableserver.disk.reader (io_uring or pthreads).", -1,
                                     NULL};
 
 PyMODINIT_FUNC PyInit__diskio(void)

@@ -3,7 +3,7 @@
 A drive's random reads per second set a disk table's speed; n drives read n times as many pages at
 once when a table's pages are spread over them. ``stripe`` cuts the table's bytes (byte 0 = its first
 row) into units of ``unit`` bytes and deals them round robin: unit ``u`` goes to file ``u % n``, at
-``(u // n) * unit`` (the layout :class:`~tableserver.diskio.DiskTable` reads). The files hold rows only:
+``(u // n) * unit`` (the layout :class:`~tableserver.disk.reader.DiskTable` reads). The files hold rows only:
 the table file (``--tables``) still names the table, its rows and checksums; the daemon serves it from
 the stripes with ``--disk-stripes NAME=FILE:FILE:... --disk-stripe-unit UNIT`` and, unless
 ``--no-verify``, checks every chunk read back through the stripes against the table file's digests.
@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import os
 
-from tableserver.atomic import create_temp
 from tableserver.errors import ConfigError, TableFileError
-from tableserver.progress import Progress
-from tableserver.tablefile import read_header
+from tableserver.tables.atomic import create_temp
+from tableserver.tables.progress import Progress
+from tableserver.tables.tablefile import read_header
 
 #: the default stripe unit: large enough that a row rarely spans two units, small enough to spread
 DEFAULT_UNIT = 1 << 20

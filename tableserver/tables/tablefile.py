@@ -41,9 +41,9 @@ from typing import BinaryIO
 
 import numpy as np
 
-from tableserver.atomic import create_temp  # noqa: F401 (public here too)
+from tableserver.disk.fileid import FileIdentity
 from tableserver.errors import ChecksumError, TableFileError
-from tableserver.fileid import FileIdentity
+from tableserver.tables.atomic import create_temp  # noqa: F401 (public here too)
 
 MAGIC = b"TBLSRV01"
 FORMAT_VERSION = 1
