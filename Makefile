@@ -9,7 +9,8 @@ TORCH ?= torch==2.13.0
 
 .PHONY: demo test test-fast lint sanitize bench replay observe proto clean
 
-$(BASE): setup.cfg pyproject.toml setup.py tableserver/common/_take.c client/tableclient/_flags.c tableserver/disk/_diskio.c
+$(BASE): setup.cfg pyproject.toml setup.py tableserver/common/_take.c tableserver/common/bufcheck.h client/tableclient/_flags.c \
+		$(wildcard tableserver/disk/_diskio_c/*.c tableserver/disk/_diskio_c/*.h)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -e .
 	touch $@

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from tableserver.disk import reader as diskio
+from tableserver.disk.plan import MAX_RUN_PAGES
 from tableserver.disk.reader import DiskReadError, DiskTable
 
 ROW_BYTES = 264
@@ -266,7 +267,7 @@ def test_read_error_fails_that_gather_only(tmp_path, monkeypatch, io, pool_pages
                 t.gather(np.arange(0, rows, 7).tolist() + [row_on_bad])
             assert e.value.errno == errno.EIO and "dmesg" in str(e.value)
             at = int(re.search(rf"^{re.escape(str(path))}: read error at byte (\d+) \(", str(e.value)).group(1))
-            assert at % PAGE == 0 and at <= bad_at < at + diskio.MAX_RUN_PAGES * PAGE  # the failing run's first byte
+            assert at % PAGE == 0 and at <= bad_at < at + MAX_RUN_PAGES * PAGE  # the failing run's first byte
             assert "\n" not in str(e.value)
             ok = np.array([0, 1, rows - 1])
             assert np.array_equal(t.gather(ok), table[ok])  # the next gathers succeed

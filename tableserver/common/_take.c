@@ -26,19 +26,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bufcheck.h"
+
 #define PREFETCH_ROWS 16
 #define PREFETCH_LINES 8 /* at most this many 64-byte lines of a row; longer rows stream by themselves */
 #define NOGIL_BYTES (64 << 10)
-
-static int is_int64(const Py_buffer *b)
-{
-    const char *f = b->format;
-    if (b->itemsize != 8 || f == NULL)
-        return 0;
-    if (*f == '@' || *f == '=' || (PY_LITTLE_ENDIAN ? *f == '<' : *f == '>'))
-        f++;
-    return (f[0] == 'l' || f[0] == 'q') && f[1] == '\0';
-}
 
 static int is_uint8(const Py_buffer *b)
 {

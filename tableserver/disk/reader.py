@@ -19,8 +19,9 @@ Each file must hold at least the bytes of the logical range ``[0, offset + rows 
 it; a shorter file is refused at open. The last page of a file may end past its end: that read is
 legitimately short, any read shorter than the table's bytes in it means the file shrank.
 
-Reads. ``gather(row_ids, out)`` reads exactly the pages holding the rows asked for: the first and last
-page of each row (a 264 B row straddles two 4 KiB pages 6.25% of the time), deduplicated with
+Reads. The plan (pages, batches, runs) comes from the pure functions of :mod:`tableserver.disk.plan`;
+this class only does the I/O. ``gather(row_ids, out)`` reads exactly the pages holding the rows asked
+for: the first and last page of each row (a 264 B row straddles two 4 KiB pages 6.25% of the time), deduplicated with
 ``np.unique``. Pages are placed in the buffer pool in page order, so consecutive logical pages sit
 side by side and a straddling row's bytes are contiguous there; the rows are then copied out with one
 fancy index over a byte-strided view of the pool (no per-row Python). Runs of pages that are contiguous
@@ -93,6 +94,7 @@ import numpy as np
 from tableserver.common.guard import OutputGuard
 from tableserver.common.take import in_range
 from tableserver.disk.fileid import FileIdentity
+from tableserver.disk.plan import Layout, batches_of, pages_of, reads_of
 from tableserver.errors import TableFileError
 
 try:
@@ -105,9 +107,6 @@ else:
 
 log = logging.getLogger("tableserver.diskio")
 
-#: the longest run of contiguous pages read by one preadv (longer runs are cut, so that a gather of
-#: neighbouring rows still spreads over the queue)
-MAX_RUN_PAGES = 32
 
 #: pool pages per queue slot by default: a batch of only ``queue_depth`` pages would drain the drive's
 #: queue to zero at every batch boundary
@@ -173,8 +172,8 @@ def _uring_unavailable(e: OSError) -> str:
 
 
 class _Runs(NamedTuple):
-    """One batch's reads (int64 arrays, a run an entry): file index, its fd, pool byte, length, file byte, bytes
-    needed."""
+    """One batch's reads as handed to an engine (int64 arrays, a run an entry): file index, its fd, pool
+    byte, length, file byte, bytes needed (:class:`~tableserver.disk.plan.Reads` with the fds)."""
 
     npg: int
     file: np.ndarray
@@ -261,8 +260,10 @@ class DiskTable:
             )
         if self.row_base and not self.rows_per_page:
             raise ValueError("row_base is for page-aligned tables: add row_base * row_bytes to offset instead")
-        #: most pages one row touches: a row of row_bytes starting anywhere in a page
-        self._span = (self.row_bytes + self.page - 2) // self.page + 1
+        #: where the rows are (the page plan's input)
+        self.layout = Layout(self.offset, self.rows, self.row_bytes, self.page, self.rows_per_page, self.row_base,
+                             n, self.stripe)  # fmt: skip
+        self._span = self.layout.span
         if pool_pages is None:
             batch = max(POOL_PAGES_PER_SLOT * self.queue_depth, POOL_MIN_BYTES // self.page)
         else:
@@ -292,7 +293,7 @@ class DiskTable:
         self._closed = False
         self._freed = False
         try:
-            self._need = self._file_needs()
+            self._need = self.layout.file_needs()
             self._need_arr = np.asarray(self._need, np.int64)
             self._open_files(direct, expect)
             self._pool = mmap.mmap(-1, self.pool_pages * self.page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -315,19 +316,6 @@ class DiskTable:
         )
 
     # -- opening ---------------------------------------------------------------------------------
-
-    def _file_needs(self) -> list[int]:
-        """Bytes of each file that hold part of the logical range [0, the end of the last row)."""
-        end = self.offset + (self._row_start(self.row_base + self.rows - 1) + self.row_bytes if self.rows else 0)
-        n = len(self.paths)
-        if n == 1:
-            return [end]
-        units, rem = divmod(end, self.stripe)
-        needs = []
-        for i in range(n):
-            full = (units - i + n - 1) // n if units > i else 0
-            needs.append(full * self.stripe + (rem if i == units % n else 0))
-        return needs
 
     def _open_files(self, direct: bool, expect) -> None:
         expect = list(expect) if expect is not None else [None] * len(self.paths)
@@ -587,26 +575,10 @@ class DiskTable:
                 return i, why
         return None
 
-    def _row_start(self, r):
-        """Logical byte (past ``offset``) of table row ``r`` (an int or an int64 array)."""
-        k = self.rows_per_page
-        if k:
-            return (r // k) * self.page + (r % k) * self.row_bytes
-        return r * self.row_bytes
-
     def _gather(self, ids: np.ndarray, out2: np.ndarray, guard) -> None:
         page, rb = self.page, self.row_bytes
-        start = self.offset + self._row_start(ids + self.row_base if self.row_base else ids)
-        first = start // page
-        last = (start + (rb - 1)) // page
-        if self._span == 2:
-            pages = np.unique(np.concatenate((first, last)))
-        else:  # rows longer than a page: every page between first and last
-            steps = np.minimum(first[:, None] + np.arange(self._span), last[:, None])
-            pages = np.unique(steps)
-        fslot = np.searchsorted(pages, first)
-        lslot = fslot + (last - first)
-        within = start - first * page
+        plan = pages_of(self.layout, ids)
+        pages, fslot, within = plan.pages, plan.first, plan.within
         if len(pages) <= self._batch:  # one batch: rows straight into out, in their own order
             self._read_now(pages, 0, len(pages))
             with guard:
@@ -614,25 +586,7 @@ class DiskTable:
             return
         # Batches of first pages, read into the two halves of the pool in turn: the next batch is read while
         # the rows of one are copied out (a pool too small to halve holds one batch at a time)
-        region = self.pool_pages // 2
-        per = region - (self._span - 1)
-        nreg = 2
-        if per < 1:
-            nreg, region, per = 1, self.pool_pages, self._batch
-        nbatch = -(-len(pages) // per)
-        order = np.argsort(fslot, kind="stable")
-        sorted_f = fslot[order]
-        bounds = np.searchsorted(sorted_f, np.arange(nbatch + 1) * per).tolist()
-        plans = []  # (rows, first slot, end slot, slots the batch before holds already)
-        held_hi = 0
-        for b in range(nbatch):
-            if bounds[b] == bounds[b + 1]:
-                continue
-            sel = order[bounds[b] : bounds[b + 1]]
-            lo = int(sorted_f[bounds[b]])
-            hi = int(lslot[sel].max()) + 1
-            plans.append((sel, lo, hi, max(0, held_hi - lo)))
-            held_hi = hi
+        nreg, region, plans = batches_of(plan, self.pool_pages, self._batch, self._span)
         queued: deque = deque()
         try:
             for k in range(min(nreg, len(plans))):
@@ -669,52 +623,9 @@ class DiskTable:
 
     def _runs(self, pages: np.ndarray, lo: int, hi: int, keep: int, base: int) -> _Runs:
         """The reads of pages ``pages[lo+keep:hi]`` into pool pages base+keep.. (the first ``keep`` are there
-        already): runs of pages contiguous in one file, at most MAX_RUN_PAGES long."""
-        chunk = pages[lo + keep : hi]
-        npg = len(chunk)
-        one = len(self._fds) == 1
-        if one:
-            files, at = None, chunk * self.page
-        else:
-            files, at = self._locate(chunk)
-        brk = np.empty(npg, bool)  # where a run starts: not the next page of the same file as the page before
-        brk[:1] = True
-        if one:
-            np.not_equal(chunk[1:], chunk[:-1] + 1, out=brk[1:])
-        else:
-            brk[1:] = (at[1:] != at[:-1] + self.page) | (files[1:] != files[:-1])
-        starts = np.flatnonzero(brk)
-        ends = np.empty_like(starts)
-        ends[:-1] = starts[1:]
-        ends[-1:] = npg
-        if npg and (ends - starts).max() > MAX_RUN_PAGES:  # cut long runs
-            lens = ends - starts
-            pieces = -(-lens // MAX_RUN_PAGES)
-            first = np.repeat(starts, pieces)
-            k = np.arange(pieces.sum()) - np.repeat(np.cumsum(pieces) - pieces, pieces)
-            starts = first + k * MAX_RUN_PAGES
-            ends = np.minimum(starts + MAX_RUN_PAGES, np.repeat(ends, pieces))
-        run_at = at[starts]
-        run_len = (ends - starts) * self.page
-        dst = (starts + (base + keep)) * self.page
-        if one:
-            run_file = np.zeros(len(starts), np.int64)
-            run_fd = np.full(len(starts), self._fds[0], np.int64)
-            run_need = np.minimum(run_len, self._need[0] - run_at)
-        else:
-            run_file = files[starts]
-            run_fd = self._fd_of[run_file]
-            run_need = np.minimum(run_len, self._need_arr[run_file] - run_at)
-        return _Runs(npg, run_file, run_fd, dst, run_len, run_at, run_need)
-
-    def _locate(self, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(file index, byte offset in that file) of each logical page."""
-        at = pages * self.page
-        if len(self._fds) == 1:
-            return np.zeros(len(pages), np.int64), at
-        n = len(self._fds)
-        unit, inside = np.divmod(at, self.stripe)
-        return unit % n, (unit // n) * self.stripe + inside
+        already): :func:`~tableserver.disk.plan.reads_of`, with each read's fd."""
+        r = reads_of(self.layout, pages[lo + keep : hi], base + keep, self._need_arr)
+        return _Runs(r.pages, r.file, self._fd_of[r.file], r.dst, r.len, r.at, r.need)
 
     # -- the engines -----------------------------------------------------------------------------
 
