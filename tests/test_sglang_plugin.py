@@ -109,7 +109,7 @@ def plugin(memnode):
         load_plugins()
     finally:
         del os.environ["TABLESERVER_ADDRESS"]
-    assert hooks._state["registered"], "the plugin's register() did not complete (see SGLang's log)"
+    assert hooks._state.hooks_in_place, "the plugin's register() did not complete (see SGLang's log)"
     assert hooks._wraps(EngramEmbedding.forward, hooks._embedding_forward), "load_plugins did not apply the hooks"
     yield
     configure(PluginConfig())  # closes the clients; every layer local again

@@ -5,6 +5,10 @@ raise ``ValueError`` before anything is sent. Everything else derives from
 :class:`TableClientError`; the subclasses also derive from the matching
 built-in (ConnectionError, TimeoutError) so generic handlers work. ``errno``
 carries the OS error number when one caused the failure (a verbs call's).
+The engine layer's errors derive from it too, each with its built-in:
+``tableclient.engine``'s ``ConfigError`` (ValueError), ``PluginError`` and
+``EngramRowsError`` (RuntimeError), and ``tableclient.graphstep``'s
+``GraphStepError``.
 
 Errors of the layers below (the shared verbs plumbing's ``VerbsError``, the
 wire's ``Refused``) never escape: each transport turns them into these where

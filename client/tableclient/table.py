@@ -1,10 +1,11 @@
 """Tables as the client sees them, and gather handles.
 
 ``RemoteTable.gather_async(row_ids, out=None)`` validates the ids and the
-output buffer, fetches each distinct row once (remote transports), splits the
-fetch into requests of at most ``max_rows_per_request`` ids, and returns a
-:class:`GatherHandle`; ``wait`` expands duplicates into the caller's order and
-returns ``[..., row_bytes]`` uint8 (a torch tensor when torch was given).
+output buffer, plans the fetch once (``tableclient.plan``: each distinct row
+once where dedup pays, requests of at most ``max_rows_per_request`` ids),
+dispatches that plan, and returns a :class:`GatherHandle`; ``wait`` expands
+duplicates into the caller's order and returns ``[..., row_bytes]`` uint8 (a
+torch tensor when torch was given).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import numpy as np
 
 from tableclient.errors import GatherTimeout, RemoteError, TableClientError
 from tableclient.metrics import GatherRecorder, metrics
-from tableclient.rowids import dedup, in_range, prepare_out, to_row_ids
+from tableclient.plan import GatherPlan, plan_gather
+from tableclient.rowids import in_range, prepare_out, to_row_ids
 from tableclient.transports.base import WriteGuard
 from tableserver.common.buffers import rows_buffer
 from tableserver.common.model import NO_LIMIT
@@ -230,21 +232,38 @@ class RemoteTable:
 
         On an error or timeout the gather is cancelled: rows arriving later never touch ``out``.
         ``hedge_after``: with replicas, re-issue on another one if still missing after this long.
+
+        The ids are checked and planned once (:func:`~tableclient.plan.plan_gather`); the direct path
+        and, when it does not take the gather, routing dispatch that plan (made again only where
+        routing's limits differ from the node's). The shm path stays apart on purpose: a local ``take``
+        from the mapped rows has nothing to deduplicate or split.
         """
         t0 = time.perf_counter()
         route = self.reader.route()
         if route.local is not None:  # shm: the rows are mapped here; one bounds-safe take, no round trip
             return self.take_local(route.local, row_ids, out, t0)
-        if route.node is not None and hedge_after is None and getattr(self._client, "hedge_after", None) is None:
-            result = self._gather_direct(route, row_ids, out, timeout, mode)
-            if result is not None:
-                return result
-        handle = self._submit(row_ids, out, True, mode, hedge_after)
+        mode, hedge_after = self._options(mode, hedge_after)
+        flat_ids, flat_out, result = self._checked(row_ids, out)
+        if flat_ids.size == 0:
+            return result
+        plan = None
+        if route.node is not None and hedge_after is None:
+            plan = self._plan(flat_ids, route.transport, mode, route.node.max_rows_per_request)
+            if len(plan.slices) == 1:
+                if self._gather_direct(route, plan, flat_out, timeout, mode, t0):
+                    return result
+                t0 = time.perf_counter()  # the node failed it: routing issues it afresh
+        handle = self._submit(flat_ids, flat_out, result, True, mode, hedge_after, t0, plan)
         try:
             return handle.wait(timeout)
         except BaseException:
             handle.cancel()
             raise
+
+    def _options(self, mode: str | None, hedge_after: float | None) -> tuple[str, float | None]:
+        """A gather's mode (checked; the table's by default) and hedge delay (the client's by default)."""
+        mode = self._mode(mode) if mode is not None else self.mode
+        return mode, hedge_after if hedge_after is not None else getattr(self._client, "hedge_after", None)
 
     def _checked(self, row_ids, out):
         """(flat int64 ids, flat output rows, what the caller gets back); ValueError (counted) if bad.
@@ -299,39 +318,28 @@ class RemoteTable:
             (self._shm_recorder or self._shm_instruments()).defer(n, n, dest.nbytes, time.perf_counter() - t0)
         return result
 
-    def _gather_direct(self, route, row_ids, out, timeout, mode):
-        """A synchronous gather sent straight to the one node that holds the whole table (tcp, rdma),
-        along the reader's ``route``: no routing objects, the caller's thread reads the answer, each
-        distinct row fetched once when dedup pays. None (nothing sent) when the gather needs several
-        requests, or when the node fails: the reader then marks it down and the caller re-issues the
-        gather through routing, on another replica."""
-        t0 = time.perf_counter()
-        info = self.info
-        transport = route.transport
-        mode = self._mode(mode) if mode is not None else self.mode
-        flat_ids, flat_out, result = self._checked(row_ids, out)
-        n = flat_ids.size
-        if n == 0:
-            return result
-        unique, inverse = dedup(flat_ids, transport.dedup_min_ids) if transport.dedups else (flat_ids, None)
-        if unique.size > min(route.node.max_rows_per_request, transport.request_rows(mode) or NO_LIMIT):
-            return None
+    def _gather_direct(self, route, plan: GatherPlan, flat_out, timeout, mode: str, t0: float) -> bool:
+        """``plan`` (one request) sent straight to the one node that holds the whole table (tcp, rdma),
+        along the reader's ``route``: no routing objects, the caller's thread reads the answer. True once
+        the rows are in ``flat_out``; False when the node fails: the reader then marks it down and the
+        caller re-issues the gather through routing, on another replica."""
+        transport, unique, inverse = route.transport, plan.unique, plan.inverse
         # rows of repeated ids are fetched once into scratch, then expanded into place
-        dest = flat_out if inverse is None else rows_buffer(unique.size, info.row_bytes)
+        dest = flat_out if inverse is None else rows_buffer(unique.size, self.info.row_bytes)
         try:
-            pending = transport.gather(route.index, unique, dest, True, mode)
+            (pending,) = self._send(transport, route.index, plan, dest, True, mode)
         except (GatherTimeout, RemoteError) as e:
             metrics().error(e)
             raise
         except TableClientError as e:
             self.reader.fail(route, e)
-            return None
+            return False
         try:
             pending.wait(timeout if timeout is not None else self.reader.request_timeout)
         except RemoteError as e:
             pending.cancel()  # a barrier: its rows never land after this
             if e.status == "IO_ERROR" and route.replicas > 1:  # that node's drive: routing asks another
-                return None
+                return False
             metrics().error(e)
             raise
         except GatherTimeout as e:
@@ -341,21 +349,26 @@ class RemoteTable:
         except TableClientError as e:
             pending.cancel()
             self.reader.fail(route, e)
-            return None
+            return False
         if inverse is not None:  # inverse indexes dest by construction
             take_checked(dest, inverse, flat_out)
         recorder = self._instruments(transport.name, mode if mode in transport.modes else "read")
-        recorder.defer(n, unique.size, dest.nbytes, time.perf_counter() - t0)
-        return result
+        recorder.defer(plan.ids.size, unique.size, dest.nbytes, time.perf_counter() - t0)
+        return True
 
     def gather_async(
         self, row_ids, out=None, mode: str | None = None, hedge_after: float | None = None
     ) -> GatherHandle:
         """Starts a gather and returns at once; ``handle.wait()`` returns the rows."""
+        t0 = time.perf_counter()
         route = self.reader.route()
         if route.local is not None:
             return self._gather_local_async(route.transport.take_async, route.local, row_ids, out, mode)
-        return self._submit(row_ids, out, False, mode, hedge_after)
+        mode, hedge_after = self._options(mode, hedge_after)
+        flat_ids, flat_out, result = self._checked(row_ids, out)
+        if flat_ids.size == 0:
+            return GatherHandle([], result)
+        return self._submit(flat_ids, flat_out, result, False, mode, hedge_after, t0)
 
     def _gather_local_async(self, take_async, local: np.ndarray, row_ids, out, mode: str | None) -> GatherHandle:
         """The shm path of ``gather_async``: the checks, then one take from the mapped rows queued on the
@@ -373,38 +386,37 @@ class RemoteTable:
         recorder.count(n, n, dest.nbytes)
         return GatherHandle([take_async(local, ids, dest)], result, None, n, t0, recorder)
 
-    def _submit(self, row_ids, out, sync: bool, mode: str | None, hedge_after: float | None = None) -> GatherHandle:
-        t0 = time.perf_counter()
-        if hedge_after is None:
-            hedge_after = getattr(self._client, "hedge_after", None)
-        mode = self._mode(mode) if mode is not None else self.mode
+    def _submit(
+        self,
+        flat_ids,
+        flat_out,
+        result,
+        sync: bool,
+        mode: str,
+        hedge_after: float | None,
+        t0: float,
+        plan: GatherPlan | None = None,
+    ) -> GatherHandle:
+        """The routed path: the plan of the checked ``flat_ids`` dispatched through the reader's transport
+        (routing: shards, replicas, fail-over, hedging), one request per slice. ``plan``: the one the direct
+        path made, dispatched as it is when routing's limits are the ones it was made for."""
         info = self.info
-        flat_ids, flat_out, result = self._checked(row_ids, out)
-        if flat_ids.size == 0:
-            return GatherHandle([], result)
         transport = self.reader.transport()
         recorder = self._instruments(transport.name, mode if mode in transport.modes else "read")
         try:
-            if transport.dedups:
-                unique, inverse = dedup(flat_ids, transport.dedup_min_ids)
-                if inverse is not None:
-                    recorder.count(flat_ids.size, unique.size, unique.size * info.row_bytes)
-                    if transport.expands and unique.size <= self._request_rows(transport, mode):
-                        # one request: the transport copies from its staging straight into out, expanded
-                        pending = transport.gather(info.index, unique, flat_out, sync, mode, expand=inverse)
-                        return GatherHandle([pending], result, None, flat_ids.size, t0, recorder)
-                    scratch = rows_buffer(unique.size, info.row_bytes)
-                    pendings = self._post(transport, unique, scratch, sync, mode, hedge_after)
-                    return GatherHandle(pendings, result, (scratch, inverse, flat_out), flat_ids.size, t0, recorder)
-            recorder.count(flat_ids.size, flat_ids.size, flat_out.nbytes)
-            return GatherHandle(
-                self._post(transport, flat_ids, flat_out, sync, mode, hedge_after),
-                result,
-                None,
-                flat_ids.size,
-                t0,
-                recorder,
-            )
+            plan = self._plan(flat_ids, transport, mode, self._client.max_rows_per_request, plan)
+            n, unique, inverse = plan.ids.size, plan.unique, plan.inverse
+            recorder.count(n, unique.size, unique.size * info.row_bytes)
+            if inverse is None:
+                pendings = self._send(transport, info.index, plan, flat_out, sync, mode, hedge_after)
+                return GatherHandle(pendings, result, None, n, t0, recorder)
+            if transport.expands and len(plan.slices) == 1:
+                # one request: the transport copies from its staging straight into out, expanded
+                pending = transport.gather(info.index, unique, flat_out, sync, mode, expand=inverse)
+                return GatherHandle([pending], result, None, n, t0, recorder)
+            scratch = rows_buffer(unique.size, info.row_bytes)
+            pendings = self._send(transport, info.index, plan, scratch, sync, mode, hedge_after)
+            return GatherHandle(pendings, result, (scratch, inverse, flat_out), n, t0, recorder)
         except Exception as e:
             metrics().error(e)
             raise
@@ -424,17 +436,24 @@ class RemoteTable:
             )
         return inst
 
-    def _request_rows(self, transport, mode: str) -> int:
-        """Most ids one request may carry: the session's limit and the transport's."""
-        return min(self._client.max_rows_per_request, transport.request_rows(mode) or NO_LIMIT)
+    @staticmethod
+    def _plan(flat_ids, transport, mode: str, session_rows: int, plan: GatherPlan | None = None) -> GatherPlan:
+        """The plan of ``flat_ids`` for ``transport``: its dedup, and requests within ``session_rows`` (the
+        session's limit) and its own limit for ``mode``. ``plan`` (of the same ids) when it was made for
+        those limits: ``plan_gather`` is pure, it would make the same one again."""
+        max_rows = min(session_rows, transport.request_rows(mode) or NO_LIMIT)
+        min_ids = transport.dedup_min_ids if transport.dedups else None
+        if plan is not None and plan.made_for(max_rows, min_ids):
+            return plan
+        return plan_gather(flat_ids, max_rows, min_ids)
 
-    def _post(
-        self, transport, ids: np.ndarray, out: np.ndarray, sync: bool, mode: str, hedge_after: float | None = None
-    ) -> list:
-        step = self._request_rows(transport, mode)
-        if ids.size <= step:
-            return [transport.gather(self.info.index, ids, out, sync, mode, hedge_after=hedge_after)]
+    @staticmethod
+    def _send(transport, index: int, plan: GatherPlan, dest, sync: bool, mode: str, hedge_after=None) -> list:
+        """One request per slice of ``plan``: ids ``unique[a:b]`` of table ``index`` (the transport's number
+        of it) into rows ``a:b`` of ``dest``; their pendings."""
+        unique = plan.unique
+        if len(plan.slices) == 1:
+            return [transport.gather(index, unique, dest, sync, mode, hedge_after=hedge_after)]
         return [
-            transport.gather(self.info.index, ids[a : a + step], out[a : a + step], sync, mode, hedge_after=hedge_after)
-            for a in range(0, ids.size, step)
+            transport.gather(index, unique[a:b], dest[a:b], sync, mode, hedge_after=hedge_after) for a, b in plan.slices
         ]

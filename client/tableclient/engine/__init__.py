@@ -3,13 +3,23 @@ uses and a second engine's adapter uses the same way.
 
 ``config`` (:class:`PluginConfig`: per-layer placement, addresses, failure policy, graph modes),
 ``rows`` (:class:`EngramRows`: one client and one step per tableserver, prefetch at step start, the
-packed rows a layer asks for; :func:`dequantize`), ``plugin`` (:class:`PluginState`, the entry
-point's start-up, :class:`PluginError`). The graph-safe step is ``tableclient.graphstep``.
-Nothing here imports an engine.
+packed rows a layer asks for; :func:`dequantize`, :func:`to_device`), ``plugin`` (:class:`PluginState`,
+the entry point's start-up, :class:`PluginError`). The graph-safe step is ``tableclient.graphstep``.
+Nothing here imports an engine. Their errors (:class:`ConfigError`, :class:`PluginError`,
+:class:`EngramRowsError`) are the client's: each derives from ``tableclient.errors.TableClientError``.
 """
 
 from tableclient.engine.config import ConfigError, PluginConfig
 from tableclient.engine.plugin import PluginError, PluginState
-from tableclient.engine.rows import EngramRows, EngramRowsError, dequantize
+from tableclient.engine.rows import EngramRows, EngramRowsError, dequantize, to_device
 
-__all__ = ["ConfigError", "PluginConfig", "PluginError", "PluginState", "EngramRows", "EngramRowsError", "dequantize"]
+__all__ = [
+    "ConfigError",
+    "PluginConfig",
+    "PluginError",
+    "PluginState",
+    "EngramRows",
+    "EngramRowsError",
+    "dequantize",
+    "to_device",
+]

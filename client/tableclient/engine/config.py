@@ -50,6 +50,7 @@ import os
 import tomllib
 from dataclasses import dataclass, field, fields
 
+from tableclient.errors import TableClientError
 from tableclient.model import WINDOWS_S
 
 PLACEMENTS = ("remote", "node", "local")
@@ -73,8 +74,9 @@ ENV = {
 }
 
 
-class ConfigError(ValueError):
-    """The plugin's configuration is invalid; the message names the key and the fix."""
+class ConfigError(TableClientError, ValueError):
+    """The plugin's configuration is invalid; the message names the key and the fix. The client's one
+    ConfigError (a TableClient's own options that are out of bounds raise plain ValueError)."""
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """What every engine adapter's plugin entry point does the same way: one process-wide state (the
-configuration and the :class:`EngramRows` built from it), and the start-up that turns a bad
-configuration or an engine the adapter cannot hook into one line.
+configuration, the :class:`EngramRows` built from it, and what the hooks know of the engine's objects),
+and the start-up that turns a bad configuration or an engine the adapter cannot hook into one line.
 
 An adapter supplies only what is its engine's: the version check and the hooks (``engage``).
 """
@@ -11,12 +11,14 @@ import importlib.metadata
 import inspect
 import logging
 import os
+import weakref
 
 from tableclient.engine.config import ConfigError, PluginConfig
 from tableclient.engine.rows import EngramRows, EngramRowsError
+from tableclient.errors import TableClientError
 
 
-class PluginError(RuntimeError):
+class PluginError(TableClientError, RuntimeError):
     """The plugin is enabled but cannot engage as configured; the message says why and what to do."""
 
 
@@ -74,13 +76,20 @@ def check_placement(cfg: PluginConfig, built: list, engine: str) -> list:
 
 
 class PluginState:
-    """This process's configuration and rows: the layers built from now on follow ``configure``."""
+    """This process's configuration and rows: the layers built from now on follow ``configure``.
+
+    It also keeps what the hooks know of the engine's modules (which Engram layer each was built as,
+    and which serve theirs from a tableserver), so the plugin never sets an attribute of its own on an
+    engine's object. The modules are held weakly: a model freed is forgotten."""
 
     def __init__(self, engine: str, dead_id: int | None = None):
         self.engine = engine
         self.dead_id = dead_id
         self.config: PluginConfig | None = None
         self._rows: EngramRows | None = None
+        self.hooks_in_place = False  # set by the adapter once its hooks are in place in this process
+        self._built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its layer id
+        self._served: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> the layer it serves
 
     def configure(self, cfg: PluginConfig, client_factory=None) -> EngramRows:
         """Makes ``cfg`` this process's configuration (the previous one's clients are closed)."""
@@ -103,6 +112,21 @@ class PluginState:
         """Whether ``layer`` reads its rows from a tableserver (placed ``remote`` or ``node``)."""
         cfg = self.config
         return cfg is not None and cfg.enabled and cfg.placement(layer) != "local"
+
+    def built(self, module, layer: int, served: bool = False) -> None:
+        """The hooks built the engine's ``module`` as Engram layer ``layer``; ``served``: it reads its rows
+        from a tableserver."""
+        self._built[module] = layer
+        if served:
+            self._served[module] = layer
+
+    def layer_of(self, module) -> int | None:
+        """The layer the hooks built ``module`` as; None for a module built without them."""
+        return self._built.get(module)
+
+    def served_layer(self, module) -> int | None:
+        """The layer ``module`` serves from a tableserver; None for a local one (or one the hooks did not build)."""
+        return self._served.get(module)
 
 
 def start(engine: str, file_var: str, engage, log: logging.Logger) -> bool:

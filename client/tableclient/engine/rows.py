@@ -19,7 +19,8 @@ buffers receive the rows.
   when the layer runs. Ids equal to the engine's ``dead_id`` (vLLM's ``DEAD_ID``, padding and dummy
   runs) are never sent: their rows come back as zeros.
 * :func:`dequantize` turns packed rows into bf16 with SGLang's arithmetic, or vLLM's
-  (``exponent_scales``: the scale byte is the float32 exponent field).
+  (``exponent_scales``: the scale byte is the float32 exponent field); :func:`to_device` copies them
+  to the device as fp8 values and e8m0 scales, for an engine that dequantizes there (SGLang).
 """
 
 from __future__ import annotations
@@ -31,12 +32,13 @@ import weakref
 from dataclasses import dataclass
 
 from tableclient.engine.config import PluginConfig
+from tableclient.errors import TableClientError
 from tableclient.model import ROWS_PER_TOKEN
 
 FP8_BLOCK = 32
 
 
-class EngramRowsError(RuntimeError):
+class EngramRowsError(TableClientError, RuntimeError):
     """A served layer cannot work as configured (wrong table, unreachable server); says what to fix."""
 
 
@@ -57,6 +59,19 @@ def dequantize(packed, dim: int, *, exponent_scales: bool = False):
         scale = packed[..., dim:].contiguous().view(torch.float8_e8m0fnu).float()
     values = weight.float().unflatten(-1, (-1, FP8_BLOCK)) * scale.unsqueeze(-1)
     return values.flatten(-2).to(torch.bfloat16)
+
+
+def to_device(packed, dim: int, device, stream):
+    """Host packed rows -> (device fp8 rows [N, dim], device e8m0 scales [N, dim/32], CUDA event), copied on
+    ``stream``: the layout SGLang's ``dequant_staged`` reads."""
+    import torch
+
+    with torch.cuda.stream(stream):
+        flat = packed.reshape(-1, packed.shape[-1]).to(device, non_blocking=True)
+        weight, scale = flat[:, :dim].contiguous(), flat[:, dim:].contiguous()
+        copied = torch.cuda.Event()
+        copied.record()
+    return weight, scale, copied
 
 
 @dataclass

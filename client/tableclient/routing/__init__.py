@@ -2,8 +2,9 @@
 
 One layer above the data transports, with their interface (:class:`Router`
 is a :class:`~tableclient.transports.base.ClientTransport` to the table
-layer): validation, dedup and request splitting stay where they are. The
-table layer and the step API read each table through its
+layer): validation, dedup and request splitting stay in the table layer, which
+dispatches its one gather plan (``tableclient.plan``) here as it dispatches it
+to a single node. The table layer and the step API read each table through its
 :class:`~tableclient.routing.reader.TableReader` (``Router.reader``).
 
 * **Membership**: the addresses a client is given (``a:7070,b:7070``, a list)

@@ -20,13 +20,18 @@ then ``backend.replay``). The plugin therefore works in two places:
 
 Refused at start-up: speculative decoding (its verify graphs hash blocks and commit after accept),
 two-batch overlap and PDMux (several graph sets per step, one staging).
+
+The hooks (``hooks``) call in here; nothing here imports them back (an import contract in setup.cfg):
+what both need is the engine-neutral core's (``tableclient.engine``), and a session's rows are the
+:class:`~tableclient.engine.rows.EngramRows` it was prepared with.
 """
 
 from __future__ import annotations
 
 import logging
 
-from tableclient.engine.rows import EngramRowsError
+from tableclient.engine.plugin import PluginError
+from tableclient.engine.rows import EngramRowsError, dequantize, to_device
 
 log = logging.getLogger("tableclient.sglang")
 
@@ -34,12 +39,13 @@ GRAPH_MODES = ("before_replay", "in_graph", "eager_break")
 
 
 class _Session:
-    """The decode graphs of one runner: what they touch, and where a capture or a replay stands."""
+    """The decode graphs of one runner: what they touch, and where a capture or a replay stands. ``rows``:
+    the process's :class:`~tableclient.engine.rows.EngramRows` they were prepared with."""
 
-    def __init__(self, runner, hasher, steps: dict, layers: dict, breakable: bool, max_tokens: int):
+    def __init__(self, runner, hasher, rows, steps: dict, layers: dict, breakable: bool, max_tokens: int):
         import torch
 
-        self.runner, self.hasher, self.steps, self.layers = runner, hasher, steps, layers
+        self.runner, self.hasher, self.rows, self.steps, self.layers = runner, hasher, rows, steps, layers
         self.breakable, self.max_tokens = breakable, max_tokens
         self.capturing = False  # inside DecodeCudaGraphRunner.capture (warm-ups and captures)
         self.peeking = False  # the hasher runs for the ids before a replay: no eager prefetch of its own
@@ -73,8 +79,6 @@ def capturing() -> bool:
 # ---------------------------------------------------------------------- start-up
 def check_runner(runner, modes: dict) -> None:
     """PluginError (naming the launch flag) for what served layers in decode graphs do not handle."""
-    from tableclient.sglang.hooks import PluginError
-
     spec = getattr(runner, "speculative_algorithm", None)
     if spec is not None and not (spec.is_none() if hasattr(spec, "is_none") else not spec):
         raise PluginError(
@@ -122,8 +126,6 @@ def prepare(runner, rows) -> _Session | None:
     import torch
     from sglang.srt.layers.engram import EngramHasher
 
-    from tableclient.sglang.hooks import PluginError
-
     old = session()
     if old is not None and old.runner is not runner:
         raise PluginError(
@@ -153,6 +155,7 @@ def prepare(runner, rows) -> _Session | None:
     s = _Session(
         runner,
         hashers[0],
+        rows,
         steps,
         dict(rows.layers),
         type(runner.backend).__name__ == "BreakableCudaGraphBackend",
@@ -250,8 +253,6 @@ def in_capture(s: _Session | None, forward_batch, indices) -> bool:
 def captured_rows(s: _Session, embed, layer: int, indices):
     """What a served layer's forward records in a capture: bf16 rows ``[*indices.shape, dim]`` from its
     staging (an in_graph layer waits for its flag first), dequantized as SGLang dequantizes staged rows."""
-    from tableclient.engine.rows import dequantize
-
     sl = s.layers[layer]
     tokens = indices.shape[0]
     if sl.graph_mode == "eager_break":
@@ -287,19 +288,20 @@ def _eager_rows(embed, layer: int, indices, out) -> None:
 
 
 def _fill_rows(embed, layer: int, indices, out) -> None:
-    from tableclient.sglang.hooks import rows, to_device
-
     s = session()
-    tokens = min(s.tokens if s is not None and not s.capturing else indices.shape[0], indices.shape[0])
+    if s is None:  # closed (the plugin configured again): the rows it was prepared with are gone
+        raise PluginError(
+            f"tableserver plugin: Engram layer {layer}: its decode CUDA graph was replayed after the plugin was "
+            "configured again: capture the graphs again"
+        )
+    tokens = min(indices.shape[0] if s.capturing else s.tokens, indices.shape[0])
     out.zero_()
     if tokens == 0:
         return
     import torch
 
-    packed = rows().fetch(layer, indices[:tokens], channel="forward")
+    packed = s.rows.fetch(layer, indices[:tokens], channel="forward")
     if not indices.is_cuda:
-        from tableclient.engine.rows import dequantize
-
         out[:tokens].copy_(dequantize(packed, embed.dim))
         return
     weight, scale, copied = to_device(packed, embed.dim, indices.device, torch.cuda.current_stream())

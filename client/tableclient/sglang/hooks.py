@@ -29,16 +29,24 @@ placed ``remote`` or ``node`` (a ``local`` layer passes through untouched):
 Any other captured graph (a non-breakable prefill graph) would replay
 capture-time rows: a served layer refuses to be captured there, naming the
 launch flag that avoids it.
+
+The plugin sets no attribute of its own on SGLang's objects: which layer an
+Engram module was built as, and whether it is served, is kept in the
+process's :class:`~tableclient.engine.plugin.PluginState`, and a stager's
+served columns in ``_stagers`` (both weakly held). The hooks set only the
+fields of SGLang's own that SGLang's code reads of the objects they build in
+its place (a served ``EngramEmbedding``, a stager).
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import weakref
 
 from tableclient.engine.config import PluginConfig
-from tableclient.engine.plugin import PluginError, check_layout, check_placement, check_release
-from tableclient.engine.rows import EngramRows, dequantize
+from tableclient.engine.plugin import PluginError, PluginState, check_layout, check_placement, check_release
+from tableclient.engine.rows import EngramRows, dequantize, to_device
 from tableclient.sglang import graphs
 
 log = logging.getLogger("tableclient.sglang")
@@ -55,32 +63,28 @@ GRAPH_ADVICE = (
     "launch SGLang with --cuda-graph-backend-prefill breakable (or disabled), or place the layer 'local'"
 )
 
-_state: dict = {"config": None, "rows": None, "registered": False}
+_state = PluginState("sglang")
+#: SGLang's scheduler-side stagers the plugin built -> per hash column, the served layer or None (local)
+_stagers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def config() -> PluginConfig | None:
-    return _state["config"]
+    return _state.config
 
 
 def rows() -> EngramRows:
-    if _state["rows"] is None:
-        raise PluginError("tableserver plugin: not configured (set TABLESERVER_ADDRESS)")
-    return _state["rows"]
+    return _state.rows()
 
 
 def configure(cfg: PluginConfig, client_factory=None) -> EngramRows:
-    """Makes ``cfg`` this process's configuration (layers built from now on follow it)."""
-    old = _state["rows"]
+    """Makes ``cfg`` this process's configuration (layers built from now on follow it); the decode graphs
+    of the previous one are closed first."""
     graphs.close()
-    if old is not None:
-        old.close()
-    _state["config"], _state["rows"] = cfg, EngramRows(cfg, client_factory, engine="sglang")
-    return _state["rows"]
+    return _state.configure(cfg, client_factory)
 
 
 def served(layer: int) -> bool:
-    cfg = config()
-    return cfg is not None and cfg.enabled and cfg.placement(layer) != "local"
+    return _state.served(layer)
 
 
 # ---------------------------------------------------------------------- registration
@@ -107,7 +111,7 @@ def check_sglang() -> str:
 
 def register_hooks() -> None:
     """Registers every hook with SGLang's HookRegistry and applies them now (once per process)."""
-    if _state["registered"]:
+    if _state.hooks_in_place:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -137,7 +141,7 @@ def register_hooks() -> None:
             raise PluginError(
                 f"tableserver plugin: SGLang did not apply the hook on {target} (see its log): the plugin cannot engage"
             )
-    _state["registered"] = True
+    _state.hooks_in_place = True
 
 
 def _wraps(fn, hook) -> bool:
@@ -176,7 +180,7 @@ def _embedding_init(original, self, num_embeddings, dim, layer_id, column_bounds
     self._sort_host_reads = False
     self.peer = None
     self.staged_by_scheduler = True  # a breakable prefill graph runs the lookup between its segments
-    self._tableserver_layer = layer_id
+    _state.built(self, layer_id, served=True)
     where = config().address if placement == "remote" else config().node_address
     log.info(
         "tableserver plugin: Engram layer %d reads table %r from %s (%s); no local table allocated",
@@ -188,15 +192,15 @@ def _embedding_init(original, self, num_embeddings, dim, layer_id, column_bounds
 
 
 def _engram_init(result, self, cfg, layer_id, layout, *args, **kwargs):
-    self._tableserver_layer_id = layer_id  # for the start-up check, local layers included
-    if getattr(self.embed, "_tableserver_layer", None) is not None:
+    _state.built(self, layer_id)  # for the start-up check, local layers included
+    if _state.served_layer(self.embed) is not None:
         rows().set_hash_index(layer_id, self.layer_hash_index)
 
 
 def _hasher_forward(result, self, input_ids, forward_batch, *args, **kwargs):
     """Step start: the step's row ids exist; fetch every served layer's rows now (eager steps), or, in a
     decode graph's capture, publish the in_graph layers' ids from within the graph."""
-    state = _state["rows"]
+    state = _state.rows() if _state.configured else None
     if state is None or not state.layers:
         return None
     session = graphs.session()
@@ -213,7 +217,7 @@ def _hasher_forward(result, self, input_ids, forward_batch, *args, **kwargs):
 
 
 def _embedding_forward(original, self, indices, *args, **kwargs):
-    layer = getattr(self, "_tableserver_layer", None)
+    layer = _state.served_layer(self)
     if layer is None:
         return original(self, indices, *args, **kwargs)
     forward_batch = kwargs.get("forward_batch", args[0] if args else None)
@@ -241,19 +245,6 @@ def served_rows(embed, layer: int, indices):
     return embed.dequant_staged(weight, scale, copied, indices.shape)
 
 
-def to_device(packed, dim: int, device, stream):
-    """Host packed rows -> (device fp8 rows [N, dim], device e8m0 scales [N, dim/32], CUDA event), copied on
-    ``stream``: the layout SGLang's ``dequant_staged`` reads."""
-    import torch
-
-    with torch.cuda.stream(stream):
-        flat = packed.reshape(-1, packed.shape[-1]).to(device, non_blocking=True)
-        weight, scale = flat[:, :dim].contiguous(), flat[:, dim:].contiguous()
-        copied = torch.cuda.Event()
-        copied.record()
-    return weight, scale, copied
-
-
 def _capturing(t) -> bool:
     import torch
 
@@ -263,7 +254,7 @@ def _capturing(t) -> bool:
 # ---------------------------------------------------------------------- decode CUDA graphs
 def _runner_capture(original, self, *args, **kwargs):
     """Before SGLang captures its decode graphs: everything they touch exists (graphs.prepare)."""
-    state = _state["rows"]
+    state = _state.rows() if _state.configured else None
     if state is None or not state.layers:
         return original(self, *args, **kwargs)
     session = graphs.prepare(self, state)
@@ -301,7 +292,7 @@ def _stager_from_model(original, cls, model, hasher, device):
     if config() is None or not config().enabled:
         return original(cls, model, hasher, device)
     _verify(engrams)
-    served_layers = [e for e in engrams if getattr(e.embed, "_tableserver_layer", None) is not None]
+    served_layers = [e for e in engrams if _state.served_layer(e.embed) is not None]
     if not served_layers:
         return original(cls, model, hasher, device)
     local = [e for e in engrams if e not in served_layers]
@@ -329,7 +320,7 @@ def _stager_from_model(original, cls, model, hasher, device):
     ]
     stager.pool = ThreadPoolExecutor(_GATHER_THREADS)
     stager.copy_stream = torch.cuda.Stream(stager.device)
-    stager._tableserver = [getattr(e.embed, "_tableserver_layer", None) for e in engrams]
+    _stagers[stager] = [_state.served_layer(e.embed) for e in engrams]
     for e in local:
         e.embed.enable_scheduler_staging()
     log.info("tableserver plugin: the scheduler stages extend batches' rows (served layers from the tableserver)")
@@ -339,16 +330,13 @@ def _stager_from_model(original, cls, model, hasher, device):
 def _verify(engrams) -> None:
     """Start-up check that each layer is where the configuration puts it; logs what is engaged."""
     cfg = config()
-    built = [
-        (getattr(e, "_tableserver_layer_id", None), getattr(e.embed, "_tableserver_layer", None) is not None)
-        for e in engrams
-    ]  # _tableserver_layer_id: set by the Engram.__init__ hook
+    built = [(_state.layer_of(e), _state.served_layer(e.embed) is not None) for e in engrams]  # as the hooks built them
     layers = check_placement(cfg, built, "SGLang")
     log.info("tableserver plugin engaged: %s", cfg.describe(layers))
 
 
 def _stager_stage(original, self, batch):
-    order = getattr(self, "_tableserver", None)
+    order = _stagers.get(self)
     if order is None:
         return original(self, batch)
     if not batch.forward_mode.is_extend_without_speculative():

@@ -27,6 +27,10 @@ Loading: the checkpoint's tensors of a served table are skipped before they are 
 safetensors iterator (``weight_utils.should_skip_weight``), shards holding nothing else are not opened
 by any load format (``is_unused_checkpoint_weight``), and ``load_weights`` drops whatever a whole-file
 load format read anyway, counts the served parameters as loaded, and runs the start-up check.
+
+The plugin sets no attribute of its own on vLLM's objects: the wrappers it put on vLLM are in
+``_wrappers``, and which layer an ``Engram`` was built as, and whether it is served, in the process's
+:class:`~tableclient.engine.plugin.PluginState` (weakly held).
 """
 
 from __future__ import annotations
@@ -145,6 +149,7 @@ def patch() -> None:
         engram.EngramBatch.create = staticmethod(_as_function(_batch_create, engram.EngramBatch.create))
     _eager["issue"] = eager(_issue)
     _eager["collect"] = eager(_collect)
+    _state.hooks_in_place = True
 
 
 def _as_function(hook, original):
@@ -167,7 +172,7 @@ def hooked(fn, hook) -> bool:
 # ---------------------------------------------------------------------- the layer
 def _create_embedding(original, self, layout, layer_hash_index):
     layer = layout.layer_ids[layer_hash_index]
-    self._tableserver_layer_id = layer  # every Engram, local ones too: the start-up check reads it
+    _state.built(self, layer)  # every Engram, local ones too: the start-up check reads it
     if not served(layer):
         return original(self, layout, layer_hash_index)
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
@@ -190,7 +195,7 @@ def _create_embedding(original, self, layout, layer_hash_index):
     )
     # the table must be this layer's (rows, row size) before anything else is built: EngramRowsError if not
     rows().add_layer(layer, placement, num_embeddings, layout.head_dim, columns=embed.part_n_hash_cols)
-    self._tableserver_layer = layer
+    _state.built(self, layer, served=True)
     log.info(
         "tableserver plugin: Engram layer %d reads table %r from %s (%s), hash columns %d..%d; no table allocated",
         layer,
@@ -236,16 +241,16 @@ def _batch_create(original, layers, max_tokens):
     served layer cannot join it (its rows are this replica's, whole per token)."""
     if (
         layers
-        and getattr(layers[0], "_tableserver_layer", None) is None
+        and _state.served_layer(layers[0]) is None
         and layers[0].embed_tokens.dp_size > 1
-        and any(getattr(layer, "_tableserver_layer", None) is not None for layer in layers)
+        and any(_state.served_layer(layer) is not None for layer in layers)
     ):
         raise PluginError(DP_MIX)
     return original(layers, max_tokens)
 
 
 def _prepare_embeddings(original, self, hash_ids):
-    layer = getattr(self, "_tableserver_layer", None)
+    layer = _state.served_layer(self)
     if layer is None:
         return original(self, hash_ids)
     assert self.staged_rows.shape[0] >= hash_ids.shape[0], "engram staging buffer too small"
@@ -254,7 +259,7 @@ def _prepare_embeddings(original, self, hash_ids):
 
 
 def _ready_rows(original, self, num_tokens):
-    layer = getattr(self, "_tableserver_layer", None)
+    layer = _state.served_layer(self)
     if layer is None:
         return original(self, num_tokens)
     rows_out = self.staged_rows[:num_tokens]
@@ -323,7 +328,7 @@ def _load_weights(original, self, weights):
     engrams = verify(self)
     if loaded is not None:
         for name, module in self.named_modules():
-            if module in engrams and getattr(module, "_tableserver_layer", None) is not None:
+            if module in engrams and _state.served_layer(module) is not None:
                 loaded |= {f"{name}.embed_tokens.{p}" for p, _ in module.embed_tokens.named_parameters()}
     return loaded
 
@@ -335,9 +340,7 @@ def verify(model) -> list:
     engram_cls = _modules()[0].Engram
     engrams = [m for m in model.modules() if isinstance(m, engram_cls)]
     cfg = config()
-    built = [
-        (getattr(e, "_tableserver_layer_id", None), getattr(e, "_tableserver_layer", None) is not None) for e in engrams
-    ]
+    built = [(_state.layer_of(e), _state.served_layer(e) is not None) for e in engrams]
     layers = check_placement(cfg, built, "vLLM")
     if any(served(x) for x in layers) and any(
         not served(x) and e.embed_tokens.dp_size > 1 for x, e in zip(layers, engrams)
