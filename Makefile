@@ -7,7 +7,8 @@ DEV := $(VENV)/.dev-installed
 # torch 2.13.0 is the CPU build this machine kind keeps on disk; newer picks a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test test-fast lint sanitize bench replay observe proto clean
+.PHONY: demo test test-fast test-unit test-daemon test-engines test-host test-deploy test-gpu lint sanitize bench replay \
+	observe proto clean
 
 $(BASE): setup.cfg pyproject.toml setup.py tableserver/common/_take.c tableserver/common/bufcheck.h client/tableclient/_flags.c \
 		$(wildcard tableserver/disk/_diskio_c/*.c tableserver/disk/_diskio_c/*.h)
@@ -24,8 +25,26 @@ $(DEV): $(BASE) tests/requirements-engines.txt
 demo: $(BASE)
 	$(BIN)/tableserver demo
 
-test: lint sanitize
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+# Every check CI runs (.ci/run), spread over the CPUs: the Soft-RoCE guest suite (GUEST_TEST, the longest
+# single test) starts first, in a pytest of its own; lint and the sanitizer job run side by side; then the
+# rest of the suite on TEST_WORKERS pytest-xdist workers, a file per worker at a time, files with slow tests
+# first (tests/conftest.py). The guest's output follows the rest's; the exit status is the first failure's.
+TEST_WORKERS ?= 2
+GUEST_TEST := tests/host/test_rdma_guest.py
+GUEST_LOG := build/guest-test.log
+test: $(DEV)
+	@mkdir -p build; \
+	$(BIN)/python -m pytest -p no:cacheprovider -q -rs $(GUEST_TEST) > $(GUEST_LOG) 2>&1 & guest=$$!; \
+	trap 'kill $$guest 2>/dev/null' INT TERM; \
+	$(MAKE) --no-print-directory -j2 --output-sync=target lint sanitize \
+	&& $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --ignore=$(GUEST_TEST) $(PYTEST_ARGS); rest=$$?; \
+	wait $$guest; guest_rc=$$?; \
+	echo "--- $(GUEST_TEST) (started first, beside the rest):"; cat $(GUEST_LOG); \
+	exit $$(( rest != 0 ? rest : guest_rc ))
+
+# One kind of tests (tests/<kind>/, the marker of the same name): make test-unit, test-daemon, ...
+test-unit test-daemon test-engines test-host test-deploy test-gpu: $(DEV)
+	$(BIN)/python -m pytest tests/$(@:test-%=%) $(PYTEST_ARGS)
 
 # The house plan (import contracts in setup.cfg) and ruff's lint and format check over every Python file
 lint: $(DEV)
@@ -40,7 +59,7 @@ sanitize: $(DEV)
 	$(BIN)/python tests/sanitize/run.py $(SANITIZE_ARGS)
 
 test-fast: $(DEV)
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
 
 bench: $(DEV)
 	$(BIN)/python bench/bench_transports.py
@@ -63,7 +82,7 @@ replay: $(DEV)
 observe: $(DEV)
 	$(BIN)/python bench/observe.py
 
-# Regenerate the committed gRPC stubs (tests/test_proto.py fails when they drift).
+# Regenerate the committed gRPC stubs (tests/unit/test_proto.py fails when they drift).
 proto: $(DEV)
 	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=. --grpc_python_out=. --pyi_out=. \
 		proto/tableserver/v1/tableserver.proto

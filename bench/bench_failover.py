@@ -3,7 +3,7 @@
 
     sudo python bench/bench_failover.py [--before 40] [--after 200] [--out bench/out]
 
-Three daemons and one serving worker (tests/decode_client.py), each in its own
+Three daemons and one serving worker (tests/support/decode_client.py), each in its own
 network namespace (root needed). The worker runs decode steps: both layers'
 gathers at step start, layer 1 waited at 0.3 ms and layer 14 at 9.3 ms of a
 simulated GPU timeline, every row checked against the table file. Once it has
@@ -25,7 +25,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "support")]
 
 import numpy as np  # noqa: E402
 

@@ -33,7 +33,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "support")]
 
 from common import rss_bytes, run_placements  # noqa: E402
 
@@ -72,8 +72,8 @@ def run_case(case: str, table: str, address: str, rows_per_layer: int) -> dict:
     import torchvision_cpu  # noqa: F401  (CPU torch: torchvision's op schemas)
     from sglang.srt.layers.engram import Engram, EngramHasher, EngramLayout, build_compressed_token_map
     from sglang.srt.runtime_context import get_parallel
+    from sglang_cpu import decode_batch, extend_batch, make_tokenizer
     from tableclient.sglang import PluginConfig, configure, hooks
-    from test_sglang_plugin import decode_batch, extend_batch, make_tokenizer
 
     from tableserver.tables.tablefile import read_header
 

@@ -4,7 +4,7 @@
     python bench/bench_vllm.py [--engram-vocab 80000] [--cases local,mixed,remote] [--out bench/out] [--json]
 
 vLLM 0.33.0's own Engram layers (``Engram``, ``ParallelEngramEmbedding``, ``NgramHashState``; on this
-CPU through Triton's interpreter, tests/vllm_cpu.py) are built for DeepSeek-V4.1's two Engram layers
+CPU through Triton's interpreter, tests/support/vllm_cpu.py) are built for DeepSeek-V4.1's two Engram layers
 (1 and 14, 24 hash columns of 256-dim FP8 rows + e8m0 scales) whose tables hold about 24 x
 --engram-vocab rows each, and loaded the way vLLM loads them: its safetensors iterator over a
 checkpoint on disk (the two tensors per layer, named as DeepSeek-V4.1's), its weights mapper, each
@@ -32,7 +32,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "support")]
 
 from common import rss_bytes, run_placements  # noqa: E402
 

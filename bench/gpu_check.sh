@@ -28,11 +28,11 @@ numpy.__version__, "cuda", torch.cuda.is_available() and torch.cuda.get_device_n
 rc=0
 # the step API's and the vLLM plugin's CUDA tests on their own (no engine needed): a collection error in the
 # SGLang modules must not stop them
-timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_step.py tests/test_vllm_gpu.py 2>&1 \
+timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -rs -p no:cacheprovider tests/daemon/test_step.py tests/gpu/test_vllm_gpu.py 2>&1 \
     | tee "$out/gpu_tests.log"
 [ "${PIPESTATUS[0]}" = 0 ] || rc=1
-timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -rs -p no:cacheprovider tests/test_sglang_gpu.py \
-    tests/test_sglang_plugin.py 2>&1 | tee -a "$out/gpu_tests.log"
+timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -rs -p no:cacheprovider tests/gpu/test_sglang_gpu.py \
+    tests/engines/sglang/test_sglang_plugin.py 2>&1 | tee -a "$out/gpu_tests.log"
 [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 timeout "${BENCH_TIMEOUT:-120}" python3 bench/bench_gpu.py --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench_gpu.log"
 [ "${PIPESTATUS[0]}" = 0 ] || rc=1

@@ -14,7 +14,7 @@ Then every PromQL query of deploy/grafana/dashboards/tableserver.json is evaluat
 
     python bench/observe.py [--seconds 40] [--out bench/out/dashboard.png]
 
-The test suite (tests/test_observability.py) uses the same pieces.
+The test suite (tests/daemon/test_observability.py) uses the same pieces.
 """
 
 from __future__ import annotations

@@ -19,18 +19,52 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from tableserver.ops.demo_run import serve_command
-from tableserver.tables.demo import DemoTable, write_demo_file
-from tableserver.tables.tablefile import read_header
+# The helpers every kind of test shares (daemon fixtures' helpers, the engines' CPU setups, scripted peers)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
+
+from tableserver.ops.demo_run import serve_command  # noqa: E402
+from tableserver.tables.demo import DemoTable, write_demo_file  # noqa: E402
+from tableserver.tables.tablefile import read_header  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IN_GUEST = os.environ.get("TABLESERVER_IN_GUEST") == "1"
 
-# Where vLLM is installed, its kernels run in Triton's interpreter on a CPU-only machine (tests/vllm_cpu.py).
-# Triton has to be in that mode before anything imports it, so before any test module is collected: SGLang's
-# modules import Triton too, and Triton's own library functions decorated before would not run interpreted.
-if not IN_GUEST and importlib.util.find_spec("vllm") is not None:
-    import vllm_cpu  # noqa: F401
+#: The kinds of tests, one folder each; a test gets its folder's marker (``pytest -m unit`` runs one kind).
+KINDS = ("unit", "daemon", "engines", "host", "deploy", "gpu")
+#: the kinds whose modules import an engine
+ENGINE_KINDS = ("engines", "gpu")
+
+
+def _kind(path) -> str:
+    return os.path.relpath(str(path), os.path.dirname(os.path.abspath(__file__))).split(os.sep)[0]
+
+
+def pytest_collect_file(file_path, parent):
+    """Where vLLM is installed, its kernels run in Triton's interpreter on a CPU-only machine
+    (tests/support/vllm_cpu.py). Triton has to be in that mode before anything imports it, so before the
+    first engine test module is collected: SGLang's modules import Triton too, and Triton's own library
+    functions decorated before would not run interpreted. A run without engine tests never pays for it."""
+    if (
+        not IN_GUEST
+        and _kind(file_path) in ENGINE_KINDS
+        and "vllm_cpu" not in sys.modules
+        and importlib.util.find_spec("vllm") is not None
+    ):
+        import vllm_cpu  # noqa: F401
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test gets its kind's marker; files with a slow test go first (a stable sort: the order inside a
+    file stays), so that spread over workers a file at a time (make test) the longest files start first."""
+    slow_files = set()
+    for item in items:
+        if _kind(item.path) in KINDS:
+            item.add_marker(_kind(item.path))
+        if item.get_closest_marker("slow"):
+            slow_files.add(item.path)
+    items.sort(key=lambda item: item.path not in slow_files)
+
+
 #: The bound on any wait for an event (a log line, a metric, a socket state, a process exit). Generous on
 #: purpose: each wait ends as soon as its event happens, so a busy machine makes a test slower, never red.
 EVENT_TIMEOUT = float(os.environ.get("TABLESERVER_TEST_EVENT_TIMEOUT", "600"))
@@ -40,7 +74,7 @@ TEST_LEASE = "120"
 #: sessions without one (tests_helpers.open_raw_session) and must not lose them on a busy machine.
 TEST_BIND_TIMEOUT = "3600"
 
-# tests/rdma needs a verbs device: it runs inside the Soft-RoCE guest (tests/test_rdma_guest.py
+# tests/rdma needs a verbs device: it runs inside the Soft-RoCE guest (tests/host/test_rdma_guest.py
 # boots it), never directly on the host, where it would only skip.
 collect_ignore = [] if IN_GUEST else ["rdma"]
 

@@ -10,7 +10,7 @@ before it. ``flush`` also runs inline once MAX_DEFERRED gathers wait, so memory 
 
 ``direct`` updates call prometheus_client's value objects (``_value.inc``, the histogram's
 ``_buckets``/``_sum``) where the installed version has them, and the public API otherwise;
-tests/test_units.py checks that both export the same samples.
+tests/unit/test_units.py checks that both export the same samples.
 """
 
 from __future__ import annotations

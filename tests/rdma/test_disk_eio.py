@@ -1,6 +1,6 @@
 """Disk tables on a failing drive: a device-mapper ``error`` target over some pages of a table's rows.
 
-Runs inside the QEMU guest with the RDMA suite (tests/test_rdma_guest.py boots it; the guest is root and its
+Runs inside the QEMU guest with the RDMA suite (tests/host/test_rdma_guest.py boots it; the guest is root and its
 initramfs loads dm-mod and loop, see vm.py): this machine's own kernel has no device-mapper. A table file is
 attached to a loop device; a dm device maps it ``linear`` everywhere except an ``error`` target over a few
 4 KiB pages inside one table's rows (and one page inside another's). Reads go through ``/dev/mapper/<name>``;

@@ -1,6 +1,6 @@
 """The rdma transport on a real verbs stack (Soft-RoCE rxe_lo in the QEMU guest).
 
-Run by tests/test_rdma_guest.py inside the guest; the server and every client
+Run by tests/host/test_rdma_guest.py inside the guest; the server and every client
 are separate processes; expected rows always come from the table file.
 """
 

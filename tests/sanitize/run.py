@@ -5,8 +5,8 @@
    and builds the extensions there in place with setup.py, CFLAGS/LDFLAGS adding the sanitizers: the
    .so files the rest of the suite imports, in the working tree, are never touched.
 2. Runs, with gcc's libasan and libubsan preloaded (Python itself is not instrumented) and the copy first
-   on PYTHONPATH: the extensions' unit tests (tests/test_take.py, tests/test_diskio.py, the flag wait's
-   test of tests/test_graphstep.py), then tests/sanitize/stress.py. Both refuse to run unless every
+   on PYTHONPATH: the extensions' unit tests (tests/unit/test_take.py, tests/daemon/test_diskio.py, the flag wait's
+   test of tests/daemon/test_graphstep.py), then tests/sanitize/stress.py. Both refuse to run unless every
    extension is imported from the copy and instrumented (tests/sanitize/sanitized_build.py).
 3. Fails on a non-zero exit, and on any sanitizer report: in the output, or in the report files that
    ASAN_OPTIONS/UBSAN_OPTIONS' log_path leaves (processes the tests start report there too).
@@ -36,9 +36,9 @@ SANITIZE = "-fsanitize=address,undefined"
 CFLAGS = f"{SANITIZE} -fno-omit-frame-pointer -fno-sanitize-recover=undefined -g"
 COPY = ("tableserver", "client", "tests", "setup.py", "setup.cfg", "pyproject.toml", "README.md")
 UNIT_TESTS = (
-    "tests/test_take.py",
-    "tests/test_diskio.py",
-    "tests/test_graphstep.py::test_the_flag_wait_is_native_where_required_and_checks_its_arguments",
+    "tests/unit/test_take.py",
+    "tests/daemon/test_diskio.py",
+    "tests/daemon/test_graphstep.py::test_the_flag_wait_is_native_where_required_and_checks_its_arguments",
 )
 EXTENSIONS = ("tableserver/disk/_diskio", "tableserver/common/_take", "client/tableclient/_flags")
 REPORT = re.compile(

@@ -10,7 +10,7 @@ Opening one is the same for all (``transports.open_transport``): an optional
 :meth:`ClientTransport.prepare` before the session opens (resources whose
 description OpenSession carries: rdma's QPs), then the constructor with the
 server's offer, all configured by one :class:`TransportOptions`. Overrides
-keep the base class's signatures exactly (tests/test_units.py checks).
+keep the base class's signatures exactly (tests/unit/test_units.py checks).
 
 Errors: a transport raises only tableclient errors (TransportUnavailable when
 it cannot serve this client, ConnectError/AuthError for a refused handshake,

@@ -1,8 +1,8 @@
 """One tensor-parallel rank of vLLM's Engram layers on the CPU (gloo), with and without the plugin.
 
-    python tests/vllm_ranks.py RANK WORLD PORT MODEL_DIR TABLE_FILE ADDRESS
+    python tests/support/vllm_ranks.py RANK WORLD PORT MODEL_DIR TABLE_FILE ADDRESS
 
-Started once per rank by tests/test_vllm_plugin.py. On each rank vLLM's own layers are built twice over
+Started once per rank by tests/engines/vllm/test_vllm_plugin.py. On each rank vLLM's own layers are built twice over
 the same tables, with vLLM's own (head-sharded) tables and with every layer served, without and with
 sequence parallelism, and the same steps go through both; prints one JSON line: per mode whether every
 output was bit-identical, and the hash columns this rank's served layers gathered.
@@ -14,7 +14,8 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # tests/support, tests (conftest)
 
 import vllm_cpu  # noqa: E402  (before vllm)
 

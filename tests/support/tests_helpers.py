@@ -1,4 +1,4 @@
-"""Helpers for tests that speak the data protocols by hand."""
+"""Helpers the daemon tests share: the data protocols spoken by hand, scrapes, cgroups, one-line CLI errors."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import grpc
 import numpy as np
 from conftest import EVENT_TIMEOUT
 from prometheus_client.parser import text_string_to_metric_families
+from tableclient import TableClient
 
 from tableserver.common.wire import HEADER, HEADER_BYTES, Status, hello_frame, recv_challenge, recv_exact
 from tableserver.v1 import tableserver_pb2 as pb
@@ -178,7 +179,7 @@ def run_fresh(code: str, env: dict, prelude: str = "") -> subprocess.CompletedPr
 
     environ = {k: v for k, v in os.environ.items() if not k.startswith("TABLESERVER_")}
     environ.update(env)
-    head = f"import sys; sys.path.insert(0, 'tests'); import {prelude}\n" if prelude else ""
+    head = f"import sys; sys.path[:0] = ['tests', 'tests/support']; import {prelude}\n" if prelude else ""
     return subprocess.run(
         [sys.executable, "-c", head + code],
         capture_output=True,
@@ -263,3 +264,37 @@ def client_rows(table: str, layer: int, transport: str) -> float:
 
     labels = {"table": table, "layer": str(layer), "transport": transport}
     return REGISTRY.get_sample_value("tableserver_client_rows_total", labels) or 0.0
+
+
+def assert_one_line_error(res, *needles, code=None):
+    assert res.returncode != 0 if code is None else res.returncode == code, res
+    err = res.stderr.strip().splitlines()
+    assert err, "no error printed"
+    last = err[-1]
+    assert last.startswith("tableserver: error: "), res.stderr
+    assert "Traceback" not in res.stderr
+    for n in needles:
+        assert n in last, last
+
+
+def assert_still_serving(daemon, demo_local):
+    for transport in ("tcp", "shm"):
+        with TableClient(daemon.address, transport=transport) as c:
+            ids = np.random.default_rng(0).integers(0, 50_000, (64, 24))
+            np.testing.assert_array_equal(c.table("engram.layer1").gather(ids), demo_local["engram.layer1"][ids])
+
+
+def tuple_of(hostport: str):
+    host, port = hostport.rsplit(":", 1)
+    return host, int(port)
+
+
+def parse_serve_flags(argv: list[str]):
+    """``argv`` parsed by the serve flags alone (tableserver.config.add_flags), as resolve() takes them."""
+    import argparse
+
+    from tableserver.config import add_flags
+
+    p = argparse.ArgumentParser()
+    add_flags(p)
+    return p.parse_args(argv)

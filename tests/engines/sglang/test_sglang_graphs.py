@@ -23,8 +23,7 @@ from sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend impor
     BreakableCudaGraphBackend,
 )
 from sglang.srt.model_executor.runner_backend.full_cuda_graph_backend import FullCudaGraphBackend  # noqa: E402
-from tableclient.sglang import graphs, hooks, rows  # noqa: E402
-from test_sglang_plugin import (  # noqa: E402,F401  (fixtures: one memory node and SGLang's plugin loading)
+from sglang_cpu import (  # noqa: E402,F401  (fixtures: one memory node and SGLang's plugin loading)
     HC,
     HIDDEN,
     assert_bit_identical,
@@ -38,6 +37,7 @@ from test_sglang_plugin import (  # noqa: E402,F401  (fixtures: one memory node 
     plugin,
     server_rows,
 )
+from tableclient.sglang import graphs, hooks, rows  # noqa: E402
 
 
 class _Model(torch.nn.Module):
@@ -170,7 +170,7 @@ def _graph_waits(layer: int, phase: str) -> float:
 
 
 def _local_outputs(model_config, engram_tables):
-    from test_sglang_plugin import run
+    from sglang_cpu import run
 
     return run(build(model_config, engram_tables))
 

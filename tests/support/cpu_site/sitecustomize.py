@@ -1,6 +1,6 @@
 """For the Python subprocesses vLLM starts during the CPU tests (its model registry inspects a model class
-in a fresh interpreter): before the first ``import torchvision``, what ``tests/torchvision_cpu.py`` does.
-tests/vllm_cpu.py puts this directory on PYTHONPATH; nothing else uses it."""
+in a fresh interpreter): before the first ``import torchvision``, what ``tests/support/torchvision_cpu.py`` does.
+tests/support/vllm_cpu.py puts this directory on PYTHONPATH; nothing else uses it."""
 
 import importlib.abc
 import os

@@ -8,7 +8,7 @@ import torch
 from conftest import local_tables, run_cli, start_daemon
 from safetensors.torch import save_file
 from tableclient import TableClient
-from test_faults import assert_one_line_error
+from tests_helpers import assert_one_line_error
 
 from tableserver.tables.tablefile import ENGRAM_DTYPE, read_header
 

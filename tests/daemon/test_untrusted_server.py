@@ -1,4 +1,4 @@
-"""The client trusts no server (issue 24): a scripted server (tests/hostile_server.py) speaking the real
+"""The client trusts no server (issue 24): a scripted server (tests/support/hostile_server.py) speaking the real
 gRPC API and data protocols misbehaves one way per case; the client, in a subprocess so a crash (SIGBUS,
 an abort) is seen, must end each in a TableClientError within the case's bound -- or, where the server
 also offers an honest path, be served bit-exact over it -- and hold no more fds or threads after its
@@ -32,7 +32,7 @@ SETTLE_S = 120.0
 CLIENT = r"""
 import gc, json, os, select, socket, sys, threading, time
 import numpy as np
-sys.path.insert(0, os.path.join(sys.argv[2], "tests"))
+sys.path.insert(0, os.path.join(sys.argv[2], "tests", "support"))
 from hostile_server import table_rows
 from tableclient import TableClient, TableClientError
 

@@ -1,7 +1,7 @@
 """Memory nodes and serving workers on separate hosts: each in its own network namespace.
 
 Three replicas (or 2 shards x 2 replicas) of one table file, each a real daemon serving tcp on its own
-address; the worker is tests/decode_client.py in a namespace of its own, running decode steps (both
+address; the worker is tests/support/decode_client.py in a namespace of its own, running decode steps (both
 layers at step start, hedged at half of each window) and checking every row against the file. Faults:
 kill -9, packets dropped (iptables DROP: silence) or rejected (REJECT: resets), SIGSTOP, a restart with
 other table data, shard nodes killed, DNS membership changes. After each, the worker must keep serving:

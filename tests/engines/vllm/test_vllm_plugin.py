@@ -4,7 +4,7 @@ Every module here is vLLM's: ``ModelConfig``/``VllmConfig`` of a DeepSeek-V4.1 m
 config class, its tokenizer), ``EngramLayout``, ``NgramHashState`` (the V2 runner's stateless hash,
 int32 ids, image spans dead), ``Engram`` and its ``ParallelEngramEmbedding`` (loaded through vLLM's
 weight loader), vLLM's process groups (gloo), its safetensors iterator and file filter. Their Triton
-kernels run in Triton's interpreter (tests/vllm_cpu.py). The hooks come from vLLM's real
+kernels run in Triton's interpreter (tests/support/vllm_cpu.py). The hooks come from vLLM's real
 ``load_general_plugins()``, which finds the ``tableserver`` entry point of this installed package.
 
 Two sets of layers are built over the same tables: one where vLLM holds its own table for every layer,
@@ -288,7 +288,7 @@ def test_dequantize_follows_vllms_scale_arithmetic():
 
 @pytest.mark.slow
 def test_tensor_and_sequence_parallel_ranks_gather_their_columns(model_dir, engram_tables, memnode):
-    """TP=2 in two processes over gloo (tests/vllm_ranks.py): each rank's served layers gather only its
+    """TP=2 in two processes over gloo (tests/support/vllm_ranks.py): each rank's served layers gather only its
     hash columns (12 of 24), and vLLM's own collectives join them, as for its head-sharded local tables;
     with sequence parallelism too. Every output bit-identical to vLLM's own tables on that rank."""
     import socket
@@ -299,7 +299,7 @@ def test_tensor_and_sequence_parallel_ranks_gather_their_columns(model_dir, engr
     argv = [str(port), model_dir[0], engram_tables, memnode.address]
     ranks = [
         subprocess.Popen(
-            [sys.executable, os.path.join(ROOT, "tests", "vllm_ranks.py"), str(rank), "2", *argv],
+            [sys.executable, os.path.join(ROOT, "tests", "support", "vllm_ranks.py"), str(rank), "2", *argv],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

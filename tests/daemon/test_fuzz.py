@@ -2,7 +2,7 @@
 surfaces a peer or a file controls, and the server still serves bit-exact afterwards.
 
 * tcp data frames (>= 84,000 frames): every byte stream is checked against a model of the protocol
-  (tests/test_fuzz.py:expected_responses): the server's answers are exactly what the protocol says,
+  (tests/daemon/test_fuzz.py:expected_responses): the server's answers are exactly what the protocol says,
   OK rows are bit-exact, and a malformed frame ends only its own connection.
 * gRPC requests (>= 10,000): structured and raw-bytes requests to every method; each gets a status.
 * table-file and safetensors headers (>= 12,000): each is a table or a one-line TableServerError.
@@ -24,8 +24,7 @@ import pytest
 from conftest import EVENT_TIMEOUT
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_faults import assert_still_serving, tuple_of
-from tests_helpers import open_raw_session, tcp_hello
+from tests_helpers import assert_still_serving, open_raw_session, tcp_hello, tuple_of
 
 from tableserver.common.wire import HEADER, HEADER_BYTES, REQUEST_MAGIC, RESPONSE_MAGIC, FrameType, Status
 from tableserver.errors import TableServerError

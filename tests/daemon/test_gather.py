@@ -101,6 +101,27 @@ def test_other_integer_dtypes(client, demo_local):
     np.testing.assert_array_equal(table.gather([1, 2, 3]), demo_local[table.name][[1, 2, 3]])
 
 
+def test_torch_ids_and_outputs_are_checked_as_numpys_are():
+    """The table layer's checks on torch tensors, before any request: float ids refused, integer ids
+    taken as int64, an output made as a torch tensor when torch came in, a torch output of another dtype
+    refused; the pinned rows buffer starts OFFSET bytes into a page."""
+    from tableclient.rowids import prepare_out, to_row_ids
+
+    from tableserver.common.buffers import OFFSET, PAGE, pinned_rows_buffer
+
+    with pytest.raises(ValueError, match="must be integers"):
+        to_row_ids(torch.tensor([1.0]), 10, "t")
+    ids, torch_in = to_row_ids(torch.arange(4), 10, "t")
+    assert torch_in and ids.dtype == np.int64 and ids.tolist() == [0, 1, 2, 3]
+    _, res = prepare_out(None, (2,), 8, torch_in=True)
+    assert isinstance(res, torch.Tensor)
+    with pytest.raises(ValueError):
+        prepare_out(torch.zeros((2, 3, 8), dtype=torch.int16), (2, 3), 8, torch_in=False)
+    t = pinned_rows_buffer(torch, (8, 24), 264, pin=False)
+    assert tuple(t.shape) == (8, 24, 264) and t.data_ptr() % PAGE == OFFSET and t.is_contiguous()
+    assert t.numpy().ctypes.data == t.data_ptr()
+
+
 def test_torch_in_torch_out(client, demo_local):
     table = client.table("engram.layer1")
     ids = torch.randint(0, table.rows, (8, 24), dtype=torch.int64)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A serving worker's Engram reads, as a separate process: decode steps until told to stop.
 
-    python tests/decode_client.py --address A --tables FILE --progress P.json --stop STOPFILE
+    python tests/support/decode_client.py --address A --tables FILE --progress P.json --stop STOPFILE
                                   [--batch 64] [--no-hedge] [--client-id ID] [--gap 0.02]
 
 Every step issues both layers' gathers at step start (the step API, hedged at
@@ -22,8 +22,8 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "support")]
 
 import numpy as np  # noqa: E402
 from tableclient import TableClient  # noqa: E402

@@ -7,7 +7,7 @@ import pytest
 from conftest import local_tables, run_cli, start_daemon
 from tableclient import ConnectError, TableClient
 from tableclient.node import NodeOptions, NodeSession
-from test_faults import assert_one_line_error
+from tests_helpers import assert_one_line_error
 
 from tableserver.tables.demo import DemoRows, DemoTable
 from tableserver.tables.tablefile import TableFileWriter, read_header

@@ -2,7 +2,7 @@
 staging of extend batches (copies on its side stream), and CUDA-graph capture refused for served layers.
 
 Runs only where CUDA is (the device machine); skipped elsewhere, which the skip line says. Reuses the
-CPU test's models, tables and forward batches (tests/test_sglang_plugin.py), moved to the GPU.
+CPU tests' models, tables and forward batches (tests/support/sglang_cpu.py), moved to the GPU.
 """
 
 from __future__ import annotations
@@ -13,7 +13,10 @@ import numpy as np
 import pytest
 import torch
 import torchvision_cpu  # noqa: F401
-from test_sglang_plugin import (  # noqa: F401  (fixtures)
+
+pytest.importorskip("sglang.srt.layers.engram")  # the device machine has no SGLang wheel
+
+from sglang_cpu import (  # noqa: E402,F401  (fixtures)
     HC,
     HIDDEN,
     LAYERS,

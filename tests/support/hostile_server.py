@@ -1,4 +1,4 @@
-"""A scripted tableserver for the hostile-server suite (tests/test_hostile_server.py).
+"""A scripted tableserver for the hostile-server suite (tests/daemon/test_untrusted_server.py).
 
 It speaks the real protocols -- the gRPC API (the generated stubs of proto/tableserver/v1), the tcp data
 port's frames and the shm socket's handshake (tableserver/common/wire.py) -- and serves one small table

@@ -186,7 +186,7 @@ def test_image_tokens_and_multimodal_pads_block_as_sglang_hashes_them(seed, leng
     """SGLang's EngramHasher.hash_windows (its real class and normalizing tokenizer map) is the oracle."""
     from sglang.srt.layers.engram import EngramHasher as SGLangHasher
     from sglang.srt.layers.engram import EngramLayout, build_compressed_token_map
-    from test_sglang_plugin import make_tokenizer
+    from sglang_cpu import make_tokenizer
 
     tokenizer = make_tokenizer()
     token_map, compressed = build_compressed_token_map(tokenizer)

@@ -178,7 +178,7 @@ class Cluster:
 
 
 class Worker:
-    """tests/decode_client.py on its own host."""
+    """tests/support/decode_client.py on its own host."""
 
     def __init__(self, hosts, host: str, address: str, table: str, workdir: str, client_id: str, *extra: str):
         self.progress_path = os.path.join(workdir, f"{client_id}.json")
@@ -189,7 +189,7 @@ class Worker:
                 host,
                 [
                     sys.executable,
-                    os.path.join(ROOT, "tests", "decode_client.py"),
+                    os.path.join(ROOT, "tests", "support", "decode_client.py"),
                     "--address",
                     address,
                     "--tables",

@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 from conftest import EVENT_TIMEOUT, wait_for
 from tableclient import ConnectError, TableClient
-from test_faults import assert_still_serving, tuple_of
-from tests_helpers import open_raw_session, tcp_hello
+from tests_helpers import assert_still_serving, open_raw_session, tcp_hello, tuple_of
 
 from tableserver.common.wire import REQUEST_MAGIC, FrameType, HandshakeRefused, Status, recv_challenge
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import EVENT_TIMEOUT, ROOT, run_cli, start_daemon, wait_for
 from tableclient import RemoteError, TableClient, TransportError
-from tests_helpers import open_raw_session, tcp_hello
+from tests_helpers import assert_one_line_error, assert_still_serving, open_raw_session, tcp_hello, tuple_of
 
 from tableserver.common.wire import (
     HEADER,
@@ -27,18 +27,6 @@ from tableserver.common.wire import (
 )
 from tableserver.tables.demo import DemoTable, write_demo_file
 from tableserver.tables.tablefile import TableFileWriter, TableSpec
-
-
-def assert_one_line_error(res, *needles, code=None):
-    assert res.returncode != 0 if code is None else res.returncode == code, res
-    err = res.stderr.strip().splitlines()
-    assert err, "no error printed"
-    last = err[-1]
-    assert last.startswith("tableserver: error: "), res.stderr
-    assert "Traceback" not in res.stderr
-    for n in needles:
-        assert n in last, last
-
 
 # ------------------------------------------------------------------ the CLI
 
@@ -197,13 +185,6 @@ def read_response(s):
     return Status(status), bytes(body)
 
 
-def assert_still_serving(daemon, demo_local):
-    for transport in ("tcp", "shm"):
-        with TableClient(daemon.address, transport=transport) as c:
-            ids = np.random.default_rng(0).integers(0, 50_000, (64, 24))
-            np.testing.assert_array_equal(c.table("engram.layer1").gather(ids), demo_local["engram.layer1"][ids])
-
-
 def test_malformed_frames_close_only_that_connection(daemon, demo_local):
     with socket.create_connection(tuple_of(daemon.ready["tcp"])) as s:  # garbage
         recv_challenge(s)
@@ -226,11 +207,6 @@ def test_malformed_frames_close_only_that_connection(daemon, demo_local):
         status, body = read_response(s)
         assert status == Status.TOO_MANY_ROWS and b"split" in body
     assert_still_serving(daemon, demo_local)
-
-
-def tuple_of(hostport: str):
-    host, port = hostport.rsplit(":", 1)
-    return host, int(port)
 
 
 def test_recoverable_errors_keep_the_connection(daemon, demo_local):

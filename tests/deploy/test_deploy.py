@@ -94,7 +94,7 @@ def test_a_cgroup_memory_limit_fails_before_loading(tmp_path):
 
     import pytest
     from conftest import ROOT
-    from test_faults import assert_one_line_error
+    from tests_helpers import assert_one_line_error
 
     from tableserver.tables.demo import DemoTable, write_demo_file
 
