@@ -29,7 +29,7 @@ demo: $(BASE)
 # single test) starts first, in a pytest of its own; lint and the sanitizer job run side by side; then the
 # rest of the suite on TEST_WORKERS pytest-xdist workers, a file per worker at a time, files with slow tests
 # first (tests/conftest.py). The guest's output follows the rest's; the exit status is the first failure's.
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 GUEST_TEST := tests/host/test_rdma_guest.py
 GUEST_LOG := build/guest-test.log
 test: $(DEV)

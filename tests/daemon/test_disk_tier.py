@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from conftest import local_tables, run_cli, start_daemon
+from conftest import EVENT_TIMEOUT, local_tables, run_cli, start_daemon
 from tableclient import RemoteError, TableClient
 from tests_helpers import open_raw_session, scrape, tcp_hello, value
 
@@ -192,7 +192,7 @@ def test_rss_bounded_while_16_clients_gather(tmp_path):
             time.sleep(0.1)
         stop.set()
         for t in threads:
-            t.join(60)
+            t.join(EVENT_TIMEOUT)
         assert not errors, errors[:3]
         grown = max(peak) - at_ready
         assert grown < 0.05 * table_bytes, f"RSS grew {grown >> 20} MiB serving a {table_bytes >> 20} MiB disk table"

@@ -20,6 +20,7 @@ import threading
 
 import numpy as np
 import pytest
+from conftest import EVENT_TIMEOUT
 
 from tableserver.disk import reader as diskio
 from tableserver.disk.plan import MAX_RUN_PAGES
@@ -716,7 +717,7 @@ def test_native_engine_getters_and_calls_during_and_after_close(mode):
             time.sleep(0.005)  # the threads go on calling the closed engine
             stop.set()
             for th in threads:
-                th.join(30)
+                th.join(EVENT_TIMEOUT)
                 assert not th.is_alive()
             assert not errors, errors
             assert closes and all(c is True for c in closes), closes  # nothing held: freed, and both say so

@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import EVENT_TIMEOUT
 
 from tableserver.common.wire import Refused
 from tableserver.disk.queue import EXPRESS_SHARE, DiskBudget, DiskQueue
@@ -227,8 +228,8 @@ def test_close_waits_for_the_gather_running_on_the_reader(table_file):
     c.start()
     time.sleep(0.3)
     engine._fault(0, 0)
-    g.join(60)
-    c.join(60)
+    g.join(EVENT_TIMEOUT)
+    c.join(EVENT_TIMEOUT)
     assert "error" not in got, got.get("error")
     np.testing.assert_array_equal(got["rows"], data[ids])
     assert closed["at"] >= got["ended"]
@@ -271,5 +272,5 @@ def test_a_long_gather_progresses_under_steady_small_gathers(table_file):
         finally:
             stop.set()
             for t in threads:
-                t.join(30)
+                t.join(EVENT_TIMEOUT)
             q.close()

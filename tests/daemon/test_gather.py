@@ -285,7 +285,8 @@ def test_tcp_sync_and_async_gathers_from_many_threads(daemon, demo_local, busy_p
     asynchronous ones by the receiver thread, responses in order between them; every row bit-exact."""
     import threading
 
-    with TableClient(daemon.address, transport="tcp", busy_poll=busy_poll) as c:
+    # liveness: a busy machine (the suite on every CPU) must not make this a fail-over test
+    with TableClient(daemon.address, transport="tcp", busy_poll=busy_poll, liveness_timeout=600.0) as c:
         table = c.table("engram.layer1")
         expect = demo_local[table.name]
         errors = []
@@ -312,7 +313,7 @@ def test_tcp_sync_and_async_gathers_from_many_threads(daemon, demo_local, busy_p
         for t in threads:
             t.start()
         for t in threads:
-            t.join(120)
+            t.join(EVENT_TIMEOUT)
         assert not errors, errors[0]
         assert not any(t.is_alive() for t in threads)
 

@@ -375,7 +375,7 @@ def test_a_gather_waiting_when_the_client_closes_ends(tmp_path, v1):
         t.start()
         time.sleep(0.5)  # the gather is in flight on the frozen primary
         c.close()
-        t.join(60)
+        t.join(EVENT_TIMEOUT)
         assert not t.is_alive(), f"the gather still waits after close ({primary})"
         assert isinstance(outcome["r"], TableClientError), outcome
         other = b if frozen is a else a  # before: ~100 sessions opened with it after close, until rate-limited

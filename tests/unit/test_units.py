@@ -8,6 +8,7 @@ import socket
 
 import numpy as np
 import pytest
+from conftest import EVENT_TIMEOUT
 from tableclient.rowids import dedup, prepare_out, to_row_ids
 
 from tableserver.common.wire import HEADER, FrameType, Status, recv_exact, request_header, response_header, send_all
@@ -357,7 +358,7 @@ def test_flag_wakes_every_waiter_and_times_out():
     flag.set()
     flag.set()  # idempotent
     for t in waiters:
-        t.join(10)
+        t.join(EVENT_TIMEOUT)
     assert woken == [True] * 4 and flag.wait() and flag.wait(0) and flag.is_set()
 
 
@@ -423,6 +424,6 @@ def test_a_flush_waits_for_one_in_progress():
     second.join(0.2)
     assert second.is_alive()  # waits for the first ...
     recorder._applying.release()
-    second.join(30)
+    second.join(EVENT_TIMEOUT)
     assert not second.is_alive() and not recorder._deferred  # ... then applies what it found
     assert recorder.counters[0]._value.get() == 1
