@@ -101,6 +101,42 @@ def test_other_integer_dtypes(client, demo_local):
     np.testing.assert_array_equal(table.gather([1, 2, 3]), demo_local[table.name][[1, 2, 3]])
 
 
+def test_an_async_gather_another_thread_read_leaves_the_receiver_its_count(daemon, demo_local, monkeypatch):
+    """Between an async gather's send and its hand-over to the receiver thread, another thread's synchronous
+    read can take its response (responses come in order). That read used to count the request off the
+    receiver's before the hand-over counted it on: the count went below zero, and the receiver slept
+    through the next asynchronous request, whose waiter hung (seen once in a busy CI run)."""
+    import threading
+
+    from tableclient.transports import tcp
+
+    hand_over = tcp.TcpTransport._hand_over
+    paused, go = threading.Event(), threading.Event()
+
+    def slow_hand_over(self, p):
+        if threading.current_thread().name == "first-async":  # sent, not yet handed over: held here
+            paused.set()
+            go.wait(EVENT_TIMEOUT)
+        return hand_over(self, p)
+
+    monkeypatch.setattr(tcp.TcpTransport, "_hand_over", slow_hand_over)
+    with TableClient(daemon.address, transport="tcp", liveness_timeout=600.0) as c:
+        table = c.table("engram.layer1")
+        expect = demo_local[table.name]
+        rng = np.random.default_rng(9)
+        first, second, third = (rng.integers(0, table.rows, 500) for _ in range(3))
+        box = {}
+        t = threading.Thread(target=lambda: box.setdefault("h", table.gather_async(first)), name="first-async")
+        t.start()
+        assert paused.wait(EVENT_TIMEOUT)
+        np.testing.assert_array_equal(table.gather(second), expect[second])  # reads the first response too
+        go.set()
+        t.join(EVENT_TIMEOUT)
+        np.testing.assert_array_equal(box["h"].wait(timeout=EVENT_TIMEOUT), expect[first])
+        # the receiver thread must read this one (before the fix it slept: GatherTimeout)
+        np.testing.assert_array_equal(table.gather_async(third).wait(timeout=30.0), expect[third])
+
+
 def test_torch_ids_and_outputs_are_checked_as_numpys_are():
     """The table layer's checks on torch tensors, before any request: float ids refused, integer ids
     taken as int64, an output made as a torch tensor when torch came in, a torch output of another dtype

@@ -249,7 +249,9 @@ class TcpTransport(ClientTransport):
         with self._send_lock:
             if self._error is not None:
                 raise self._error
-            p = _TcpPending(out, next(self._ids), self, sync)
+            # Synchronous until handed over: another thread's read may complete it before the hand-over,
+            # which must then count nothing (the receiver counts exactly the async requests not done)
+            p = _TcpPending(out, next(self._ids), self, True)
             self._pending.append(p)  # before sending: a reader may see the answer at once
             sent = 0  # > 0 once (part of) the frame may be on the wire
             try:
