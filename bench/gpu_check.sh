@@ -14,6 +14,16 @@
 # tests/requirements-engines.txt that the machine's Python lacks. SGLang 0.5.23's CUDA code paths import
 # sglang-kernel 0.4.10 and sgl-deep-gemm at load time (compiled for the torch 2.14.1 it pins): without
 # them its Engram modules cannot load on a GPU, and the SGLang tests here fail at collection or setup.
+#
+# Notes, not run here (issue 38): the measured figure behind `make replay`'s host KV model (bench/kv_model.py)
+# needs a machine that holds DeepSeek-V4.1 and its tables (8 GPUs of ~140 GB, a host of ~1 TiB). Serve it twice
+# and replay the same multi-turn agent trace against each with SGLang's own bench (prefix hit rate, TTFT p50/p90,
+# output throughput); G is the KV size SGLang logs per rank ("KV Cache is allocated ... KV size: G GB"):
+#   SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE=1 python -m sglang.launch_server --model-path deepseek-ai/DeepSeek-V4.1-Flash \
+#       --tp 8 --enable-hierarchical-cache --hicache-ratio R0   # R0: `tableserver plan --placement 1=local,14=local --kv-pool-gib G`
+#   eval "$(tableserver plan --placement bench/out/placement.toml --kv-pool-gib G | tail -1)"   # tables served, plan's flags
+#   python -m sglang.benchmark.serving --backend sglang-oai-chat --dataset-name agentic-trace --dataset-path TRACE.json \
+#       --num-prompts 200 --agentic-max-turns 30
 set -u
 out=${1:-bench/out}
 mkdir -p "$out"

@@ -42,6 +42,14 @@ for a served layer whose read p99 takes at most half its window (the rest is lef
 for the flag round trips between the graph and the poller and a late wake-up),
 ``before_replay`` otherwise. Point ``TABLESERVER_SGLANG_CONFIG`` at it, or copy
 its tables into the deployment's plugin configuration.
+
+6. **The freed memory**: beside the placement, ``tableserver plan``'s plan for it
+   (tableserver/ops/launch_plan.py: what the tables take on the serving host, the
+   host KV cache flags, the engine's checks), for the engine and layout of
+   ``--plan-engine``, ``--plan-tp``, ``--plan-dp``, a device KV pool per rank of
+   ``--plan-kv-pool-gib`` (an assumption: pass the figure your engine logs) and this
+   host's memory (``--plan-host-memory-gib`` for the serving host's), then the host
+   KV model at its ratios (bench/kv_model.py: a model, its assumptions printed).
 """
 
 from __future__ import annotations
@@ -88,6 +96,8 @@ DISK_OPTIONS = (("shm", "disk-shm"), ("tcp", "disk-tcp"))
 
 #: an in_graph layer's read p99 may take this share of its window (the rest: flag round trips, wake-ups)
 IN_GRAPH_SHARE = 0.5
+#: the serving host the KV model falls back to where the plan does not fit this host (GiB)
+REFERENCE_HOST_GIB = 1024
 
 
 def graph_mode(read_p99: float, window: float) -> str:
@@ -281,6 +291,15 @@ def main() -> int:
         default=0,
         help="batch size placement.toml is written for (default: the largest of --batches)",
     )
+    ap.add_argument("--plan-engine", choices=("sglang", "vllm"), default="sglang", help="the plan's engine")
+    ap.add_argument("--plan-tp", type=int, default=8, help="the plan's tensor-parallel ranks (default 8)")
+    ap.add_argument("--plan-dp", type=int, default=1, help="the plan's data-parallel replicas (default 1)")
+    ap.add_argument(
+        "--plan-kv-pool-gib", type=float, default=40.0, help="device KV pool per rank (default 40, an assumption)"
+    )
+    ap.add_argument(
+        "--plan-host-memory-gib", type=float, default=None, help="the serving host's memory (default: this host's)"
+    )
     args = ap.parse_args()
     disk_layers = {int(x) for x in args.disk_layers.split(",") if x}
     batches = [int(b) for b in args.batches.split(",")]
@@ -460,6 +479,7 @@ def main() -> int:
             if disk_proc is not None:
                 disk_proc.terminate()
                 disk_proc.wait(30)
+    lines += plan_beside(picks, os.path.join(args.out, "placement.toml"), args)
     report = "\n".join(lines)
     print(report)
     with open(os.path.join(args.out, "replay.txt"), "w") as f:
@@ -476,6 +496,45 @@ def main() -> int:
         )
     )
     return 0
+
+
+def plan_beside(picks: dict, path: str, args) -> list:
+    """``tableserver plan`` for the recommended placement (``picks`` {layer: option}, written to ``path``), and
+    the host KV model at its ratios: with the engine's own tables on the host, and with the placement."""
+    from kv_model import report as kv_report
+
+    from tableserver.common.hostmem import GIB, Parallel
+    from tableserver.ops.launch_plan import PlanRequest, host_memory_bytes, make_plan, render
+
+    placement = {layer: PLACEMENT[pick] for layer, pick in picks.items()}
+    layout = Parallel(args.plan_engine, args.plan_tp, args.plan_dp)
+    kv_pool = int(args.plan_kv_pool_gib * GIB)
+
+    def plan_for(host: int, label: str):
+        return make_plan(PlanRequest(layout, placement, host, kv_pool, placement_file=path, host_label=label))
+
+    if args.plan_host_memory_gib:
+        plan = plan_for(int(args.plan_host_memory_gib * GIB), "--plan-host-memory-gib")
+    else:
+        plan = plan_for(host_memory_bytes(), "MemTotal of this host")
+    lines = [
+        "",
+        f"the plan beside this placement (tableserver plan --placement {path} --engine {args.plan_engine} "
+        f"--tp {args.plan_tp} --dp {args.plan_dp} --kv-pool-gib {args.plan_kv_pool_gib:g}; the device KV pool is "
+        "an assumption: pass the figure your engine logs, --plan-kv-pool-gib):",
+        render(plan),
+    ]
+    if not plan.fits:
+        plan = plan_for(REFERENCE_HOST_GIB * GIB, "a reference serving host")
+        lines.append(
+            f"(the plan does not fit this host: the model below is for a {REFERENCE_HOST_GIB} GiB serving host, "
+            f"whose plan gives --hicache-ratio {plan.ratio:.2f}; --plan-host-memory-gib sets yours)"
+        )
+    ratios = {
+        "+ host KV, tables on the host": plan.baseline_host_kv_per_rank / kv_pool,
+        "+ host KV, tables served": plan.host_kv_per_rank / kv_pool,
+    }
+    return lines + ["", kv_report(kv_pool, ratios)]
 
 
 def _plot(cdf: dict, path: str) -> None:

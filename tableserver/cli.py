@@ -8,6 +8,7 @@
     tableserver demo                                demo table + server + client replay
     tableserver dashboard check|render --prometheus URL   check / draw the Grafana dashboard's queries
     tableserver doctor [--fix-pyverbs]              what this host lacks; link the host's pyverbs
+    tableserver plan --placement P --kv-pool-gib G  the memory a placement frees, as host KV cache flags
 
 User errors print one line (``tableserver: error: ...``) and exit non-zero,
 without a traceback.
@@ -25,7 +26,7 @@ from tableserver import __version__, logs
 from tableserver.common.model import ROW_BYTES, TABLE_ROWS
 from tableserver.errors import ConfigError, TableServerError
 
-COMMANDS = ("serve", "gen-demo", "pack", "inspect", "stripe", "demo", "dashboard", "doctor")
+COMMANDS = ("serve", "gen-demo", "pack", "inspect", "stripe", "demo", "dashboard", "doctor", "plan")
 log = logging.getLogger("tableserver")
 
 
@@ -142,6 +143,17 @@ def build_parser() -> argparse.ArgumentParser:
     from tableserver.config import add_flags
 
     add_flags(o)
+
+    from tableserver.ops.launch_plan import add_flags as add_plan_flags
+
+    n = sub.add_parser(
+        "plan",
+        help="the host memory a placement frees, and the engine's flags that make it host KV cache",
+        description="What the Engram tables take on a serving host under a placement and under the engine's own "
+        "default, and the SGLang or vLLM flags that turn the memory freed into host KV cache, checked as the "
+        "engine will check them. Exits 1 when the plan cannot fit.",
+    )
+    add_plan_flags(n)
     return p
 
 
@@ -172,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             "demo": _demo,
             "dashboard": _dashboard,
             "doctor": _doctor,
+            "plan": _plan,
         }[args.command](args)
     except TableServerError as e:
         print(f"tableserver: error: {logs.escape(str(e))}", file=sys.stderr)  # one line, always
@@ -179,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tableserver: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout's reader went away (tableserver plan | head): nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 1
 
 
 def _serve(args) -> int:
@@ -287,6 +303,22 @@ def _doctor(args) -> int:
         pyverbs_from=args.pyverbs_from or None,
         cfg=resolve(args) if given else None,
     )
+
+
+def _plan(args) -> int:
+    import json
+
+    from tableserver.errors import MemoryLimitError
+    from tableserver.ops.launch_plan import make_plan, render, request_from_args
+
+    plan = make_plan(request_from_args(args))
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=2))
+        return 0 if plan.fits else MemoryLimitError.exit_code
+    print(render(plan) if plan.fits else render(plan).rsplit("\n", 1)[0])
+    if not plan.fits:
+        raise MemoryLimitError(plan.error)
+    return 0
 
 
 def _dashboard(args) -> int:

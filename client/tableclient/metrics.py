@@ -101,6 +101,13 @@ class ClientMetrics:
              "Hedged reads: issued on a second replica when the first was late, and won (answered first)."),
             ("version_refusals", Counter, "tableserver_client_version_refusals_total", (),
              "Nodes refused because a table there differs from the pinned version (checksum, rows, row size)."),
+            ("freed_host", Gauge, "tableserver_client_freed_table_host_bytes", ("layer",),
+             "Host memory the engine did not allocate in this process for an Engram layer's table because a "
+             "tableserver serves the layer (this process's share where the engine shares one copy).",
+             {"multiprocess_mode": "livesum"}),
+            ("freed_device", Gauge, "tableserver_client_freed_table_device_bytes", ("layer",),
+             "GPU memory the engine did not allocate in this process for an Engram layer's table because a "
+             "tableserver serves the layer.", {"multiprocess_mode": "livesum"}),
         ))
         # fmt: on
         for outcome in ("issued", "won"):

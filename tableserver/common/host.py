@@ -17,3 +17,16 @@ def host_id() -> str:
             return f.read().strip()
     except OSError:
         return socket.gethostname()
+
+
+def proc_kib(path: str, field: str) -> int:
+    """A ``Field:   N kB`` line of a /proc file (``/proc/meminfo``, a process's ``status``), in bytes; 0 where
+    the file or the field cannot be read."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0

@@ -4,7 +4,8 @@ uses and a second engine's adapter uses the same way.
 ``config`` (:class:`PluginConfig`: per-layer placement, addresses, failure policy, graph modes),
 ``rows`` (:class:`EngramRows`: one client and one step per tableserver, prefetch at step start, the
 packed rows a layer asks for; :func:`dequantize`, :func:`to_device`), ``plugin`` (:class:`PluginState`,
-the entry point's start-up, :class:`PluginError`). The graph-safe step is ``tableclient.graphstep``.
+the entry point's start-up, :class:`PluginError`), ``memory`` (the start-up report of the table memory the
+engine did not allocate, and of its host KV cache). The graph-safe step is ``tableclient.graphstep``.
 Nothing here imports an engine. Their errors (:class:`ConfigError`, :class:`PluginError`,
 :class:`EngramRowsError`) are the client's: each derives from ``tableclient.errors.TableClientError``.
 """

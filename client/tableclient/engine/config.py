@@ -51,6 +51,7 @@ import tomllib
 from dataclasses import dataclass, field, fields
 
 from tableclient.errors import TableClientError
+from tableclient.hostmem import STAGING_TOKENS
 from tableclient.model import WINDOWS_S
 
 PLACEMENTS = ("remote", "node", "local")
@@ -90,7 +91,7 @@ class PluginConfig:
     policy: str = "fail"
     fallback_address: str = ""
     timeout: float = 5.0
-    max_tokens: int = 8192
+    max_tokens: int = STAGING_TOKENS
     table_prefix: str = "engram.layer"
     layers: dict = field(default_factory=dict)  # layer -> placement (default remote)
     tables: dict = field(default_factory=dict)  # layer -> table name

@@ -14,6 +14,7 @@ import os
 import weakref
 
 from tableclient.engine.config import ConfigError, PluginConfig
+from tableclient.engine.memory import FreedTable, export
 from tableclient.engine.rows import EngramRows, EngramRowsError
 from tableclient.errors import TableClientError
 
@@ -90,11 +91,15 @@ class PluginState:
         self.hooks_in_place = False  # set by the adapter once its hooks are in place in this process
         self._built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its layer id
         self._served: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> the layer it serves
+        self.freed: dict[int, FreedTable] = {}  # layer -> what the engine did not allocate for it here
 
     def configure(self, cfg: PluginConfig, client_factory=None) -> EngramRows:
         """Makes ``cfg`` this process's configuration (the previous one's clients are closed)."""
         if self._rows is not None:
             self._rows.close()
+        for old in self.freed.values():  # the next configuration's layers report their own
+            export(FreedTable(old.layer, old.placement, 0, old.memory))
+        self.freed.clear()
         self.config = cfg
         self._rows = EngramRows(cfg, client_factory, engine=self.engine, dead_id=self.dead_id)
         return self._rows
@@ -119,6 +124,12 @@ class PluginState:
         self._built[module] = layer
         if served:
             self._served[module] = layer
+
+    def table_not_allocated(self, freed: FreedTable) -> None:
+        """The engine built ``freed.layer`` without its table: recorded for the start-up report, and exported
+        (``tableserver_client_freed_table_{host,device}_bytes``)."""
+        self.freed[freed.layer] = freed
+        export(freed)
 
     def layer_of(self, module) -> int | None:
         """The layer the hooks built ``module`` as; None for a module built without them."""

@@ -20,6 +20,12 @@ placed ``remote`` or ``node`` (a ``local`` layer passes through untouched):
   served layer really is served.
 * ``safetensors_weights_iterator`` and ``DeepseekV4ForCausalLM.load_weights``:
   a served layer's table tensors are never read from the checkpoint.
+* ``_deepseek_v4_num_host_pages`` (SGLang sized its DeepSeek V4 host KV pools, before it allocates them):
+  the host KV cache it is about to ask for is checked against what SGLang's own check grants this rank
+  (``host_memory_budget_bytes``) less the plugin's staging, with a warning naming the fix where it does
+  not fit. At start-up the plugin also reports the table memory SGLang did not allocate here (log line,
+  ``tableserver_client_freed_table_{host,device}_bytes``) and names ``--enable-hierarchical-cache
+  --hicache-ratio`` where that freed memory goes unused (``tableserver plan`` sizes it).
 * ``DecodeCudaGraphRunner.capture`` / ``.load_batch`` / ``.execute``: decode
   CUDA graphs stay on. Before capture every buffer the graphs touch is
   allocated; in capture a served layer records the copy of its staged rows;
@@ -44,9 +50,11 @@ import logging
 import re
 import weakref
 
+from tableclient.engine import memory
 from tableclient.engine.config import PluginConfig
 from tableclient.engine.plugin import PluginError, PluginState, check_layout, check_placement, check_release
 from tableclient.engine.rows import EngramRows, dequantize, to_device
+from tableclient.hostmem import Parallel, process_bytes, staging_bytes, table_bytes
 from tableclient.sglang import graphs
 
 log = logging.getLogger("tableclient.sglang")
@@ -56,6 +64,8 @@ ENGRAM = "sglang.srt.layers.engram"
 STAGING = "sglang.srt.layers.engram_staging"
 RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner"
 WEIGHTS = "sglang.srt.model_loader.weight_utils"
+HOST_POOLS = "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler"
+HICACHE_FLAG = "--enable-hierarchical-cache --hicache-ratio R"
 #: checkpoint tensors of a layer's table (names as in the checkpoint and after SGLang's remap)
 TABLE_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.engram\.embed\.(?:weight|scale)$")
 GRAPH_ADVICE = (
@@ -92,6 +102,7 @@ def check_sglang() -> str:
     """The installed SGLang's version, if this plugin supports it; PluginError naming the fix otherwise."""
     version = check_release("sglang", "SGLang", SUPPORTED_SGLANG)
     from sglang.srt.layers import engram, engram_staging
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
     from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
 
     expected = {
@@ -104,6 +115,7 @@ def check_sglang() -> str:
         engram.EngramEmbedding.dequant_staged: ["self", "rows", "scales", "copied", "hash_shape"],
         engram.EngramHasher.forward: ["self", "input_ids", "forward_batch"],
         engram_staging.EngramRowStager.stage: ["self", "batch"],
+        hybrid_pool_assembler._deepseek_v4_num_host_pages: ["params", "kvcache", "page_size", "swa_page_size"],
     }
     check_layout(expected, "SGLang", f"sglang=={SUPPORTED_SGLANG}")
     return version
@@ -129,6 +141,7 @@ def register_hooks() -> None:
         (f"{WEIGHTS}.safetensors_weights_iterator", _skip_served_tables, around),
         (f"{WEIGHTS}.buffered_multi_thread_safetensors_weights_iterator", _skip_served_tables, around),
         ("sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM.load_weights", _load_weights, around),
+        (f"{HOST_POOLS}._deepseek_v4_num_host_pages", _host_pages, after),
     ]
     for target, fn, kind in hooks:
         HookRegistry.register(target, fn, kind)
@@ -181,6 +194,7 @@ def _embedding_init(original, self, num_embeddings, dim, layer_id, column_bounds
     self.peer = None
     self.staged_by_scheduler = True  # a breakable prefill graph runs the lookup between its segments
     _state.built(self, layer_id, served=True)
+    _state.table_not_allocated(_sglang_table(layer_id, placement, num_embeddings, dim, column_bounds))
     where = config().address if placement == "remote" else config().node_address
     log.info(
         "tableserver plugin: Engram layer %d reads table %r from %s (%s); no local table allocated",
@@ -189,6 +203,28 @@ def _embedding_init(original, self, num_embeddings, dim, layer_id, column_bounds
         where,
         placement,
     )
+
+
+def _sglang_table(layer: int, placement: str, num_embeddings: int, dim: int, column_bounds) -> memory.FreedTable:
+    """What SGLang's ``EngramEmbedding.__init__`` would have allocated here for the layer's table: its row
+    shard on the GPU (``shard_range``; peer shards too), or with SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE its host
+    table, a TP-group-wide memfd of the whole table (layout shared: this rank's share) or the row shard."""
+    from sglang.srt.environ import envs
+    from sglang.srt.layers.engram import shard_range
+    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.utils import is_cuda
+
+    tp, rank = get_parallel().tp_size, get_parallel().tp_rank
+    start, end = shard_range(num_embeddings, column_bounds, rank, tp)
+    row_bytes = dim + dim // 32
+    peer = envs.SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS.get() and tp > 1 and is_cuda()
+    if peer or not envs.SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE.get():
+        return memory.FreedTable(layer, placement, table_bytes(end - start, row_bytes), "device")
+    if envs.SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT.get() == "shared":
+        return memory.FreedTable(
+            layer, placement, process_bytes("sglang", "shared", num_embeddings, row_bytes, tp), "host"
+        )
+    return memory.FreedTable(layer, placement, table_bytes(end - start, row_bytes), "host")
 
 
 def _engram_init(result, self, cfg, layer_id, layout, *args, **kwargs):
@@ -333,6 +369,22 @@ def _verify(engrams) -> None:
     built = [(_state.layer_of(e), _state.served_layer(e.embed) is not None) for e in engrams]  # as the hooks built them
     layers = check_placement(cfg, built, "SGLang")
     log.info("tableserver plugin engaged: %s", cfg.describe(layers))
+    from sglang.srt.runtime_context import get_context, get_memory
+
+    published = get_context().is_config_namespace_published("memory")
+    host_kv = bool(get_memory().enable_hierarchical_cache) if published else None
+    hint = memory.plan_hint("sglang", cfg, layers, _width("tp_size"), _width("dp_size"))
+    memory.report(_state, "SGLang", host_kv, HICACHE_FLAG, hint, log)
+
+
+def _width(name: str) -> int:
+    """A parallel width of this process as SGLang published it (1 where nothing is published)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        return int(getattr(get_parallel(), name))
+    except (ValueError, RuntimeError, AttributeError):
+        return 1
 
 
 def _stager_stage(original, self, batch):
@@ -366,6 +418,30 @@ def _stager_stage(original, self, batch):
                 state.fence("stage", copied)  # the next stage() refills the staging only after this copy
         staged.append((weight, scale, copied))
     return staged
+
+
+# ---------------------------------------------------------------------- host KV cache
+def _host_pages(result, *args, **kwargs):
+    """SGLang sized its DeepSeek V4 host KV pools (host pages = device pages x --hicache-ratio) and is about to
+    allocate them: what they will ask (the ratio times the device pool's buffers, as SGLang's own PD accounting
+    lists them) against what SGLang's check grants this rank, less the plugin's staging."""
+    state = _state.rows() if _state.configured else None
+    kvcache = kwargs.get("kvcache")
+    if state is None or not state.layers or kvcache is None:
+        return None
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_bytes
+    from sglang.srt.runtime_context import get_memory
+
+    try:
+        device = sum(sum(infos()[1]) for infos in (kvcache.get_contiguous_buf_infos, kvcache.get_state_buf_infos))
+    except Exception as e:  # a check of ours must never stop SGLang: its own pools still check themselves
+        log.info("tableserver plugin: cannot size SGLang's host KV cache here (%r): not checked", e)
+        return None
+    ratio = get_memory().hicache_ratio
+    staging = staging_bytes(Parallel("sglang", _width("tp_size")), len(state.layers), config().max_tokens)
+    fix = f"lower --hicache-ratio below {ratio:g}: `tableserver plan --engine sglang ...` sizes it for this host"
+    memory.check_host_kv("SGLang", int(device * ratio), host_memory_budget_bytes(), staging, fix, log)
+    return None
 
 
 # ---------------------------------------------------------------------- checkpoint loading

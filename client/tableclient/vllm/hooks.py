@@ -28,6 +28,12 @@ safetensors iterator (``weight_utils.should_skip_weight``), shards holding nothi
 by any load format (``is_unused_checkpoint_weight``), and ``load_weights`` drops whatever a whole-file
 load format read anyway, counts the served parameters as loaded, and runs the start-up check.
 
+Memory: each served layer's table that vLLM did not allocate in this process is recorded when the layer is
+built (log line and ``tableserver_client_freed_table_{host,device}_bytes`` at the start-up check); where that
+freed host memory goes unused (no ``--kv-offloading-size``) one warning names the flag and ``tableserver plan``,
+and where ``--kv-offloading-size`` asks more than this host has once the plugin's staging is allocated (vLLM
+itself checks none: it pins what it is told), one warning says so before vLLM allocates it.
+
 The plugin sets no attribute of its own on vLLM's objects: the wrappers it put on vLLM are in
 ``_wrappers``, and which layer an ``Engram`` was built as, and whether it is served, in the process's
 :class:`~tableclient.engine.plugin.PluginState` (weakly held).
@@ -39,8 +45,10 @@ import functools
 import logging
 import re
 
+from tableclient.engine import memory
 from tableclient.engine.config import PluginConfig
 from tableclient.engine.plugin import PluginError, PluginState, check_layout, check_placement, check_release
+from tableclient.hostmem import GIB, Parallel, process_bytes, staging_bytes, table_bytes, vllm_private_bytes
 
 log = logging.getLogger("tableclient.vllm")
 
@@ -54,6 +62,7 @@ TABLE_KEY = re.compile(
     r"(?:^|\.)layers\.(\d+)\.engram\.(?:embed\.(?:weight|scale)|embed_tokens\.(?:weight|weight_scale_inv))$"
 )
 PIECEWISE_FLAG = """--compilation-config '{"cudagraph_mode": "PIECEWISE"}'"""
+OFFLOAD_FLAG = "--kv-offloading-size G --kv-offloading-backend native"
 
 _state = PluginState("vllm", dead_id=DEAD_ID)
 _eager: dict = {}  # issue / collect wrapped by vLLM's eager_break_during_capture (set by patch)
@@ -196,6 +205,7 @@ def _create_embedding(original, self, layout, layer_hash_index):
     # the table must be this layer's (rows, row size) before anything else is built: EngramRowsError if not
     rows().add_layer(layer, placement, num_embeddings, layout.head_dim, columns=embed.part_n_hash_cols)
     _state.built(self, layer, served=True)
+    _state.table_not_allocated(_vllm_table(layer, placement, sum(heads[embed.head_start : embed.head_end]), layout))
     log.info(
         "tableserver plugin: Engram layer %d reads table %r from %s (%s), hash columns %d..%d; no table allocated",
         layer,
@@ -206,6 +216,28 @@ def _create_embedding(original, self, layout, layer_hash_index):
         embed.head_end - 1,
     )
     return embed
+
+
+def _vllm_table(layer: int, placement: str, rows_here: int, layout) -> memory.FreedTable:
+    """What vLLM's ``ParallelEngramEmbedding`` would have allocated here for the layer: this rank's hash
+    columns' rows (``vocab_end_idx - vocab_start_idx``), on the GPU without ``cpu_offload``; with it (vLLM's
+    default) in host memory: a share of the node's one /dev/shm copy (``dp_shared_memory``), huge pages
+    (``use_thp``, ROCm: exact bytes), or this rank's pinned tensors, rounded up to powers of two."""
+    from vllm.config import get_current_vllm_config
+    from vllm.distributed.parallel_state import get_engram_dp_size
+    from vllm.platforms import current_platform
+
+    engram = get_current_vllm_config().engram_config
+    row_bytes = layout.head_dim + layout.head_dim // 32
+    if not engram.cpu_offload:
+        return memory.FreedTable(layer, placement, table_bytes(rows_here, row_bytes), "device")
+    if engram.dp_shared_memory:
+        nbytes = process_bytes("vllm", "shared", rows_here, row_bytes, get_engram_dp_size())
+    elif engram.use_thp or current_platform.is_rocm():
+        nbytes = table_bytes(rows_here, row_bytes)
+    else:
+        nbytes = vllm_private_bytes(rows_here, row_bytes)
+    return memory.FreedTable(layer, placement, nbytes, "host")
 
 
 def _check_graphs(layer: int, placement: str) -> None:
@@ -347,4 +379,30 @@ def verify(model) -> list:
     ):
         raise PluginError(DP_MIX)
     log.info("tableserver plugin engaged: %s", cfg.describe(layers, engine="vLLM"))
+    check_memory(layers)
     return engrams
+
+
+def check_memory(layers) -> bool:
+    """Start-up, once the model is built: the table memory vLLM did not allocate here, the flag to use it
+    where vLLM runs without host KV cache, and whether ``--kv-offloading-size`` fits this host once the
+    plugin's staging is allocated (vLLM checks no host memory for it). Returns False where it does not fit;
+    True without a current vLLM configuration (vLLM loads its model inside one)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    vllm_config = get_current_vllm_config_or_none()
+    if vllm_config is None:
+        return True
+    parallel, size = vllm_config.parallel_config, vllm_config.cache_config.kv_offloading_size
+    tp, dp = parallel.tensor_parallel_size, parallel.data_parallel_size
+    hint = memory.plan_hint("vllm", config(), layers, tp, dp)
+    memory.report(_state, "vLLM", size is not None, OFFLOAD_FLAG, hint, log)
+    if size is None:
+        return True
+    ranks_here = parallel.world_size * max(1, parallel.data_parallel_size_local)  # every engine on this host
+    staging = staging_bytes(Parallel("vllm", tp), sum(1 for layer in layers if served(layer)), config().max_tokens)
+    fix = f"lower --kv-offloading-size below {size:g}: `{hint}` sizes it for this host"
+    # vLLM's size is the engine's, over its ranks (OffloadingConnector: cpu_bytes_to_use / world_size)
+    return memory.check_host_kv(
+        "vLLM", int(size * GIB) // parallel.world_size, memory.mem_available() // ranks_here, staging, fix, log
+    )

@@ -1,0 +1,141 @@
+"""``tableserver plan``: the memory a placement frees, the host KV flags, the checks and the one-line refusals
+(pure logic; the engines' own code checks the flags in tests/engines/*/test_plan_*.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+from conftest import ROOT
+
+from tableserver.cli import main
+from tableserver.common.hostmem import GIB, Parallel
+from tableserver.errors import ConfigError
+from tableserver.ops.launch_plan import (
+    RESERVE_BYTES,
+    PlanRequest,
+    kv_pool_from_log,
+    make_plan,
+    parse_placement,
+    render,
+)
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from replay import placement_toml  # noqa: E402
+
+
+def request(engine="sglang", placement=None, tp=8, dp=1, host_gib=1024, kv_gib=40, **kw) -> PlanRequest:
+    return PlanRequest(Parallel(engine, tp, dp), placement or {}, int(host_gib * GIB), int(kv_gib * GIB), **kw)
+
+
+def test_sglang_ratio_grows_by_the_freed_memory():
+    plan = make_plan(request(placement={1: "remote", 14: "node"}))
+    assert plan.fits and plan.home == "shared"
+    assert plan.engine_tables == 202_758_032_400 and plan.placed_tables == 101_380_404_048  # layer 14 on the node
+    assert plan.freed == 101_377_628_352  # layer 1's one copy
+    # (1024 GiB - 94.4 tables - 3 staging - 10 reserve) * 0.8 / 8 ranks * 0.95 / 40 GiB
+    assert plan.ratio == 2.17 and plan.baseline_ratio == 1.95
+    assert plan.flags == ["--enable-hierarchical-cache", "--hicache-ratio", "2.17"]
+    assert plan.command == (
+        "TABLESERVER_PLACEMENT=1=remote,14=node TABLESERVER_ADDRESS=memnode:7070 python -m sglang.launch_server "
+        "--model-path deepseek-ai/DeepSeek-V4.1-Flash --tp 8 --enable-hierarchical-cache --hicache-ratio 2.17"
+    )
+    assert "--hicache-size" not in plan.command  # refused on SGLang's DeepSeek V4 path
+    assert [c.ok for c in plan.checks] == [True] * 5
+    text = render(plan)
+    assert text.splitlines()[-1] == plan.command and "freed by the placement: 91.4 GiB" in text
+
+
+def test_vllm_size_is_per_engine_over_its_ranks():
+    plan = make_plan(request("vllm", tp=4, dp=2, kv_gib=60))
+    assert plan.fits and plan.home == "shared" and plan.offload_gib == 405.5
+    assert plan.host_kv_per_rank == int(405.5 * GIB) // 4
+    assert plan.command.endswith(
+        "vllm serve deepseek-ai/DeepSeek-V4.1-Flash -tp 4 -dp 2 --compilation-config "
+        """'{"cudagraph_mode": "PIECEWISE"}' --kv-offloading-size 405.5 --kv-offloading-backend native"""
+    )
+    local = make_plan(request("vllm", placement={1: "local", 14: "local"}, tp=4, dp=2, kv_gib=60))
+    assert "PIECEWISE" not in local.command and "TABLESERVER_" not in local.command  # no layer served: no plugin
+
+
+def test_vllm_per_rank_pinned_tables_free_more_than_their_bytes():
+    plan = make_plan(request("vllm", tp=8, kv_gib=60, host_gib=768))
+    assert plan.home == "per-rank" and plan.freed == 264 * GIB  # the pinned allocator's powers of two
+    # with vLLM's own tables this host would give 49 GiB a rank, not above the 60 GiB device pool
+    assert plan.baseline_offload_gib == 395.1 and not plan.baseline_useful
+    assert plan.fits and plan.offload_gib == 606.2
+    assert "395.1 GiB (not above the device pool: of no use)" in render(plan)
+
+
+def test_every_check_is_made_and_the_first_failure_is_the_line():
+    no_room = make_plan(request(placement={1: "node", 14: "local"}, host_gib=150))
+    assert not no_room.fits and [c.ok for c in no_room.checks] == [False, None, None, None, None]
+    assert no_room.error.startswith("plan does not fit: the placement's tables and the plugin's staging")
+    assert "place more layers remote" in no_room.error
+
+    reserve = make_plan(request(host_gib=12))
+    assert [c.ok for c in reserve.checks][:2] == [True, False] and "10 GiB reserve" in reserve.error
+    assert "place more layers remote" not in reserve.error  # every layer is remote already
+
+    small = make_plan(request(host_gib=256))  # 29 GiB a rank for host KV: not above the 40 GiB device pool
+    assert [c.ok for c in small.checks][:4] == [True, True, True, False]
+    assert "would not exceed the 40.0 GiB device KV pool" in small.error and "\n" not in small.error
+    assert render(small).splitlines()[-1] == small.error
+
+
+def test_the_reserve_is_sglangs_and_other_memory_counts():
+    assert RESERVE_BYTES == 10 * GIB
+    base = make_plan(request())
+    crowded = make_plan(request(other_bytes=200 * GIB))
+    assert crowded.ratio < base.ratio
+
+
+def test_placement_from_make_replays_file_and_pairs(tmp_path):
+    path = tmp_path / "placement.toml"
+    path.write_text(placement_toml({1: "shm", 14: "tcp"}, 64, {1: {"shm": 0.0}, 14: {"tcp": 0.0}}))
+    assert parse_placement(str(path)) == ({1: "node", 14: "remote"}, str(path))
+    assert parse_placement("1=local, 14=remote") == ({1: "local", 14: "remote"}, None)
+    assert parse_placement("") == ({}, None)
+    plan = make_plan(request(placement={1: "node", 14: "remote"}, placement_file=str(path)))
+    assert f"TABLESERVER_SGLANG_CONFIG={path}" in plan.command
+    for bad, msg in (("1=far", "use one of remote, node, local"), ("x=node", "not a layer number")):
+        with pytest.raises(ConfigError, match=msg):
+            parse_placement(bad)
+    with pytest.raises(ConfigError, match="names layer 7"):
+        make_plan(request(placement={7: "remote"}))
+
+
+def test_device_pool_from_the_engines_log(tmp_path):
+    log = tmp_path / "engine.log"
+    log.write_text("x\nKV Cache is allocated. dtype: torch.uint8, #tokens: 9000000, KV size: 38.62 GB\n")
+    assert kv_pool_from_log("sglang", str(log)) == int(38.62 * GIB)
+    log.write_text("INFO [gpu_worker.py:773] Available KV cache memory: 61.2 GiB\n")
+    assert kv_pool_from_log("vllm", str(log)) == int(61.2 * GIB)
+    with pytest.raises(ConfigError, match="no device KV pool line of sglang"):
+        kv_pool_from_log("sglang", str(log))
+
+
+def test_the_command(capsys):
+    args = ["plan", "--placement", "1=remote,14=node", "--kv-pool-gib", "40", "--host-memory-gib", "1024"]
+    assert main(args) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1].endswith("--hicache-ratio 2.17") and out[-1].startswith("TABLESERVER_PLACEMENT=")
+    assert main(args + ["--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["fits"] and doc["hicache_ratio"] == 2.17 and doc["freed_bytes"] == 101_377_628_352
+    assert main(["plan", "--kv-pool-gib", "40", "--host-memory-gib", "256", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["fits"] is False
+    assert main(["plan", "--kv-pool-gib", "40", "--host-memory-gib", "256"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tableserver: error: plan does not fit: ")
+    for argv, msg in (
+        (["plan"], "needs the device KV pool per rank"),
+        (["plan", "--kv-pool-gib", "40", "--tp", "3", "--nnodes", "2"], "do not spread evenly"),
+        (["plan", "--kv-pool-gib", "-1"], "expected a positive size"),
+        (["plan", "--kv-pool-gib", "40", "--engine", "vllm", "--engine-tables", "shared"], "dp_shared_memory"),
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and msg in err[0], err
