@@ -67,6 +67,7 @@ ENV = {
     "policy": "TABLESERVER_POLICY",
     "fallback_address": "TABLESERVER_FALLBACK_ADDRESS",
     "timeout": "TABLESERVER_TIMEOUT",
+    "liveness_timeout": "TABLESERVER_LIVENESS_TIMEOUT",
     "max_tokens": "TABLESERVER_MAX_TOKENS",
     "table_prefix": "TABLESERVER_TABLE_PREFIX",
     "layers": "TABLESERVER_PLACEMENT",
@@ -91,6 +92,7 @@ class PluginConfig:
     policy: str = "fail"
     fallback_address: str = ""
     timeout: float = 5.0
+    liveness_timeout: float = 2.0  # a tableserver silent this long (no keepalive answer) is failed over
     max_tokens: int = STAGING_TOKENS
     table_prefix: str = "engram.layer"
     layers: dict = field(default_factory=dict)  # layer -> placement (default remote)
@@ -115,8 +117,8 @@ class PluginConfig:
             raise ConfigError(f"mode = {self.mode!r}: use read or pack")
         if self.transport not in ("auto", "rdma", "tcp", "shm"):
             raise ConfigError(f"transport = {self.transport!r}: use auto, rdma, tcp or shm")
-        if not self.timeout > 0 or self.max_tokens < 1:
-            raise ConfigError("timeout must be > 0 seconds and max_tokens at least 1")
+        if not self.timeout > 0 or not self.liveness_timeout > 0 or self.max_tokens < 1:
+            raise ConfigError("timeout and liveness_timeout must be > 0 seconds and max_tokens at least 1")
         if not 0 <= self.switch_interval <= 0.1:
             raise ConfigError(
                 f"switch_interval = {self.switch_interval!r}: expected seconds in 0..0.1 (0: leave the interpreter's)"

@@ -132,6 +132,7 @@ class EngramRows:
                 token=c.token or None,
                 tls_ca=c.tls_ca or None,
                 mode=c.mode,
+                liveness_timeout=c.liveness_timeout,
                 client_name=f"{self.engine}-{role}-{os.getpid()}",
             )
         except TableClientError as e:

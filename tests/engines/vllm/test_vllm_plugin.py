@@ -101,6 +101,7 @@ def hasher(vllm_config):
 def build(cfg, tables_path, *, placement=None, address=None, layers=LAYERS, **plugin_options):
     """vLLM's Engram layers, each table loaded through vLLM's weight loader; plugin placement or none."""
     plugin_options.setdefault("transport", "tcp")  # a memory node is another host (auto would pick shm here)
+    plugin_options.setdefault("liveness_timeout", 600.0)  # a busy machine must not fail the memory node over
     hooks.configure(PluginConfig(address=address or "", layers=placement or {}, **plugin_options))
     engrams = vllm_cpu.build_engrams(cfg, layers=layers)
     tables = local_tables(tables_path)
