@@ -3,6 +3,15 @@
 
     python bench/bench_graph.py [--steps 200] [--buckets 1,8,64] [--transports shm,tcp] [--out bench/out]
     python bench/bench_graph.py --device cpu --steps 20     (the same steps, eagerly, flags on the host)
+    python bench/bench_graph.py --stage probe|node|modes|faults   (one stage; bench/gpu_check.sh runs them)
+
+Stages (all by default): ``probe``, the start-up probe of stream memory operations
+(tableclient.streamops: a write and a wait captured, replayed, released from a host thread);
+``node``, both layers in graph mode ``device`` over this host's daemon at buckets 1/64/512
+(``--node-buckets``): the graph's own kernel gathers the rows from the registered mapping, and the GPU
+time from the step's start to layer 1's rows (against its window) and layer 14's wait are reported;
+``modes``, the graph-mode sets below side by side on the same steps; ``faults``, a frozen and a killed
+server under each mode that releases rows in the graph.
 
 Needs a CUDA GPU for graphs (exits 2 without one, unless --device cpu). A real tableserver serves the
 demo table file. Per graph-mode set -- both layers before_replay; layer 1 before_replay and layer 14
@@ -25,7 +34,8 @@ timeout), then killed, and after each one more step of each in_graph mode is rep
 (policy ``zeros``), layer 14 zero rows -- or, over shm, the table's rows while the server's tables are
 still mapped -- and nothing else.
 
-Writes ``graph.txt`` into --out.
+Writes ``graph.txt`` (``graph-<stage>.txt`` for one stage) into --out. Every line is printed (and flushed)
+as it is measured.
 """
 
 from __future__ import annotations
@@ -50,7 +60,13 @@ from tableserver.common.model import ROWS_PER_TOKEN, WINDOWS_S  # noqa: E402
 from tableserver.ops.demo_run import ensure_demo_file, start_server  # noqa: E402
 from tableserver.tables.tablefile import read_header  # noqa: E402
 
-MODES = {"before_replay": {}, "layer14_in_graph": {14: "in_graph"}, "both_in_graph": {1: "in_graph", 14: "in_graph"}}
+MODES = {
+    "before_replay": {},
+    "layer14_in_graph": {14: "in_graph"},
+    "both_in_graph": {1: "in_graph", 14: "in_graph"},
+    "both_device": {1: "device", 14: "device"},  # shm only: the graph reads this host's mapping itself
+}
+STAGES = ("probe", "node", "modes", "faults")
 PLANS = [LayerPlan(1, "engram.layer1", WINDOWS_S[1]), LayerPlan(14, "engram.layer14", WINDOWS_S[14])]
 
 
@@ -78,8 +94,9 @@ class Model:
         self.gap_a = torch.randn(256, 256, device=device)
         self.cuda = device.type == "cuda"
         if self.cuda:
-            self.before = torch.cuda.Event(enable_timing=True, external=True)
-            self.after = torch.cuda.Event(enable_timing=True, external=True)
+            timing = dict(enable_timing=True, external=True)
+            self.start, self.l1 = torch.cuda.Event(**timing), torch.cuda.Event(**timing)
+            self.before, self.after = torch.cuda.Event(**timing), torch.cuda.Event(**timing)
 
     def ids(self, layer: int, bs: int):
         return (self.tokens[:bs, None] * self.mult[layer] + self.add[layer]) % self.rows[layer]
@@ -90,10 +107,15 @@ class Model:
     def forward(self, bs: int, graph: bool) -> None:
         """The captured step: hasher, publish, layer 1, layers 2..13 stand-in, layer 14."""
         g = self.g
+        timed = self.cuda and graph
+        if timed:
+            self.start.record()
         ids = {layer: self.ids(layer, bs) for layer in self.rows}
-        for layer in self.rows:
+        for layer in sorted(self.rows):  # layer 1 first
             g.publish_ids(layer, ids[layer], graph=graph)
         self.out[1][: bs * ROWS_PER_TOKEN].copy_(g.rows(1, bs, graph=graph))
+        if timed:
+            self.l1.record()
         x = self.gap_a
         for _ in range(self.gap_iters):
             x = (x @ self.gap_a).tanh()
@@ -128,6 +150,7 @@ def run_mode(
     gap_iters: int,
     policy: str = "fail",
     faults=None,
+    lines: list | None = None,
 ) -> tuple[list[str], dict]:
     max_bs = max(buckets)
     cpu = device.type == "cpu"
@@ -146,8 +169,8 @@ def run_mode(
     graphs = {} if cpu else {bs: capture(torch, model, bs) for bs in buckets}
     before_buffers = g.buffers()
     rng = np.random.default_rng(11)
-    stats = {bs: {"host": [], "blocked": [], "step": []} for bs in buckets}
-    lines = []
+    stats = {bs: {"host": [], "blocked": [], "step": [], "l1": []} for bs in buckets}
+    lines = [] if lines is None else lines
 
     def step(bs: int) -> tuple:
         """One decode step of ``bs`` tokens: (tokens, host time before the replay, step time)."""
@@ -184,20 +207,23 @@ def run_mode(
             s["step"].append(step_s)
             if not cpu:
                 s["blocked"].append(model.before.elapsed_time(model.after) * 1e-3)
+                s["l1"].append(model.start.elapsed_time(model.l1) * 1e-3)
         assert g.buffers() == before_buffers, "a buffer the graphs touch moved"
         for bs in buckets:
             s = stats[bs]
-            blocked = (
-                f"{pct(s['blocked'], 50) * 1e6:>9.0f}{pct(s['blocked'], 99) * 1e6:>8.0f}"
-                if s["blocked"]
-                else f"{'-':>9}{'-':>8}"
-            )
-            lines.append(
-                f"{bs:>6}{pct(s['host'], 50) * 1e6:>10.0f}{pct(s['host'], 99) * 1e6:>8.0f}{blocked}"
+
+            def gpu(key):
+                return f"{pct(s[key], 50) * 1e6:>9.0f}{pct(s[key], 99) * 1e6:>8.0f}" if s[key] else f"{'-':>9}{'-':>8}"
+
+            line = (
+                f"{bs:>6}{pct(s['host'], 50) * 1e6:>10.0f}{pct(s['host'], 99) * 1e6:>8.0f}{gpu('l1')}{gpu('blocked')}"
                 f"{pct(s['step'], 50) * 1e6:>10.0f}{pct(s['step'], 99) * 1e6:>8.0f}"
             )
+            if s["l1"]:
+                line += f"   layer 1 within its {WINDOWS_S[1] * 1e6:.0f} us: {np.mean(np.array(s['l1']) <= WINDOWS_S[1]):.0%}"
+            say(lines, line)
         seen = {}
-        for fault, act in (faults or {}).items() if g.modes.get(14) == "in_graph" else ():
+        for fault, act in (faults or {}).items() if g.modes.get(14) in ("in_graph", "device") else ():
             act()  # the server freezes, then dies: each next replay must still complete, layer 14 zero-filled
             bs = buckets[-1]
             tokens, _, took = step(bs)
@@ -273,13 +299,55 @@ def gil_section(torch, client, local: dict, steps: int) -> list[str]:
     return lines
 
 
+def say(lines: list, line: str) -> None:
+    """A figure as soon as it is measured: printed and flushed (a crash later loses none), and kept."""
+    print(line, flush=True)
+    lines.append(line)
+
+
+def header(lines: list) -> None:
+    say(
+        lines, f"{'bucket':>6}{'host before replay us':>18}{'layer 1 ready':>17}{'blocked in graph':>17}{'step us':>18}"
+    )
+    say(lines, f"{'':>6}{'p50':>10}{'p99':>8}{'p50':>9}{'p99':>8}{'p50':>9}{'p99':>8}{'p50':>10}{'p99':>8}")
+
+
+def stage_probe(torch, device, lines: list) -> bool:
+    """The start-up probe of stream memory operations (what GraphStep runs before in_graph layers)."""
+    from tableclient.streamops import DRIVER_NAMES, GraphStepError, driver_symbols, probe_device
+
+    try:
+        driver_symbols()
+    except GraphStepError as e:
+        say(lines, f"probe: {e}")
+        return device.type != "cuda"
+    say(lines, f"probe: cuda-bindings resolves every driver name used ({len(DRIVER_NAMES)})")
+    if device.type != "cuda":
+        say(lines, "probe: no CUDA device: the capture, replay and release are not run here")
+        return True
+    try:
+        took = probe_device(torch, device.index or 0)
+    except GraphStepError as e:
+        say(lines, f"probe: FAILED: {e}")
+        return False
+    say(lines, f"probe: write and wait captured, replayed, released from a host thread: ok in {took * 1e3:.1f} ms")
+    return True
+
+
+def serve(path: str, tmp: str, transport: str):
+    run_dir = tempfile.mkdtemp(dir=tmp)  # a fresh daemon per run: the last one may have been killed
+    return start_server(path, run_dir, ["--hugepages", "off", "--transports", transport])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=200, help="steps per bucket and mode (default 200)")
     ap.add_argument("--buckets", default="1,8,64", help="batch buckets captured (default 1,8,64)")
+    ap.add_argument("--node-buckets", default="1,64,512", help="the node stage's buckets (default 1,64,512)")
     ap.add_argument("--transports", default="shm,tcp")
     ap.add_argument("--gap-ms", type=float, default=5.0, help="GPU time standing in for layers 2..13")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--stage", choices=STAGES, help="run one stage (default: all)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "out"))
     args = ap.parse_args()
     import torch
@@ -287,8 +355,10 @@ def main() -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_graph: needs a CUDA GPU (or --device cpu)", file=sys.stderr)
         return 2
-    device = torch.device(args.device)
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    stages = [args.stage] if args.stage else list(STAGES)
     buckets = [int(b) for b in args.buckets.split(",")]
+    node_buckets = [int(b) for b in args.node_buckets.split(",")]
     gap_iters = 1
     if device.type == "cuda":  # iterations of the stand-in for layers 2..13 that take --gap-ms on this GPU
         a = torch.randn(256, 256, device=device)
@@ -305,60 +375,96 @@ def main() -> int:
         s.name: np.memmap(path, np.uint8, "r", s.offset, s.nbytes).reshape(s.rows, s.row_bytes)
         for s in read_header(path).tables
     }
-    out_lines = [
-        f"bench_graph: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (eager)'}, "
-        f"torch {torch.__version__}, layers 2..13 stand-in {args.gap_ms:g} ms, {args.steps} steps a bucket",
-        f"{'bucket':>6}{'host before replay us':>18}{'blocked in graph':>17}{'step us':>18}",
-        f"{'':>6}{'p50':>10}{'p99':>8}{'p50':>9}{'p99':>8}{'p50':>10}{'p99':>8}",
-    ]
+    out_lines: list = []
+    say(
+        out_lines,
+        f"bench_graph: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu (eager)'}, "
+        f"torch {torch.__version__}, layers 2..13 stand-in {args.gap_ms:g} ms, {args.steps} steps a bucket, "
+        f"stages {', '.join(stages)}",
+    )
     ok = True
+    faults_of = {
+        "frozen (SIGSTOP)": lambda proc: proc.send_signal(signal.SIGSTOP),
+        "killed": lambda proc: (proc.send_signal(signal.SIGCONT), proc.kill()),
+    }
     with tempfile.TemporaryDirectory() as tmp:
-        run_dir = tempfile.mkdtemp(dir=tmp)
-        proc, ready = start_server(path, run_dir, ["--hugepages", "off", "--transports", "shm"])
-        try:
-            with TableClient(ready["control"], transport="shm") as client:
-                out_lines += gil_section(torch, client, local, args.steps)
-        finally:
-            proc.kill()
-            proc.wait()
-        for transport in args.transports.split(","):
-            for name, modes in MODES.items():
-                run_dir = tempfile.mkdtemp(dir=tmp)  # a fresh daemon per run: the last one was killed
-                proc, ready = start_server(path, run_dir, ["--hugepages", "off", "--transports", transport])
+        if "probe" in stages:
+            ok &= stage_probe(torch, device, out_lines)
+        if "node" in stages:
+            say(
+                out_lines,
+                f"node / both_device: the graph's kernel reads this host's daemon's mapping, buckets {node_buckets}",
+            )
+            header(out_lines)
+            proc, ready = serve(path, tmp, "shm")
+            try:
+                with TableClient(ready["control"], transport="shm") as client:
+                    run_mode(
+                        torch,
+                        client,
+                        local,
+                        MODES["both_device"],
+                        node_buckets,
+                        args.steps,
+                        device,
+                        gap_iters,
+                        lines=out_lines,
+                    )
+            finally:
+                proc.kill()
+                proc.wait()
+        if "modes" in stages:
+            proc, ready = serve(path, tmp, "shm")
+            try:
+                with TableClient(ready["control"], transport="shm") as client:
+                    for line in gil_section(torch, client, local, args.steps):
+                        say(out_lines, line)
+            finally:
+                proc.kill()
+                proc.wait()
+            header(out_lines)
+            for transport in args.transports.split(","):
+                for name, modes in MODES.items():
+                    if name == "both_device" and transport != "shm":
+                        continue
+                    proc, ready = serve(path, tmp, transport)
+                    try:
+                        with TableClient(ready["control"], transport=transport) as client:
+                            say(out_lines, f"{transport} / {name}")
+                            run_mode(
+                                torch, client, local, modes, buckets, args.steps, device, gap_iters, lines=out_lines
+                            )
+                    finally:
+                        proc.kill()
+                        proc.wait()
+        if "faults" in stages:
+            for transport, name in (("shm", "layer14_in_graph"), ("tcp", "layer14_in_graph"), ("shm", "both_device")):
+                if transport not in args.transports.split(","):
+                    continue
+                proc, ready = serve(path, tmp, transport)
                 try:
                     with TableClient(ready["control"], transport=transport) as client:
-                        out_lines.append(f"{transport} / {name}")
-                        faults = {
-                            "frozen (SIGSTOP)": lambda: proc.send_signal(signal.SIGSTOP),
-                            "killed": lambda: (proc.send_signal(signal.SIGCONT), proc.kill()),
-                        }
-                        lines, seen = run_mode(
-                            torch,
-                            client,
-                            local,
-                            modes,
-                            buckets,
-                            args.steps,
-                            device,
-                            gap_iters,
-                            policy="zeros",
-                            faults=faults,
-                        )
-                        out_lines += lines
+                        say(out_lines, f"faults: {transport} / {name}")
+                        faults = {fault: (lambda act=act: act(proc)) for fault, act in faults_of.items()}
+                        _, seen = run_mode(
+                            torch, client, local, MODES[name], buckets[-1:], max(2, args.steps // 10), device,
+                            gap_iters, policy="zeros", faults=faults, lines=[],
+                        )  # fmt: skip
                         for fault, (took, rows) in seen.items():
-                            out_lines.append(
+                            say(
+                                out_lines,
                                 f"  server {fault}: the next replay completed in {took * 1e3:.0f} ms, "
-                                f"layer 14: {rows or 'WRONG ROWS'}"
+                                f"layer 14: {rows or 'WRONG ROWS'}",
                             )
                             ok &= rows is not None
                 finally:
                     proc.kill()
                     proc.wait()
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "graph.txt"), "w") as f:
+    name = f"graph-{args.stage}.txt" if args.stage else "graph.txt"
+    with open(os.path.join(args.out, name), "w") as f:
         f.write("\n".join(out_lines) + "\n")
-    print("\n".join(out_lines))
-    print("PASS: every row bit-exact, every replay completed" if ok else "FAIL")
+    print("PASS: every row bit-exact, every replay completed" if ok else "FAIL", flush=True)
     return 0 if ok else 1
 
 

@@ -22,6 +22,14 @@ method allocates anything a graph can see. Per layer, one of two modes:
   poller waits for the flag natively, but its gather is Python: behind a thread that holds the GIL it
   starts up to one switch interval (``sys.getswitchinterval()``, 5 ms by default) late --
   ``bench/bench_graph.py`` measures the wake-up with a busy Python thread beside it.
+* ``device`` -- for a table this process maps (a ``node`` layer: this host's daemon's sealed memfd):
+  the table is registered with CUDA read-only (:mod:`tableclient.devicetable`) and the graph gathers
+  the rows itself, with a kernel on a side stream forked right after the hasher, one event per layer
+  that the layer waits on. No poller, flags or watchdog, and no CPU at replay but :meth:`arm`'s check
+  that the table mapped now is the one registered (a restarted daemon's is registered anew, the
+  device-side pointer rewritten without recapture; while none is mapped the policy applies: zeros,
+  or ``fail`` refuses the step). A table that cannot be registered (one line why) takes
+  ``before_replay``; so does policy ``fallback``, whose rows come from another server.
 
 Flag protocol. The values a graph writes and waits for are baked into it, so they are constants; per
 ``in_graph`` layer two uint32 in pinned, device-mapped host memory, each on its own 64-byte line::
@@ -35,9 +43,8 @@ Flag protocol. The values a graph writes and waits for are baked into it, so the
 Only one of poller and watchdog releases a step, and only the step it was decided for (a lock, a
 state and a step number); a step released before its graph published the ids owes that flag, which
 the poller then takes without gathering; ids of a replay nobody armed are released at once with zeros. The stream's side is
-:class:`CudaStreamOps` (cuda-python's ``cuStreamWriteValue32`` / ``cuStreamWaitValue32`` on the
-current stream: captured as graph memory-operation nodes) or :class:`HostStreamOps`, which runs the
-same protocol on the host in the calling thread (an engine without a GPU; the tests).
+:mod:`tableclient.streamops`: :class:`CudaStreamOps` (captured as graph memory-operation nodes, after
+a start-up probe on the device) or :class:`HostStreamOps` (the host, in the calling thread).
 """
 
 from __future__ import annotations
@@ -47,133 +54,17 @@ import threading
 import time
 from dataclasses import dataclass
 
-import numpy as np
-
+from tableclient.devicetable import DeviceTable, DeviceTableUnavailable, gather
 from tableclient.errors import GatherTimeout, TableClientError
 from tableclient.metrics import metrics
 from tableclient.step import EngramStep, LayerPlan
+from tableclient.streamops import CudaStreamOps, GraphFlags, GraphStepError, HostStreamOps, wait_flag
 
 log = logging.getLogger("tableclient.graphstep")
 
-MODES = ("before_replay", "in_graph")
-#: uint32 per flag: each on a 64-byte line of its own (a poller's reads never share the GPU's line)
-FLAG_STRIDE = 16
+MODES = ("before_replay", "in_graph", "device")
 IDS, ROWS = 0, 1
-
-try:
-    from tableclient._flags import wait_u32 as _native_wait
-except ImportError:  # built without a C compiler
-    _native_wait = None
-
-
-class GraphStepError(TableClientError):
-    """The graph-safe step cannot go on as configured (a step not consumed, a stream op refused)."""
-
-
-def wait_flag(flags: np.ndarray, index: int, value: int, timeout: float) -> bool:
-    """Whether ``flags[index]`` became ``value`` within ``timeout`` seconds; waited for without the GIL
-    where the native module is built (a Python loop of 20 us sleeps otherwise)."""
-    if _native_wait is not None:
-        return _native_wait(flags, index, value, max(timeout, 0.0))
-    end = time.monotonic() + timeout
-    while int(flags[index]) != value:
-        if time.monotonic() >= end:
-            return False
-        time.sleep(20e-6)
-    return True
-
-
-class HostStreamOps:
-    """The stream's side of the flags, run on the host by the calling thread: what a CUDA stream does in
-    the graph, for an engine without one (and the tests). ``wait`` gives up after ``timeout``."""
-
-    name = "host"
-
-    def __init__(self, timeout: float = 60.0):
-        self.timeout = timeout
-
-    def write(self, flags: GraphFlags, index: int, value: int) -> None:
-        flags.host[index] = value
-
-    def wait(self, flags: GraphFlags, index: int, value: int) -> None:
-        if not wait_flag(flags.host, index, value, self.timeout):
-            raise GraphStepError(f"flag {index} did not become {value} within {self.timeout:g} s")
-
-
-class CudaStreamOps:
-    """Flag writes and waits queued on the current CUDA stream (cuda-python's driver API): inside a
-    graph capture they become memory-operation nodes, replayed with the graph."""
-
-    name = "cuda"
-
-    def __init__(self, torch):
-        try:
-            from cuda.bindings import driver
-        except ImportError:
-            raise GraphStepError(
-                "in_graph layers need cuda-python (pip install cuda-python; SGLang requires it "
-                "already): or place the layers 'before_replay'"
-            ) from None
-        self.torch, self.driver = torch, driver
-        err, dev = driver.cuDeviceGet(torch.cuda.current_device())
-        self._check("cuDeviceGet", (err,))
-        err, can = driver.cuDeviceGetAttribute(
-            driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS, dev
-        )
-        self._check("cuDeviceGetAttribute", (err,))
-        if not can:
-            raise GraphStepError(
-                "this GPU (or its driver) has no stream memory operations "
-                "(CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS = 0): place the layers 'before_replay'"
-            )
-        self._eq = int(driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ)
-
-    def _stream(self):
-        return self.driver.CUstream(self.torch.cuda.current_stream().cuda_stream)
-
-    def _check(self, what: str, result) -> None:
-        err = result[0] if isinstance(result, tuple) else result
-        if err != self.driver.CUresult.CUDA_SUCCESS:
-            raise GraphStepError(
-                f"{what} failed ({err}): the device must support stream memory operations "
-                "(CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS); place the layer 'before_replay'"
-            )
-
-    def device_pointer(self, host_ptr: int) -> int:
-        err, ptr = self.driver.cuMemHostGetDevicePointer(host_ptr, 0)
-        self._check("cuMemHostGetDevicePointer", (err,))
-        return int(ptr)
-
-    def write(self, flags: GraphFlags, index: int, value: int) -> None:
-        d = self.driver
-        self._check(
-            "cuStreamWriteValue32",
-            d.cuStreamWriteValue32(self._stream(), d.CUdeviceptr(flags.device_ptr(self, index)), value, 0),
-        )
-
-    def wait(self, flags: GraphFlags, index: int, value: int) -> None:
-        d = self.driver
-        self._check(
-            "cuStreamWaitValue32",
-            d.cuStreamWaitValue32(self._stream(), d.CUdeviceptr(flags.device_ptr(self, index)), value, self._eq),
-        )
-
-
-class GraphFlags:
-    """The host-visible flags of every in_graph layer: uint32 in pinned memory, one 64-byte line each."""
-
-    def __init__(self, torch, count: int, pin: bool):
-        self.tensor = torch.zeros(max(count, 1) * 2 * FLAG_STRIDE, dtype=torch.int32, pin_memory=pin)
-        self.host = self.tensor.numpy().view(np.uint32)
-        self._device_base: int | None = None
-
-    def index(self, slot: int, which: int) -> int:
-        return (2 * slot + which) * FLAG_STRIDE
-
-    def device_ptr(self, ops: CudaStreamOps, index: int) -> int:
-        if self._device_base is None:
-            self._device_base = ops.device_pointer(self.tensor.data_ptr())
-        return self._device_base + 4 * index
+__all__ = ["GraphStep", "GraphStepError", "HostStreamOps", "CudaStreamOps", "GraphFlags", "MODES", "wait_flag"]
 
 
 @dataclass
@@ -200,7 +91,7 @@ class GraphStep:
 
     def __init__(self, client, plans: list, modes: dict, max_tokens: int, *, rows_per_token: int = 24,
                  policy: str = "fail", fallback=None, device=None, timeout: float = 5.0, stream_ops=None,
-                 pin: bool | None = None):  # fmt: skip
+                 pin: bool | None = None, side_stream: bool = True, register: bool = True):  # fmt: skip
         import torch
 
         self.torch = torch
@@ -212,6 +103,20 @@ class GraphStep:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         cuda = self.device.type == "cuda"
         pin = cuda if pin is None else pin
+        # device layers: the table registered for the graph's own kernel, or (one line why) the host path
+        self.device_tables: dict[int, DeviceTable] = {}
+        for p in plans:
+            if self.modes[p.layer] != "device":
+                continue
+            try:
+                if policy == "fallback":
+                    raise DeviceTableUnavailable("policy 'fallback' gathers on the host")
+                self.device_tables[p.layer] = DeviceTable(client, p.table, self.device, torch=torch, register=register)
+            except DeviceTableUnavailable as e:
+                log.warning(
+                    "layer %d: graph mode 'device' unavailable (%s): its rows are gathered before_replay", p.layer, e
+                )
+                self.modes[p.layer] = "before_replay"
         common = dict(rows_per_token=rows_per_token, policy=policy, fallback=fallback, pin=pin, timeout=timeout)
         pre = [p for p in plans if self.modes[p.layer] == "before_replay"]
         post = sorted((p for p in plans if self.modes[p.layer] == "in_graph"), key=lambda p: p.window_s)
@@ -219,22 +124,32 @@ class GraphStep:
         self.post = EngramStep(client, post, max_tokens, deadlines=False, **common) if post else None
         self.layers = [p.layer for p in sorted(plans, key=lambda p: p.window_s)]
         self._owner = {p.layer: self.pre for p in pre} | {p.layer: self.post for p in post}
-        for layer in self.layers:  # a padded bucket's rows copy what is there: zeros, then earlier steps' rows
-            self._owner[layer].staging[layer].zero_()
-        self._staging_np = {layer: self._owner[layer].staging[layer].numpy() for layer in self.layers}
-        row_bytes = {layer: self._owner[layer].staging[layer].shape[-1] for layer in self.layers}
-        # the device side: one packed buffer per layer, the copy's fixed destination
+        for step in (self.pre, self.post):  # a padded bucket's rows copy what is there: zeros, then earlier steps'
+            for staging in step.staging.values() if step is not None else ():
+                staging.zero_()
+        self._staging_np = {layer: owner.staging[layer].numpy() for layer, owner in self._owner.items()}
+        row_bytes = {layer: owner.staging[layer].shape[-1] for layer, owner in self._owner.items()}
+        row_bytes |= {layer: t.row_bytes for layer, t in self.device_tables.items()}
+        # the device side: one packed buffer per layer, the copy's (or the kernel's) fixed destination
         self.device_rows = {
             layer: torch.zeros((max_tokens * rows_per_token, row_bytes[layer]), dtype=torch.uint8, device=self.device)
             for layer in self.layers
         }
         self.ids = {p.layer: torch.zeros((max_tokens, rows_per_token), dtype=torch.int64, pin_memory=pin) for p in post}
-        self._ids_np = {layer: t.numpy() for layer, t in self.ids.items()}
+        self.ids |= {
+            layer: torch.zeros((max_tokens, rows_per_token), dtype=torch.int64, device=self.device)
+            for layer in self.device_tables
+        }
+        self._ids_np = {p.layer: self.ids[p.layer].numpy() for p in post}
+        # device layers' kernels run on a side stream forked after the hasher, one event per layer
+        self._side = torch.cuda.Stream(self.device) if cuda and side_stream and self.device_tables else None
+        self._gathered = {layer: torch.cuda.Event() for layer in self.device_tables} if self._side is not None else {}
+        self._unreadable: dict[int, str] = {}  # device layers served zeros now (policy zeros): why
         self.flags = GraphFlags(torch, len(post), pin)
         self.ops = (
             stream_ops
             if stream_ops is not None
-            else (CudaStreamOps(torch) if cuda and post else HostStreamOps(timeout * 4))
+            else (CudaStreamOps(torch, self.device) if cuda and post else HostStreamOps(timeout * 4))
         )
         if isinstance(self.ops, CudaStreamOps):
             self.flags.device_ptr(self.ops, 0)  # resolved now, not inside the first capture
@@ -250,6 +165,7 @@ class GraphStep:
             for layer in self.layers
             for phase in ("before_replay", "in_graph")
         }
+        self._zero_rows = {layer: m.zero_rows.labels(str(layer)) for layer in self.device_tables}
         self._watchdog_releases = {layer: m.watchdog_releases.labels(str(layer)) for layer in self._slots}
         self._misses = {layer: m.deadline_misses.labels(str(layer)) for layer in self._slots}
         self._threads = [
@@ -266,16 +182,26 @@ class GraphStep:
     # ------------------------------------------------------------------ what a graph touches
     def buffers(self) -> dict:
         """name -> address of every buffer a captured graph reads or writes (fixed for this step's life)."""
-        out = {f"staging.{layer}": self._owner[layer].staging[layer].data_ptr() for layer in self.layers}
+        out = {f"staging.{layer}": owner.staging[layer].data_ptr() for layer, owner in self._owner.items()}
         out |= {f"device.{layer}": t.data_ptr() for layer, t in self.device_rows.items()}
         out |= {f"ids.{layer}": t.data_ptr() for layer, t in self.ids.items()}
+        out |= {f"table.{layer}": t.pointer.data_ptr() for layer, t in self.device_tables.items()}
         out["flags"] = self.flags.tensor.data_ptr()
         return out
 
     def publish_ids(self, layer: int, ids, graph: bool = True) -> None:
         """The graph's side, right after the hasher: layer ``layer``'s ids (``[T, 24]`` int64 on the
         device, T the graph's tokens) into the pinned ids buffer, then its ``ids`` flag. ``graph=False``
-        (an eager warm-up run of a capture) copies only: nobody is armed to answer."""
+        (an eager warm-up run of a capture) copies only: nobody is armed to answer.
+
+        A ``device`` layer's ids go to its device ids buffer, and its kernel gathers them from the
+        registered table into the layer's device rows, on the side stream (forked here from the current
+        one; :meth:`rows` joins it), so the gather overlaps every layer before it. Call it for the
+        layers in window order (layer 1 first): the side stream runs them in that order."""
+        table = self.device_tables.get(layer)
+        if table is not None:
+            self._launch(layer, table, ids)
+            return
         if layer not in self._slots:
             return
         self.ids[layer][: ids.shape[0]].copy_(ids, non_blocking=True)
@@ -286,14 +212,57 @@ class GraphStep:
         """The graph's side, where the layer reads its rows: ``[tokens * 24, row_bytes]`` uint8 on the
         device, copied from the staging (an in_graph layer first waits for its ``rows`` flag and clears
         it). ``graph=False``: the copy alone (an eager warm-up run)."""
+        n = tokens * self.rows_per_token
+        if layer in self.device_tables:
+            if self._side is not None:
+                self.torch.cuda.current_stream(self.device).wait_event(self._gathered[layer])
+            return self.device_rows[layer][:n]
         slot = self._slots.get(layer)
         if slot is not None and graph:
             self.ops.wait(self.flags, slot.rows_flag, 1)
             self.ops.write(self.flags, slot.rows_flag, 0)
-        n = tokens * self.rows_per_token
         dst = self.device_rows[layer][:n]
         dst.copy_(self._owner[layer].staging[layer][:tokens].view(n, -1), non_blocking=True)
         return dst
+
+    def _launch(self, layer: int, table: DeviceTable, ids) -> None:
+        tokens = ids.shape[0]
+        if tokens > self.max_tokens:
+            raise ValueError(f"{tokens} tokens in a step, this GraphStep holds {self.max_tokens}")
+        dst = self.ids[layer][:tokens]
+        dst.copy_(ids.reshape(dst.shape))  # persistent, on the current stream: the side stream reads it
+        out = self.device_rows[layer]
+        if self._side is None:
+            gather(table, dst, out)
+            return
+        torch = self.torch
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._side):
+            gather(table, dst, out)
+            self._gathered[layer].record(self._side)
+
+    def check_tables(self, tokens: int) -> None:
+        """Before a replay (``arm`` calls it): every device layer's table mapped now is the one its kernel
+        reads (a table mapped anew is registered and its pointer rewritten). A table not readable now
+        (its node down) gets the policy: zeros are served (counted, logged once per outage), or under
+        ``fail`` GraphStepError before the replay."""
+        failed = []
+        for layer, table in self.device_tables.items():
+            if table.refresh():
+                if self._unreadable.pop(layer, None) is not None:
+                    log.warning(
+                        "layer %d: table %r readable again: its rows are gathered by the graph", layer, table.name
+                    )
+                continue
+            if layer not in self._unreadable:
+                self._unreadable[layer] = table.error
+                log.warning("layer %d: table %r is %s (policy %s)", layer, table.name, table.error, self.policy)
+            if self.policy == "fail":
+                failed.append(f"layer {layer}: table {table.name!r} is {table.error}")
+            else:
+                self._zero_rows[layer].inc(tokens * self.rows_per_token)
+        if failed:
+            raise GraphStepError(f"{failed[0]}: the step is not run (policy fail)")
 
     # ------------------------------------------------------------------ the host, every step
     def before_replay(self, row_ids: dict) -> None:
@@ -321,6 +290,8 @@ class GraphStep:
         self._check_open()
         if tokens > self.max_tokens:
             raise ValueError(f"{tokens} tokens in a step, this GraphStep holds {self.max_tokens}")
+        if self.device_tables:
+            self.check_tables(tokens)
         if not self._slots:
             return
         end = time.monotonic() + self.timeout
@@ -510,6 +481,8 @@ class GraphStep:
             self._released.notify_all()
         for t in self._threads:
             t.join(timeout=5)
+        for table in self.device_tables.values():
+            table.close()
         for step in (self.pre, self.post):
             if step is not None:
                 step.abandon()

@@ -270,7 +270,7 @@ def test_the_flag_wait_is_native_where_required_and_checks_its_arguments():
     (TABLESERVER_REQUIRE_NATIVE=1), and refusing what it cannot read."""
     import time
 
-    from tableclient import graphstep
+    from tableclient import streamops as graphstep
 
     if os.environ.get("TABLESERVER_REQUIRE_NATIVE") == "1":
         assert graphstep._native_wait is not None, "tableclient._flags did not build: install gcc and python3-dev"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 import time
 
@@ -16,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import EVENT_TIMEOUT, local_tables, start_daemon, wait_for
 from tableclient import ConnectError, TableClient
-from tests_helpers import freeze, scrape, value
+from tests_helpers import free_port_block, freeze, scrape, value
 
 from tableserver.tables.demo import DemoTable, write_demo_file
 
@@ -32,27 +31,6 @@ def v1(tmp_path_factory):
 def v2(tmp_path_factory):
     """Same names and sizes, other rows: another version of the tables."""
     return write_demo_file(str(tmp_path_factory.mktemp("v2") / "v2.bin"), TABLES, seed=2)
-
-
-def free_port_block(n: int = 3) -> int:
-    """A control port whose next n-1 ports (tcp data, metrics) are free too."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        try:
-            socks = []
-            for k in range(n):
-                t = socket.socket()
-                t.bind(("127.0.0.1", base + k))
-                socks.append(t)
-            for t in socks:
-                t.close()
-            return base
-        except OSError:
-            for t in socks:
-                t.close()
-    raise RuntimeError("no free port block")
 
 
 def node(tmp_path, name, table, port=None, *flags):

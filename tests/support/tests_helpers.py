@@ -298,3 +298,24 @@ def parse_serve_flags(argv: list[str]):
     p = argparse.ArgumentParser()
     add_flags(p)
     return p.parse_args(argv)
+
+
+def free_port_block(n: int = 3) -> int:
+    """A control port whose next n-1 ports (tcp data, metrics) are free too."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        try:
+            socks = []
+            for k in range(n):
+                t = socket.socket()
+                t.bind(("127.0.0.1", base + k))
+                socks.append(t)
+            for t in socks:
+                t.close()
+            return base
+        except OSError:
+            for t in socks:
+                t.close()
+    raise RuntimeError("no free port block")

@@ -36,12 +36,15 @@ on this host, over shm: one copy of the table per node) and ``local``
 (the engine's own table for that layer, as without the plugin). ``make replay``
 writes the ``[layers]`` and ``[graph]`` tables it recommends from measured read times.
 
-Graph modes, SGLang's (decode CUDA graphs on; client/tableclient/sglang/graphs.py): ``before_replay`` (the default: rows
+Graph modes (decode CUDA graphs on; client/tableclient/graphstep.py): ``device`` (the default for a
+``node`` layer: its table, mapped here, is registered with CUDA and the captured graph gathers it with
+a kernel on a side stream; no host work at replay), ``before_replay`` (the default otherwise: rows
 gathered on the host before each replay, for any layer), ``in_graph`` (the graph publishes its ids and
 waits for the rows just before the layer: the gather overlaps the layers before it; for a layer whose
-window covers its gather, e.g. 14), ``eager_break`` (with ``--cuda-graph-backend-decode breakable``:
-the layer runs eagerly between captured segments). Under vLLM a served layer always runs through vLLM's own
-eager break (piecewise graphs): only ``eager_break`` applies there (client/tableclient/vllm/hooks.py).
+window covers its gather, e.g. 14), ``eager_break`` (with SGLang's ``--cuda-graph-backend-decode
+breakable``: the layer runs eagerly between captured segments). Under vLLM a ``remote`` layer runs
+through vLLM's own eager break (piecewise graphs) and a ``node`` layer in ``device`` mode in any of its
+graph modes (client/tableclient/vllm/hooks.py).
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from tableclient.hostmem import STAGING_TOKENS
 from tableclient.model import WINDOWS_S
 
 PLACEMENTS = ("remote", "node", "local")
-GRAPH_MODES = ("before_replay", "in_graph", "eager_break")
+GRAPH_MODES = ("before_replay", "in_graph", "eager_break", "device")
 POLICIES = ("fail", "zeros", "fallback")
 ENV = {
     "address": "TABLESERVER_ADDRESS",
@@ -131,6 +134,16 @@ class PluginConfig:
         for layer, mode in self.graph.items():
             if mode not in GRAPH_MODES:
                 raise ConfigError(f"graph.{layer} = {mode!r}: use one of {', '.join(GRAPH_MODES)}")
+            if mode == "device" and self.placement(layer) != "node":
+                raise ConfigError(
+                    f"graph.{layer} = 'device': the graph gathers from the table this host's tableserver maps, "
+                    f"and layer {layer} is placed {self.placement(layer)!r}: place it 'node', or use before_replay"
+                )
+            if mode == "device" and self.policy == "fallback":
+                raise ConfigError(
+                    f"graph.{layer} = 'device' with policy 'fallback': the fallback's rows are gathered on the "
+                    "host: use policy zeros or fail, or graph mode before_replay"
+                )
         if any(p == "remote" for p in self.layers.values()) and not self.address:
             raise ConfigError(
                 "a layer is placed 'remote' but no address is set: set address "
@@ -184,7 +197,11 @@ class PluginConfig:
         return {"remote": self.address, "node": self.node_address, "fallback": self.fallback_address}[placement]
 
     def graph_mode(self, layer: int) -> str:
-        return self.graph.get(layer, "before_replay")
+        """The layer's graph mode: as configured, else ``device`` for a ``node`` layer (its table is
+        mapped here: the graph gathers it) unless the policy is ``fallback``, else ``before_replay``."""
+        if layer in self.graph:
+            return self.graph[layer]
+        return "device" if self.placement(layer) == "node" and self.policy != "fallback" else "before_replay"
 
     def table(self, layer: int) -> str:
         return self.tables.get(layer, f"{self.table_prefix}{layer}")

@@ -212,10 +212,11 @@ class EngramRows:
             self._steps[key] = step
         return step
 
-    def graph_steps(self, max_tokens: int, device) -> dict:
-        """placement -> the GraphStep of its before_replay and in_graph layers (eager_break layers fetch
-        when they run): every buffer a decode graph of up to ``max_tokens`` tokens touches, allocated
-        now, before capture."""
+    def graph_steps(self, max_tokens: int, device, side_stream: bool = True) -> dict:
+        """placement -> the GraphStep of its before_replay, in_graph and device layers (eager_break layers
+        fetch when they run): every buffer a decode graph of up to ``max_tokens`` tokens touches, allocated
+        now, before capture. A device layer whose table cannot be registered takes before_replay (the
+        GraphStep logs why): its ServedLayer says so from then on."""
         from tableclient.graphstep import GraphStep
         from tableclient.step import LayerPlan
 
@@ -235,7 +236,10 @@ class EngramRows:
                     fallback=self.client("fallback") if c.policy == "fallback" else None,
                     device=device,
                     timeout=c.timeout,
+                    side_stream=side_stream,
                 )
+                for s in layers:
+                    s.graph_mode = out[placement].modes[s.layer]
         return out
 
     # ------------------------------------------------------------------ a step

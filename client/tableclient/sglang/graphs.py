@@ -14,7 +14,10 @@ then ``backend.replay``). The plugin therefore works in two places:
   never written twice: the graph commits), copied to the host, gathered into the staging for the
   real tokens only (never the padded bucket's), and only then is the graph replayed; ``in_graph``
   layers are armed for the step's real tokens, and the graph itself publishes their ids right after
-  its hasher and waits for their rows just before the layer; ``eager_break`` layers (with
+  its hasher and waits for their rows just before the layer; ``device`` layers (``node`` tables, mapped
+  here and registered with CUDA) are gathered by the graph's own kernel, launched right after its hasher
+  on a side stream (inline with the breakable backend, whose segments are separate graphs), so the host
+  only checks before each replay that the table it registered is the one mapped; ``eager_break`` layers (with
   ``--cuda-graph-backend-decode breakable``) run between captured segments, as SGLang's own breakable
   prefill runs its Engram lookup.
 
@@ -35,7 +38,7 @@ from tableclient.engine.rows import EngramRowsError, dequantize, to_device
 
 log = logging.getLogger("tableclient.sglang")
 
-GRAPH_MODES = ("before_replay", "in_graph", "eager_break")
+GRAPH_MODES = ("before_replay", "in_graph", "eager_break", "device")
 
 
 class _Session:
@@ -151,16 +154,12 @@ def prepare(runner, rows) -> _Session | None:
         )
     tokens = int(runner.max_bs) * int(getattr(runner, "captured_req_width", 1))
     device = hashers[0].history.device
-    steps = rows.graph_steps(tokens, device if device.type == "cuda" else torch.device("cpu"))
-    s = _Session(
-        runner,
-        hashers[0],
-        rows,
-        steps,
-        dict(rows.layers),
-        type(runner.backend).__name__ == "BreakableCudaGraphBackend",
-        tokens,
+    breakable = type(runner.backend).__name__ == "BreakableCudaGraphBackend"
+    # a breakable graph is several graphs: a device layer's kernel stays on the capturing stream there
+    steps = rows.graph_steps(
+        tokens, device if device.type == "cuda" else torch.device("cpu"), side_stream=not breakable
     )
+    s = _Session(runner, hashers[0], rows, steps, dict(rows.layers), breakable, tokens)
     _session["active"] = s
     interval = rows.config.switch_interval
     if interval and any(sl.graph_mode == "in_graph" for sl in rows.layers.values()):
@@ -233,10 +232,11 @@ def execute(s: _Session, original, runner, forward_batch, *args, **kwargs):
 
 # ---------------------------------------------------------------------- inside the captured forward
 def publish(s: _Session, hash_ids) -> None:
-    """After the captured hasher: every in_graph layer's ids to the host, then its flag."""
+    """After the captured hasher, layer 1 first: every in_graph layer's ids to the host, then its flag;
+    every device layer's kernel launched on the side stream."""
     graph = _recording(s, hash_ids)
-    for layer, sl in s.layers.items():
-        if sl.graph_mode == "in_graph":
+    for layer, sl in sorted(s.layers.items(), key=lambda kv: kv[1].window_s):
+        if sl.graph_mode in ("in_graph", "device"):
             s.step_of(layer).publish_ids(layer, hash_ids[:, sl.hash_index].contiguous(), graph=graph)
 
 

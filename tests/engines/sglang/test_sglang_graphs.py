@@ -219,3 +219,68 @@ def test_graph_modes_in_the_configuration():
     )
     with pytest.raises(ConfigError, match="graph.14 = 'sometimes': use one of before_replay, in_graph, eager_break"):
         PluginConfig(address="m:1", graph={14: "sometimes"})
+
+
+@pytest.mark.parametrize("backend", [FullCudaGraphBackend, BreakableCudaGraphBackend], ids=["full", "breakable"])
+def test_node_layers_are_gathered_by_the_graphs_own_kernel_bit_identical(
+    plugin, model_config, engram_tables, memnode, backend
+):
+    """Placed ``node`` (this host's daemon, its tables mapped here), both layers default to graph mode device:
+    the captured forward launches the row kernel (Triton's interpreter here) right after SGLang's hasher, over
+    the registered mapping; every decode step is bit-identical to SGLang's own tables, no decode row goes
+    through the host path, and nothing a graph touches moves."""
+    want = _local_outputs(model_config, engram_tables)
+    model = build(model_config, engram_tables, placement={1: "node", 14: "node"}, node_address=memnode.address)
+    runner = runner_for(model, backend)
+    capture(runner, model)
+    s = graphs.session()
+    assert {layer: sl.graph_mode for layer, sl in s.layers.items()} == {1: "device", 14: "device"}
+    step = s.steps["node"]
+    assert sorted(step.device_tables) == [1, 14] and step.pre is None and step.post is None
+    buffers = step.buffers()
+    got = run_graphs(model, runner)
+    assert_bit_identical(got, want)
+    assert step.buffers() == buffers
+    summary = rows().summary()
+    for layer in (1, 14):  # the prefills' rows only: every decode step's came from the kernel
+        assert summary[layer]["prefetched"] == 2 and summary[layer]["fetched"] == 0, summary
+
+
+def test_a_node_table_the_gpu_cannot_read_takes_before_replay_with_one_line(
+    plugin, model_config, engram_tables, tmp_path, caplog
+):
+    """The node daemon serves the tables from disk (nothing to map, so nothing to register): the layers fall
+    back to before_replay, saying why in one line each, and stay bit-identical."""
+    import logging
+
+    from conftest import start_daemon
+
+    want = _local_outputs(model_config, engram_tables)
+    d = start_daemon(str(tmp_path / "disk"), "--tables", engram_tables, "--disk-tables", "all")
+    try:
+        with caplog.at_level(logging.WARNING, logger="tableclient.graphstep"):
+            model = build(model_config, engram_tables, placement={1: "node", 14: "node"}, node_address=d.address)
+            runner = runner_for(model)
+            capture(runner, model)
+        s = graphs.session()
+        assert {layer: sl.graph_mode for layer, sl in s.layers.items()} == {1: "before_replay", 14: "before_replay"}
+        lines = [r.getMessage() for r in caplog.records if "graph mode 'device' unavailable" in r.getMessage()]
+        assert len(lines) == 2 and all("not mapped in this process" in line for line in lines)
+        assert_bit_identical(run_graphs(model, runner), want)
+    finally:
+        graphs.close()
+        d.stop()
+
+
+def test_the_placement_and_graph_mode_matrix():
+    from tableclient.sglang import ConfigError, PluginConfig
+
+    cfg = PluginConfig(address="m:1", layers={1: "node", 14: "remote", 7: "local"})
+    assert [cfg.graph_mode(layer) for layer in (1, 14, 7)] == ["device", "before_replay", "before_replay"]
+    assert PluginConfig(address="m:1", layers={1: "node"}, graph={1: "in_graph"}).graph_mode(1) == "in_graph"
+    fallback = PluginConfig(address="m:1", layers={1: "node"}, policy="fallback", fallback_address="f:1")
+    assert fallback.graph_mode(1) == "before_replay"  # the fallback's rows are gathered on the host
+    with pytest.raises(ConfigError, match="graph.14 = 'device'.*placed 'remote': place it 'node'"):
+        PluginConfig(address="m:1", layers={14: "remote"}, graph={14: "device"})
+    with pytest.raises(ConfigError, match="graph.1 = 'device' with policy 'fallback'"):
+        PluginConfig(address="m:1", layers={1: "node"}, graph={1: "device"}, policy="fallback", fallback_address="f:1")
