@@ -10,7 +10,8 @@ TORCH ?= torch==2.13.0
 .PHONY: demo test test-fast test-unit test-daemon test-engines test-host test-deploy test-gpu lint sanitize bench replay \
 	observe proto clean
 
-$(BASE): setup.cfg pyproject.toml setup.py tableserver/common/_take.c tableserver/common/bufcheck.h client/tableclient/_flags.c \
+$(BASE): setup.cfg pyproject.toml setup.py tableserver/common/_take.c tableserver/common/bufcheck.h \
+		tableserver/common/rowcopy.h tableserver/common/spin.h client/tableclient/_flags.c client/tableclient/_graphpoll.c \
 		$(wildcard tableserver/disk/_diskio_c/*.c tableserver/disk/_diskio_c/*.h)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -e .
@@ -54,7 +55,7 @@ lint: $(DEV)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# The three C extensions built with -fsanitize=address,undefined in a copy of the tree (build/sanitize: the
+# The four C extensions built with -fsanitize=address,undefined in a copy of the tree (build/sanitize: the
 # in-tree .so files stay as they are), their unit tests and a randomized stress of each run under them with
 # gcc's libasan/libubsan preloaded; fails on any report (tests/sanitize/run.py). SANITIZE_SEED=n repeats a run.
 sanitize: $(DEV)
@@ -90,4 +91,5 @@ proto: $(DEV)
 		proto/tableserver/v1/tableserver.proto
 
 clean:
-	rm -rf $(VENV) build *.egg-info tableserver/common/_take*.so client/tableclient/_flags*.so tableserver/disk/_diskio*.so
+	rm -rf $(VENV) build *.egg-info tableserver/common/_take*.so client/tableclient/_flags*.so \
+		client/tableclient/_graphpoll*.so tableserver/disk/_diskio*.so

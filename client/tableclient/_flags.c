@@ -17,24 +17,11 @@
 #include <stdint.h>
 #include <time.h>
 
+#include "spin.h"
+
 #define SPIN_NS 50000
 #define SLEEP_NS 20000
 
-static int64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-static inline void cpu_relax(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-}
 
 static PyObject *wait_u32(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 
 from tableclient.devicetable import DeviceTable, DeviceTableUnavailable, gather
 from tableclient.errors import GatherTimeout, TableClientError
+from tableclient.graphpoll import NativePoller, NativeUnavailable
 from tableclient.metrics import metrics
 from tableclient.step import EngramStep, LayerPlan
 from tableclient.streamops import CudaStreamOps, GraphFlags, GraphStepError, HostStreamOps, wait_flag
@@ -83,6 +84,7 @@ class _Slot:
     seen: float = 0.0  # perf_counter() when the graph's ids were seen
     step: int = 0  # bumped by every arm: a release is for the step it was decided for, never a later one
     owe_ids: bool = False  # released before its graph published the ids: that late flag is not a new step's
+    released_at: float = 0.0  # time.monotonic() of the last release
 
 
 class GraphStep:
@@ -91,7 +93,8 @@ class GraphStep:
 
     def __init__(self, client, plans: list, modes: dict, max_tokens: int, *, rows_per_token: int = 24,
                  policy: str = "fail", fallback=None, device=None, timeout: float = 5.0, stream_ops=None,
-                 pin: bool | None = None, side_stream: bool = True, register: bool = True):  # fmt: skip
+                 pin: bool | None = None, side_stream: bool = True, register: bool = True,
+                 poller: str = "auto", realtime: bool = False):  # fmt: skip
         import torch
 
         self.torch = torch
@@ -168,16 +171,51 @@ class GraphStep:
         self._zero_rows = {layer: m.zero_rows.labels(str(layer)) for layer in self.device_tables}
         self._watchdog_releases = {layer: m.watchdog_releases.labels(str(layer)) for layer in self._slots}
         self._misses = {layer: m.deadline_misses.labels(str(layer)) for layer in self._slots}
+        # in_graph layers: the native poller where it can serve them (poller "auto"), else Python's threads
+        if poller not in ("auto", "native", "python"):
+            raise ValueError(f"poller {poller!r}: use auto, native or python")
+        self._native = None
+        if self._slots and poller != "python":
+            slots = [(s.plan, s.ids_flag, s.rows_flag, self._ids_np[s.layer], self._staging_np[s.layer])
+                     for s in self._slots.values()]  # fmt: skip
+            try:
+                self._native = NativePoller(
+                    client, slots, self.flags.host, policy, connect_timeout=timeout, realtime=realtime
+                )
+            except NativeUnavailable as e:
+                if poller == "native":
+                    raise
+                log.info("in_graph layers %s: the Python poller (%s)", sorted(self._slots), e)
+            else:
+                log.info(
+                    "in_graph layers %s: the native poller (no GIL on the hot path; %s)",
+                    sorted(self._slots),
+                    "real-time priority"
+                    if self._native.realtime
+                    else "normal priority: grant CAP_SYS_NICE or an "
+                    "rtprio limit (ulimit -r 1) for a shorter tail on busy cores",
+                )
         self._threads = [
             threading.Thread(target=self._poll, args=(s,), name=f"tableclient-graph-{s.layer}", daemon=True)
             for s in self._slots.values()
+            if self._native is None
         ]
-        if self._slots:
+        if self._slots and self._native is None:
             self._threads.append(
                 threading.Thread(target=self._watchdog, name="tableclient-graph-watchdog", daemon=True)
             )
         for t in self._threads:
             t.start()
+
+    @property
+    def poller(self) -> str | None:
+        """Who serves the in_graph layers: "native" (one C thread, no GIL), "python", or None (none)."""
+        return None if not self._slots else "native" if self._native is not None else "python"
+
+    @property
+    def poller_realtime(self) -> bool:
+        """Whether the native poller's thread runs at real-time priority (asked for with ``realtime``)."""
+        return self._native is not None and self._native.realtime
 
     # ------------------------------------------------------------------ what a graph touches
     def buffers(self) -> dict:
@@ -295,6 +333,17 @@ class GraphStep:
         if not self._slots:
             return
         end = time.monotonic() + self.timeout
+        if self._native is not None:
+            while self._native.busy():
+                self._check_open()
+                if time.monotonic() >= end:
+                    raise GraphStepError(
+                        f"layers {sorted(self._slots)}: the last step was not released and consumed within "
+                        f"{self.timeout:g} s: a replay was armed and never launched (call reset() after a failed replay)"
+                    )
+                time.sleep(0.0002)  # the GPU's consumption notifies nobody: poll
+            self._native.arm(tokens, [time.monotonic() + self.timeout] * len(self._slots))
+            return
         host = self.flags.host
         with self._lock:
             while True:
@@ -327,6 +376,14 @@ class GraphStep:
         failed layer is never read. Other policies return at once."""
         if not self._slots or self.policy != "fail":
             return
+        if self._native is not None:
+            errors = self._native.wait_released(self.timeout + 1.0)
+            if errors is None:
+                raise GraphStepError("in_graph layers not released by their deadline: the native poller is stuck")
+            if errors:
+                layer, message = errors[0]
+                raise GraphStepError(f"layer {layer}: {message} (policy fail: the step's output must not be read)")
+            return
         with self._lock:
             end = max(s.deadline for s in self._slots.values()) + 1.0
             while any(s.state not in ("released", "idle") for s in self._slots.values()):
@@ -338,12 +395,29 @@ class GraphStep:
         if errors:
             raise errors[0]
 
+    def released_at(self, layer: int) -> float:
+        """When in_graph layer ``layer``'s last step was released (time.monotonic()'s clock), by either
+        poller: how long the rows took, for a stand-in of the GPU that notices the release late itself."""
+        if self._native is not None:
+            return self._native.released_at(layer)
+        return self._slots[layer].released_at
+
+    def account(self) -> None:
+        """Folds what the native poller did into the metrics (waits, watchdog releases, zero rows): every
+        arm does it for the steps before, off the hot path; call it before reading them right after a step."""
+        if self._native is not None:
+            self._native.account()
+
     def reset(self) -> None:
         """After a replay that was armed but may not have run (the engine's launch raised): waits for the
         device to finish what it queued, then clears every flag and step state. Once closed it leaves
         the flags as close released them (a replay waits for nobody)."""
         if self.device.type == "cuda":
             self.torch.cuda.synchronize(self.device)
+        if self._native is not None:
+            if not self._closed:
+                self._native.reset()
+            return
         with self._lock:
             if self._closed:
                 return
@@ -446,6 +520,7 @@ class GraphStep:
     def _release(self, slot: _Slot, error: BaseException | None) -> None:
         """(lock held) The staging holds the step's rows: the graph may copy them."""
         slot.error, slot.state = error, "released"
+        slot.released_at = time.monotonic()
         self.flags.host[slot.rows_flag] = 1
         self._released.notify_all()
 
@@ -479,6 +554,8 @@ class GraphStep:
             for slot in self._slots.values():
                 self.flags.host[slot.rows_flag] = 1  # a graph replayed after this waits for nobody
             self._released.notify_all()
+        if self._native is not None:
+            self._native.close()
         for t in self._threads:
             t.join(timeout=5)
         for table in self.device_tables.values():

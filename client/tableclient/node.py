@@ -164,6 +164,7 @@ class NodeSession:
         self.closed = False  # read on every gather (a plain attribute: no property call); set by close
         self._counted = ""  # transport this session counts in tableserver_client_sessions
         self._transport = None
+        self._offers: dict = {}  # transport name -> the server's offer, for data connections of their own
         self._keepalive_thread = None
         self._keepalive_call = None
         self._stop = threading.Event()
@@ -242,6 +243,7 @@ class NodeSession:
             )
             self.session = _session_info(self.address, resp)
             self._start_keepalive()
+            self._offers = {offer.name: offer for offer in resp.offers[:MAX_OFFERS]}
             for offer in resp.offers[:MAX_OFFERS]:
                 if offer.name not in wanted:  # not asked for (or unknown to this client): never tried
                     skipped += 1
@@ -334,6 +336,18 @@ class NodeSession:
         """The data transport, or None once the session is closed (never raises: for the per-gather path;
         read it once and keep the reference, a close may clear it meanwhile)."""
         return self._transport
+
+    def open_data_socket(self, timeout: float) -> tuple[socket.socket, bool]:
+        """A data connection of its own to this session's tcp endpoint, authenticated (HELLO) within
+        ``timeout`` seconds, for a reader that speaks the wire protocol itself (a GraphStep's native
+        poller): the socket and whether its payloads are sealed. ConnectError where the server offered
+        no tcp (ask for it: the client's transport ``auto`` or ``tcp``)."""
+        from tableclient.transports.tcp import TcpTransport
+
+        offer = self._offers.get("tcp")
+        if offer is None or self.session is None or self.closed:
+            raise ConnectError(f"tableserver at {self.address} offered this session no tcp data connection")
+        return TcpTransport(offer, self.session, self.infos, timeout, self.options.transport_options).detach()
 
     @property
     def node_id(self) -> str:

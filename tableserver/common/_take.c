@@ -27,9 +27,8 @@
 #include <string.h>
 
 #include "bufcheck.h"
+#include "rowcopy.h"
 
-#define PREFETCH_ROWS 16
-#define PREFETCH_LINES 8 /* at most this many 64-byte lines of a row; longer rows stream by themselves */
 #define NOGIL_BYTES (64 << 10)
 
 static int is_uint8(const Py_buffer *b)
@@ -46,48 +45,6 @@ static int overlap(const Py_buffer *a, const Py_buffer *b)
 {
     const char *a0 = a->buf, *b0 = b->buf;
     return a->len && b->len && a0 < b0 + b->len && b0 < a0 + a->len;
-}
-
-/* -1 when every id is in 0..rows-1, else the position of the first that is not: one branch-free pass
- * (a negative id is huge as uint64), a second only to find the position */
-static Py_ssize_t first_bad(const int64_t *ids, Py_ssize_t n, uint64_t rows)
-{
-    uint64_t bad = 0;
-    for (Py_ssize_t i = 0; i < n; i++)
-        bad |= (uint64_t)ids[i] >= rows;
-    if (!bad)
-        return -1;
-    Py_ssize_t i = 0; /* bounded: another thread may have changed the ids since the first pass */
-    while (i < n && (uint64_t)ids[i] < rows)
-        i++;
-    return i < n ? i : -1;
-}
-
-static inline void prefetch_row(const char *row, size_t row_bytes, size_t lines)
-{
-    for (size_t k = 0; k < lines; k++)
-        __builtin_prefetch(row + 64 * k, 0, 0);
-    __builtin_prefetch(row + row_bytes - 1, 0, 0);
-}
-
-static void copy_rows(const char *table, uint64_t rows, size_t row_bytes, const int64_t *ids, Py_ssize_t n,
-                      char *out)
-{
-    size_t lines = (row_bytes + 63) / 64;
-    if (lines > PREFETCH_LINES)
-        lines = PREFETCH_LINES;
-    for (Py_ssize_t i = 0; i < n && i < PREFETCH_ROWS; i++) {
-        uint64_t id = (uint64_t)ids[i];
-        prefetch_row(table + (id < rows ? id : rows - 1) * row_bytes, row_bytes, lines);
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + PREFETCH_ROWS < n) {
-            uint64_t ahead = (uint64_t)ids[i + PREFETCH_ROWS];
-            prefetch_row(table + (ahead < rows ? ahead : rows - 1) * row_bytes, row_bytes, lines);
-        }
-        uint64_t id = (uint64_t)ids[i];
-        memcpy(out + (size_t)i * row_bytes, table + (id < rows ? id : rows - 1) * row_bytes, row_bytes);
-    }
 }
 
 /* The first n arguments' buffers, each with its flags; on failure those already taken are released. */

@@ -138,7 +138,8 @@ def test_a_node_restart_is_registered_anew_and_other_data_is_never_read(tmp_path
     v1, v2 = versions
     local, other = local_tables(v1), local_tables(v2)
     port = free_port_block()
-    d = node(tmp_path, "a", v1, port)
+    daemons = [node(tmp_path, "a", v1, port)]
+    d = daemons[0]
     rng = np.random.default_rng(9)
     with TableClient(d.address, transport="shm") as c:
         g = make(c, {1: "device", 14: "device"}, policy=policy)
@@ -164,6 +165,7 @@ def test_a_node_restart_is_registered_anew_and_other_data_is_never_read(tmp_path
             assert all(int(t.pointer[0]) == 0 for t in g.device_tables.values())
 
             d = node(tmp_path, "a2", v1, port)  # the same data, restarted: a new memfd, a new mapping
+            daemons.append(d)
             wait_for(lambda: c.replicas()[d.address]["state"] == "up", "the client to reconnect")
             ids = random_ids(rng, local, 8)
             out = step(g, ids, 8)
@@ -175,6 +177,7 @@ def test_a_node_restart_is_registered_anew_and_other_data_is_never_read(tmp_path
 
             d.stop(signal.SIGKILL)
             d = node(tmp_path, "a3", v2, port)  # same names and sizes, other rows
+            daemons.append(d)
             wait_for(lambda: c.replicas()[d.address]["state"] == "refused", lambda: f"a refusal: {c.replicas()}")
             ids = random_ids(rng, local, 8)
             if policy == "fail":
@@ -187,7 +190,8 @@ def test_a_node_restart_is_registered_anew_and_other_data_is_never_read(tmp_path
                 assert not np.array_equal(out[14], other["engram.layer14"][ids[14]])
         finally:
             g.close()
-    d.stop()
+            for each in daemons:
+                each.stop()
 
 
 def test_a_table_the_gpu_cannot_read_here_takes_before_replay_with_one_line(daemon, demo_file, caplog):

@@ -24,7 +24,7 @@ def test_gpu_check_cpu_runs_every_stage_and_exits_0(tmp_path):
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert "gpu_check (cpu): every stage passed" in r.stdout
-    for stage in ("report", "probe", "node", "modes", "faults"):
+    for stage in ("report", "probe", "node", "modes", "faults", "wake"):
         assert f"== {stage}: ok" in r.stdout
         assert (tmp_path / f"{stage}.log").stat().st_size > 0
     assert "PASS: every row bit-exact" in (tmp_path / "node.log").read_text()

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 
 import numpy as np
 import pytest
-from conftest import EVENT_TIMEOUT, local_tables, start_daemon
+from conftest import EVENT_TIMEOUT, local_tables, start_daemon, wait_for
 from tests_helpers import freeze
 
 torch = pytest.importorskip("torch")
@@ -25,6 +26,15 @@ from tableclient.step import LayerPlan  # noqa: E402
 
 PLANS = [LayerPlan(1, "engram.layer1", 0.3e-3), LayerPlan(14, "engram.layer14", 9.3e-3)]
 MAX_TOKENS = 64
+POLLER = {"kind": "auto"}
+
+
+@pytest.fixture(autouse=True, params=["auto", "python"])
+def poller(request):
+    """Every test with both pollers of in_graph layers: the native one where it serves them (auto), Python's."""
+    POLLER["kind"] = request.param
+    yield request.param
+    POLLER["kind"] = "auto"
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +44,7 @@ def local(demo_file):
 
 def make(client, modes, **kw):
     kw.setdefault("timeout", 10.0)
+    kw.setdefault("poller", POLLER["kind"])
     return GraphStep(client, PLANS, modes, MAX_TOKENS, stream_ops=HostStreamOps(EVENT_TIMEOUT), **kw)
 
 
@@ -187,6 +198,7 @@ def test_a_frozen_server_is_released_by_the_watchdog(tmp_path, demo_file, local)
                 t.start()
                 t.join(EVENT_TIMEOUT)
                 assert not t.is_alive() and not t_out[14].any()
+                g.account()  # the native poller's releases reach the metrics off the hot path
                 assert watchdog_releases(14) == released + 1
                 os.kill(d.proc.pid, signal.SIGCONT)
                 g.reset()  # layer 1 was never gathered this step: start clean
@@ -287,3 +299,124 @@ def test_the_flag_wait_is_native_where_required_and_checks_its_arguments():
         misaligned = np.frombuffer(bytearray(17), np.uint32, 4, 1)  # an atomic load there may tear
         with pytest.raises(TypeError, match="4-byte aligned"):
             graphstep._native_wait(misaligned, 0, 1, 0.0)
+
+
+def test_in_graph_layers_get_the_native_poller_where_it_is_built(daemon, poller):
+    """shm and plain tcp are the native poller's; policy fallback stays with Python's (it re-reads through
+    another client), and says so."""
+    from tableclient import graphpoll
+
+    if graphpoll._graphpoll is None:
+        pytest.skip("tableclient._graphpoll is not built here")
+    for transport in ("shm", "tcp"):
+        with TableClient(daemon.address, transport=transport) as c:
+            g = make(c, {14: "in_graph"})
+            try:
+                assert g.poller == ("native" if poller == "auto" else "python")
+            finally:
+                g.close()
+    with TableClient(daemon.address, transport="tcp") as c, TableClient(daemon.address, transport="tcp") as fb:
+        g = make(c, {14: "in_graph"}, policy="fallback", fallback=fb)
+        try:
+            assert g.poller == "python"
+            with pytest.raises(GraphStepError, match="policy 'fallback'"):
+                GraphStep(c, PLANS, {14: "in_graph"}, MAX_TOKENS, policy="fallback", fallback=fb, poller="native")
+        finally:
+            g.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_the_native_poller_releases_a_step_while_another_thread_holds_the_gil(daemon, local, poller, transport):
+    """The graph's ids are published, then this thread holds the GIL inside C for 300 ms (a C extension that
+    never releases it): the native poller gathers and releases the step meanwhile; Python's poller, which
+    needs the GIL to gather, cannot (the contrast is the point of the native one)."""
+    import ctypes
+
+    libc = ctypes.PyDLL(None)  # PyDLL: the GIL stays held during the call
+    with TableClient(daemon.address, transport=transport) as c:
+        g = make(c, {14: "in_graph"}, timeout=EVENT_TIMEOUT)
+        try:
+            rng = np.random.default_rng(12)
+            one_step(g, rng, local, 8)  # warm: the connection and the poller's first step
+            ids = rng.integers(0, local["engram.layer14"].shape[0], (8, 24))
+            g.before_replay({1: rng.integers(0, local["engram.layer1"].shape[0], (8, 24))})
+            g.arm(8)
+            flag = g.flags.index(0, 1)  # layer 14's rows flag (its only in_graph layer)
+            interval = sys.getswitchinterval()
+            sys.setswitchinterval(30.0)  # no other Python thread runs until this one waits: not even a slow CI's
+            try:
+                g.publish_ids(14, torch.from_numpy(ids))
+                libc.usleep(300_000)
+                released = int(g.flags.host[flag])  # read before this thread lets any other run
+            finally:
+                sys.setswitchinterval(interval)
+            out = g.rows(14, 8).clone().numpy().reshape(8, 24, -1)
+            g.after_replay()
+            np.testing.assert_array_equal(out, local["engram.layer14"][ids])
+            assert released == (1 if g.poller == "native" else 0), g.poller
+        finally:
+            g.close()
+
+
+def test_the_native_poller_connects_again_after_its_node_restarts(tmp_path, demo_file, local, poller):
+    """tcp: the node killed (the layer gets the policy, zeros), restarted on the same port: the next arm
+    gives the thread a new connection of its own and the rows are bit-exact again."""
+    from tests_helpers import free_port_block
+
+    port = free_port_block()
+    flags = ("--tables", demo_file, "--transports", "tcp", "--listen", f"127.0.0.1:{port}")
+    d = start_daemon(str(tmp_path / "a"), *flags)
+    try:
+        with TableClient(d.address, transport="tcp") as c:
+            g = make(c, {1: "in_graph", 14: "in_graph"}, policy="zeros", timeout=2.0)
+            try:
+                rng = np.random.default_rng(13)
+                one_step(g, rng, local, 8)
+                d.stop(signal.SIGKILL)
+                ids, out = one_step(g, rng, local, 8)
+                assert not out[14].any()  # the policy
+                d = start_daemon(str(tmp_path / "b"), *flags)
+                wait_for(lambda: c.replicas()[d.address]["state"] == "up", "the client to reconnect")
+                ids, out = one_step(g, rng, local, 8)
+                for p in PLANS:
+                    np.testing.assert_array_equal(out[p.layer], local[p.table][ids[p.layer]])
+            finally:
+                g.close()
+    finally:
+        d.stop()
+
+
+def test_the_native_poller_runs_at_real_time_priority_where_permitted_and_stays_bit_exact(daemon, local, poller):
+    """realtime=True: SCHED_FIFO 1 exactly where this process may have a real-time thread (tried on a
+    throwaway thread), the steps as bit-exact as ever; the plugins' poller_priority is checked."""
+    from tableclient import graphpoll
+    from tableclient.engine import ConfigError, PluginConfig
+
+    if poller != "auto" or graphpoll._graphpoll is None:
+        pytest.skip("the native poller's priority (built, and asked for)")
+    allowed = []
+
+    def probe():
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+            allowed.append(True)
+        except OSError:
+            allowed.append(False)
+
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join()
+    with TableClient(daemon.address, transport="shm") as c:
+        g = make(c, {1: "in_graph", 14: "in_graph"}, realtime=True)
+        try:
+            assert g.poller == "native" and g.poller_realtime == allowed[0]
+            rng = np.random.default_rng(14)
+            for tokens in (1, 64, 7):
+                ids, out = one_step(g, rng, local, tokens)
+                for p in PLANS:
+                    np.testing.assert_array_equal(out[p.layer], local[p.table][ids[p.layer]])
+        finally:
+            g.close()
+    assert PluginConfig.load({"TABLESERVER_POLLER_PRIORITY": "realtime"}).poller_priority == "realtime"
+    with pytest.raises(ConfigError, match="poller_priority = 'fast': use normal or realtime"):
+        PluginConfig(poller_priority="fast")

@@ -1,4 +1,4 @@
-"""The sanitizer job of ``make test`` (``make sanitize``): the three C extensions built with
+"""The sanitizer job of ``make test`` (``make sanitize``): the four C extensions built with
 ``-fsanitize=address,undefined``, their unit tests and a short randomized run of each under it.
 
 1. Copies the tree's sources (tableserver/, client/, tests/, the setup files) into ``build/sanitize/tree``
@@ -6,7 +6,7 @@
    .so files the rest of the suite imports, in the working tree, are never touched.
 2. Runs, with gcc's libasan and libubsan preloaded (Python itself is not instrumented) and the copy first
    on PYTHONPATH: the extensions' unit tests (tests/unit/test_take.py, tests/daemon/test_diskio.py, the flag wait's
-   test of tests/daemon/test_graphstep.py), then tests/sanitize/stress.py. Both refuse to run unless every
+   and the native poller's tests of tests/daemon/test_graphstep.py), then tests/sanitize/stress.py. Both refuse to run unless every
    extension is imported from the copy and instrumented (tests/sanitize/sanitized_build.py).
 3. Fails on a non-zero exit, and on any sanitizer report: in the output, or in the report files that
    ASAN_OPTIONS/UBSAN_OPTIONS' log_path leaves (processes the tests start report there too).
@@ -39,8 +39,16 @@ UNIT_TESTS = (
     "tests/unit/test_take.py",
     "tests/daemon/test_diskio.py",
     "tests/daemon/test_graphstep.py::test_the_flag_wait_is_native_where_required_and_checks_its_arguments",
+    "tests/daemon/test_graphstep.py::test_steps_bit_exact_over_buckets_and_nothing_moves",
+    "tests/daemon/test_graphstep.py::test_a_frozen_server_is_released_by_the_watchdog",
+    "tests/daemon/test_graphstep.py::test_the_native_poller_connects_again_after_its_node_restarts",
 )
-EXTENSIONS = ("tableserver/disk/_diskio", "tableserver/common/_take", "client/tableclient/_flags")
+EXTENSIONS = (
+    "tableserver/disk/_diskio",
+    "tableserver/common/_take",
+    "client/tableclient/_flags",
+    "client/tableclient/_graphpoll",
+)
 REPORT = re.compile(
     r"ERROR: (AddressSanitizer|LeakSanitizer)|runtime error:|UndefinedBehaviorSanitizer|SUMMARY: \w+Sanitizer"
 )
@@ -147,7 +155,7 @@ def main() -> int:
     if failed:
         print(f"sanitize: FAILED ({', '.join(failed)}) in {took:.0f} s; reports kept in {logs}", file=sys.stderr)
         return 1
-    print(f"sanitize: the three extensions ran clean under ASan and UBSan ({took:.0f} s)")
+    print(f"sanitize: the {len(EXTENSIONS)} extensions ran clean under ASan and UBSan ({took:.0f} s)")
     return 0
 
 

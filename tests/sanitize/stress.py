@@ -16,6 +16,9 @@ instrumented). What it does, each part seeded (``--seed``) and bounded by ``--it
   ids under them (each id is clamped at use: never a read outside the table).
 * ``tableclient._flags.wait_u32``: waiters on random flags while other threads set them, and the
   arguments it must refuse (index, value, timeout, dtype, alignment, read-only, empty).
+* ``tableclient._graphpoll.Poller``: steps armed, published, released and checked against the table, with
+  resets, sources swapped and closes from other threads while its thread gathers; replays nobody armed;
+  ids outside the table; the arguments it must refuse.
 
 A sanitizer report aborts the process (run.py's options); any other failure exits 1 with one line per
 failure. Exit 0: nothing found.
@@ -56,10 +59,11 @@ def check_imports(expect_dir: str | None) -> None:
     """Every extension imported from the sanitized build, and instrumented (RuntimeError otherwise): else a
     clean run proves nothing."""
     import tableclient._flags
+    import tableclient._graphpoll
     import tableserver.common._take
     import tableserver.disk._diskio
 
-    for mod in (tableserver.disk._diskio, tableserver.common._take, tableclient._flags):
+    for mod in (tableserver.disk._diskio, tableserver.common._take, tableclient._flags, tableclient._graphpoll):
         path = os.path.realpath(mod.__file__)
         if expect_dir is not None and not path.startswith(os.path.realpath(expect_dir) + os.sep):
             raise RuntimeError(f"{mod.__name__} imported from {path}, not from the sanitized build in {expect_dir}")
@@ -464,20 +468,110 @@ def stress_flags(iterations: int, seed: int) -> None:
     print(f"flags: {4 * iterations} waits, {len(refused)} refusals in {time.monotonic() - t0:.1f} s")
 
 
+# -- _graphpoll -----------------------------------------------------------------------------------------
+
+
+def stress_graphpoll(iterations: int, seed: int) -> None:
+    from tableclient._graphpoll import Poller
+
+    t0 = time.monotonic()
+    r = np.random.default_rng(seed)
+    rows, row_bytes, cols, max_tokens = 5000, 264, 24, 16
+    table = r.integers(0, 256, (rows, row_bytes), dtype=np.uint8)
+    other = r.integers(0, 256, (rows, row_bytes), dtype=np.uint8)
+    flags = np.zeros(64, np.uint32)
+    ids = np.zeros((2, max_tokens * cols), np.int64)
+    staging = np.zeros((2, max_tokens * cols * row_bytes), np.uint8)
+    refused = [
+        (flags[::2], [(0, 16, -1, ids[0], staging[0], row_bytes, cols)], False),
+        (flags, [(0, 64, -1, ids[0], staging[0], row_bytes, cols)], False),
+        (flags, [(0, 16, -1, ids[0].view(np.float64), staging[0], row_bytes, cols)], False),
+        (flags, [(0, 16, -1, ids[0], staging[0][:100], row_bytes, cols)], False),
+        (flags, [], False),
+    ]
+    for args in refused:
+        try:
+            Poller(*args)
+        except (TypeError, ValueError, BufferError):
+            continue
+        fail(f"Poller accepted what it must refuse: {args[1][:1]}")
+    steps = 0
+    for it in range(max(1, iterations // 5)):
+        flags[:] = 0
+        p = Poller(
+            flags,
+            [(0, 16, 32, ids[0], staging[0], row_bytes, cols), (48, 56, -1, ids[1], staging[1], row_bytes, cols)],
+            bool(it % 2),
+        )
+        source = [table, table]
+        p.set_shm(0, table, rows)
+        p.set_shm(1, table, rows)
+        for _ in range(20):
+            tokens = int(r.integers(1, max_tokens + 1))
+            n = tokens * cols
+            bad = r.random() < 0.1
+            for k in range(2):
+                ids[k, :n] = r.integers(0, rows, n)
+                if bad:
+                    ids[k, 0] = rows + 7
+            if r.random() < 0.1:  # swap a source between steps
+                k = int(r.integers(0, 2))
+                source[k] = other if source[k] is table else table
+                p.set_shm(k, source[k], rows)
+            try:
+                p.arm(tokens, [time.monotonic() + 2.0] * 2)
+            except RuntimeError:
+                p.reset()
+                continue
+            flags[0] = flags[48] = 1
+            errors = p.wait_released(5.0)
+            if errors is None:
+                fail("Poller: a step not released within 5 s")
+                break
+            for k, rows_flag in ((0, 16), (1, 56)):
+                got = staging[k, : n * row_bytes].reshape(n, row_bytes)
+                if flags[rows_flag] != 1:
+                    fail(f"Poller: slot {k} released but its rows flag is {flags[rows_flag]}")
+                elif bad and (got.any() or not errors):
+                    fail(f"Poller: slot {k}: an id outside the table was not refused with zero rows")
+                elif not bad and not np.array_equal(got, source[k][ids[k, :n]]):
+                    fail(f"Poller: slot {k}: rows differ from the table")
+                flags[rows_flag] = 0  # the graph consumed the release
+            if flags[32] != (0 if bad else 1):
+                fail(f"Poller: the ok flag is {flags[32]} for a step {'refused' if bad else 'served'}")
+            steps += 1
+        # a replay nobody armed: released with zeros at once; a late close while a thread resets
+        flags[0] = 1
+        end = time.monotonic() + 5.0
+        while flags[16] != 1 and time.monotonic() < end:
+            time.sleep(0.001)
+        if flags[16] != 1 or staging[0].any():
+            fail("Poller: a replay nobody armed was not released with zero rows")
+        resetter = threading.Thread(target=p.reset)
+        resetter.start()
+        p.close()
+        resetter.join()
+        p.close()  # idempotent
+        if flags[16] != 1 or flags[56] != 1:
+            fail("Poller: close left a rows flag unset")
+    print(f"graphpoll: {steps} steps, {len(refused)} refusals in {time.monotonic() - t0:.1f} s")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--expect-dir", help="the sanitized tree every extension must be imported from")
     ap.add_argument("--iterations", type=int, default=150)
     ap.add_argument("--seed", type=int, default=int(time.time()))
-    ap.add_argument("--only", choices=("diskio", "take", "flags"), action="append")
+    ap.add_argument("--only", choices=("diskio", "take", "flags", "graphpoll"), action="append")
     a = ap.parse_args()
     try:
         check_imports(a.expect_dir)
     except RuntimeError as e:
         sys.exit(f"stress: {e}")
     print(f"stress: seed {a.seed}, {a.iterations} iterations", flush=True)
-    for part in a.only or ("diskio", "take", "flags"):
-        {"diskio": stress_diskio, "take": stress_take, "flags": stress_flags}[part](a.iterations, a.seed)
+    parts = {"diskio": stress_diskio, "take": stress_take, "flags": stress_flags, "graphpoll": stress_graphpoll}
+    for part in a.only or tuple(parts):
+        parts[part](a.iterations, a.seed)
     if failures:
         print(f"stress: {len(failures)} failures (seed {a.seed})", file=sys.stderr)
         return 1

@@ -29,7 +29,9 @@ while a pod overrides its address)::
     [graph]                           # TABLESERVER_GRAPH_MODE="1=before_replay,14=in_graph"
     14 = "in_graph"                   # how a served layer's rows reach a captured decode graph
     switch_interval = 0.0             # TABLESERVER_SWITCH_INTERVAL: with in_graph layers, set the interpreter's
-                                      # GIL switch interval (s; 0 = leave it): their poller's gather needs the GIL
+                                      # GIL switch interval (s; 0 = leave it): the Python poller's gather needs the GIL
+    poller_priority = "normal"        # TABLESERVER_POLLER_PRIORITY: the native in_graph poller's thread, normal or
+                                      # realtime (SCHED_FIFO 1 where permitted: no scheduler slice mid-step on busy cores)
 
 Placements: ``remote`` (a memory node: rdma or tcp), ``node`` (a tableserver
 on this host, over shm: one copy of the table per node) and ``local``
@@ -76,6 +78,7 @@ ENV = {
     "layers": "TABLESERVER_PLACEMENT",
     "graph": "TABLESERVER_GRAPH_MODE",
     "switch_interval": "TABLESERVER_SWITCH_INTERVAL",
+    "poller_priority": "TABLESERVER_POLLER_PRIORITY",
 }
 
 
@@ -103,6 +106,7 @@ class PluginConfig:
     windows: dict = field(default_factory=dict)  # layer -> seconds
     graph: dict = field(default_factory=dict)  # layer -> graph mode (default before_replay)
     switch_interval: float = 0.0  # with in_graph layers: sys.setswitchinterval(this), 0 = leave it
+    poller_priority: str = "normal"  # the native in_graph poller's thread: normal | realtime
 
     def __post_init__(self):
         for f in fields(self):
@@ -122,6 +126,8 @@ class PluginConfig:
             raise ConfigError(f"transport = {self.transport!r}: use auto, rdma, tcp or shm")
         if not self.timeout > 0 or not self.liveness_timeout > 0 or self.max_tokens < 1:
             raise ConfigError("timeout and liveness_timeout must be > 0 seconds and max_tokens at least 1")
+        if self.poller_priority not in ("normal", "realtime"):
+            raise ConfigError(f"poller_priority = {self.poller_priority!r}: use normal or realtime")
         if not 0 <= self.switch_interval <= 0.1:
             raise ConfigError(
                 f"switch_interval = {self.switch_interval!r}: expected seconds in 0..0.1 (0: leave the interpreter's)"

@@ -237,6 +237,7 @@ class EngramRows:
                     device=device,
                     timeout=c.timeout,
                     side_stream=side_stream,
+                    realtime=c.poller_priority == "realtime",
                 )
                 for s in layers:
                     s.graph_mode = out[placement].modes[s.layer]

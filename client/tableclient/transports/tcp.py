@@ -481,6 +481,21 @@ class TcpTransport(ClientTransport):
             self._async = 0
             self._wake.notify_all()
 
+    def detach(self) -> tuple[socket.socket, bool]:
+        """Hands the authenticated connection over, unused, to a reader of its own (a GraphStep's native
+        poller speaks the wire protocol on it): the socket and whether its payloads are sealed. Only
+        before any request was sent; this transport is closed after it (the socket stays open)."""
+        with self._send_lock:
+            if self._closed or self._error is not None or self._pending:
+                raise TransportError(f"tcp connection to {self.endpoint}: in use, not handed over")
+            self._closed = True
+        with self._wake:
+            self._wake.notify_all()
+        self._rx.join(timeout=5)
+        sock, self._sock = self._sock, socket.socket()  # close() below closes a placeholder
+        self._fail(TransportError("transport handed over"))
+        return sock, self._seal_tx is not None
+
     def close(self) -> None:
         if self._closed:
             return

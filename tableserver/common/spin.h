@@ -1,0 +1,27 @@
+/* tableserver/common/spin.h: the clock and the spin hint of the extensions that wait for flags without the
+ * GIL (client/tableclient/_flags.c, client/tableclient/_graphpoll.c). Plain C: safe without the GIL. */
+#ifndef TABLESERVER_SPIN_H
+#define TABLESERVER_SPIN_H
+
+#include <stdint.h>
+#include <time.h>
+
+/* CLOCK_MONOTONIC in nanoseconds: time.monotonic()'s clock */
+static inline int64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* one turn of a spin: the CPU's pause hint (a spinning core leaves its sibling the pipeline) */
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+#endif /* TABLESERVER_SPIN_H */
