@@ -18,8 +18,10 @@
  *                               speaking the tcp wire protocol (tableserver/common/wire.py); the poller dups
  *                               it and owns the dup
  * set_none(slot)                no source (a node down): its steps get the policy at once
- * arm(tokens, deadlines)        every slot: the next step has ``tokens`` tokens, due by deadlines[i]
+ * arm(tokens, deadlines)        every slot: the next step has ``tokens`` tokens, its ids due by deadlines[i]
  *                               (CLOCK_MONOTONIC seconds, time.monotonic()'s clock)
+ * set_budget(slot, seconds)     a gather must end this long after its ids were seen (and by the step's
+ *                               deadline): past it the policy, as at the deadline (0: the deadline alone)
  * busy() -> bool                a slot not yet released and consumed (rows flag back to 0), or owing ids
  * wait_released(timeout) -> list|None
  *                               waits (without the GIL) until no slot is armed or gathering; the errors of
@@ -95,7 +97,7 @@ typedef struct {
     /* state, under the poller's lock */
     int state, owe, failed, source, fd, tokens, timed_out;
     uint64_t step;
-    int64_t deadline_ns, released_ns;
+    int64_t deadline_ns, released_ns, budget_ns;
     uint64_t table_rows, table_index, max_rows, request_id;
     char error[ERROR_CHARS];
     char broken[ERROR_CHARS];
@@ -345,6 +347,8 @@ static void serve_ids(Poller *p, int i)
     int tokens = s->tokens;
     uint64_t step = s->step;
     int64_t deadline = s->deadline_ns;
+    if (s->budget_ns > 0 && seen + s->budget_ns < deadline) /* the gather's own deadline: from the ids */
+        deadline = seen + s->budget_ns;
     int source = s->source;
     s->timed_out = 0;
     pthread_mutex_unlock(&p->lock);
@@ -708,6 +712,23 @@ static PyObject *Poller_set_tcp(Poller *p, PyObject *args)
     return swap_source(p, i, &next);
 }
 
+static PyObject *Poller_set_budget(Poller *p, PyObject *args)
+{
+    PyObject *slot_o;
+    double seconds;
+    int i;
+    if (!PyArg_ParseTuple(args, "Od", &slot_o, &seconds) || check_slot(p, slot_o, &i) < 0)
+        return NULL;
+    if (!(seconds >= 0) || seconds > 1e6) {
+        PyErr_SetString(PyExc_ValueError, "a budget of 0 to 1e6 seconds");
+        return NULL;
+    }
+    pthread_mutex_lock(&p->lock);
+    p->slots[i].budget_ns = (int64_t)(seconds * 1e9);
+    pthread_mutex_unlock(&p->lock);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Poller_set_none(Poller *p, PyObject *slot_o)
 {
     int i;
@@ -944,6 +965,8 @@ static PyMethodDef Poller_methods[] = {
     {"set_tcp", (PyCFunction)Poller_set_tcp, METH_VARARGS,
      "set_tcp(slot, fd, table_index, max_rows): rows over an authenticated, unsealed data connection (dup'd)"},
     {"set_none", (PyCFunction)Poller_set_none, METH_O, "set_none(slot): no source; its steps get the policy"},
+    {"set_budget", (PyCFunction)Poller_set_budget, METH_VARARGS,
+     "set_budget(slot, seconds): a gather ends this long after its ids were seen, or gets the policy"},
     {"arm", (PyCFunction)Poller_arm, METH_VARARGS, "arm(tokens, deadlines): the next step of every slot"},
     {"busy", (PyCFunction)Poller_busy, METH_NOARGS, "busy() -> whether the last step is not released and consumed"},
     {"wait_released", (PyCFunction)Poller_wait_released, METH_O,

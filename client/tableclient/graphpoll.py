@@ -17,6 +17,7 @@ shards), :class:`NativeUnavailable` says why and the GraphStep keeps its Python 
 from __future__ import annotations
 
 import logging
+import time
 
 from tableclient.errors import TableClientError
 from tableclient.metrics import metrics
@@ -42,7 +43,8 @@ class NativePoller:
     ids, staging)`` each, in the order to serve them (shortest window first); ``ids`` int64 and
     ``staging`` uint8 numpy views of the pinned buffers, ``flags`` the pinned uint32 flags."""
 
-    def __init__(self, client, slots: list, flags, policy: str, connect_timeout: float = 5.0, realtime: bool = False):
+    def __init__(self, client, slots: list, flags, policy: str, connect_timeout: float = 5.0, realtime: bool = False,
+                 budgets: list | None = None):  # fmt: skip
         if _graphpoll is None:
             raise NativeUnavailable("tableclient._graphpoll is not built (no C compiler at install)")
         if policy == "fallback":
@@ -62,6 +64,10 @@ class NativePoller:
         )  # fmt: skip
         #: whether the thread runs at real-time priority (SCHED_FIFO 1: where this process may)
         self.realtime = self._poller.realtime
+        for i, budget in enumerate(budgets or ()):
+            self._poller.set_budget(i, budget)
+        #: per layer, time.monotonic() of its last step that ran out of time (None: the last one did not)
+        self._missed: list = [None] * len(slots)
         m = metrics()
         self._waits = [m.graph_waits.labels(str(layer), "in_graph") for layer in self.layers]
         self._watchdog = [m.watchdog_releases.labels(str(layer)) for layer in self.layers]
@@ -79,6 +85,16 @@ class NativePoller:
         reader = self._readers[i]
         generation = reader.generation
         route = reader.route()
+        missed = self._missed[i]
+        if missed is not None and route.node is not None and route.node.last_heard < missed:
+            # its node has not answered since a step ran out of time: the policy at once, no stall a step
+            if self._sources[i] != "silent":
+                log.warning("layer %d: its node has not answered since a step ran out of time: the policy at "
+                            "once until it does", self.layers[i])  # fmt: skip
+                self._poller.set_none(i)
+                self._sources[i] = "silent"
+            return
+        self._missed[i] = None
         broken = self._poller.broken(i)
         if self._sources[i] == (generation, id(route.node)) and broken is None:
             return
@@ -141,6 +157,7 @@ class NativePoller:
                     self._misses[i].inc()
             elif how == WATCHDOG:
                 self._watchdog[i].inc()
+                self._missed[i] = time.monotonic()
                 log.warning("layer %d: the graph's ids did not come by the deadline: released with zero rows",
                             self.layers[i])  # fmt: skip
             elif how == UNARMED:

@@ -64,6 +64,17 @@ from tableclient.streamops import CudaStreamOps, GraphFlags, GraphStepError, Hos
 log = logging.getLogger("tableclient.graphstep")
 
 MODES = ("before_replay", "in_graph", "device")
+
+
+def gather_budget(window_s: float) -> float:
+    """How long an in_graph layer's gather may take once the graph published its ids, by default: four
+    windows, at least 5 ms (layer 1: 5 ms, layer 14: 37 ms). The rows are due one window after the ids;
+    a gather several windows late is a node in trouble, and each step then stalls the GPU this long at
+    most (with the policy's rows), not for the whole ``timeout``, which bounds only a replay whose ids
+    never come."""
+    return max(4.0 * window_s, 0.005)
+
+
 IDS, ROWS = 0, 1
 __all__ = ["GraphStep", "GraphStepError", "HostStreamOps", "CudaStreamOps", "GraphFlags", "MODES", "wait_flag"]
 
@@ -94,7 +105,7 @@ class GraphStep:
     def __init__(self, client, plans: list, modes: dict, max_tokens: int, *, rows_per_token: int = 24,
                  policy: str = "fail", fallback=None, device=None, timeout: float = 5.0, stream_ops=None,
                  pin: bool | None = None, side_stream: bool = True, register: bool = True,
-                 poller: str = "auto", realtime: bool = False):  # fmt: skip
+                 poller: str = "auto", realtime: bool = False, budgets: dict | None = None):  # fmt: skip
         import torch
 
         self.torch = torch
@@ -159,6 +170,9 @@ class GraphStep:
         self._slots = {
             p.layer: _Slot(p.layer, p, self.flags.index(i, IDS), self.flags.index(i, ROWS)) for i, p in enumerate(post)
         }
+        budgets = budgets or {}
+        #: per in_graph layer: seconds its gather may take once its ids came (gather_budget(window) by default)
+        self.budgets = {p.layer: float(budgets.get(p.layer, gather_budget(p.window_s))) for p in post}
         self._lock = threading.Lock()
         self._released = threading.Condition(self._lock)
         self._closed = False
@@ -180,8 +194,9 @@ class GraphStep:
                      for s in self._slots.values()]  # fmt: skip
             try:
                 self._native = NativePoller(
-                    client, slots, self.flags.host, policy, connect_timeout=timeout, realtime=realtime
-                )
+                    client, slots, self.flags.host, policy, connect_timeout=timeout, realtime=realtime,
+                    budgets=[self.budgets[s.layer] for s in self._slots.values()],
+                )  # fmt: skip
             except NativeUnavailable as e:
                 if poller == "native":
                     raise
@@ -462,6 +477,9 @@ class GraphStep:
                     self._release(slot, GraphStepError(f"layer {slot.layer}: step not armed"))
                     continue
                 slot.state, slot.seen, tokens, step = "gathering", seen, slot.tokens, slot.step
+                if self.budgets[slot.layer] > 0:  # the gather's own deadline, from its ids: the watchdog's
+                    slot.deadline = min(slot.deadline, time.monotonic() + self.budgets[slot.layer])
+                    self._released.notify_all()
                 try:  # issued under the lock: a watchdog taking the step over always finds (and cancels) it
                     slot.handle = table.gather_async(ids[:tokens], out=staging[:tokens])
                 except (TableClientError, TimeoutError, OSError, ValueError) as e:

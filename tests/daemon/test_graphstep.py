@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -45,19 +46,21 @@ def local(demo_file):
 def make(client, modes, **kw):
     kw.setdefault("timeout", 10.0)
     kw.setdefault("poller", POLLER["kind"])
+    kw.setdefault("budgets", {1: EVENT_TIMEOUT, 14: EVENT_TIMEOUT})  # a busy machine's gather is not late
     return GraphStep(client, PLANS, modes, MAX_TOKENS, stream_ops=HostStreamOps(EVENT_TIMEOUT), **kw)
 
 
-def stream_step(g: GraphStep, ids: dict, tokens: int) -> dict:
+def stream_step(g: GraphStep, ids: dict, tokens: int, layers=None) -> dict:
     """What a replayed graph does for one step of ``tokens`` tokens: publish in_graph layers' ids (the
     hasher's output), then each layer's copy of its rows; run in a thread of its own, as a stream is."""
     out, errors = {}, []
+    layers = g.layers if layers is None else layers
 
     def run():
         try:
-            for layer in g.layers:
+            for layer in layers:
                 g.publish_ids(layer, torch.from_numpy(ids[layer][:tokens]))
-            for layer in g.layers:
+            for layer in layers:
                 out[layer] = g.rows(layer, tokens).clone().numpy().reshape(tokens, 24, -1)
         except BaseException as e:
             errors.append(e)
@@ -200,7 +203,10 @@ def test_a_frozen_server_is_released_by_the_watchdog(tmp_path, demo_file, local)
                 assert not t.is_alive() and not t_out[14].any()
                 g.account()  # the native poller's releases reach the metrics off the hot path
                 assert watchdog_releases(14) == released + 1
+                thawed = time.monotonic()
                 os.kill(d.proc.pid, signal.SIGCONT)
+                node = c.reader("engram.layer14").route().node  # until it answers, steps get the policy at once
+                wait_for(lambda: node.last_heard > thawed, "the thawed node to answer its keepalive")
                 g.reset()  # layer 1 was never gathered this step: start clean
                 ids2, out = one_step(g, rng, local, 4)  # the server answers again: bit-exact, nothing stale
                 np.testing.assert_array_equal(out[14], local["engram.layer14"][ids2[14]])
@@ -280,7 +286,6 @@ def test_modes_are_checked(daemon):
 def test_the_flag_wait_is_native_where_required_and_checks_its_arguments():
     """The poller waits for the graph's flag without the GIL (client/tableclient/_flags.c): built in CI
     (TABLESERVER_REQUIRE_NATIVE=1), and refusing what it cannot read."""
-    import time
 
     from tableclient import streamops as graphstep
 
@@ -420,3 +425,43 @@ def test_the_native_poller_runs_at_real_time_priority_where_permitted_and_stays_
     assert PluginConfig.load({"TABLESERVER_POLLER_PRIORITY": "realtime"}).poller_priority == "realtime"
     with pytest.raises(ConfigError, match="poller_priority = 'fast': use normal or realtime"):
         PluginConfig(poller_priority="fast")
+
+
+def test_a_frozen_node_stalls_one_step_by_its_budget_and_the_next_get_the_policy_at_once(tmp_path, demo_file, local,
+                                                                                            poller):  # fmt: skip
+    """tcp, the node frozen (SIGSTOP): the first step's gather runs out of its budget (from its ids, not the
+    5 s timeout) and the watchdog releases it; while the node has not answered since, the next steps get
+    the policy at once (no second watchdog release: nothing waited); once it answers, rows again."""
+    if poller != "auto":
+        pytest.skip("the native poller's (Python's waits out each step's budget)")
+    d = start_daemon(str(tmp_path / "d"), "--tables", demo_file, "--transports", "tcp")
+    try:
+        with TableClient(d.address, transport="tcp", liveness_timeout=600.0) as c:
+            g = make(c, {14: "in_graph"}, policy="zeros", timeout=EVENT_TIMEOUT, budgets={14: 0.3})
+            try:
+                if g.poller != "native":
+                    pytest.skip("tableclient._graphpoll is not built here")
+                rng = np.random.default_rng(15)
+                one_step(g, rng, local, 4)
+                freeze(d.proc.pid)
+                released = watchdog_releases(14)
+                out = {}
+                for k in range(3):
+                    ids = rng.integers(0, local["engram.layer14"].shape[0], (4, 24))
+                    g.arm(4)
+                    out[k] = stream_step(g, {14: ids}, 4, layers=[14])[14]
+                    g.account()
+                assert not any(o.any() for o in out.values())  # the policy, every step
+                assert watchdog_releases(14) == released + 1  # one step waited (its budget); the others did not
+                thawed = time.monotonic()
+                os.kill(d.proc.pid, signal.SIGCONT)
+                node = c.reader("engram.layer14").route().node
+                wait_for(lambda: node.last_heard > thawed, "the thawed node to answer its keepalive")
+                g.reset()
+                ids2, rows = one_step(g, rng, local, 4)
+                np.testing.assert_array_equal(rows[14], local["engram.layer14"][ids2[14]])
+            finally:
+                g.close()
+    finally:
+        os.kill(d.proc.pid, signal.SIGCONT)
+        d.stop()

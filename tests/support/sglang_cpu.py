@@ -106,6 +106,7 @@ def build(model_config, engram_tables, *, placement=None, address=None, tp=(1, 0
     plugin_options.setdefault("transport", "tcp")
     # a busy machine (the suite on every CPU) must not fail the memory node over: no test here is about liveness
     plugin_options.setdefault("liveness_timeout", 600.0)
+    plugin_options.setdefault("gather_budget", 600.0)  # nor about a gather's budget
     configure(PluginConfig(address=address or "", layers=placement or {}, **plugin_options))
     layout = EngramLayout.from_config(cfg)
     tables = local_tables(engram_tables)

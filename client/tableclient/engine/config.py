@@ -13,6 +13,8 @@ while a pod overrides its address)::
     policy = "fail"                   # TABLESERVER_POLICY: fail | zeros | fallback (on a memory-node failure)
     fallback_address = ""             # TABLESERVER_FALLBACK_ADDRESS: the second tableserver of "fallback"
     timeout = 5.0                     # TABLESERVER_TIMEOUT: seconds one layer's rows may take
+    gather_budget = 0.0               # TABLESERVER_GATHER_BUDGET: an in_graph layer's gather, from its ids (s;
+                                      # 0: four windows, at least 5 ms): a late node stalls a step this long
     max_tokens = 8192                 # TABLESERVER_MAX_TOKENS: staging rows per layer (tokens per forward)
     table_prefix = "engram.layer"     # table of layer L, unless [tables] names it
 
@@ -73,6 +75,7 @@ ENV = {
     "fallback_address": "TABLESERVER_FALLBACK_ADDRESS",
     "timeout": "TABLESERVER_TIMEOUT",
     "liveness_timeout": "TABLESERVER_LIVENESS_TIMEOUT",
+    "gather_budget": "TABLESERVER_GATHER_BUDGET",
     "max_tokens": "TABLESERVER_MAX_TOKENS",
     "table_prefix": "TABLESERVER_TABLE_PREFIX",
     "layers": "TABLESERVER_PLACEMENT",
@@ -99,6 +102,7 @@ class PluginConfig:
     fallback_address: str = ""
     timeout: float = 5.0
     liveness_timeout: float = 2.0  # a tableserver silent this long (no keepalive answer) is failed over
+    gather_budget: float = 0.0  # an in_graph layer's gather, from its ids: seconds (0: four windows, >= 5 ms)
     max_tokens: int = STAGING_TOKENS
     table_prefix: str = "engram.layer"
     layers: dict = field(default_factory=dict)  # layer -> placement (default remote)
@@ -124,6 +128,8 @@ class PluginConfig:
             raise ConfigError(f"mode = {self.mode!r}: use read or pack")
         if self.transport not in ("auto", "rdma", "tcp", "shm"):
             raise ConfigError(f"transport = {self.transport!r}: use auto, rdma, tcp or shm")
+        if not self.gather_budget >= 0:
+            raise ConfigError(f"gather_budget = {self.gather_budget!r}: expected seconds >= 0 (0: from the windows)")
         if not self.timeout > 0 or not self.liveness_timeout > 0 or self.max_tokens < 1:
             raise ConfigError("timeout and liveness_timeout must be > 0 seconds and max_tokens at least 1")
         if self.poller_priority not in ("normal", "realtime"):
@@ -179,7 +185,13 @@ class PluginConfig:
         for name, var in ENV.items():
             if environ.get(var):
                 values[name] = _parse_placement(var, environ[var]) if name in ("layers", "graph") else environ[var]
-        for name, kind in (("timeout", float), ("max_tokens", int), ("switch_interval", float)):
+        for name, kind in (
+            ("timeout", float),
+            ("max_tokens", int),
+            ("switch_interval", float),
+            ("liveness_timeout", float),
+            ("gather_budget", float),
+        ):
             if name in values:
                 try:
                     values[name] = kind(values[name])

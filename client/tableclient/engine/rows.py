@@ -238,6 +238,7 @@ class EngramRows:
                     timeout=c.timeout,
                     side_stream=side_stream,
                     realtime=c.poller_priority == "realtime",
+                    budgets={s.layer: c.gather_budget for s in layers} if c.gather_budget else None,
                 )
                 for s in layers:
                     s.graph_mode = out[placement].modes[s.layer]
