@@ -149,8 +149,8 @@ class NativePoller:
     def account(self) -> None:
         """What the thread did since the last call, into the metrics (off the hot path)."""
         for i, seconds, how, zeroed in self._poller.take_events():
-            if zeroed:
-                self._zeros[i].inc(zeroed)
+            if zeroed:  # a step served zero rows (the metric counts steps)
+                self._zeros[i].inc()
             if how == ROWS:
                 self._waits[i].observe(seconds)
                 if seconds > self.plans[i].window_s:

@@ -313,7 +313,7 @@ class GraphStep:
             if self.policy == "fail":
                 failed.append(f"layer {layer}: table {table.name!r} is {table.error}")
             else:
-                self._zero_rows[layer].inc(tokens * self.rows_per_token)
+                self._zero_rows[layer].inc()  # a step served zero rows (the metric counts steps)
         if failed:
             raise GraphStepError(f"{failed[0]}: the step is not run (policy fail)")
 

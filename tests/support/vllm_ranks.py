@@ -2,10 +2,12 @@
 
     python tests/support/vllm_ranks.py RANK WORLD PORT MODEL_DIR TABLE_FILE ADDRESS
 
-Started once per rank by tests/engines/vllm/test_vllm_plugin.py. On each rank vLLM's own layers are built twice over
-the same tables, with vLLM's own (head-sharded) tables and with every layer served, without and with
-sequence parallelism, and the same steps go through both; prints one JSON line: per mode whether every
-output was bit-identical, and the hash columns this rank's served layers gathered.
+Started once per rank by tests/engines/vllm/test_vllm_plugin.py. On each rank vLLM's own layers are built three
+times over the same tables: with vLLM's own (head-sharded) tables, with every layer served remote (ADDRESS, the
+host path) and with every layer served node (ADDRESS as this host's tableserver over shm: graph mode device, the
+plugin's kernel gathering from its mapping), without and with sequence parallelism, and the same steps go
+through all three; prints one JSON line: per mode and placement whether every output was bit-identical to
+vLLM's own, and the hash columns this rank's served layers gathered.
 """
 
 from __future__ import annotations
@@ -35,15 +37,22 @@ def main(rank: int, world: int, port: int, model_dir: str, table_file: str, addr
     tables = local_tables(table_file)
     hasher = vllm_cpu.make_hasher(cfg)
     report = {"rank": rank}
+    placements = {
+        "local": PluginConfig(transport="tcp"),
+        "remote": PluginConfig(address=address, transport="tcp"),
+        "node": PluginConfig(node_address=address, layers={layer: "node" for layer in vllm_cpu.LAYERS}),
+    }
     for sp in (False, True):
-        outs, columns = [], None
-        for served in (False, True):
-            hooks.configure(PluginConfig(address=address if served else "", transport="tcp"))
+        outs, columns, device = [], {}, False
+        for placement, plugin_config in placements.items():
+            hooks.configure(plugin_config)
             engrams = vllm_cpu.build_engrams(cfg, sequence_parallel=sp)
             for e, layer in zip(engrams, vllm_cpu.LAYERS):
                 vllm_cpu.load_table(e, np.array(tables[f"engram.layer{layer}"]))
-            if served:
-                columns = [(e.embed_tokens.head_start, e.embed_tokens.head_end) for e in engrams]
+            if placement != "local":
+                columns[placement] = [(e.embed_tokens.head_start, e.embed_tokens.head_end) for e in engrams]
+            if placement == "node":
+                device = all(e.embed_tokens.device_rows is not None for e in engrams)
             rng = np.random.default_rng(0)
             got = []
             for requests in vllm_cpu.conversation():
@@ -58,11 +67,22 @@ def main(rank: int, world: int, port: int, model_dir: str, table_file: str, addr
                     ]
                 got.append(vllm_cpu.step(engrams, hashes, x, mask))
             outs.append(got)
-        same = all(
-            torch.equal(a.view(torch.int16), b.view(torch.int16)) for sa, sb in zip(*outs) for a, b in zip(sa, sb)
-        )
-        report["sp" if sp else "tp"] = {"identical": same, "columns": columns, "steps": len(outs[0])}
-    report["served"] = {str(k): v["prefetched"] for k, v in hooks.rows().summary().items()}
+            if placement == "remote" and sp:  # sp's steps, each issued at step start
+                report["served"] = {str(k): v["prefetched"] for k, v in hooks.rows().summary().items()}
+
+        def same(got):
+            return all(
+                torch.equal(a.view(torch.int16), b.view(torch.int16))
+                for sa, sb in zip(got, outs[0])
+                for a, b in zip(sa, sb)
+            )
+
+        report["sp" if sp else "tp"] = {
+            "identical": same(outs[1]),
+            "columns": columns["remote"],
+            "steps": len(outs[0]),
+            "node": {"identical": same(outs[2]), "columns": columns["node"], "device": device},
+        }
     hooks.configure(PluginConfig())
     vllm_cpu.close_parallel()
     return report

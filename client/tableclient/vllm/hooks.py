@@ -8,20 +8,29 @@ What a layer placed ``remote`` or ``node`` gets:
 
 * ``Engram._create_embedding`` (the only place vLLM allocates table memory): a
   :class:`~tableclient.vllm.embedding.RemoteEngramEmbedding` instead, with empty parameters; the
-  tableserver's table is checked against the layer (rows, row size) right there. CUDA graph modes
-  that would capture the gather (FULL, or piecewise without vLLM's breakable graphs) are refused
-  with the flag to use.
-* ``Engram.prepare_embeddings`` (step start, before the decoder layers: vLLM calls it for every
-  Engram layer in turn, so layer 1 is issued first): this rank's columns of the step's ids copied to
-  the host and the layer's gather issued (``EngramRows.issue``).
-* ``Engram._ready_rows`` (when the layer runs): the rows waited for, copied to the device and
-  dequantized with vLLM's arithmetic into the layer's persistent ``staged_rows``; vLLM's own
-  ``Engram.embed`` then joins the ranks' columns (tensor and sequence parallelism) as it does for a
-  local table.
+  tableserver's table is checked against the layer (rows, row size) right there.
+* ``Engram.prepare_embeddings`` (step start, right after vLLM's hasher, before the decoder layers: vLLM
+  calls it for every Engram layer in turn, so layer 1 is issued first) and ``Engram._ready_rows`` (when
+  the layer runs: the rows dequantized with vLLM's arithmetic into the layer's persistent
+  ``staged_rows``; vLLM's own ``Engram.embed`` then joins the ranks' columns, tensor and sequence
+  parallelism, as it does for a local table). Between them, one of two paths:
 
-Both run in functions decorated with vLLM's ``eager_break_during_capture``: in vLLM's breakable
-(piecewise) CUDA graphs they run eagerly between captured segments at every replay, on the same
-persistent buffers, so a replay gathers that step's rows.
+  - graph mode ``device`` (a ``node`` layer's default): the node's table, mapped in this process, is
+    registered with CUDA (``DeviceTable``) and a kernel gathers this rank's columns from it into
+    persistent device buffers, on a side stream forked right after the hasher (vLLM's own Engram
+    prefetch stream where it has one), one event per layer that the layer waits on: as vLLM does for its
+    ``cpu_offload`` tables, and in every vLLM graph mode (captured in FULL graphs; in breakable piecewise
+    graphs the launch and the wait are eager breaks, as vLLM's own, since a fork cannot span segments).
+    No host work at a replay: before every step, ``Worker.execute_model`` (which runs even when the step
+    replays a FULL graph) re-registers a table mapped anew (its daemon restarted) and rewrites the
+    device-side pointer without recapture, or applies the failure policy while none is mapped (``zeros``:
+    the kernel writes zero rows; ``fail``: the step is not run);
+  - otherwise (``remote`` layers, and ``node`` layers whose table the GPU cannot read here): this rank's
+    columns copied to the host, the gather issued (``EngramRows.issue``), then waited for, copied to the
+    device and dequantized (``EngramRows.collect``), both in functions decorated with vLLM's
+    ``eager_break_during_capture``: in vLLM's breakable (piecewise) graphs they run eagerly between
+    captured segments at every replay, on the same persistent buffers. Graph modes that would capture
+    them (FULL, or piecewise without breakable graphs) are refused with the flag to use.
 
 Loading: the checkpoint's tensors of a served table are skipped before they are read by vLLM's
 safetensors iterator (``weight_utils.should_skip_weight``), shards holding nothing else are not opened
@@ -44,6 +53,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import weakref
 
 from tableclient.engine import memory
 from tableclient.engine.config import PluginConfig
@@ -56,6 +66,7 @@ SUPPORTED_VLLM = "0.33.0"
 ENGRAM = "vllm.models.deepseek_v41.common.engram"
 WEIGHTS = "vllm.model_executor.model_loader.weight_utils"
 MODEL = "vllm.models.deepseek_v41"  # DeepseekV41ForCausalLM, the NVIDIA or the ROCm build of it
+WORKER = "vllm.v1.worker.gpu_worker"  # Worker.execute_model: the host, before every step (graphs or not)
 DEAD_ID = -1  # vLLM's engram.DEAD_ID, checked at start-up: ids of padding and dummy runs, zero rows
 #: checkpoint tensors of a layer's table: the checkpoint's names and vLLM's after its weights mapper
 TABLE_KEY = re.compile(
@@ -65,8 +76,11 @@ PIECEWISE_FLAG = """--compilation-config '{"cudagraph_mode": "PIECEWISE"}'"""
 OFFLOAD_FLAG = "--kv-offloading-size G --kv-offloading-backend native"
 
 _state = PluginState("vllm", dead_id=DEAD_ID)
-_eager: dict = {}  # issue / collect wrapped by vLLM's eager_break_during_capture (set by patch)
+_eager: dict = {}  # issue / collect / launch / join wrapped by vLLM's eager_break_during_capture (set by patch)
 _wrappers: dict = {}  # each wrapper patch() put on vLLM -> (its hook, vLLM's function under it)
+# graph mode device, this configuration's: table name -> DeviceTable (one registration per table), the
+# embeddings gathered by the GPU (refreshed before every step), device -> the side stream where vLLM has none
+_device: dict = {"tables": {}, "layers": weakref.WeakSet(), "streams": {}}
 
 
 def config() -> PluginConfig | None:
@@ -79,6 +93,10 @@ def rows():
 
 def configure(cfg: PluginConfig, client_factory=None):
     """Makes ``cfg`` this process's configuration (layers built from now on follow it)."""
+    for table in _device["tables"].values():  # unregistered before the clients that map them close
+        table.close()
+    _device["tables"].clear()
+    _device["layers"].clear()
     return _state.configure(cfg, client_factory)
 
 
@@ -91,6 +109,7 @@ def check_vllm() -> str:
     """The installed vLLM's version, if this plugin supports it; PluginError naming the fix otherwise."""
     version = check_release("vllm", "vLLM", SUPPORTED_VLLM)
     engram, weights, model = _modules()
+    worker = _worker()
     expected = {
         engram.Engram.__init__: [
             "self", "config", "quant_config", "layout", "layer_hash_index", "use_sequence_parallel", "prefix",
@@ -105,6 +124,7 @@ def check_vllm() -> str:
         engram.EngramBatch.create: ["layers", "max_tokens"],
         weights.should_skip_weight: ["weight_name", "local_expert_ids"],
         model.DeepseekV41ForCausalLM.load_weights: ["self", "weights"],
+        worker.Worker.execute_model: ["self", "scheduler_output"],
     }  # fmt: skip
     pin = f"vllm=={SUPPORTED_VLLM}"
     check_layout(expected, "vLLM", pin, original=_original)
@@ -117,12 +137,13 @@ def check_vllm() -> str:
 
 
 def check_config(cfg: PluginConfig) -> None:
-    """What of a (shared) placement file vLLM cannot honour: SGLang's decode-graph modes."""
+    """What of a (shared) placement file vLLM cannot honour: SGLang's host-side decode-graph modes."""
     for layer, mode in sorted(cfg.graph.items()):
-        if mode != "eager_break":
+        if mode not in ("device", "eager_break"):
             raise PluginError(
                 f"tableserver plugin: graph.{layer} = {mode!r} is an SGLang decode-graph mode; under vLLM a served "
-                f"layer always runs through vLLM's eager break (piecewise CUDA graphs): remove it, or set 'eager_break'"
+                "layer runs through vLLM's eager break (piecewise CUDA graphs) or, placed node, is gathered by the "
+                "GPU inside vLLM's graphs: remove it, or set 'device' (node) or 'eager_break'"
             )
 
 
@@ -130,6 +151,12 @@ def _modules():
     import importlib
 
     return importlib.import_module(ENGRAM), importlib.import_module(WEIGHTS), importlib.import_module(MODEL)
+
+
+def _worker():
+    import importlib
+
+    return importlib.import_module(WORKER)
 
 
 def _original(fn):
@@ -149,6 +176,7 @@ def patch() -> None:
         (weights, "should_skip_weight", _should_skip_weight),
         (model.DeepseekV41ForCausalLM, "load_weights", _load_weights),
         (model.DeepseekV41ForCausalLM, "is_unused_checkpoint_weight", _is_unused),  # vLLM's is optional: None
+        (_worker().Worker, "execute_model", _execute_model),
     ]
     for owner, name, hook in targets:
         current = getattr(owner, name, None)
@@ -158,6 +186,8 @@ def patch() -> None:
         engram.EngramBatch.create = staticmethod(_as_function(_batch_create, engram.EngramBatch.create))
     _eager["issue"] = eager(_issue)
     _eager["collect"] = eager(_collect)
+    _eager["launch"] = eager(_launch)
+    _eager["join"] = eager(_join)
     _state.hooks_in_place = True
 
 
@@ -190,7 +220,9 @@ def _create_embedding(original, self, layout, layer_hash_index):
 
     cfg = config()
     placement = cfg.placement(layer)
-    _check_graphs(layer, placement)
+    device = placement == "node" and cfg.graph_mode(layer) == "device"
+    if not device:
+        _check_graphs(layer, placement)
     heads = tuple(size for order in layout.primes[layer_hash_index] for size in order)
     num_embeddings = layout.num_embeddings[layer_hash_index]
     embed = RemoteEngramEmbedding(
@@ -203,19 +235,65 @@ def _create_embedding(original, self, layout, layer_hash_index):
         get_tensor_model_parallel_rank(),
     )
     # the table must be this layer's (rows, row size) before anything else is built: EngramRowsError if not
-    rows().add_layer(layer, placement, num_embeddings, layout.head_dim, columns=embed.part_n_hash_cols)
+    served_layer = rows().add_layer(layer, placement, num_embeddings, layout.head_dim, columns=embed.part_n_hash_cols)
+    if device:
+        why = _device_rows(self, embed, served_layer)
+        if why is not None:  # the eager break then, and its graph modes
+            _check_graphs(layer, placement, why)
     _state.built(self, layer, served=True)
     _state.table_not_allocated(_vllm_table(layer, placement, sum(heads[embed.head_start : embed.head_end]), layout))
     log.info(
-        "tableserver plugin: Engram layer %d reads table %r from %s (%s), hash columns %d..%d; no table allocated",
+        "tableserver plugin: Engram layer %d reads table %r from %s (%s), hash columns %d..%d, %s; no table allocated",
         layer,
         cfg.table(layer),
         cfg.address_of(placement),
         placement,
         embed.head_start,
         embed.head_end - 1,
+        "gathered by the GPU in vLLM's graphs (device)"
+        if embed.device_rows is not None
+        else "gathered on the host in vLLM's eager break",
     )
     return embed
+
+
+def _device_rows(engram, embed, served) -> str | None:
+    """Graph mode device for ``embed``: its table registered with CUDA (once per table), its persistent
+    device buffers (vLLM's tokens per step, this rank's columns) and the side stream. Returns None, or
+    why the GPU cannot read the table here (logged in one line; the layer then takes the eager break)."""
+    import torch
+    from vllm.config import get_current_vllm_config
+
+    from tableclient.devicetable import DeviceTable
+    from tableclient.streamops import GraphStepError
+    from tableclient.vllm.embedding import DeviceRows
+
+    device = embed.weight.device  # where vLLM builds the model
+    table = _device["tables"].get(served.table)
+    if table is None:
+        try:
+            table = DeviceTable(rows().client("node"), served.table, device)
+        except GraphStepError as e:  # DeviceTableUnavailable, or no CUDA driver bindings
+            served.graph_mode = "eager_break"
+            log.warning(
+                "tableserver plugin: Engram layer %d: graph mode 'device' unavailable (%s): falls back to the eager "
+                "break",
+                served.layer,
+                e,
+            )
+            return str(e)
+        _device["tables"][served.table] = table
+    stream = None
+    if device.type == "cuda":  # vLLM's Engram prefetch stream (cpu_offload), else one of ours per device
+        stream = engram._prefetch_stream
+        if stream is None:
+            stream = _device["streams"].get(device)
+            if stream is None:
+                stream = _device["streams"][device] = torch.cuda.Stream(device=device)
+    max_tokens = get_current_vllm_config().scheduler_config.max_num_batched_tokens  # vLLM's staged_rows
+    embed.device_rows = DeviceRows(table, max_tokens, embed.part_n_hash_cols, stream)
+    _device["layers"].add(embed)
+    return None
 
 
 def _vllm_table(layer: int, placement: str, rows_here: int, layout) -> memory.FreedTable:
@@ -240,19 +318,29 @@ def _vllm_table(layer: int, placement: str, rows_here: int, layout) -> memory.Fr
     return memory.FreedTable(layer, placement, nbytes, "host")
 
 
-def _check_graphs(layer: int, placement: str) -> None:
-    """PluginError (naming the flag) where vLLM would capture a served layer's gather into a CUDA graph."""
+def _check_graphs(layer: int, placement: str, why: str | None = None) -> None:
+    """PluginError (naming the flag) where vLLM would capture a served layer's eager-break gather into a
+    CUDA graph (a ``remote`` layer, or a ``node`` layer whose table the GPU cannot read here: ``why``)."""
     from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
     from vllm.config import get_current_vllm_config
 
     mode = get_current_vllm_config().compilation_config.cudagraph_mode
     if mode is None:
         return
-    where = f"Engram layer {layer} is placed {placement}: its rows reach vLLM's CUDA graphs through vLLM's eager break"
+    where = f"Engram layer {layer} is placed {placement}"
+    if why is not None:
+        where += f" and the GPU cannot read its table here ({why})"
+    where += ": its rows reach vLLM's CUDA graphs through vLLM's eager break"
+    if placement == "remote":
+        other = "place the layer 'node' (its table on this host's tableserver, read by the GPU) or 'local'"
+    elif why is None:
+        other = "set its graph mode 'device' (read by the GPU), or place the layer 'local'"
+    else:
+        other = "place the layer 'local'"
     if mode.has_full_cudagraphs():
         raise PluginError(
             f"tableserver plugin: {where}, which FULL graphs do not take (cudagraph_mode {mode.name}): launch vLLM "
-            f"with {PIECEWISE_FLAG} (or --enforce-eager), or place the layer 'local'"
+            f"with {PIECEWISE_FLAG} (or --enforce-eager), or {other}"
         )
     if mode.has_piecewise_cudagraphs() and not is_breakable_cudagraph_enabled():
         raise PluginError(
@@ -286,7 +374,10 @@ def _prepare_embeddings(original, self, hash_ids):
     if layer is None:
         return original(self, hash_ids)
     assert self.staged_rows.shape[0] >= hash_ids.shape[0], "engram staging buffer too small"
-    _eager["issue"](self, hash_ids)
+    if self.embed_tokens.device_rows is not None:
+        _eager["launch"](self.embed_tokens, hash_ids)
+    else:
+        _eager["issue"](self, hash_ids)
     return None
 
 
@@ -295,8 +386,73 @@ def _ready_rows(original, self, num_tokens):
     if layer is None:
         return original(self, num_tokens)
     rows_out = self.staged_rows[:num_tokens]
-    _eager["collect"](self, rows_out)
+    embed = self.embed_tokens
+    if embed.device_rows is not None:
+        _eager["join"](embed)
+        embed.dequantize_gathered(rows_out)  # captured with the layer, after the wait
+    else:
+        _eager["collect"](self, rows_out)
     return rows_out
+
+
+def _launch(embed, hash_ids) -> None:
+    """Graph mode device, step start: the layer's gather launched on the side stream (captured in FULL
+    graphs; between segments in breakable ones). No host sync, and nothing kept for a replay to need."""
+    embed.launch(hash_ids)
+
+
+def _join(embed) -> None:
+    """Graph mode device, the layer runs: the current stream waits for its gather's event."""
+    embed.join()
+
+
+def _execute_model(original, self, scheduler_output):
+    """vLLM's Worker, before every step (the host runs it whether the step replays a graph or not)."""
+    before_step(scheduler_output.total_num_scheduled_tokens)
+    return original(self, scheduler_output)
+
+
+def before_step(tokens: int) -> None:
+    """Before a step of ``tokens`` tokens, on the host: each device layer's table, as mapped now, is what its
+    kernel reads (mapped anew: registered again and the device-side pointer rewritten, no recapture). A
+    table not mapped now (its node down, or restarted on other data) reads as zero rows (pointer 0) and
+    gets the policy: ``zeros`` counts them (``tableserver_client_zero_rows_served_total``, logged once per
+    outage), ``fail`` raises PluginError so the step is not run."""
+    layers = sorted(_device["layers"], key=lambda e: e.layer)
+    if not layers or tokens <= 0:
+        return
+    from tableclient.metrics import metrics
+
+    policy = config().policy
+    readable: dict[int, bool] = {}
+    failed = None
+    for embed in layers:
+        d = embed.device_rows
+        table = d.table
+        if id(table) not in readable:
+            readable[id(table)] = table.refresh()
+        if readable[id(table)]:
+            if d.unreadable is not None:
+                d.unreadable = None
+                log.warning("tableserver plugin: Engram layer %d: table %r readable again", embed.layer, table.name)
+            continue
+        if d.unreadable is None:
+            d.unreadable = table.error
+            log.warning(
+                "tableserver plugin: Engram layer %d: table %r is %s: %s",
+                embed.layer,
+                table.name,
+                table.error,
+                "its steps are not run (policy fail)"
+                if policy == "fail"
+                else "zero rows until it is back (policy zeros)",
+            )
+        if policy == "fail":
+            failed = failed or f"Engram layer {embed.layer}: table {table.name!r} is {table.error}"
+        else:
+            metrics().zero_rows.labels(str(embed.layer)).inc()  # steps, as every path counts
+    if failed is not None:
+        raise PluginError(f"tableserver plugin: {failed}: the step is not run (policy fail)")
 
 
 def _issue(engram, hash_ids) -> None:
@@ -400,7 +556,8 @@ def check_memory(layers) -> bool:
     if size is None:
         return True
     ranks_here = parallel.world_size * max(1, parallel.data_parallel_size_local)  # every engine on this host
-    staging = staging_bytes(Parallel("vllm", tp), sum(1 for layer in layers if served(layer)), config().max_tokens)
+    staged = [s for s in rows().layers.values() if s.layer in layers and s.graph_mode != "device"]  # device: none
+    staging = staging_bytes(Parallel("vllm", tp), len(staged), config().max_tokens)
     fix = f"lower --kv-offloading-size below {size:g}: `{hint}` sizes it for this host"
     # vLLM's size is the engine's, over its ranks (OffloadingConnector: cpu_bytes_to_use / world_size)
     return memory.check_host_kv(

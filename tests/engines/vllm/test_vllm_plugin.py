@@ -11,21 +11,28 @@ Two sets of layers are built over the same tables: one where vLLM holds its own 
 one with the plugin. The same steps (prefill with an image span, chunked prefill, decode) go through
 both as ``DeepseekV4Model.forward`` drives them (hash once, every layer's ``prepare_embeddings``, then
 each layer); outputs must be bit-identical, and the tableserver's own metrics must show it served them.
+
+``node`` layers in graph mode ``device`` are gathered by the plugin's Triton kernel (Triton's interpreter
+here) from the node daemon's mapping, as a GPU reads it once registered; vLLM's ``Worker.execute_model``
+(hooked) checks their tables before every step, as it does under FULL graphs, where nothing else of the
+plugin runs on the host.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
 import vllm_cpu  # noqa: F401  (before vllm: Triton's interpreter, torchvision on a CPU torch)
-from conftest import EVENT_TIMEOUT, ROOT, local_tables, start_daemon
-from tests_helpers import as_version, client_rows, resident_share, run_fresh, scrape, value
+from conftest import EVENT_TIMEOUT, ROOT, local_tables, start_daemon, wait_for
+from tests_helpers import as_version, client_rows, free_port_block, resident_share, run_fresh, scrape, value
 from vllm_cpu import HC, HIDDEN, LAYERS
 
 from tableserver.tables.demo import DemoTable, write_demo_file
@@ -52,14 +59,23 @@ def model_dir(tmp_path_factory):
     return path, vllm_cpu.write_model(path)
 
 
+def model_tables(model_dir, folder, seed: int) -> str:
+    """A table file of the model's Engram layers (their names and sizes), rows drawn from ``seed``."""
+    _, sizes = model_dir
+    path = str(folder / "engram.bin")
+    tables = [DemoTable(f"engram.layer{layer}", rows, 264, layer) for layer, rows in zip(LAYERS, sizes)]
+    return write_demo_file(path, tables, seed=seed)
+
+
 @pytest.fixture(scope="module")
 def engram_tables(model_dir, tmp_path_factory):
-    _, sizes = model_dir
-    path = str(tmp_path_factory.mktemp("vllm-tables") / "engram.bin")
-    write_demo_file(
-        path, [DemoTable(f"engram.layer{layer}", rows, 264, layer) for layer, rows in zip(LAYERS, sizes)], seed=11
-    )
-    return path
+    return model_tables(model_dir, tmp_path_factory.mktemp("vllm-tables"), 11)
+
+
+@pytest.fixture(scope="module")
+def other_tables(model_dir, tmp_path_factory):
+    """The same tables' names and sizes with other rows: another version of the data."""
+    return model_tables(model_dir, tmp_path_factory.mktemp("vllm-other"), 12)
 
 
 @pytest.fixture(scope="module")
@@ -169,11 +185,207 @@ def test_mixed_placement_layer1_local_layer14_remote(vllm_config, hasher, engram
     assert server_rows(memnode, "engram.layer14") > before["engram.layer14"]
 
 
-def test_node_placement_reads_this_hosts_server_over_shm(vllm_config, hasher, engram_tables, memnode):
-    want = run(build(vllm_config, engram_tables), hasher)
-    node = build(vllm_config, engram_tables, placement={1: "node", 14: "node"}, node_address=memnode.address)
-    assert_bit_identical(run(node, hasher), want)
+TABLES = tuple(f"engram.layer{layer}" for layer in LAYERS)
+
+
+def shm_rows() -> dict:
+    """Row ids this process's clients gathered from each table over shm (on the host)."""
+    return {t: client_rows(t, layer, "shm") for t, layer in zip(TABLES, LAYERS)}
+
+
+def with_dead_ids(hasher):
+    """A prefill whose ids hold DEAD_ID (a padded token, single columns), and vLLM's own dummy-run ids."""
+    _, hashes, mask = vllm_cpu.hash_batch(hasher, [([], list(range(3, 40)))])
+    hashes = hashes.clone()
+    hashes[5] = DEAD_ID
+    hashes[9, :, ::3] = DEAD_ID
+    dummy, keep = hasher.dummy_hashes(torch.zeros(4, dtype=torch.int32))
+    x = torch.randn((len(hashes), HC, HIDDEN), generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    return [(hashes, x, mask), (dummy, x[:4], keep)]
+
+
+@pytest.mark.parametrize("graph", ["device", "eager_break"])
+def test_node_layers_are_bit_identical_gathered_by_the_kernel_or_through_the_eager_break(
+    vllm_config, hasher, engram_tables, memnode, graph
+):
+    """Placed node, a layer reads the table this host's daemon maps into the process (shm). In graph mode
+    device (a node layer's default) the plugin's kernel gathers each step's rows from that mapping at step
+    start, on the host not one row; with eager_break the host gathers them. Either way every output over
+    prefill (an image span), chunked prefill, decode, dead ids and vLLM's dummy run is bit-identical to
+    vLLM's own tables."""
+    local = build(vllm_config, engram_tables)
+    want = run(local, hasher)
+    graphs = {} if graph == "device" else {"graph": {1: "eager_break", 14: "eager_break"}}
+    node = build(vllm_config, engram_tables, placement={1: "node", 14: "node"}, node_address=memnode.address, **graphs)
     assert hooks.rows().client("node").transport == "shm"
+    assert [hooks.rows().layers[layer].graph_mode for layer in LAYERS] == [graph, graph]
+    assert all((e.embed_tokens.device_rows is not None) == (graph == "device") for e in node)
+    before = shm_rows()
+    assert_bit_identical(run(node, hasher), want)
+    for hash_ids, x, mask in with_dead_ids(hasher):
+        for a, b in zip(vllm_cpu.step(local, hash_ids, x, mask), vllm_cpu.step(node, hash_ids, x, mask)):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    gathered = {t: n - before[t] for t, n in shm_rows().items()}
+    if graph == "device":
+        assert gathered == {t: 0 for t in TABLES}, gathered  # every row came through the kernel
+        assert all(e.embed_tokens.device_rows.table.pointer.item() != 0 for e in node)
+    else:
+        assert all(n > 0 for n in gathered.values()), gathered
+
+
+def worker_step(engrams, hashes, x, mask):
+    """One step as vLLM's worker runs it: its own ``Worker.execute_model`` (hooked: the plugin's check before
+    every step, the one host code of the plugin a FULL graph's replay runs), whose model runner (here: what
+    DeepseekV4Model.forward does with the step) hashes and runs the layers. Returns their outputs, or raises
+    before the forward."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    assert hooks.hooked(Worker.execute_model, hooks._execute_model)
+    outs = []
+    worker = object.__new__(Worker)
+    worker._pp_send_work, worker.profiler, worker.use_v2_model_runner = [], None, False
+    worker.model_runner = types.SimpleNamespace(
+        execute_model=lambda scheduler_output, intermediate: outs.append(vllm_cpu.step(engrams, hashes, x, mask))
+    )
+    Worker.execute_model(worker, types.SimpleNamespace(total_num_scheduled_tokens=len(hashes)))
+    return outs[0]
+
+
+def zero_table_layers(cfg, tables_path):
+    """vLLM's own layers over all-zero tables: what a step of zero rows computes."""
+    zero = build(cfg, tables_path)
+    for e in zero:
+        e.embed_tokens.weight.data.view(torch.uint8).zero_()
+        e.embed_tokens.weight_scale_inv.data.zero_()
+    return zero
+
+
+def zero_rows_served(layer: int) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("tableserver_client_zero_rows_served_total", {"layer": str(layer)}) or 0.0
+
+
+@pytest.mark.parametrize("policy", ["zeros", "fail"])
+def test_a_node_restart_is_registered_anew_and_a_node_on_other_data_is_never_read(
+    vllm_config, hasher, engram_tables, other_tables, tmp_path, policy
+):
+    """Device layers across node daemon restarts, each step through vLLM's Worker.execute_model. The node
+    killed: its table is unreadable, the kernel's pointer is 0 and the policy applies (zeros: the layers
+    compute what vLLM's own do over zero tables, counted per row; fail: the step is not run). Restarted on
+    the same data: mapped anew, registered again, the pointer rewritten, bit-identical again, the same
+    device buffers (nothing to capture again). Restarted on other data (same names and sizes): refused by
+    the client's pinned checksum, never mapped, never read: the policy again."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    port = free_port_block()
+
+    def node(name, tables):
+        return start_daemon(
+            str(tmp_path / name), "--tables", tables, "--listen", f"127.0.0.1:{port}", "--node-id", name
+        )
+
+    daemons = [node("a", engram_tables)]
+    try:
+        zero, local = zero_table_layers(vllm_config, engram_tables), build(vllm_config, engram_tables)
+        served = build(
+            vllm_config,
+            engram_tables,
+            placement={1: "node", 14: "node"},
+            node_address=daemons[0].address,
+            policy=policy,
+            timeout=30.0,
+        )
+        client = hooks.rows().client("node")
+        tables = [e.embed_tokens.device_rows.table for e in served]
+        buffers = [
+            (e.embed_tokens.device_rows.ids.data_ptr(), e.embed_tokens.device_rows.rows.data_ptr()) for e in served
+        ]
+        steps = iter(vllm_cpu.conversation())
+        rng = np.random.default_rng(4)
+
+        def step(engrams):
+            _, hashes, mask = vllm_cpu.hash_batch(hasher, next(steps))
+            x = torch.from_numpy(rng.standard_normal((len(hashes), HC, HIDDEN)).astype(np.float32)).to(torch.bfloat16)
+            return hashes, x, mask
+
+        def assert_same(got, want):
+            for a, b in zip(got, want):
+                assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+        def unreadable_step():
+            """A step while no mapping of the table is there: the policy."""
+            hashes, x, mask = step(served)
+            zeros = [zero_rows_served(layer) for layer in LAYERS]
+            if policy == "fail":
+                with pytest.raises(hooks.PluginError, match="is not mapped in this process.*the step is not run"):
+                    worker_step(served, hashes, x, mask)
+            else:
+                assert_same(worker_step(served, hashes, x, mask), vllm_cpu.step(zero, hashes, x, mask))
+                assert [zero_rows_served(layer) - z for layer, z in zip(LAYERS, zeros)] == [1, 1]  # one step each
+            assert all(t.pointer.item() == 0 for t in tables)
+
+        hashes, x, mask = step(served)
+        assert_same(worker_step(served, hashes, x, mask), vllm_cpu.step(local, hashes, x, mask))
+        first = [(t.generation, t.pointer.item()) for t in tables]
+        assert all(p == client.reader(t.name).local().ctypes.data for t, (_, p) in zip(tables, first))
+
+        daemons[0].stop(signal.SIGKILL)
+        wait_for(lambda: client.replicas()[daemons[0].address]["state"] == "down", "the client to see the node down")
+        unreadable_step()
+
+        daemons.append(node("a2", engram_tables))  # the same data: a new memfd, mapped anew
+        wait_for(lambda: client.replicas()[daemons[-1].address]["state"] == "up", "the client to reconnect")
+        hashes, x, mask = step(served)
+        assert_same(worker_step(served, hashes, x, mask), vllm_cpu.step(local, hashes, x, mask))
+        for t, (generation, _) in zip(tables, first):  # registered again (the address itself may be reused)
+            assert t.generation > generation + 1 and t.pointer.item() == client.reader(t.name).local().ctypes.data
+        assert [
+            (e.embed_tokens.device_rows.ids.data_ptr(), e.embed_tokens.device_rows.rows.data_ptr()) for e in served
+        ] == buffers
+
+        daemons[-1].stop(signal.SIGKILL)
+        daemons.append(node("a3", other_tables))  # same names and sizes, other rows
+        wait_for(
+            lambda: client.replicas()[daemons[-1].address]["state"] == "refused",
+            lambda: f"the client to refuse the other data: {client.replicas()}",
+        )
+        assert all(client.reader(t.name).local() is None for t in tables)
+        unreadable_step()
+        assert hooks.hooked(Worker.execute_model, hooks._execute_model)
+    finally:
+        hooks.configure(PluginConfig())
+        for d in daemons:
+            d.stop()
+
+
+def test_a_node_table_the_gpu_cannot_read_falls_back_to_the_eager_break_saying_why_in_one_line(
+    vllm_config, hasher, engram_tables, tmp_path, caplog
+):
+    """A node daemon serving the tables from disk maps nothing into the process: graph mode device cannot
+    register them, so each layer logs one line with the reason and takes the host path (vLLM's eager break),
+    bit-identical still; its graph modes are then the eager break's: FULL graphs refused, naming why."""
+    disk = start_daemon(str(tmp_path / "disk"), "--tables", engram_tables, "--disk-tables", "all")
+    try:
+        want = run(build(vllm_config, engram_tables), hasher)
+        node = {"placement": {1: "node", 14: "node"}, "node_address": disk.address}
+        with caplog.at_level("WARNING", logger="tableclient.vllm"):
+            engrams = build(vllm_config, engram_tables, **node)
+        lines = [r.getMessage() for r in caplog.records if "graph mode 'device' unavailable" in r.getMessage()]
+        assert len(lines) == 2, lines
+        for layer, line in zip(LAYERS, lines):
+            assert "\n" not in line and line.startswith(f"tableserver plugin: Engram layer {layer}: ")
+            assert "not mapped in this process" in line and line.endswith("falls back to the eager break")
+        assert all(e.embed_tokens.device_rows is None for e in engrams)
+        assert [hooks.rows().layers[layer].graph_mode for layer in LAYERS] == ["eager_break", "eager_break"]
+        assert_bit_identical(run(engrams, hasher), want)
+        assert all(hooks.rows().summary()[layer]["prefetched"] == len(want) for layer in LAYERS)
+        with graph_mode(vllm_config, "FULL_AND_PIECEWISE"):
+            with pytest.raises(hooks.PluginError, match="the GPU cannot read its table here .*not mapped in this pro"):
+                build(vllm_config, engram_tables, **node)
+    finally:
+        hooks.configure(PluginConfig())
+        disk.stop()
 
 
 def test_dead_ids_and_int32_ids_give_vllms_zero_rows(vllm_config, hasher, engram_tables, memnode):
@@ -291,7 +503,9 @@ def test_dequantize_follows_vllms_scale_arithmetic():
 def test_tensor_and_sequence_parallel_ranks_gather_their_columns(model_dir, engram_tables, memnode):
     """TP=2 in two processes over gloo (tests/support/vllm_ranks.py): each rank's served layers gather only its
     hash columns (12 of 24), and vLLM's own collectives join them, as for its head-sharded local tables;
-    with sequence parallelism too. Every output bit-identical to vLLM's own tables on that rank."""
+    with sequence parallelism too; placed remote (the host path) and placed node (graph mode device: each
+    rank's kernel gathers its own columns of every token). Every output bit-identical to vLLM's own tables on
+    that rank."""
     import socket
 
     with socket.socket() as s:
@@ -317,6 +531,7 @@ def test_tensor_and_sequence_parallel_ranks_gather_their_columns(model_dir, engr
         for mode in ("tp", "sp"):
             assert report[mode]["identical"], report
             assert report[mode]["columns"] == [[12 * rank, 12 * rank + 12]] * 2, report
+            assert report[mode]["node"] == {"identical": True, "columns": report[mode]["columns"], "device": True}
         assert report["served"] == {"1": 8, "14": 8}  # sp's steps, each issued at step start
 
 
@@ -355,40 +570,76 @@ def test_a_local_table_sharded_over_dp_ranks_cannot_sit_beside_a_served_layer(vl
         hooks.verify(torch.nn.ModuleList(engrams))
 
 
-@pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL", "PIECEWISE"])
-def test_cuda_graph_modes_that_would_capture_the_gather_are_refused(vllm_config, engram_tables, memnode, mode):
-    """FULL graphs capture vLLM's eager break inline: a served layer's gather would replay capture-time rows.
-    Piecewise graphs run it eagerly at every replay, with vLLM's breakable graphs (this model's default)."""
+@contextlib.contextmanager
+def graph_mode(vllm_config, mode: str, breakable: bool = True):
+    """vLLM's own compilation config set to cudagraph_mode ``mode`` (VLLM_USE_BREAKABLE_CUDAGRAPH as given)."""
     from vllm.config import CUDAGraphMode
 
     compilation = vllm_config.compilation_config
-    saved, breakable = compilation.cudagraph_mode, os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH")
+    saved, env = compilation.cudagraph_mode, os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH")
     compilation.cudagraph_mode = CUDAGraphMode[mode]
-    os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
+    os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1" if breakable else "0"
     try:
-        if mode == "PIECEWISE":
-            assert build(vllm_config, engram_tables, address=memnode.address)[1].embed_tokens.rows is hooks.rows()
-            os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "0"
-            with pytest.raises(hooks.PluginError, match="VLLM_USE_BREAKABLE_CUDAGRAPH=1"):
-                build(vllm_config, engram_tables, address=memnode.address)
-        else:
-            with pytest.raises(hooks.PluginError, match="FULL graphs do not take .*cudagraph_mode.*PIECEWISE"):
-                build(vllm_config, engram_tables, address=memnode.address)
-            build(vllm_config, engram_tables, address=memnode.address, placement={1: "local", 14: "local"})
+        yield
     finally:
         compilation.cudagraph_mode = saved
-        if breakable is None:
+        if env is None:
             os.environ.pop("VLLM_USE_BREAKABLE_CUDAGRAPH", None)
         else:
-            os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = breakable
+            os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = env
+
+
+@pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL", "PIECEWISE"])
+def test_every_graph_mode_takes_node_layers_gathered_by_the_gpu_and_refuses_remote_ones_it_would_capture(
+    vllm_config, engram_tables, memnode, mode
+):
+    """Placement x vLLM's cudagraph_mode: a node layer in graph mode device is taken in each (its gather is a
+    kernel the graph captures, or an eager break of a breakable one), breakable or not. A remote layer runs
+    through vLLM's eager break: FULL graphs would capture it inline (capture-time rows at every replay), so
+    they are refused with the flag for piecewise ones; piecewise graphs take it only where breakable."""
+    node = {"placement": {1: "node", 14: "node"}, "node_address": memnode.address}
+    eager_node = {"graph": {1: "eager_break", 14: "eager_break"}, **node}  # node, configured for the eager break
+    for breakable in (True, False):
+        with graph_mode(vllm_config, mode, breakable):
+            engrams = build(vllm_config, engram_tables, **node)
+            assert all(e.embed_tokens.device_rows is not None for e in engrams)
+            assert [hooks.rows().layers[layer].graph_mode for layer in LAYERS] == ["device", "device"]
+            if mode == "PIECEWISE" and breakable:
+                assert build(vllm_config, engram_tables, address=memnode.address)[1].embed_tokens.rows is hooks.rows()
+                assert all(e.embed_tokens.device_rows is None for e in build(vllm_config, engram_tables, **eager_node))
+                continue
+            refusal = "VLLM_USE_BREAKABLE_CUDAGRAPH=1" if mode == "PIECEWISE" else "FULL graphs do not take .*PIECEWISE"
+            for refused in ({"address": memnode.address}, eager_node):
+                with pytest.raises(hooks.PluginError, match=f"eager break, which .*{refusal}"):
+                    build(vllm_config, engram_tables, **refused)
+            build(vllm_config, engram_tables, address=memnode.address, placement={1: "local", 14: "local"})
+
+
+def test_vllm_takes_graph_modes_device_and_eager_break_and_refuses_sglangs_host_ones():
+    hooks.check_config(PluginConfig(layers={1: "node", 14: "remote"}, address="mem:1", graph={1: "device"}))
+    hooks.check_config(PluginConfig(address="mem:1", graph={1: "eager_break", 14: "eager_break"}))
+    for mode in ("before_replay", "in_graph"):
+        with pytest.raises(hooks.PluginError) as e:
+            hooks.check_config(PluginConfig(address="mem:1", graph={14: mode}))
+        assert str(e.value) == (
+            f"tableserver plugin: graph.14 = {mode!r} is an SGLang decode-graph mode; under vLLM a served layer runs "
+            "through vLLM's eager break (piecewise CUDA graphs) or, placed node, is gathered by the GPU inside "
+            "vLLM's graphs: remove it, or set 'device' (node) or 'eager_break'"
+        )
 
 
 def test_gathers_run_in_vllms_eager_break(plugin):
-    """The issue and the wait are wrapped by vLLM's eager_break_during_capture: piecewise graphs run them
-    between captured segments at every replay."""
+    """The host path's issue and wait, and the device path's launch and join, are wrapped by vLLM's
+    eager_break_during_capture, as vLLM's own prefetch: breakable piecewise graphs run them between captured
+    segments at every replay (a side stream's fork cannot span segments); FULL graphs capture them inline."""
     from vllm.compilation.breakable_cudagraph import eager_break_during_capture
 
-    for name, fn in (("issue", hooks._issue), ("collect", hooks._collect)):
+    for name, fn in (
+        ("issue", hooks._issue),
+        ("collect", hooks._collect),
+        ("launch", hooks._launch),
+        ("join", hooks._join),
+    ):
         wrapped = hooks._eager[name]
         assert wrapped.__wrapped__ is fn
         assert wrapped.__code__ is eager_break_during_capture(fn).__code__
