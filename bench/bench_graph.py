@@ -72,6 +72,8 @@ MODES = {
     "both_device": {1: "device", 14: "device"},  # shm only: the graph reads this host's mapping itself
 }
 STAGES = ("probe", "node", "modes", "faults", "wake")
+#: the wake stage's longest condition (seconds): a slow poller's p99 comes from the steps it got through
+WAKE_CONDITION_S = 6.0
 PLANS = [LayerPlan(1, "engram.layer1", WINDOWS_S[1]), LayerPlan(14, "engram.layer14", WINDOWS_S[14])]
 
 
@@ -425,7 +427,10 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                         for kind in ("quiet", "busy", "gil-in-C"):
                             took = []
                             with Disturber(kind):
+                                end = time.monotonic() + WAKE_CONDITION_S
                                 for _ in range(steps):
+                                    if took and time.monotonic() > end:
+                                        break  # a slow poller's condition ends early: its steps so far
                                     ids = rng.integers(0, table_rows, (tokens, ROWS_PER_TOKEN))
                                     g.arm(tokens)
                                     g.publish_ids(14, torch.from_numpy(ids), graph=False)  # the copy only
@@ -462,8 +467,10 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                                   stream_ops=HostStreamOps(60.0), poller=which, realtime=poller == "native-rt")  # fmt: skip
                     libc = ctypes.PyDLL(None)
 
+                    go = threading.Event()
+
                     def hold_gil():
-                        time.sleep(0.005)  # lets the stand-in start, then holds the GIL in C for a second
+                        go.wait()  # once the ids are published: the GIL held in C for a second from then
                         libc.usleep(1_000_000)
 
                     try:
@@ -475,6 +482,7 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                         g.arm(tokens)
                         g.publish_ids(14, torch.from_numpy(ids), graph=False)
                         published = time.monotonic()
+                        go.set()  # the holder takes the GIL as this thread lets it go in the stand-in
                         seen = _graphpoll.stand_in(g.flags.host, g.flags.index(0, 0), g.flags.index(0, 1), 30.0)
                         holder.join()
                         g.rows(14, tokens)
