@@ -229,3 +229,25 @@ def test_memlock_limit_below_the_table_is_one_line_naming_the_fix():
     assert memlock_refusal(2**30, limit=2**20, euid=0) is None  # root: CAP_IPC_LOCK
     why = memlock_refusal(3 * 2**30, limit=64 * 2**20, euid=1000)
     assert "3.00 GiB" in why and "ulimit -l unlimited" in why and "\n" not in why
+
+
+def test_the_next_step_armed_while_the_last_is_still_queued_reads_its_own_ids(daemon, demo_file):
+    """SGLang's overlap scheduler arms step k+1 before step k's graph ran: a device layer keeps no host state
+    per step (arm only checks the mapping), so both steps, replayed in order afterwards, are bit-exact."""
+    local = local_tables(demo_file)
+    with TableClient(daemon.address, transport="shm") as c:
+        g = make(c, {1: "device", 14: "device"})
+        try:
+            rng = np.random.default_rng(16)
+            for _ in range(3):
+                first, second = random_ids(rng, local, 4), random_ids(rng, local, 9)
+                g.arm(4)
+                g.arm(9)  # step k+1, launched by the CPU ahead of the GPU
+                for ids, tokens in ((first, 4), (second, 9)):  # the GPU runs k, then k+1
+                    for layer in g.layers:
+                        g.publish_ids(layer, torch.from_numpy(ids[layer]))
+                    for p in PLANS:
+                        got = g.rows(p.layer, tokens).clone().numpy().reshape(tokens, 24, -1)
+                        np.testing.assert_array_equal(got, local[p.table][ids[p.layer]])
+        finally:
+            g.close()
