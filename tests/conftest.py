@@ -28,6 +28,11 @@ from tableserver.tables.tablefile import read_header  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IN_GUEST = os.environ.get("TABLESERVER_IN_GUEST") == "1"
+# Without an NVIDIA GPU every Triton kernel here runs in Triton's interpreter, which Triton must be told
+# before anything imports it: the graph's row kernel (tests/daemon) and the engines' own kernels share a
+# worker process under xdist, and Triton's library functions decorated in compiled mode never interpret.
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 #: The kinds of tests, one folder each; a test gets its folder's marker (``pytest -m unit`` runs one kind).
 KINDS = ("unit", "daemon", "engines", "host", "deploy", "gpu")
