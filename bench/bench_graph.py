@@ -380,9 +380,9 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
     import ctypes
     import threading
 
-    from tableclient.graphpoll import _graphpoll
+    from tableclient import graphpoll
 
-    if _graphpoll is None:
+    if not graphpoll.BUILT:
         say(lines, "wake: tableclient._graphpoll is not built here (no native stand-in, no native poller): skipped")
         return True
     tokens, table_rows = 64, local["engram.layer14"].shape[0]
@@ -434,7 +434,7 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                                     ids = rng.integers(0, table_rows, (tokens, ROWS_PER_TOKEN))
                                     g.arm(tokens)
                                     g.publish_ids(14, torch.from_numpy(ids), graph=False)  # the copy only
-                                    seen = _graphpoll.stand_in(g.flags.host, ids_flag, rows_flag, 30.0)
+                                    seen = graphpoll.stand_in(g.flags.host, ids_flag, rows_flag, 30.0)
                                     got = g.rows(14, tokens).numpy().reshape(tokens, ROWS_PER_TOKEN, -1)
                                     # the release itself: a GPU would see it at once, the stand-in sees it
                                     # when this crowded machine runs it again
@@ -483,7 +483,7 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                         g.publish_ids(14, torch.from_numpy(ids), graph=False)
                         published = time.monotonic()
                         go.set()  # the holder takes the GIL as this thread lets it go in the stand-in
-                        seen = _graphpoll.stand_in(g.flags.host, g.flags.index(0, 0), g.flags.index(0, 1), 30.0)
+                        seen = graphpoll.stand_in(g.flags.host, g.flags.index(0, 0), g.flags.index(0, 1), 30.0)
                         holder.join()
                         g.rows(14, tokens)
                         dt = None if seen is None else g.released_at(14) - seen[0]

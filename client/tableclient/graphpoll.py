@@ -30,6 +30,19 @@ except ImportError:  # built without a C compiler
 
 log = logging.getLogger("tableclient.graphstep")
 
+#: whether the native poller is built here (a C compiler at install)
+BUILT = _graphpoll is not None
+
+
+def stand_in(flags, ids_flag: int, rows_flag: int, timeout: float):
+    """What a replayed graph does at one in_graph layer, natively and without the GIL (a stand-in for the GPU
+    where there is none: bench/bench_graph.py): sets ``flags[ids_flag]``, waits for ``flags[rows_flag]``;
+    ``(published, seconds until it saw the release)`` on time.monotonic()'s clock, None past ``timeout``."""
+    if _graphpoll is None:
+        raise NativeUnavailable("tableclient._graphpoll is not built (no C compiler at install)")
+    return _graphpoll.stand_in(flags, ids_flag, rows_flag, timeout)
+
+
 #: how ``take_events`` says a step was released
 ROWS, POLICY, WATCHDOG, UNARMED = 0, 1, 2, 3
 

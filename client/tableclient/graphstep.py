@@ -173,6 +173,9 @@ class GraphStep:
         budgets = budgets or {}
         #: per in_graph layer: seconds its gather may take once its ids came (gather_budget(window) by default)
         self.budgets = {p.layer: float(budgets.get(p.layer, gather_budget(p.window_s))) for p in post}
+        for layer, budget in self.budgets.items():
+            if not 0 <= budget <= 1e6:
+                raise ValueError(f"layer {layer}: a gather budget of {budget!r} s: use 0 (the deadline alone) to 1e6")
         self._lock = threading.Lock()
         self._released = threading.Condition(self._lock)
         self._closed = False

@@ -141,6 +141,14 @@ def test_the_next_step_armed_while_the_last_still_runs(daemon, local, modes):
             g.close()
 
 
+def thaw(d, client) -> None:
+    """Resumes a frozen daemon and waits until it answered its client's keepalive again."""
+    thawed = time.monotonic()
+    os.kill(d.proc.pid, signal.SIGCONT)
+    node = client.reader("engram.layer14").route().node
+    wait_for(lambda: node.last_heard > thawed, "the thawed node to answer its keepalive")
+
+
 def watchdog_releases(layer: int) -> float:
     return metrics().watchdog_releases.labels(str(layer))._value.get()
 
@@ -203,10 +211,7 @@ def test_a_frozen_server_is_released_by_the_watchdog(tmp_path, demo_file, local)
                 assert not t.is_alive() and not t_out[14].any()
                 g.account()  # the native poller's releases reach the metrics off the hot path
                 assert watchdog_releases(14) == released + 1
-                thawed = time.monotonic()
-                os.kill(d.proc.pid, signal.SIGCONT)
-                node = c.reader("engram.layer14").route().node  # until it answers, steps get the policy at once
-                wait_for(lambda: node.last_heard > thawed, "the thawed node to answer its keepalive")
+                thaw(d, c)  # until the node answers, steps get the policy at once
                 g.reset()  # layer 1 was never gathered this step: start clean
                 ids2, out = one_step(g, rng, local, 4)  # the server answers again: bit-exact, nothing stale
                 np.testing.assert_array_equal(out[14], local["engram.layer14"][ids2[14]])
@@ -311,7 +316,8 @@ def test_in_graph_layers_get_the_native_poller_where_it_is_built(daemon, poller)
     another client), and says so."""
     from tableclient import graphpoll
 
-    if graphpoll._graphpoll is None:
+    if not graphpoll.BUILT:
+        assert os.environ.get("TABLESERVER_REQUIRE_NATIVE") != "1", "tableclient._graphpoll did not build"
         pytest.skip("tableclient._graphpoll is not built here")
     for transport in ("shm", "tcp"):
         with TableClient(daemon.address, transport=transport) as c:
@@ -397,7 +403,7 @@ def test_the_native_poller_runs_at_real_time_priority_where_permitted_and_stays_
     from tableclient import graphpoll
     from tableclient.engine import ConfigError, PluginConfig
 
-    if poller != "auto" or graphpoll._graphpoll is None:
+    if poller != "auto" or not graphpoll.BUILT:
         pytest.skip("the native poller's priority (built, and asked for)")
     allowed = []
 
@@ -425,6 +431,10 @@ def test_the_native_poller_runs_at_real_time_priority_where_permitted_and_stays_
     assert PluginConfig.load({"TABLESERVER_POLLER_PRIORITY": "realtime"}).poller_priority == "realtime"
     with pytest.raises(ConfigError, match="poller_priority = 'fast': use normal or realtime"):
         PluginConfig(poller_priority="fast")
+    with pytest.raises(ConfigError, match="gather_budget = -1.0: expected seconds >= 0"):
+        PluginConfig.load({"TABLESERVER_GATHER_BUDGET": "-1"})
+    with TableClient(daemon.address, transport="shm") as c, pytest.raises(ValueError, match="a gather budget of"):
+        make(c, {14: "in_graph"}, budgets={14: -0.5})
 
 
 def test_a_frozen_node_stalls_one_step_by_its_budget_and_the_next_get_the_policy_at_once(tmp_path, demo_file, local,
@@ -453,10 +463,7 @@ def test_a_frozen_node_stalls_one_step_by_its_budget_and_the_next_get_the_policy
                     g.account()
                 assert not any(o.any() for o in out.values())  # the policy, every step
                 assert watchdog_releases(14) == released + 1  # one step waited (its budget); the others did not
-                thawed = time.monotonic()
-                os.kill(d.proc.pid, signal.SIGCONT)
-                node = c.reader("engram.layer14").route().node
-                wait_for(lambda: node.last_heard > thawed, "the thawed node to answer its keepalive")
+                thaw(d, c)
                 g.reset()
                 ids2, rows = one_step(g, rng, local, 4)
                 np.testing.assert_array_equal(rows[14], local["engram.layer14"][ids2[14]])
