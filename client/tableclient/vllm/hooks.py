@@ -285,7 +285,9 @@ def _device_rows(engram, embed, served) -> str | None:
         _device["tables"][served.table] = table
     stream = None
     if device.type == "cuda":  # vLLM's Engram prefetch stream (cpu_offload), else one of ours per device
-        stream = engram._prefetch_stream
+        # vLLM 0.33.0 (pinned, checked at start-up) keeps its Engram prefetch stream there and has no public
+        # name for it: sharing it orders our kernels with its own prefetches, as its cpu_offload does
+        stream = getattr(engram, "_prefetch_stream", None)
         if stream is None:
             stream = _device["streams"].get(device)
             if stream is None:
