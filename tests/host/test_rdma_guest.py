@@ -31,6 +31,12 @@ GUEST_TRACEBACK_AFTER_S = 900
 SHOWN_FAILURES = 5
 
 
+def slowest(suite: ET.Element, count: int) -> list[tuple[str, float]]:
+    """The guest's ``count`` slowest tests, ``(name, seconds)``: where its minutes go."""
+    cases = [(case.get("name", ""), float(case.get("time", 0) or 0)) for case in suite.iter("testcase")]
+    return sorted(cases, key=lambda c: -c[1])[:count]
+
+
 def guest_failures(suite: ET.Element) -> list[tuple[str, str]]:
     """``(test id, what failed)`` per failed or errored test of the guest's junit report: the message and the
     end of the traceback (where the assertion is)."""
@@ -80,6 +86,8 @@ def test_rdma_suite_in_softroce_guest(tmp_path):
         f"Soft-RoCE guest (kernel {vm.kernel_version()}): {counts['tests']} RDMA tests, {counts['failures']} "
         f"failed, {counts['errors']} errors, {counts['skipped']} skipped in {res.seconds:.0f} s"
         + "".join(f"\n  failed in the guest: {test}" for test, _ in failed)
+        + "\n  slowest: "
+        + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in slowest(suite, 5))
     )
     if res.rc != 0 or failed or counts["failures"] or counts["errors"]:
         print(res.console)
