@@ -53,8 +53,9 @@ class NativeUnavailable(GraphStepError):
 
 class NativePoller:
     """The native thread of one GraphStep's in_graph layers ``slots``: ``(plan, ids_flag, rows_flag,
-    ids, staging)`` each, in the order to serve them (shortest window first); ``ids`` int64 and
-    ``staging`` uint8 numpy views of the pinned buffers, ``flags`` the pinned uint32 flags."""
+    ok_flag, ids, staging)`` each, in the order to serve them (shortest window first); ``ids`` int64 and
+    ``staging`` uint8 numpy views of the pinned buffers, ``flags`` the pinned uint32 flags (``ok_flag``: 1
+    once a step's rows are the table's, 0 the policy's; -1 none)."""
 
     def __init__(self, client, slots: list, flags, policy: str, connect_timeout: float = 5.0, realtime: bool = False,
                  budgets: list | None = None):  # fmt: skip
@@ -70,8 +71,8 @@ class NativePoller:
         self._sources: list = [None] * len(slots)  # (generation, node) the source was set for
         self._poller = _graphpoll.Poller(
             flags,
-            [(ids_flag, rows_flag, -1, ids.reshape(-1), staging.reshape(-1), staging.shape[-1], ids.shape[-1])
-             for _plan, ids_flag, rows_flag, ids, staging in slots],
+            [(ids_flag, rows_flag, ok_flag, ids.reshape(-1), staging.reshape(-1), staging.shape[-1], ids.shape[-1])
+             for _plan, ids_flag, rows_flag, ok_flag, ids, staging in slots],
             policy == "fail",
             realtime=realtime,
         )  # fmt: skip

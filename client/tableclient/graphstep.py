@@ -31,8 +31,15 @@ method allocates anything a graph can see. Per layer, one of two modes:
   or ``fail`` refuses the step). A table that cannot be registered (one line why) takes
   ``before_replay``; so does policy ``fallback``, whose rows come from another server.
 
+Ranks agree (``agree``) and policy ``fail`` is checked where the results are read (``results_check``): each
+layer's rows-ok (the table's rows, or the policy's) is reduced over the tensor-parallel ranks inside the
+graph and the rows masked by it, so all ranks serve the table's rows or all the policy's; the graph keeps
+each step's outcome (OUTCOMES steps) for :meth:`GraphStep.check`, which an engine calls where it reads the
+step's results: nothing of ``fail`` raises on the launch path, where a rank alone would leave its peers
+waiting in the collective.
+
 Flag protocol. The values a graph writes and waits for are baked into it, so they are constants; per
-``in_graph`` layer two uint32 in pinned, device-mapped host memory, each on its own 64-byte line::
+``in_graph`` layer three uint32 (ids, rows, ok) in pinned, device-mapped host memory, a 64-byte line each::
 
     graph      copy ids -> ids buffer; write ids = 1; ...; wait rows == 1; write rows = 0; copy rows
     arm        (host, before replay) waits until the last step was released, its graph consumed the
@@ -75,8 +82,26 @@ def gather_budget(window_s: float) -> float:
     return max(4.0 * window_s, 0.005)
 
 
-IDS, ROWS = 0, 1
-__all__ = ["GraphStep", "GraphStepError", "HostStreamOps", "CudaStreamOps", "GraphFlags", "MODES", "wait_flag"]
+IDS, ROWS, OK = 0, 1, 2
+#: steps whose outcome (:meth:`GraphStep.check`) is held at once: the one read and those launched after it
+OUTCOMES = 4
+__all__ = [
+    "GraphStep", "GraphStepError", "HostStreamOps", "CudaStreamOps", "GraphFlags", "MODES", "OUTCOMES", "wait_flag",
+    "min_from_sum",
+]  # fmt: skip
+
+
+def min_from_sum(all_reduce_sum, ranks: int):
+    """An ``agree`` for :class:`GraphStep` from an engine's own capturable all-reduce (a SUM over its tensor
+    parallel group, in place or returning the sum): each rank's 1.0 (rows ok) or 0.0, reduced to 1.0 only where
+    every one of the ``ranks`` ranks has 1.0 (their minimum)."""
+
+    def agree(ok):
+        total = all_reduce_sum(ok)
+        total = ok if total is None else total
+        return (total > ranks - 0.5).to(ok.dtype)
+
+    return agree
 
 
 @dataclass
@@ -96,6 +121,7 @@ class _Slot:
     step: int = 0  # bumped by every arm: a release is for the step it was decided for, never a later one
     owe_ids: bool = False  # released before its graph published the ids: that late flag is not a new step's
     released_at: float = 0.0  # time.monotonic() of the last release
+    ok_flag: int = -1  # the host flag saying whether the released rows are the table's (1) or the policy's (0)
 
 
 class GraphStep:
@@ -105,7 +131,8 @@ class GraphStep:
     def __init__(self, client, plans: list, modes: dict, max_tokens: int, *, rows_per_token: int = 24,
                  policy: str = "fail", fallback=None, device=None, timeout: float = 5.0, stream_ops=None,
                  pin: bool | None = None, side_stream: bool = True, register: bool = True,
-                 poller: str = "auto", realtime: bool = False, budgets: dict | None = None):  # fmt: skip
+                 poller: str = "auto", realtime: bool = False, budgets: dict | None = None, agree=None,
+                 results_check: bool = False):  # fmt: skip
         import torch
 
         self.torch = torch
@@ -168,8 +195,10 @@ class GraphStep:
         if isinstance(self.ops, CudaStreamOps):
             self.flags.device_ptr(self.ops, 0)  # resolved now, not inside the first capture
         self._slots = {
-            p.layer: _Slot(p.layer, p, self.flags.index(i, IDS), self.flags.index(i, ROWS)) for i, p in enumerate(post)
-        }
+            p.layer: _Slot(p.layer, p, self.flags.index(i, IDS), self.flags.index(i, ROWS), ok_flag=self.flags.index(i, OK))
+            for i, p in enumerate(post)
+        }  # fmt: skip
+        self._outcomes_init(agree, results_check, pin)
         budgets = budgets or {}
         #: per in_graph layer: seconds its gather may take once its ids came (gather_budget(window) by default)
         self.budgets = {p.layer: float(budgets.get(p.layer, gather_budget(p.window_s))) for p in post}
@@ -193,7 +222,7 @@ class GraphStep:
             raise ValueError(f"poller {poller!r}: use auto, native or python")
         self._native = None
         if self._slots and poller != "python":
-            slots = [(s.plan, s.ids_flag, s.rows_flag, self._ids_np[s.layer], self._staging_np[s.layer])
+            slots = [(s.plan, s.ids_flag, s.rows_flag, s.ok_flag, self._ids_np[s.layer], self._staging_np[s.layer])
                      for s in self._slots.values()]  # fmt: skip
             try:
                 self._native = NativePoller(
@@ -235,6 +264,91 @@ class GraphStep:
         """Whether the native poller's thread runs at real-time priority (asked for with ``realtime``)."""
         return self._native is not None and self._native.realtime
 
+    # ------------------------------------------------------------------ each step's outcome, across ranks
+    def _outcomes_init(self, agree, results_check: bool, pin: bool) -> None:
+        """What the graph keeps of each step's outcome: per layer whether its rows were the table's here
+        (``ok``) and on every rank (``agree``'s reduction), in a ring of OUTCOMES steps on the device, mirrored
+        to pinned host memory by the graph itself, read by :meth:`check`."""
+        torch = self.torch
+        #: the engine calls check(step) where it reads a step's results: policy fail's check moves there
+        self.results_check = bool(results_check or agree is not None)
+        self._agree = agree
+        self._steps = 0  # arms so far: a step's number (arm's return)
+        self._tracked = sorted(self.layers)  # model order: the first of them starts a step's entry
+        # before_replay layers' ok, written by the host before the replay
+        self._pre_ok = torch.ones(len(self.layers), dtype=torch.int32, pin_memory=pin)
+        if not self.results_check:
+            return
+        dev = self.device
+        self._ok_in = {layer: torch.ones(1, dtype=torch.int32, device=dev) for layer in self.layers}
+        self._ok = {layer: torch.ones(1, dtype=torch.float32, device=dev) for layer in self.layers}
+        self._ok_all = {layer: torch.ones(1, dtype=torch.float32, device=dev) for layer in self.layers}
+        self._count = torch.zeros(1, dtype=torch.int64, device=dev)  # steps the graph ran
+        self._cursor = torch.zeros(1, dtype=torch.int64, device=dev)
+        # per step: its number, then per layer (model order) ok here and ok on every rank
+        self._ring = torch.zeros((OUTCOMES, 1 + 2 * len(self._tracked)), dtype=torch.int64, device=dev)
+        self._ring_host = torch.zeros(self._ring.shape, dtype=torch.int64, pin_memory=pin)
+        self._ring_np = self._ring_host.numpy()
+        self._zero_steps = {layer: metrics().zero_rows.labels(str(layer)) for layer in self.layers}
+
+    def _track(self, layer: int, dst) -> None:
+        """(the graph's side, after a layer's rows are in place) its ok byte here, reduced over the ranks
+        (``agree``), the rows masked by it (every rank serves the table's rows or all the policy's), and both
+        into this step's outcome entry."""
+        torch = self.torch
+        table, slot = self.device_tables.get(layer), self._slots.get(layer)
+        ok = self._ok[layer]
+        if table is not None:
+            ok.copy_(table.pointer.ne(0))  # the kernel serves zeros where no table is mapped
+        else:
+            host = self.flags.tensor[slot.ok_flag : slot.ok_flag + 1] if slot is not None else self._pre_ok[self._tracked.index(layer) : self._tracked.index(layer) + 1]  # fmt: skip
+            self._ok_in[layer].copy_(host, non_blocking=True)  # a memcpy node: read at replay, not at capture
+            ok.copy_(self._ok_in[layer])
+        agreed = ok
+        if self._agree is not None:
+            agreed = self._ok_all[layer]
+            agreed.copy_(ok)  # the reduction may be in place: ok stays this rank's own
+            agreed = self._agree(agreed)
+            dst.mul_(agreed.to(torch.uint8))
+        i = self._tracked.index(layer)
+        if i == 0:
+            self._count.add_(1)
+            torch.remainder(self._count, OUTCOMES, out=self._cursor)
+            self._ring[:, 0].index_copy_(0, self._cursor, self._count)
+        self._ring[:, 1 + 2 * i].index_copy_(0, self._cursor, ok.to(torch.int64))
+        self._ring[:, 2 + 2 * i].index_copy_(0, self._cursor, agreed.to(torch.int64))
+        self._ring_host.copy_(self._ring, non_blocking=True)
+
+    def check(self, step: int) -> None:
+        """Where the engine reads step ``step``'s results (``step`` from :meth:`arm`; its outputs computed, e.g.
+        copied to the host): with ``results_check``, whether every layer served the table's rows on every rank.
+        Policy ``fail``: GraphStepError naming the first layer that did not (the step's output must not be
+        read; every rank raises alike); other policies: the steps a peer's failure masked are counted as zero
+        rows. Call it for every replayed step, at most OUTCOMES - 1 steps after it was armed."""
+        if not self.results_check:
+            return
+        row = self._ring_np[step % OUTCOMES]
+        if int(row[0]) != step:
+            raise GraphStepError(
+                f"step {step}'s outcome is not held (entry of step {int(row[0])}; {self._steps} armed): check a "
+                f"step's results before its replay is {OUTCOMES - 1} launches old, and only steps whose graph ran"
+            )
+        bad = []
+        for i, layer in enumerate(self._tracked):
+            here, agreed = int(row[1 + 2 * i]), int(row[2 + 2 * i])
+            if agreed:
+                continue
+            bad.append((layer, here))
+            if here and self.policy != "fail":
+                self._zero_steps[layer].inc()  # served zeros here because another rank could not serve its rows
+        if bad and self.policy == "fail":
+            layer, here = bad[0]
+            where = "on another rank" if here else "here"
+            raise GraphStepError(
+                f"layer {layer}: step {step}'s rows were not served {where} (policy fail: the step's output must "
+                "not be read)"
+            )
+
     # ------------------------------------------------------------------ what a graph touches
     def buffers(self) -> dict:
         """name -> address of every buffer a captured graph reads or writes (fixed for this step's life)."""
@@ -269,16 +383,18 @@ class GraphStep:
         device, copied from the staging (an in_graph layer first waits for its ``rows`` flag and clears
         it). ``graph=False``: the copy alone (an eager warm-up run)."""
         n = tokens * self.rows_per_token
+        dst = self.device_rows[layer][:n]
         if layer in self.device_tables:
             if self._side is not None:
                 self.torch.cuda.current_stream(self.device).wait_event(self._gathered[layer])
-            return self.device_rows[layer][:n]
-        slot = self._slots.get(layer)
-        if slot is not None and graph:
-            self.ops.wait(self.flags, slot.rows_flag, 1)
-            self.ops.write(self.flags, slot.rows_flag, 0)
-        dst = self.device_rows[layer][:n]
-        dst.copy_(self._owner[layer].staging[layer][:tokens].view(n, -1), non_blocking=True)
+        else:
+            slot = self._slots.get(layer)
+            if slot is not None and graph:
+                self.ops.wait(self.flags, slot.rows_flag, 1)
+                self.ops.write(self.flags, slot.rows_flag, 0)
+            dst.copy_(self._owner[layer].staging[layer][:tokens].view(n, -1), non_blocking=True)
+        if graph and self.results_check:
+            self._track(layer, dst)
         return dst
 
     def _launch(self, layer: int, table: DeviceTable, ids) -> None:
@@ -313,9 +429,9 @@ class GraphStep:
             if layer not in self._unreadable:
                 self._unreadable[layer] = table.error
                 log.warning("layer %d: table %r is %s (policy %s)", layer, table.name, table.error, self.policy)
-            if self.policy == "fail":
+            if self.policy == "fail" and not self.results_check:
                 failed.append(f"layer {layer}: table {table.name!r} is {table.error}")
-            else:
+            else:  # zeros, or fail checked where the results are read (the kernel serves zeros, ok 0)
                 self._zero_rows[layer].inc()  # a step served zero rows (the metric counts steps)
         if failed:
             raise GraphStepError(f"{failed[0]}: the step is not run (policy fail)")
@@ -333,12 +449,26 @@ class GraphStep:
         t0 = time.perf_counter()
         self.pre.begin_step({layer: row_ids[layer] for layer in self.pre.tables})
         for layer in list(self.pre.issue_order):
-            self.pre.wait(layer)
+            zeros = self.pre.stats[layer].zeros_served
+            ok = 1
+            try:
+                self.pre.wait(layer)
+            except (TableClientError, TimeoutError, OSError):
+                if not self.results_check:
+                    raise
+                # policy fail, checked where the results are read: the step runs (on every rank) on zeros
+                self.pre.staging[layer][: len(row_ids[layer])].zero_()
+                self._zero_steps[layer].inc()  # a step served zero rows (the metric counts steps)
+                ok = 0
+            else:
+                ok = int(self.pre.stats[layer].zeros_served == zeros)
+            self._pre_ok[self._tracked.index(layer)] = ok
             self._waits[(layer, "before_replay")].observe(time.perf_counter() - t0)
 
-    def arm(self, tokens: int) -> None:
+    def arm(self, tokens: int) -> int:
         """Before the replay of a step of ``tokens`` real tokens: every in_graph layer will gather that
-        many of the ids the graph publishes, by the layer's timeout. An engine may launch this step while
+        many of the ids the graph publishes, by the layer's timeout. Returns the step's number (for
+        :meth:`check`). An engine may launch this step while
         the last one still runs on the GPU (SGLang's overlap scheduler): arm waits, bounded by the
         timeout, until the last step was released, its graph consumed the release (``rows == 0``), and
         a late ids flag of a step released before its ids came was consumed; GraphStepError past that
@@ -348,8 +478,9 @@ class GraphStep:
             raise ValueError(f"{tokens} tokens in a step, this GraphStep holds {self.max_tokens}")
         if self.device_tables:
             self.check_tables(tokens)
+        self._steps += 1
         if not self._slots:
-            return
+            return self._steps
         end = time.monotonic() + self.timeout
         if self._native is not None:
             while self._native.busy():
@@ -361,7 +492,7 @@ class GraphStep:
                     )
                 time.sleep(0.0002)  # the GPU's consumption notifies nobody: poll
             self._native.arm(tokens, [time.monotonic() + self.timeout] * len(self._slots))
-            return
+            return self._steps
         host = self.flags.host
         with self._lock:
             while True:
@@ -387,12 +518,14 @@ class GraphStep:
                 slot.state, slot.tokens, slot.deadline, slot.handle, slot.error = "armed", tokens, deadline, None, None
                 slot.step += 1
             self._released.notify_all()  # the watchdog's next deadline
+        return self._steps
 
     def after_replay(self) -> None:
         """After the replay was launched. With policy ``fail``: waits for every in_graph layer's release
         (bounded by its timeout: the watchdog's) and raises the first layer's error, so a step with a
-        failed layer is never read. Other policies return at once."""
-        if not self._slots or self.policy != "fail":
+        failed layer is never read. Other policies, and ``results_check`` (the check is :meth:`check`'s, where
+        the engine reads the step's results), return at once."""
+        if not self._slots or self.policy != "fail" or self.results_check:
             return
         if self._native is not None:
             errors = self._native.wait_released(self.timeout + 1.0)
@@ -432,6 +565,8 @@ class GraphStep:
         the flags as close released them (a replay waits for nobody)."""
         if self.device.type == "cuda":
             self.torch.cuda.synchronize(self.device)
+        if self.results_check:
+            self._count.fill_(self._steps)  # the next replay's entry is the next arm's step
         if self._native is not None:
             if not self._closed:
                 self._native.reset()
@@ -477,7 +612,7 @@ class GraphStep:
                         slot.layer,
                     )
                     staging.fill(0)
-                    self._release(slot, GraphStepError(f"layer {slot.layer}: step not armed"))
+                    self._release(slot, GraphStepError(f"layer {slot.layer}: step not armed"), ok=False)
                     continue
                 slot.state, slot.seen, tokens, step = "gathering", seen, slot.tokens, slot.step
                 if self.budgets[slot.layer] > 0:  # the gather's own deadline, from its ids: the watchdog's
@@ -529,7 +664,8 @@ class GraphStep:
                 staging.fill(0)
                 poison = e
         with self._lock:
-            self._release(slot, poison)
+            # the rows are the table's unless the policy filled them (a fallback's rows are the table's too)
+            self._release(slot, poison, ok=error is None or (self.policy == "fallback" and poison is None))
             if by_watchdog:
                 self._watchdog_releases[slot.layer].inc()
             else:
@@ -538,10 +674,11 @@ class GraphStep:
                 if elapsed > slot.plan.window_s:
                     self._misses[slot.layer].inc()
 
-    def _release(self, slot: _Slot, error: BaseException | None) -> None:
-        """(lock held) The staging holds the step's rows: the graph may copy them."""
+    def _release(self, slot: _Slot, error: BaseException | None, ok: bool) -> None:
+        """(lock held) The staging holds the step's rows (the table's: ``ok``): the graph may copy them."""
         slot.error, slot.state = error, "released"
         slot.released_at = time.monotonic()
+        self.flags.host[slot.ok_flag] = int(ok)
         self.flags.host[slot.rows_flag] = 1
         self._released.notify_all()
 

@@ -297,15 +297,18 @@ def _probe(torch, index: int, sym: SimpleNamespace, timeout: float) -> None:
 
 
 class GraphFlags:
-    """The host-visible flags of every in_graph layer: uint32 in pinned memory, one 64-byte line each."""
+    """The host-visible flags of every in_graph layer: uint32 in pinned memory, one 64-byte line each; per layer
+    ``ids``, ``rows`` and ``ok`` (whether the step's rows are the table's, not the policy's)."""
+
+    PER_SLOT = 3
 
     def __init__(self, torch, count: int, pin: bool):
-        self.tensor = torch.zeros(max(count, 1) * 2 * FLAG_STRIDE, dtype=torch.int32, pin_memory=pin)
+        self.tensor = torch.zeros(max(count, 1) * self.PER_SLOT * FLAG_STRIDE, dtype=torch.int32, pin_memory=pin)
         self.host = self.tensor.numpy().view(np.uint32)
         self._device_base: int | None = None
 
     def index(self, slot: int, which: int) -> int:
-        return (2 * slot + which) * FLAG_STRIDE
+        return (self.PER_SLOT * slot + which) * FLAG_STRIDE
 
     def device_ptr(self, ops: CudaStreamOps, index: int) -> int:
         if self._device_base is None:

@@ -21,7 +21,7 @@ from tests_helpers import freeze
 torch = pytest.importorskip("torch")
 
 from tableclient import TableClient  # noqa: E402
-from tableclient.graphstep import GraphStep, GraphStepError, HostStreamOps  # noqa: E402
+from tableclient.graphstep import OUTCOMES, GraphStep, GraphStepError, HostStreamOps  # noqa: E402
 from tableclient.metrics import metrics  # noqa: E402
 from tableclient.step import LayerPlan  # noqa: E402
 
@@ -183,6 +183,50 @@ def test_a_dead_server_ends_in_the_policy_and_the_stream_goes_on(tmp_path, demo_
     finally:
         d.stop()
         spare.stop()
+
+
+def test_policy_fail_checked_where_the_results_are_read(tmp_path, demo_file, local):
+    """``results_check``: nothing of policy fail raises on the launch path (before_replay serves zeros,
+    after_replay returns at once), and ``check(step)`` -- where an engine reads the step's results -- refuses
+    the failed step naming its first layer, passes the good ones, and refuses a step whose outcome is no
+    longer held."""
+    d = start_daemon(str(tmp_path / "d"), "--tables", demo_file, "--transports", "tcp")
+    try:
+        with TableClient(d.address, transport="tcp") as c:
+            g = make(c, {14: "in_graph"}, policy="fail", results_check=True)
+            try:
+                rng = np.random.default_rng(4)
+                steps = []
+                for _ in range(2):
+                    ids = {p.layer: rng.integers(0, local[p.table].shape[0], (8, 24)) for p in PLANS}
+                    g.before_replay({1: ids[1]})
+                    steps.append(g.arm(8))
+                    out = stream_step(g, ids, 8)
+                    g.after_replay()
+                    for p in PLANS:
+                        np.testing.assert_array_equal(out[p.layer], local[p.table][ids[p.layer]])
+                assert steps == [1, 2]
+                for step in steps:
+                    g.check(step)
+                d.stop(signal.SIGKILL)
+                ids = {p.layer: rng.integers(0, local[p.table].shape[0], (8, 24)) for p in PLANS}
+                g.before_replay({1: ids[1]})  # fails, served as zeros: the replay runs
+                failed = g.arm(8)
+                out = stream_step(g, ids, 8)
+                g.after_replay()  # at once: the check is where the results are read
+                assert not out[1].any() and not out[14].any()
+                with pytest.raises(GraphStepError, match=rf"layer 1: step {failed}'s rows were not served here"):
+                    g.check(failed)
+                for _ in range(OUTCOMES):  # later steps (failed too) take its entry
+                    g.before_replay({1: ids[1][:1]})
+                    g.arm(1)
+                    stream_step(g, ids, 1)
+                with pytest.raises(GraphStepError, match=f"step {failed}'s outcome is not held"):
+                    g.check(failed)
+            finally:
+                g.close()
+    finally:
+        d.stop()
 
 
 def test_a_frozen_server_is_released_by_the_watchdog(tmp_path, demo_file, local):

@@ -212,11 +212,13 @@ class EngramRows:
             self._steps[key] = step
         return step
 
-    def graph_steps(self, max_tokens: int, device, side_stream: bool = True) -> dict:
+    def graph_steps(self, max_tokens: int, device, side_stream: bool = True, agree=None,
+                    results_check: bool = False) -> dict:  # fmt: skip
         """placement -> the GraphStep of its before_replay, in_graph and device layers (eager_break layers
         fetch when they run): every buffer a decode graph of up to ``max_tokens`` tokens touches, allocated
         now, before capture. A device layer whose table cannot be registered takes before_replay (the
-        GraphStep logs why): its ServedLayer says so from then on."""
+        GraphStep logs why): its ServedLayer says so from then on. ``agree`` and ``results_check``: as
+        GraphStep takes them (the ranks' agreement on each step's rows; the check where results are read)."""
         from tableclient.graphstep import GraphStep
         from tableclient.step import LayerPlan
 
@@ -239,6 +241,8 @@ class EngramRows:
                     side_stream=side_stream,
                     realtime=c.poller_priority == "realtime",
                     budgets={s.layer: c.gather_budget for s in layers} if c.gather_budget else None,
+                    agree=agree,
+                    results_check=results_check,
                 )
                 for s in layers:
                     s.graph_mode = out[placement].modes[s.layer]

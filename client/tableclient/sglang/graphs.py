@@ -32,6 +32,7 @@ what both need is the engine-neutral core's (``tableclient.engine``), and a sess
 from __future__ import annotations
 
 import logging
+import weakref
 
 from tableclient.engine.plugin import PluginError
 from tableclient.engine.rows import EngramRowsError, dequantize, to_device
@@ -59,6 +60,8 @@ class _Session:
         # a scratch history for the non-committing hash: SGLang's hasher commits into it, not its own
         self.scratch = torch.empty_like(hasher.history)
         self.events = {layer: torch.cuda.Event() if torch.cuda.is_available() else None for layer in layers}
+        self.armed: dict = {}  # placement -> the number of the step armed for the next replay
+        self.replayed: list = []  # (placement, step) replayed since the scheduler's run_batch began
 
     def step_of(self, layer: int):
         return self.steps.get(self.layers[layer].placement)
@@ -68,6 +71,9 @@ class _Session:
 
 
 _session: dict = {"active": None}
+#: id(a scheduler's batch result) -> (a weak reference to it, the (placement, step) its replays ran), until
+#: it is processed (SGLang's results are unhashable dataclasses: keyed by identity, dropped once collected)
+_results: dict = {}
 
 
 def session() -> _Session | None:
@@ -156,9 +162,14 @@ def prepare(runner, rows) -> _Session | None:
     device = hashers[0].history.device
     breakable = type(runner.backend).__name__ == "BreakableCudaGraphBackend"
     # a breakable graph is several graphs: a device layer's kernel stays on the capturing stream there
+    agree, ranks = tp_agreement()
     steps = rows.graph_steps(
-        tokens, device if device.type == "cuda" else torch.device("cpu"), side_stream=not breakable
-    )
+        tokens, device if device.type == "cuda" else torch.device("cpu"), side_stream=not breakable, agree=agree,
+        results_check=rows.config.policy == "fail" or agree is not None,
+    )  # fmt: skip
+    if agree is not None:
+        log.info("tableserver plugin: the %d tensor-parallel ranks agree each step on whether every served "
+                 "layer's rows are the table's (else all serve the policy's)", ranks)  # fmt: skip
     s = _Session(runner, hashers[0], rows, steps, dict(rows.layers), breakable, tokens)
     _session["active"] = s
     interval = rows.config.switch_interval
@@ -178,6 +189,22 @@ def prepare(runner, rows) -> _Session | None:
         ", ".join(f"layer {layer} {s.mode(layer)}" for layer in sorted(rows.layers)),
     )
     return s
+
+
+def tp_agreement():
+    """(agree, ranks): over SGLang's tensor-parallel group, with its own capturable all-reduce, where it has
+    more than one rank (the ranks' rows of a layer meet in its collectives); (None, 1) otherwise."""
+    from tableclient.graphstep import min_from_sum
+
+    try:
+        from sglang.srt.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
+
+        ranks = get_tensor_model_parallel_world_size()
+    except (ImportError, AssertionError):  # no process groups (a runner built outside SGLang's launcher)
+        return None, 1
+    if ranks <= 1:
+        return None, 1
+    return min_from_sum(tensor_model_parallel_all_reduce, ranks), ranks
 
 
 # ---------------------------------------------------------------------- every step (host)
@@ -212,13 +239,13 @@ def before_replay(s: _Session, forward_batch, tokens: int) -> None:
             by_placement.setdefault(sl.placement, {})[layer] = ids[:, sl.hash_index].numpy()
         for placement, row_ids in sorted(by_placement.items(), key=lambda kv: min(s.layers[k].window_s for k in kv[1])):
             s.steps[placement].before_replay(row_ids)
-    for step in s.steps.values():
-        step.arm(tokens)
+    s.armed = {placement: step.arm(tokens) for placement, step in s.steps.items()}
 
 
 def execute(s: _Session, original, runner, forward_batch, *args, **kwargs):
-    """A replay (its load_batch runs :func:`before_replay`); after it, a failed layer under policy
-    ``fail`` raises before anyone reads the step's output."""
+    """A replay (its load_batch runs :func:`before_replay`). Under policy ``fail`` (or with the ranks'
+    agreement) its steps' outcome is checked where the scheduler processes the batch's result
+    (:func:`check_result`), not here on the launch path."""
     try:
         out = original(runner, forward_batch, *args, **kwargs)
     except BaseException:
@@ -226,8 +253,38 @@ def execute(s: _Session, original, runner, forward_batch, *args, **kwargs):
             step.reset()  # armed, maybe never replayed: no flag may stay set for the next step
         raise
     for step in s.steps.values():
-        step.after_replay()
+        step.after_replay()  # returns at once where the check is check_result's (results_check)
+    s.replayed.extend(s.armed.items())
     return out
+
+
+def bind_result(result) -> None:
+    """After the scheduler's ``run_batch``: the steps its replays ran belong to ``result`` (its batch result)."""
+    s = session()
+    if s is None or not s.replayed:
+        return
+    replayed, s.replayed = s.replayed, []
+    for key in [k for k, (ref, _) in _results.items() if ref() is None]:
+        del _results[key]  # results never processed (a batch dropped): nothing to check any more
+    try:
+        _results[id(result)] = (weakref.ref(result), replayed)
+    except TypeError:  # a result that cannot be weakly referenced (None: an idle batch) carries no step
+        log.warning("tableserver plugin: a decode batch ran no result to check its rows by: %r", type(result))
+
+
+def check_result(result) -> None:
+    """Where the scheduler processes a batch's result, before it reads it: its steps' outcome (each rank
+    alike), once their outputs are on the host (SGLang's ``copy_done`` event). Policy ``fail``: GraphStepError
+    naming the layer whose rows were not served (here or on another rank); the output is not read."""
+    ref, replayed = _results.pop(id(result), (None, None))
+    s = session()
+    if ref is None or ref() is not result or s is None:
+        return
+    done = getattr(result, "copy_done", None)
+    if done is not None:
+        done.synchronize()
+    for placement, number in replayed:
+        s.steps[placement].check(number)
 
 
 # ---------------------------------------------------------------------- inside the captured forward
@@ -321,6 +378,7 @@ def close() -> None:
     """Ends the session: each GraphStep waits for the device, releases every flag (a graph replayed later
     waits for nobody) and stops its threads."""
     s, _session["active"] = _session["active"], None
+    _results.clear()
     if s is not None:
         for step in s.steps.values():
             step.close()

@@ -63,6 +63,7 @@ SUPPORTED_SGLANG = "0.5.23"
 ENGRAM = "sglang.srt.layers.engram"
 STAGING = "sglang.srt.layers.engram_staging"
 RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner"
+SCHEDULER = "sglang.srt.managers.scheduler"
 WEIGHTS = "sglang.srt.model_loader.weight_utils"
 HOST_POOLS = "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler"
 HICACHE_FLAG = "--enable-hierarchical-cache --hicache-ratio R"
@@ -102,10 +103,13 @@ def check_sglang() -> str:
     """The installed SGLang's version, if this plugin supports it; PluginError naming the fix otherwise."""
     version = check_release("sglang", "SGLang", SUPPORTED_SGLANG)
     from sglang.srt.layers import engram, engram_staging
+    from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
     from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
 
     expected = {
+        Scheduler.run_batch: ["self", "batch", "pp_proxy_tensors"],  # a batch's result: its steps' outcome
+        Scheduler.process_batch_result: ["self", "batch", "result"],
         DecodeCudaGraphRunner.capture: ["self"],
         DecodeCudaGraphRunner.load_batch: ["self", "forward_batch", "pp_proxy_tensors"],
         DecodeCudaGraphRunner.execute: ["self", "forward_batch", "pp_proxy_tensors"],
@@ -136,6 +140,8 @@ def register_hooks() -> None:
         (f"{RUNNER}.DecodeCudaGraphRunner.capture", _runner_capture, around),
         (f"{RUNNER}.DecodeCudaGraphRunner.load_batch", _runner_load_batch, after),
         (f"{RUNNER}.DecodeCudaGraphRunner.execute", _runner_execute, around),
+        (f"{SCHEDULER}.Scheduler.run_batch", _scheduler_run_batch, around),
+        (f"{SCHEDULER}.Scheduler.process_batch_result", _scheduler_process_result, around),
         (f"{STAGING}.EngramRowStager.from_model", _stager_from_model, around),
         (f"{STAGING}.EngramRowStager.stage", _stager_stage, around),
         (f"{WEIGHTS}.safetensors_weights_iterator", _skip_served_tables, around),
@@ -314,6 +320,20 @@ def _runner_execute(original, self, forward_batch, *args, **kwargs):
     if session is None or session.runner is not self or session.capturing:
         return original(self, forward_batch, *args, **kwargs)
     return graphs.execute(session, original, self, forward_batch, *args, **kwargs)
+
+
+def _scheduler_run_batch(original, self, batch, *args, **kwargs):
+    """The steps the batch's replays ran belong to its result (checked where the result is processed)."""
+    result = original(self, batch, *args, **kwargs)
+    graphs.bind_result(result)
+    return result
+
+
+def _scheduler_process_result(original, self, batch, result, *args, **kwargs):
+    """Before SGLang reads a batch's result: its decode steps' rows were the table's on every rank (policy
+    fail raises GraphStepError otherwise)."""
+    graphs.check_result(result)
+    return original(self, batch, result, *args, **kwargs)
 
 
 # ---------------------------------------------------------------------- scheduler-side staging

@@ -11,6 +11,8 @@ replays of real CUDA graphs run in bench/gpu_check.sh on a GPU.
 
 from __future__ import annotations
 
+import signal
+
 import numpy as np
 import pytest
 import torchvision_cpu  # noqa: F401  (before sglang: torchvision on a CPU torch)
@@ -114,6 +116,10 @@ def test_the_hooks_are_on_sglangs_decode_runner(plugin):
         ("execute", hooks._runner_execute),
     ):
         assert hooks._wraps(getattr(DecodeCudaGraphRunner, name), fn), name
+    from sglang.srt.managers.scheduler import Scheduler
+
+    assert hooks._wraps(Scheduler.run_batch, hooks._scheduler_run_batch)
+    assert hooks._wraps(Scheduler.process_batch_result, hooks._scheduler_process_result)
     assert hooks.check_sglang() == hooks.SUPPORTED_SGLANG  # signatures checked, incl. the runner's
 
 
@@ -286,3 +292,55 @@ def test_the_placement_and_graph_mode_matrix():
         PluginConfig(address="m:1", layers={14: "remote"}, graph={14: "device"})
     with pytest.raises(ConfigError, match="graph.1 = 'device' with policy 'fallback'"):
         PluginConfig(address="m:1", layers={1: "node"}, graph={1: "device"}, policy="fallback", fallback_address="f:1")
+
+
+def scheduler_step(runner, model, ids, batch, x):
+    """A decode batch as SGLang's scheduler runs it: ``run_batch`` (its replay; the plugin's hook binds the
+    steps to the batch's result, a real ``GenerationBatchResult``), then ``process_batch_result`` (the
+    plugin's hook checks them before SGLang reads the result)."""
+    from sglang.srt.managers.scheduler import GenerationBatchResult
+
+    out = {}
+
+    def run_batch(self, b):
+        out["y"] = replay_step(runner, model, ids, b, x)
+        return GenerationBatchResult()
+
+    result = hooks._scheduler_run_batch(run_batch, None, batch)
+    return hooks._scheduler_process_result(lambda self, b, r: out["y"], None, batch, result)
+
+
+def test_policy_fail_is_checked_where_the_scheduler_reads_the_result(plugin, model_config, engram_tables, tmp_path):
+    """Policy fail with decode graphs: a step whose node died still replays (nothing raises on the launch
+    path, the graph is never left waiting), and the step's result is refused where SGLang's scheduler
+    processes it, naming the layer; the steps before it are bit-identical."""
+    from conftest import start_daemon
+    from tableclient.graphstep import GraphStepError
+
+    want = _local_outputs(model_config, engram_tables)
+    d = start_daemon(str(tmp_path / "node"), "--tables", engram_tables)
+    try:
+        model = build(model_config, engram_tables, address=d.address, graph={14: "in_graph"}, policy="fail",
+                      timeout=2.0)  # fmt: skip
+        runner = runner_for(model)
+        capture(runner, model)
+        rng = np.random.default_rng(0)
+        decoded = 0
+        for i, (ids, batch) in enumerate(conversation(rng)):
+            x = torch.from_numpy(rng.standard_normal((len(ids), HC, HIDDEN)).astype(np.float32)).to(torch.bfloat16)
+            if not batch.forward_mode.is_decode():
+                forward(model, ids, batch, x)
+                continue
+            if decoded == 2:
+                d.stop(signal.SIGKILL)
+                with pytest.raises(
+                    GraphStepError, match=r"layer 1: step \d+'s rows were not served here \(policy fail"
+                ):
+                    scheduler_step(runner, model, ids, batch, x)
+                break
+            assert_bit_identical([scheduler_step(runner, model, ids, batch, x)], [want[i]])
+            decoded += 1
+        assert decoded == 2
+    finally:
+        graphs.close()
+        d.stop()
