@@ -1,7 +1,7 @@
 /* tableclient._graphpoll: the in_graph layers' poller and watchdog in one native thread per GraphStep
  * (see client/tableclient/graphstep.py for the flag protocol; docs/DESIGN.md for why).
  *
- * Poller(flags, slots, fail, realtime=False)
+ * Poller(flags, slots, fail, realtime=False, dead_id=None)
  *   flags: the GraphStep's pinned uint32 flags (writable, 4-byte aligned)
  *   slots: a list of (ids_flag, rows_flag, ok_flag, ids, staging, row_bytes, columns), one per in_graph layer
  *          in the order to serve them (shortest window first): ok_flag -1 for none; ids a writable int64
@@ -12,6 +12,8 @@
  *          priority is preempted now and then for a scheduler slice (milliseconds: a step's tail) on a
  *          machine whose cores are all busy; at priority 1 it is not, and it spins only while armed (the
  *          kernel's real-time throttling still leaves other threads 5% of its core)
+ *   dead_id: an engine's marker for padding (vLLM's DEAD_ID): ids equal to it are never read nor sent, their
+ *          rows are zero (every other id outside the table fails the step)
  * set_shm(slot, table, rows)    the slot's rows are copied from ``table`` (a 2-D uint8 mapping, rows x row_bytes)
  * set_tcp(slot, fd, table_index, max_rows)
  *                               the slot's rows come over ``fd``, an authenticated, unsealed data connection
@@ -91,6 +93,8 @@ enum { HOW_ROWS, HOW_POLICY, HOW_WATCHDOG, HOW_UNARMED };
 typedef struct {
     uint32_t ids_flag, rows_flag;
     int32_t ok_flag;
+    int64_t *live;  /* with a dead id: the step's live ids, and where each goes in the staging (pos) */
+    int64_t *pos;
     Py_buffer ids, staging, table;
     int have_table;
     size_t row_bytes, columns, max_tokens;
@@ -115,7 +119,8 @@ typedef struct {
     volatile uint32_t *flags;
     Py_ssize_t nflags;
     Slot slots[MAX_SLOTS];
-    int nslots, fail, closed, started, want_rt, rt;
+    int nslots, fail, closed, started, want_rt, rt, has_dead;
+    int64_t dead_id;
     pthread_t thread;
     pthread_mutex_t lock;
     pthread_cond_t changed;
@@ -321,6 +326,24 @@ static int gather_tcp(Slot *s, const int64_t *ids, size_t n, char *out, int64_t 
     return 0;
 }
 
+/* The live rows, read into the staging's first m rows, moved to their places (s->pos, increasing) of the
+ * step's n rows, and the dead ids' rows zeroed: backwards, so no row is overwritten before it is moved */
+static void spread(Slot *s, size_t m, size_t n)
+{
+    char *out = s->staging.buf;
+    size_t rb = s->row_bytes, end = n;
+    for (size_t j = m; j-- > 0;) {
+        size_t at = (size_t)s->pos[j];
+        if (at + 1 < end)
+            memset(out + (at + 1) * rb, 0, (end - at - 1) * rb);
+        if (at != j)
+            memmove(out + at * rb, out + j * rb, rb);
+        end = at;
+    }
+    if (end)
+        memset(out, 0, end * rb);
+}
+
 /* ------------------------------------------------------------------ the thread */
 static void serve_ids(Poller *p, int i)
 {
@@ -353,10 +376,20 @@ static void serve_ids(Poller *p, int i)
     s->timed_out = 0;
     pthread_mutex_unlock(&p->lock);
 
-    size_t n = (size_t)tokens * s->columns;
+    size_t n = (size_t)tokens * s->columns, all = n;
     const int64_t *ids = s->ids.buf;
     char *out = s->staging.buf;
     int ok = 0, fatal = 0;
+    if (p->has_dead) { /* only the live ids are read, into the first rows; spread to their places after */
+        size_t m = 0;
+        for (size_t k = 0; k < n; k++)
+            if (ids[k] != p->dead_id) {
+                s->live[m] = ids[k];
+                s->pos[m++] = (int64_t)k;
+            }
+        ids = s->live;
+        n = m;
+    }
     if (source == SRC_SHM) {
         ptrdiff_t bad = first_bad(ids, (ptrdiff_t)n, s->table_rows);
         if (bad >= 0)
@@ -371,6 +404,8 @@ static void serve_ids(Poller *p, int i)
     } else {
         snprintf(s->error, ERROR_CHARS, "no connection to the layer's node (it reconnects in the background)");
     }
+    if (ok && p->has_dead)
+        spread(s, n, all);
     pthread_mutex_lock(&p->lock);
     if (fatal && s->source == SRC_TCP) {
         snprintf(s->broken, ERROR_CHARS, "%s", s->error);
@@ -384,7 +419,7 @@ static void serve_ids(Poller *p, int i)
             s->failed = 1;
         }
         release_slot(p, s, ok);
-        event(p, i, ok ? HOW_ROWS : s->timed_out ? HOW_WATCHDOG : HOW_POLICY, seen, ok ? 0 : (long long)n);
+        event(p, i, ok ? HOW_ROWS : s->timed_out ? HOW_WATCHDOG : HOW_POLICY, seen, ok ? 0 : (long long)all);
     } else {
         pthread_cond_broadcast(&p->changed); /* reset meanwhile: the gather's rows are nobody's */
     }
@@ -515,6 +550,9 @@ static void poller_release_buffers(Poller *p)
         Slot *s = &p->slots[i];
         PyBuffer_Release(&s->ids);
         PyBuffer_Release(&s->staging);
+        PyMem_RawFree(s->live);
+        PyMem_RawFree(s->pos);
+        s->live = s->pos = NULL;
         if (s->have_table)
             PyBuffer_Release(&s->table);
         s->have_table = 0;
@@ -553,16 +591,22 @@ static void Poller_dealloc(Poller *p)
 
 static int Poller_init(Poller *p, PyObject *args, PyObject *kw)
 {
-    PyObject *flags, *slots;
+    PyObject *flags, *slots, *dead = Py_None;
     int fail, realtime = 0;
-    static char *names[] = {"flags", "slots", "fail", "realtime", NULL};
+    static char *names[] = {"flags", "slots", "fail", "realtime", "dead_id", NULL};
     if (p->nslots || p->started) {
         PyErr_SetString(PyExc_RuntimeError, "a Poller is initialized once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOp|p", names, &flags, &slots, &fail, &realtime))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOp|pO", names, &flags, &slots, &fail, &realtime, &dead))
         return -1;
     p->want_rt = realtime;
+    if (dead != Py_None) {
+        p->dead_id = PyLong_AsLongLong(dead);
+        if (p->dead_id == -1 && PyErr_Occurred())
+            return -1;
+        p->has_dead = 1;
+    }
     if (PyObject_GetBuffer(flags, &p->flags_buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
         return -1;
     const char *f = p->flags_buf.format;
@@ -616,6 +660,14 @@ static int Poller_init(Poller *p, PyObject *args, PyObject *kw)
         if (!s->max_tokens || (size_t)s->staging.len < s->max_tokens * s->columns * s->row_bytes) {
             PyErr_SetString(PyExc_ValueError, "a slot's staging is smaller than its ids' rows");
             goto fail;
+        }
+        if (p->has_dead) {
+            s->live = PyMem_RawMalloc(s->max_tokens * s->columns * sizeof(int64_t));
+            s->pos = PyMem_RawMalloc(s->max_tokens * s->columns * sizeof(int64_t));
+            if (!s->live || !s->pos) {
+                PyErr_NoMemory();
+                goto fail;
+            }
         }
     }
     p->started = 1;

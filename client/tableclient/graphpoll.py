@@ -58,7 +58,7 @@ class NativePoller:
     once a step's rows are the table's, 0 the policy's; -1 none)."""
 
     def __init__(self, client, slots: list, flags, policy: str, connect_timeout: float = 5.0, realtime: bool = False,
-                 budgets: list | None = None):  # fmt: skip
+                 budgets: list | None = None, dead_id: int | None = None):  # fmt: skip
         if _graphpoll is None:
             raise NativeUnavailable("tableclient._graphpoll is not built (no C compiler at install)")
         if policy == "fallback":
@@ -75,6 +75,7 @@ class NativePoller:
              for _plan, ids_flag, rows_flag, ok_flag, ids, staging in slots],
             policy == "fail",
             realtime=realtime,
+            dead_id=dead_id,
         )  # fmt: skip
         #: whether the thread runs at real-time priority (SCHED_FIFO 1: where this process may)
         self.realtime = self._poller.realtime

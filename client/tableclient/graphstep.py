@@ -61,6 +61,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from tableclient.devicetable import DeviceTable, DeviceTableUnavailable, gather
 from tableclient.errors import GatherTimeout, TableClientError
 from tableclient.graphpoll import NativePoller, NativeUnavailable
@@ -104,6 +106,16 @@ def min_from_sum(all_reduce_sum, ranks: int):
     return agree
 
 
+class _Done:
+    """A gather with nothing to read (every id of the step dead): done at once."""
+
+    def wait(self, timeout=None) -> None:
+        return None
+
+    def cancel(self) -> None:
+        return None
+
+
 @dataclass
 class _Slot:
     """One in_graph layer's step state: idle -> armed -> gathering -> released (or watchdog -> released)."""
@@ -121,6 +133,7 @@ class _Slot:
     step: int = 0  # bumped by every arm: a release is for the step it was decided for, never a later one
     owe_ids: bool = False  # released before its graph published the ids: that late flag is not a new step's
     released_at: float = 0.0  # time.monotonic() of the last release
+    live: object = None  # this step's live ids' positions, where some ids are dead (gathered into scratch)
     ok_flag: int = -1  # the host flag saying whether the released rows are the table's (1) or the policy's (0)
 
 
@@ -132,7 +145,7 @@ class GraphStep:
                  policy: str = "fail", fallback=None, device=None, timeout: float = 5.0, stream_ops=None,
                  pin: bool | None = None, side_stream: bool = True, register: bool = True,
                  poller: str = "auto", realtime: bool = False, budgets: dict | None = None, agree=None,
-                 results_check: bool = False):  # fmt: skip
+                 results_check: bool = False, dead_id: int | None = None):  # fmt: skip
         import torch
 
         self.torch = torch
@@ -158,7 +171,10 @@ class GraphStep:
                     "layer %d: graph mode 'device' unavailable (%s): its rows are gathered before_replay", p.layer, e
                 )
                 self.modes[p.layer] = "before_replay"
-        common = dict(rows_per_token=rows_per_token, policy=policy, fallback=fallback, pin=pin, timeout=timeout)
+        common = dict(
+            rows_per_token=rows_per_token, policy=policy, fallback=fallback, pin=pin, timeout=timeout, dead_id=dead_id
+        )
+        self.dead_id = dead_id  # an engine's padding marker (vLLM's DEAD_ID): never read nor sent, zero rows
         pre = [p for p in plans if self.modes[p.layer] == "before_replay"]
         post = sorted((p for p in plans if self.modes[p.layer] == "in_graph"), key=lambda p: p.window_s)
         self.pre = EngramStep(client, pre, max_tokens, **common) if pre else None
@@ -182,6 +198,11 @@ class GraphStep:
             for layer in self.device_tables
         }
         self._ids_np = {p.layer: self.ids[p.layer].numpy() for p in post}
+        # Python's poller with dead ids: the live ids' rows land here, then spread into the staging
+        self._scratch = {
+            p.layer: np.empty((max_tokens * rows_per_token, row_bytes[p.layer]), dtype=np.uint8)
+            for p in (post if dead_id is not None else ())
+        }
         # device layers' kernels run on a side stream forked after the hasher, one event per layer
         self._side = torch.cuda.Stream(self.device) if cuda and side_stream and self.device_tables else None
         self._gathered = {layer: torch.cuda.Event() for layer in self.device_tables} if self._side is not None else {}
@@ -227,7 +248,7 @@ class GraphStep:
             try:
                 self._native = NativePoller(
                     client, slots, self.flags.host, policy, connect_timeout=timeout, realtime=realtime,
-                    budgets=[self.budgets[s.layer] for s in self._slots.values()],
+                    budgets=[self.budgets[s.layer] for s in self._slots.values()], dead_id=dead_id,
                 )  # fmt: skip
             except NativeUnavailable as e:
                 if poller == "native":
@@ -516,6 +537,7 @@ class GraphStep:
             deadline = time.monotonic() + self.timeout
             for slot in self._slots.values():
                 slot.state, slot.tokens, slot.deadline, slot.handle, slot.error = "armed", tokens, deadline, None, None
+                slot.live = None
                 slot.step += 1
             self._released.notify_all()  # the watchdog's next deadline
         return self._steps
@@ -618,8 +640,17 @@ class GraphStep:
                 if self.budgets[slot.layer] > 0:  # the gather's own deadline, from its ids: the watchdog's
                     slot.deadline = min(slot.deadline, time.monotonic() + self.budgets[slot.layer])
                     self._released.notify_all()
+                want, into = ids[:tokens], staging[:tokens]
+                slot.live = None
+                if self.dead_id is not None:  # the live ids only, into the scratch; spread before the release
+                    flat = want.reshape(-1)
+                    dead = flat == self.dead_id
+                    if dead.any():
+                        slot.live = np.flatnonzero(~dead)
+                        want = flat[slot.live]
+                        into = self._scratch[slot.layer][: want.size]
                 try:  # issued under the lock: a watchdog taking the step over always finds (and cancels) it
-                    slot.handle = table.gather_async(ids[:tokens], out=staging[:tokens])
+                    slot.handle = table.gather_async(want, out=into) if want.size else _Done()
                 except (TableClientError, TimeoutError, OSError, ValueError) as e:
                     slot.handle, error = None, e
                 handle = slot.handle
@@ -654,15 +685,23 @@ class GraphStep:
                 self.policy,
             )
         staging = self._staging_np[slot.layer][:tokens]
+        view, want, live = staging, self._ids_np[slot.layer][:tokens], slot.live
+        if live is not None:  # some ids dead: their live ones were gathered into the scratch
+            view, want = self._scratch[slot.layer][: live.size], want.reshape(-1)[live]
         poison = None
         if error is not None:
             try:
                 if self.policy == "fail":
                     raise error
-                self.post.on_failure(slot.layer, staging, self._ids_np[slot.layer][:tokens].copy(), error)
+                self.post.on_failure(slot.layer, view, want.copy(), error)
             except BaseException as e:  # fail, or the fallback failed too: zeros, and the step is poisoned
                 staging.fill(0)
                 poison = e
+        if poison is None and live is not None:  # the live rows to their places, the dead ones zero
+            flat = staging.reshape(-1, staging.shape[-1])
+            got = view.copy()
+            flat.fill(0)
+            flat[live] = got
         with self._lock:
             # the rows are the table's unless the policy filled them (a fallback's rows are the table's too)
             self._release(slot, poison, ok=error is None or (self.policy == "fallback" and poison is None))

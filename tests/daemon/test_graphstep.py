@@ -185,6 +185,35 @@ def test_a_dead_server_ends_in_the_policy_and_the_stream_goes_on(tmp_path, demo_
         spare.stop()
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_dead_ids_are_never_read_and_give_zero_rows(daemon, local, transport):
+    """An engine's padding marker (``dead_id``, vLLM's DEAD_ID): in_graph layers send only the live ids and
+    spread their rows into place, the dead ones zero, bit-exact; a step of dead ids only reads nothing."""
+    dead = -1
+    with TableClient(daemon.address, transport=transport) as c:
+        g = make(c, {1: "in_graph", 14: "in_graph"}, dead_id=dead)
+        try:
+            rng = np.random.default_rng(9)
+            for tokens in (8, 1, 64, 3):
+                ids = {p.layer: rng.integers(0, local[p.table].shape[0], (tokens, 24)) for p in PLANS}
+                ids[1][rng.random((tokens, 24)) < 0.3] = dead
+                ids[14][0] = dead  # a whole token
+                g.arm(tokens)
+                out = stream_step(g, ids, tokens)
+                g.after_replay()
+                for p in PLANS:
+                    want = local[p.table][np.where(ids[p.layer] == dead, 0, ids[p.layer])]
+                    want[ids[p.layer] == dead] = 0
+                    np.testing.assert_array_equal(out[p.layer], want)
+            ids = {p.layer: np.full((4, 24), dead) for p in PLANS}
+            g.arm(4)
+            out = stream_step(g, ids, 4)
+            g.after_replay()
+            assert not any(out[p.layer].any() for p in PLANS)
+        finally:
+            g.close()
+
+
 def test_policy_fail_checked_where_the_results_are_read(tmp_path, demo_file, local):
     """``results_check``: nothing of policy fail raises on the launch path (before_replay serves zeros,
     after_replay returns at once), and ``check(step)`` -- where an engine reads the step's results -- refuses

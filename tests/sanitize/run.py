@@ -42,6 +42,7 @@ UNIT_TESTS = (
     "tests/daemon/test_graphstep.py::test_steps_bit_exact_over_buckets_and_nothing_moves",
     "tests/daemon/test_graphstep.py::test_a_frozen_server_is_released_by_the_watchdog",
     "tests/daemon/test_graphstep.py::test_the_native_poller_connects_again_after_its_node_restarts",
+    "tests/daemon/test_graphstep.py::test_dead_ids_are_never_read_and_give_zero_rows",
 )
 EXTENSIONS = (
     "tableserver/disk/_diskio",

@@ -213,12 +213,15 @@ class EngramRows:
         return step
 
     def graph_steps(self, max_tokens: int, device, side_stream: bool = True, agree=None,
-                    results_check: bool = False) -> dict:  # fmt: skip
+                    results_check: bool = False, modes: tuple = ("before_replay", "in_graph", "device"),
+                    rows_per_token: int = 24) -> dict:  # fmt: skip
         """placement -> the GraphStep of its before_replay, in_graph and device layers (eager_break layers
         fetch when they run): every buffer a decode graph of up to ``max_tokens`` tokens touches, allocated
         now, before capture. A device layer whose table cannot be registered takes before_replay (the
         GraphStep logs why): its ServedLayer says so from then on. ``agree`` and ``results_check``: as
-        GraphStep takes them (the ranks' agreement on each step's rows; the check where results are read)."""
+        GraphStep takes them (the ranks' agreement on each step's rows; the check where results are read).
+        ``modes``: only the layers in these graph modes; ``rows_per_token``: the ids a token has here (a
+        tensor-parallel rank's share of the 24 hash columns under vLLM)."""
         from tableclient.graphstep import GraphStep
         from tableclient.step import LayerPlan
 
@@ -226,7 +229,7 @@ class EngramRows:
         out = {}
         with self._lock:
             for placement in sorted({s.placement for s in self.layers.values()}):
-                layers = [s for s in self.layers.values() if s.placement == placement and s.graph_mode != "eager_break"]
+                layers = [s for s in self.layers.values() if s.placement == placement and s.graph_mode in modes]
                 if not layers:
                     continue
                 out[placement] = GraphStep(
@@ -234,6 +237,8 @@ class EngramRows:
                     [LayerPlan(s.layer, s.table, s.window_s, c.mode) for s in layers],
                     {s.layer: s.graph_mode for s in layers},
                     max_tokens,
+                    rows_per_token=rows_per_token,
+                    dead_id=self.dead_id,
                     policy=c.policy,
                     fallback=self.client("fallback") if c.policy == "fallback" else None,
                     device=device,

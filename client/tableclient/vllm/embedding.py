@@ -36,6 +36,7 @@ class RemoteEngramEmbedding(nn.Module):
     cpu_offload = False  # vLLM's Engram then keeps no prefetch stream for it: its rows come from the plugin
     peer_rows = 0
     device_rows: DeviceRows | None = None  # graph mode device: the GPU gathers the rows (set by the hooks)
+    in_graph = False  # graph mode in_graph: the host gathers the rows, the graph waits for them (the hooks)
 
     def __init__(
         self,

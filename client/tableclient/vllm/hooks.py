@@ -4,7 +4,7 @@ vLLM has no hook registry: the hooks are wrappers put on vLLM's own functions (`
 process, behind the exact version pin and a check of every hooked function's parameters. A ``local``
 layer, or any layer while the plugin is not configured, passes straight through to vLLM's code.
 
-What a layer placed ``remote`` or ``node`` gets:
+What a layer placed ``remote`` or ``node`` gets (graph modes ``device``, ``in_graph``, ``eager_break``):
 
 * ``Engram._create_embedding`` (the only place vLLM allocates table memory): a
   :class:`~tableclient.vllm.embedding.RemoteEngramEmbedding` instead, with empty parameters; the
@@ -25,7 +25,14 @@ What a layer placed ``remote`` or ``node`` gets:
     replays a FULL graph) re-registers a table mapped anew (its daemon restarted) and rewrites the
     device-side pointer without recapture, or applies the failure policy while none is mapped (``zeros``:
     the kernel writes zero rows; ``fail``: the step is not run);
-  - otherwise (``remote`` layers, and ``node`` layers whose table the GPU cannot read here): this rank's
+  - graph mode ``in_graph`` (``remote`` layers, and ``node`` layers whose table the GPU cannot read here,
+    where vLLM captures FULL graphs, whose replays run no Python): the engine-neutral graph step of SGLang's
+    decode graphs (:class:`~tableclient.graphstep.GraphStep`): ``prepare_embeddings`` copies this rank's
+    columns into persistent ids and publishes them to the host (ids, then a flag), ``_ready_rows`` waits for
+    the layer's rows flag, copies the staged rows and dequantizes them; ``Worker.execute_model`` arms each
+    step for its real tokens (``execute_dummy_batch``, a data-parallel dummy: 0) and the native poller
+    gathers the live ids meanwhile (policy ``fail`` is checked after the forward is launched);
+  - otherwise (``eager_break``): this rank's
     columns copied to the host, the gather issued (``EngramRows.issue``), then waited for, copied to the
     device and dequantized (``EngramRows.collect``), both in functions decorated with vLLM's
     ``eager_break_during_capture``: in vLLM's breakable (piecewise) graphs they run eagerly between
@@ -73,14 +80,20 @@ TABLE_KEY = re.compile(
     r"(?:^|\.)layers\.(\d+)\.engram\.(?:embed\.(?:weight|scale)|embed_tokens\.(?:weight|weight_scale_inv))$"
 )
 PIECEWISE_FLAG = """--compilation-config '{"cudagraph_mode": "PIECEWISE"}'"""
+#: the graph modes vLLM takes: device (node), in_graph (the default with FULL graphs), eager_break (else)
+GRAPH_MODES = ("device", "in_graph", "eager_break")
 OFFLOAD_FLAG = "--kv-offloading-size G --kv-offloading-backend native"
 
 _state = PluginState("vllm", dead_id=DEAD_ID)
-_eager: dict = {}  # issue / collect / launch / join wrapped by vLLM's eager_break_during_capture (set by patch)
+_eager: dict = {}  # issue / collect / launch / join / publish / rows in vLLM's eager_break_during_capture (patch)
 _wrappers: dict = {}  # each wrapper patch() put on vLLM -> (its hook, vLLM's function under it)
 # graph mode device, this configuration's: table name -> DeviceTable (one registration per table), the
 # embeddings gathered by the GPU (refreshed before every step), device -> the side stream where vLLM has none
 _device: dict = {"tables": {}, "layers": weakref.WeakSet(), "streams": {}}
+# graph mode in_graph (remote layers under FULL graphs): placement -> GraphStep (built at the first forward,
+# vLLM's profile run, before any capture), layer -> its persistent device ids, and whether a forward runs
+# inside a step Worker armed (its flags live) rather than a start-up warm-up (copies only)
+_graph: dict = {"steps": None, "ids": {}, "in_step": False, "pending": None, "layers": weakref.WeakSet()}
 
 
 def config() -> PluginConfig | None:
@@ -97,7 +110,17 @@ def configure(cfg: PluginConfig, client_factory=None):
         table.close()
     _device["tables"].clear()
     _device["layers"].clear()
+    close_graphs()
+    _graph["layers"].clear()
     return _state.configure(cfg, client_factory)
+
+
+def close_graphs() -> None:
+    """The in_graph layers' GraphSteps closed (a graph replayed after this waits for nobody)."""
+    steps, _graph["steps"] = _graph["steps"], None
+    _graph["ids"].clear()
+    for step in (steps or {}).values():
+        step.close()
 
 
 def served(layer: int) -> bool:
@@ -125,6 +148,7 @@ def check_vllm() -> str:
         weights.should_skip_weight: ["weight_name", "local_expert_ids"],
         model.DeepseekV41ForCausalLM.load_weights: ["self", "weights"],
         worker.Worker.execute_model: ["self", "scheduler_output"],
+        worker.Worker.execute_dummy_batch: ["self"],
     }  # fmt: skip
     pin = f"vllm=={SUPPORTED_VLLM}"
     check_layout(expected, "vLLM", pin, original=_original)
@@ -137,13 +161,15 @@ def check_vllm() -> str:
 
 
 def check_config(cfg: PluginConfig) -> None:
-    """What of a (shared) placement file vLLM cannot honour: SGLang's host-side decode-graph modes."""
+    """What of a (shared) placement file vLLM cannot honour: SGLang's before_replay (vLLM computes the ids
+    inside its graphs; nothing runs on the host between its hasher and its replay)."""
     for layer, mode in sorted(cfg.graph.items()):
-        if mode not in ("device", "eager_break"):
+        if mode not in GRAPH_MODES:
             raise PluginError(
                 f"tableserver plugin: graph.{layer} = {mode!r} is an SGLang decode-graph mode; under vLLM a served "
-                "layer runs through vLLM's eager break (piecewise CUDA graphs) or, placed node, is gathered by the "
-                "GPU inside vLLM's graphs: remove it, or set 'device' (node) or 'eager_break'"
+                "layer runs through vLLM's eager break (piecewise CUDA graphs), waits for its rows inside vLLM's "
+                "graphs (in_graph) or, placed node, is gathered by the GPU: remove it, or set 'in_graph', "
+                "'eager_break' or 'device' (node)"
             )
 
 
@@ -177,6 +203,7 @@ def patch() -> None:
         (model.DeepseekV41ForCausalLM, "load_weights", _load_weights),
         (model.DeepseekV41ForCausalLM, "is_unused_checkpoint_weight", _is_unused),  # vLLM's is optional: None
         (_worker().Worker, "execute_model", _execute_model),
+        (_worker().Worker, "execute_dummy_batch", _execute_dummy_batch),
     ]
     for owner, name, hook in targets:
         current = getattr(owner, name, None)
@@ -188,6 +215,8 @@ def patch() -> None:
     _eager["collect"] = eager(_collect)
     _eager["launch"] = eager(_launch)
     _eager["join"] = eager(_join)
+    _eager["publish"] = eager(_publish)  # in_graph: captured in FULL graphs, between segments in breakable ones
+    _eager["rows"] = eager(_graph_rows)
     _state.hooks_in_place = True
 
 
@@ -221,7 +250,8 @@ def _create_embedding(original, self, layout, layer_hash_index):
     cfg = config()
     placement = cfg.placement(layer)
     device = placement == "node" and cfg.graph_mode(layer) == "device"
-    if not device:
+    in_graph = not device and _takes_in_graph(cfg, layer)
+    if not device and not in_graph:
         _check_graphs(layer, placement)
     heads = tuple(size for order in layout.primes[layer_hash_index] for size in order)
     num_embeddings = layout.num_embeddings[layer_hash_index]
@@ -238,8 +268,20 @@ def _create_embedding(original, self, layout, layer_hash_index):
     served_layer = rows().add_layer(layer, placement, num_embeddings, layout.head_dim, columns=embed.part_n_hash_cols)
     if device:
         why = _device_rows(self, embed, served_layer)
-        if why is not None:  # the eager break then, and its graph modes
-            _check_graphs(layer, placement, why)
+        if why is not None:  # inside FULL graphs on the host then, else the eager break and its graph modes
+            in_graph = _takes_in_graph(cfg, layer, explicit=False)
+            log.warning(
+                "tableserver plugin: Engram layer %d: graph mode 'device' unavailable (%s): falls back to %s",
+                layer,
+                why,
+                "the host path, waited for inside vLLM's graphs (in_graph)" if in_graph else "the eager break",
+            )
+            if not in_graph:
+                _check_graphs(layer, placement, why)
+    embed.in_graph = in_graph
+    if in_graph:
+        _graph["layers"].add(embed)
+    served_layer.graph_mode = "in_graph" if in_graph else "device" if embed.device_rows is not None else "eager_break"
     _state.built(self, layer, served=True)
     _state.table_not_allocated(_vllm_table(layer, placement, sum(heads[embed.head_start : embed.head_end]), layout))
     log.info(
@@ -252,6 +294,8 @@ def _create_embedding(original, self, layout, layer_hash_index):
         embed.head_end - 1,
         "gathered by the GPU in vLLM's graphs (device)"
         if embed.device_rows is not None
+        else "gathered on the host, waited for inside vLLM's graphs (in_graph)"
+        if in_graph
         else "gathered on the host in vLLM's eager break",
     )
     return embed
@@ -274,13 +318,6 @@ def _device_rows(engram, embed, served) -> str | None:
         try:
             table = DeviceTable(rows().client("node"), served.table, device)
         except GraphStepError as e:  # DeviceTableUnavailable, or no CUDA driver bindings
-            served.graph_mode = "eager_break"
-            log.warning(
-                "tableserver plugin: Engram layer %d: graph mode 'device' unavailable (%s): falls back to the eager "
-                "break",
-                served.layer,
-                e,
-            )
             return str(e)
         _device["tables"][served.table] = table
     stream = None
@@ -320,6 +357,19 @@ def _vllm_table(layer: int, placement: str, rows_here: int, layout) -> memory.Fr
     return memory.FreedTable(layer, placement, nbytes, "host")
 
 
+def _takes_in_graph(cfg: PluginConfig, layer: int, explicit: bool = True) -> bool:
+    """Whether a layer gathered on the host waits for its rows inside vLLM's graphs (graph mode in_graph): as
+    configured, else where vLLM captures FULL graphs (their replays run no Python: the eager break cannot
+    serve them)."""
+    from vllm.config import get_current_vllm_config
+
+    configured = cfg.graph.get(layer) if explicit else None
+    if configured in ("in_graph", "eager_break"):
+        return configured == "in_graph"
+    mode = get_current_vllm_config().compilation_config.cudagraph_mode
+    return mode is not None and mode.has_full_cudagraphs()
+
+
 def _check_graphs(layer: int, placement: str, why: str | None = None) -> None:
     """PluginError (naming the flag) where vLLM would capture a served layer's eager-break gather into a
     CUDA graph (a ``remote`` layer, or a ``node`` layer whose table the GPU cannot read here: ``why``)."""
@@ -334,7 +384,7 @@ def _check_graphs(layer: int, placement: str, why: str | None = None) -> None:
         where += f" and the GPU cannot read its table here ({why})"
     where += ": its rows reach vLLM's CUDA graphs through vLLM's eager break"
     if placement == "remote":
-        other = "place the layer 'node' (its table on this host's tableserver, read by the GPU) or 'local'"
+        other = "set its graph mode 'in_graph', place it 'node' (read by the GPU), or 'local'"
     elif why is None:
         other = "set its graph mode 'device' (read by the GPU), or place the layer 'local'"
     else:
@@ -378,6 +428,8 @@ def _prepare_embeddings(original, self, hash_ids):
     assert self.staged_rows.shape[0] >= hash_ids.shape[0], "engram staging buffer too small"
     if self.embed_tokens.device_rows is not None:
         _eager["launch"](self.embed_tokens, hash_ids)
+    elif self.embed_tokens.in_graph:
+        _eager["publish"](self, hash_ids)
     else:
         _eager["issue"](self, hash_ids)
     return None
@@ -392,9 +444,63 @@ def _ready_rows(original, self, num_tokens):
     if embed.device_rows is not None:
         _eager["join"](embed)
         embed.dequantize_gathered(rows_out)  # captured with the layer, after the wait
+    elif embed.in_graph:
+        _eager["rows"](self, rows_out)
     else:
         _eager["collect"](self, rows_out)
     return rows_out
+
+
+# ---------------------------------------------------------------------- graph mode in_graph
+def _graph_step(engram):
+    """The GraphStep of the layer's placement: every in_graph layer's, built at the first forward that
+    reaches one (vLLM's profile run, before it captures anything), sized by vLLM's staged rows."""
+    steps = _graph["steps"]
+    if steps is None:
+        staged = engram.staged_rows
+        steps = _graph["steps"] = rows().graph_steps(
+            staged.shape[0], staged.device, side_stream=False, modes=("in_graph",),
+            rows_per_token=engram.embed_tokens.part_n_hash_cols,
+        )  # fmt: skip
+        tokens, _graph["pending"] = _graph["pending"], None
+        if tokens is not None:  # built inside a step Worker runs (no profile run before it): armed now
+            for step in steps.values():
+                step.arm(tokens)
+    return steps[rows().layers[engram.embed_tokens.layer].placement]
+
+
+def _live(t) -> bool:
+    """Whether this forward's flags are live: it is being captured, or runs in a step Worker armed (not a
+    start-up warm-up or profile run, which only copy)."""
+    import torch
+
+    return _graph["in_step"] or (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def _publish(engram, hash_ids) -> None:
+    """Step start, in the forward (captured in FULL graphs): this rank's columns into the layer's persistent
+    device ids (padding columns dead), then published to the host for the poller (ids, then its flag)."""
+    import torch
+
+    embed, step = engram.embed_tokens, _graph_step(engram)
+    tokens, part = hash_ids.shape[0], embed.part_n_hash_cols
+    buf = _graph["ids"].get(embed.layer)
+    if buf is None:
+        buf = _graph["ids"][embed.layer] = torch.full(
+            (engram.staged_rows.shape[0], part), DEAD_ID, dtype=torch.int64, device=hash_ids.device
+        )
+    ids = buf[:tokens]
+    owned = embed.head_end - embed.head_start
+    ids[:, :owned].copy_(hash_ids[:, embed.head_start : embed.head_end])
+    step.publish_ids(embed.layer, ids, graph=_live(hash_ids))
+
+
+def _graph_rows(engram, out) -> None:
+    """The layer runs (captured in FULL graphs): waits for its rows flag, then dequantizes the staged rows."""
+    embed, step = engram.embed_tokens, _graph_step(engram)
+    tokens = out.shape[0]
+    packed = step.rows(embed.layer, tokens, graph=_live(out))
+    embed.dequantize_into(packed.view(tokens, embed.part_n_hash_cols, -1), out)
 
 
 def _launch(embed, hash_ids) -> None:
@@ -409,9 +515,48 @@ def _join(embed) -> None:
 
 
 def _execute_model(original, self, scheduler_output):
-    """vLLM's Worker, before every step (the host runs it whether the step replays a graph or not)."""
-    before_step(scheduler_output.total_num_scheduled_tokens)
-    return original(self, scheduler_output)
+    """vLLM's Worker, every step (the host runs it whether the step replays a graph or not): the device layers'
+    tables checked, the in_graph layers armed for the step's real tokens, the forward, then policy fail's
+    check of the in_graph layers (their rows are in place before the output is read)."""
+    tokens = scheduler_output.total_num_scheduled_tokens
+    before_step(tokens)
+    return _armed(original, tokens, False, self, scheduler_output)
+
+
+def _execute_dummy_batch(original, self):
+    """A data-parallel replica with nothing to run joins its peers' step with a dummy batch: its graph
+    publishes ids nobody needs, armed for 0 tokens (released at once, no row read)."""
+    return _armed(original, 0, True, self)
+
+
+def _armed(original, tokens: int, dummy: bool, *args):
+    """``original(*args)`` as a step of ``tokens`` tokens for the in_graph layers (a dummy batch: 0 tokens;
+    a step of none runs no forward)."""
+    if not _graph["layers"] or (tokens <= 0 and not dummy):
+        return original(*args)
+    from tableclient.streamops import GraphStepError
+
+    steps = _graph["steps"]
+    if steps is None:
+        _graph["pending"] = tokens  # the GraphSteps are built at this step's first in_graph layer, then armed
+    for step in (steps or {}).values():
+        step.arm(tokens)
+    _graph["in_step"] = True
+    try:
+        out = original(*args)
+    except BaseException:
+        for step in (_graph["steps"] or {}).values():
+            step.reset()  # armed, maybe never replayed: no flag may stay set for the next step
+        raise
+    finally:
+        _graph["in_step"], _graph["pending"] = False, None
+    try:
+        for step in (_graph["steps"] or {}).values():
+            step.after_replay()
+            step.account()  # what the native poller released so far, into the metrics (off the hot path)
+    except GraphStepError as e:
+        raise PluginError(f"tableserver plugin: {e}") from None
+    return out
 
 
 def before_step(tokens: int) -> None:

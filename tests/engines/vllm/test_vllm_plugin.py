@@ -118,6 +118,7 @@ def build(cfg, tables_path, *, placement=None, address=None, layers=LAYERS, **pl
     """vLLM's Engram layers, each table loaded through vLLM's weight loader; plugin placement or none."""
     plugin_options.setdefault("transport", "tcp")  # a memory node is another host (auto would pick shm here)
     plugin_options.setdefault("liveness_timeout", 600.0)  # a busy machine must not fail the memory node over
+    plugin_options.setdefault("gather_budget", 600.0)  # nor run an in_graph layer's gather out of its budget
     hooks.configure(PluginConfig(address=address or "", layers=placement or {}, **plugin_options))
     engrams = vllm_cpu.build_engrams(cfg, layers=layers)
     tables = local_tables(tables_path)
@@ -130,14 +131,15 @@ def table_bytes(engram) -> int:
     return sum(p.numel() * p.element_size() for p in engram.embed_tokens.parameters())
 
 
-def run(engrams, hasher, seed: int = 0):
-    """Every step of the conversation: (hash ids, each layer's output)."""
+def run(engrams, hasher, seed: int = 0, step=None):
+    """Every step of the conversation: (hash ids, each layer's output); ``step`` runs one (the layers' own
+    forward by default; ``worker_step``: through vLLM's Worker)."""
     rng = np.random.default_rng(seed)
     outs = []
     for requests in vllm_cpu.conversation():
         ids, hashes, mask = vllm_cpu.hash_batch(hasher, requests)
         x = torch.from_numpy(rng.standard_normal((len(ids), HC, HIDDEN)).astype(np.float32)).to(torch.bfloat16)
-        outs.append((hashes, vllm_cpu.step(engrams, hashes, x, mask)))
+        outs.append((hashes, (step or vllm_cpu.step)(engrams, hashes, x, mask)))
     return outs
 
 
@@ -364,7 +366,8 @@ def test_a_node_table_the_gpu_cannot_read_falls_back_to_the_eager_break_saying_w
 ):
     """A node daemon serving the tables from disk maps nothing into the process: graph mode device cannot
     register them, so each layer logs one line with the reason and takes the host path (vLLM's eager break),
-    bit-identical still; its graph modes are then the eager break's: FULL graphs refused, naming why."""
+    bit-identical still; under FULL graphs the host path waited for inside them (in_graph); piecewise graphs
+    that are not breakable are refused, naming why."""
     disk = start_daemon(str(tmp_path / "disk"), "--tables", engram_tables, "--disk-tables", "all")
     try:
         want = run(build(vllm_config, engram_tables), hasher)
@@ -380,7 +383,12 @@ def test_a_node_table_the_gpu_cannot_read_falls_back_to_the_eager_break_saying_w
         assert [hooks.rows().layers[layer].graph_mode for layer in LAYERS] == ["eager_break", "eager_break"]
         assert_bit_identical(run(engrams, hasher), want)
         assert all(hooks.rows().summary()[layer]["prefetched"] == len(want) for layer in LAYERS)
-        with graph_mode(vllm_config, "FULL_AND_PIECEWISE"):
+        with graph_mode(vllm_config, "FULL_AND_PIECEWISE"), caplog.at_level("WARNING", logger="tableclient.vllm"):
+            caplog.clear()
+            build(vllm_config, engram_tables, **node)
+            assert [hooks.rows().layers[layer].graph_mode for layer in LAYERS] == ["in_graph", "in_graph"]
+            assert all(r.getMessage().endswith("(in_graph)") for r in caplog.records if "unavailable" in r.getMessage())
+        with graph_mode(vllm_config, "PIECEWISE", breakable=False):
             with pytest.raises(hooks.PluginError, match="the GPU cannot read its table here .*not mapped in this pro"):
                 build(vllm_config, engram_tables, **node)
     finally:
@@ -590,13 +598,14 @@ def graph_mode(vllm_config, mode: str, breakable: bool = True):
 
 
 @pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL", "PIECEWISE"])
-def test_every_graph_mode_takes_node_layers_gathered_by_the_gpu_and_refuses_remote_ones_it_would_capture(
+def test_every_graph_mode_takes_node_layers_gathered_by_the_gpu_and_remote_ones_in_graph_or_eager(
     vllm_config, engram_tables, memnode, mode
 ):
     """Placement x vLLM's cudagraph_mode: a node layer in graph mode device is taken in each (its gather is a
-    kernel the graph captures, or an eager break of a breakable one), breakable or not. A remote layer runs
-    through vLLM's eager break: FULL graphs would capture it inline (capture-time rows at every replay), so
-    they are refused with the flag for piecewise ones; piecewise graphs take it only where breakable."""
+    kernel the graph captures, or an eager break of a breakable one), breakable or not. A remote layer waits
+    for its rows inside FULL graphs (graph mode in_graph, their default there); under piecewise graphs it runs
+    through vLLM's eager break, taken only where breakable. A layer configured for the eager break is refused
+    where FULL graphs would capture it inline (capture-time rows at every replay), with the flag to use."""
     node = {"placement": {1: "node", 14: "node"}, "node_address": memnode.address}
     eager_node = {"graph": {1: "eager_break", 14: "eager_break"}, **node}  # node, configured for the eager break
     for breakable in (True, False):
@@ -608,24 +617,93 @@ def test_every_graph_mode_takes_node_layers_gathered_by_the_gpu_and_refuses_remo
                 assert build(vllm_config, engram_tables, address=memnode.address)[1].embed_tokens.rows is hooks.rows()
                 assert all(e.embed_tokens.device_rows is None for e in build(vllm_config, engram_tables, **eager_node))
                 continue
+            refused = [eager_node]
+            if mode == "PIECEWISE":
+                refused.append({"address": memnode.address})
+            else:
+                remote = build(vllm_config, engram_tables, address=memnode.address)
+                assert all(e.embed_tokens.in_graph for e in remote)
+                assert [hooks.rows().layers[layer].graph_mode for layer in LAYERS] == ["in_graph", "in_graph"]
             refusal = "VLLM_USE_BREAKABLE_CUDAGRAPH=1" if mode == "PIECEWISE" else "FULL graphs do not take .*PIECEWISE"
-            for refused in ({"address": memnode.address}, eager_node):
+            for options in refused:
                 with pytest.raises(hooks.PluginError, match=f"eager break, which .*{refusal}"):
-                    build(vllm_config, engram_tables, **refused)
+                    build(vllm_config, engram_tables, **options)
             build(vllm_config, engram_tables, address=memnode.address, placement={1: "local", 14: "local"})
 
 
-def test_vllm_takes_graph_modes_device_and_eager_break_and_refuses_sglangs_host_ones():
+def test_vllm_takes_graph_modes_device_in_graph_and_eager_break_and_refuses_before_replay():
     hooks.check_config(PluginConfig(layers={1: "node", 14: "remote"}, address="mem:1", graph={1: "device"}))
-    hooks.check_config(PluginConfig(address="mem:1", graph={1: "eager_break", 14: "eager_break"}))
-    for mode in ("before_replay", "in_graph"):
-        with pytest.raises(hooks.PluginError) as e:
-            hooks.check_config(PluginConfig(address="mem:1", graph={14: mode}))
-        assert str(e.value) == (
-            f"tableserver plugin: graph.14 = {mode!r} is an SGLang decode-graph mode; under vLLM a served layer runs "
-            "through vLLM's eager break (piecewise CUDA graphs) or, placed node, is gathered by the GPU inside "
-            "vLLM's graphs: remove it, or set 'device' (node) or 'eager_break'"
-        )
+    hooks.check_config(PluginConfig(address="mem:1", graph={1: "eager_break", 14: "in_graph"}))
+    with pytest.raises(hooks.PluginError) as e:
+        hooks.check_config(PluginConfig(address="mem:1", graph={14: "before_replay"}))
+    assert str(e.value) == (
+        "tableserver plugin: graph.14 = 'before_replay' is an SGLang decode-graph mode; under vLLM a served layer "
+        "runs through vLLM's eager break (piecewise CUDA graphs), waits for its rows inside vLLM's graphs "
+        "(in_graph) or, placed node, is gathered by the GPU: remove it, or set 'in_graph', 'eager_break' or "
+        "'device' (node)"
+    )
+
+
+def dummy_batch(engrams, hasher):
+    """vLLM's own ``Worker.execute_dummy_batch`` (hooked), its model runner's dummy run stepping the layers
+    over vLLM's dummy hashes (every id dead)."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    assert hooks.hooked(Worker.execute_dummy_batch, hooks._execute_dummy_batch)
+    dummy, keep = hasher.dummy_hashes(torch.zeros(4, dtype=torch.int32))
+    x = torch.zeros((4, HC, HIDDEN), dtype=torch.bfloat16)
+    outs = []
+    worker = object.__new__(Worker)
+    worker.parallel_config = types.SimpleNamespace(data_parallel_size=2)  # a DP replica, as vLLM runs them
+    worker.model_runner = types.SimpleNamespace(
+        uniform_decode_query_len=1,
+        _dummy_run=lambda *a, **k: outs.append(vllm_cpu.step(engrams, dummy, x, keep)),
+    )
+    Worker.execute_dummy_batch(worker)
+    return outs[0]
+
+
+@pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "FULL"])
+def test_remote_layers_in_full_graphs_wait_for_their_rows_inside_the_graph_bit_identical(
+    vllm_config, hasher, engram_tables, memnode, mode
+):
+    """Remote layers under vLLM's FULL graphs (graph mode in_graph): the forward publishes each layer's ids
+    right after vLLM's hasher and waits for its rows flag just before the layer (here the host stands in
+    for the stream: HostStreamOps), ``Worker.execute_model`` arms each step for its real tokens and the
+    native poller gathers them. A profile run before any step (nothing armed) only copies; every step of the
+    conversation (an image span's dead ids, chunked prefill, decode) is bit-identical to vLLM's own tables;
+    only live ids are sent; a data-parallel dummy batch (armed for 0 tokens: its rows are padding vLLM
+    drops) is released at once and reads nothing."""
+    local = build(vllm_config, engram_tables)
+    want = run(local, hasher)
+    with graph_mode(vllm_config, mode):
+        remote = build(vllm_config, engram_tables, address=memnode.address)
+    waits = {layer: _in_graph_waits(layer) for layer in LAYERS}
+    served = {t: server_rows(memnode, t) for t in TABLES}
+    try:
+        hashes, x, mask = with_dead_ids(hasher)[0]
+        vllm_cpu.step(remote, hashes, x, mask)  # vLLM's profile run: not a step, nothing armed or gathered
+        steps = hooks._graph["steps"]
+        assert steps is not None and {s.poller for s in steps.values()} == {"native"}
+        assert_bit_identical(run(remote, hasher, step=worker_step), want)
+        for i, t in enumerate(TABLES):  # every live id of the steps read once, no dead one
+            live = sum(int((h[:, i] != DEAD_ID).sum()) for h, _ in want)
+            assert server_rows(memnode, t) - served[t] == live, t
+        served = {t: server_rows(memnode, t) for t in TABLES}
+        assert len(dummy_batch(remote, hasher)) == len(LAYERS)
+        assert {t: server_rows(memnode, t) for t in TABLES} == served
+        for s in steps.values():
+            s.account()
+        assert {layer: _in_graph_waits(layer) - waits[layer] for layer in LAYERS} == {1: 9, 14: 9}  # 8 steps, dummy
+    finally:
+        hooks.close_graphs()
+
+
+def _in_graph_waits(layer: int) -> float:
+    from prometheus_client import REGISTRY
+
+    labels = {"layer": str(layer), "phase": "in_graph"}
+    return REGISTRY.get_sample_value("tableserver_client_graph_wait_seconds_count", labels) or 0
 
 
 def test_gathers_run_in_vllms_eager_break(plugin):
@@ -639,6 +717,8 @@ def test_gathers_run_in_vllms_eager_break(plugin):
         ("collect", hooks._collect),
         ("launch", hooks._launch),
         ("join", hooks._join),
+        ("publish", hooks._publish),
+        ("rows", hooks._graph_rows),
     ):
         wrapped = hooks._eager[name]
         assert wrapped.__wrapped__ is fn
@@ -646,9 +726,16 @@ def test_gathers_run_in_vllms_eager_break(plugin):
 
 
 @pytest.mark.parametrize("policy", ["fail", "zeros", "fallback"])
-def test_failure_policy_when_the_memory_node_dies(vllm_config, hasher, engram_tables, tmp_path, policy):
+@pytest.mark.parametrize("graph", ["eager", "in_graph"])
+def test_failure_policy_when_the_memory_node_dies(vllm_config, hasher, engram_tables, tmp_path, policy, graph):
+    """The node dies between steps: fail raises before the step's output is read (in_graph: from vLLM's
+    ``Worker.execute_model``, once the poller released the step), zeros runs the layer on zero rows
+    (counted), fallback reads the backup's rows; the local layer is untouched. In graph mode in_graph (FULL
+    graphs) as on the eager path."""
     from prometheus_client import REGISTRY
     from tableclient import TableClientError
+
+    step = vllm_cpu.step if graph == "eager" else worker_step
 
     primary = start_daemon(str(tmp_path / "primary"), "--tables", engram_tables)
     backup = start_daemon(str(tmp_path / "backup"), "--tables", engram_tables) if policy == "fallback" else None
@@ -658,28 +745,32 @@ def test_failure_policy_when_the_memory_node_dies(vllm_config, hasher, engram_ta
         zero.embed_tokens.weight_scale_inv.data.zero_()
         local = build(vllm_config, engram_tables)
         extra = {"fallback_address": backup.address} if backup else {}
-        remote = build(
-            vllm_config,
-            engram_tables,
-            address=primary.address,
-            placement={1: "local"},
-            policy=policy,
-            timeout=30.0,
-            **extra,
-        )
+        with graph_mode(vllm_config, "FULL") if graph == "in_graph" else contextlib.nullcontext():
+            remote = build(
+                vllm_config,
+                engram_tables,
+                address=primary.address,
+                placement={1: "local"},
+                policy=policy,
+                timeout=30.0,
+                **extra,
+            )
+        assert remote[1].embed_tokens.in_graph == (graph == "in_graph")
         steps = list(vllm_cpu.conversation())
         _, hashes, mask = vllm_cpu.hash_batch(hasher, steps[0])
         x = torch.ones((len(hashes), HC, HIDDEN), dtype=torch.bfloat16)
-        vllm_cpu.step(remote, hashes, x, mask)  # served normally
+        got = step(remote, hashes, x, mask)  # served normally
+        assert torch.equal(got[1].view(torch.int16), vllm_cpu.step(local, hashes, x, mask)[1].view(torch.int16))
         primary.stop(signal.SIGKILL)  # the memory node dies between steps
         _, hashes, mask = vllm_cpu.hash_batch(hasher, steps[1])
         x = torch.ones((len(hashes), HC, HIDDEN), dtype=torch.bfloat16)
         zeros_before = REGISTRY.get_sample_value("tableserver_client_zero_rows_served_total", {"layer": "14"}) or 0
+        fallbacks = REGISTRY.get_sample_value("tableserver_client_fallbacks_total", {"layer": "14"}) or 0
         if policy == "fail":
-            with pytest.raises(TableClientError):
-                vllm_cpu.step(remote, hashes, x, mask)
+            with pytest.raises(TableClientError, match="layer 14" if graph == "in_graph" else ""):
+                step(remote, hashes, x, mask)
             return
-        got, want = vllm_cpu.step(remote, hashes, x, mask), vllm_cpu.step(local, hashes, x, mask)
+        got, want = step(remote, hashes, x, mask), vllm_cpu.step(local, hashes, x, mask)
         assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))  # layer 1 is local
         if policy == "zeros":  # layer 14 ran on zero rows
             zero.prepare_embeddings(hashes[:, 1])
@@ -689,9 +780,9 @@ def test_failure_policy_when_the_memory_node_dies(vllm_config, hasher, engram_ta
             assert value == zeros_before + 1
         else:
             assert torch.equal(got[1].view(torch.int16), want[1].view(torch.int16))
-            assert hooks.rows().summary()[14]["fallbacks"] >= 1
+            assert REGISTRY.get_sample_value("tableserver_client_fallbacks_total", {"layer": "14"}) == fallbacks + 1
     finally:
-        hooks.configure(PluginConfig())
+        hooks.configure(PluginConfig())  # the in_graph layers' GraphStep closed with the configuration
         primary.stop()
         if backup:
             backup.stop()

@@ -90,9 +90,9 @@ def test_enabled_but_misconfigured_stops_start_up_with_one_line(tmp_path):
         res.stderr.strip().splitlines()[-1]
         == "tableserver plugin: layers.14 = 'elsewhere': use one of remote, node, local"
     )
-    res = _launch({"TABLESERVER_ADDRESS": "mem:7070", "TABLESERVER_GRAPH_MODE": "14=in_graph"})
+    res = _launch({"TABLESERVER_ADDRESS": "mem:7070", "TABLESERVER_GRAPH_MODE": "14=before_replay"})
     assert res.returncode != 0
-    assert "graph.14 = 'in_graph' is an SGLang decode-graph mode" in res.stderr.strip().splitlines()[-1]
+    assert "graph.14 = 'before_replay' is an SGLang decode-graph mode" in res.stderr.strip().splitlines()[-1]
 
 
 def test_other_vllm_versions_are_refused():
