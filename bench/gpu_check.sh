@@ -109,7 +109,7 @@ if [ "$mode" = gpu ]; then
     stage modes 90 "$py" bench/bench_graph.py --stage modes --steps 50 --buckets 1,64,512 --out "$out"
     stage faults 60 "$py" bench/bench_graph.py --stage faults --steps 20 --buckets 64 --out "$out"
     stage wake 130 "$py" bench/bench_graph.py --stage wake --steps 300 --out "$out"
-    stage tests 45 "$py" -m pytest -q -rs -p no:cacheprovider tests/gpu/test_device_tables_gpu.py \
+    stage tests 45 "$py" -m pytest -q -rs -p no:cacheprovider tests/gpu/test_device_tables_gpu.py tests/gpu/test_graph_outcomes_gpu.py \
         tests/gpu/test_vllm_gpu.py tests/daemon/test_step.py
 else
     stage report 30 bash -c "$(declare -f report); py=$py; report"
