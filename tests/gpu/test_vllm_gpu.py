@@ -3,7 +3,7 @@ layer's rows copied from the pinned staging to the GPU and dequantized there wit
 the staging refilled only once that copy is done.
 
 Runs only where CUDA is (the device machine); skipped elsewhere, which the skip line says. vLLM's own
-layers on the GPU are not exercised here: tests/engines/vllm/test_vllm_plugin.py runs them on the CPU.
+layers on the GPU are not exercised here: tests/engines/vllm/test_vllm_graphs.py runs them on the CPU.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     python tests/support/vllm_ranks.py RANK WORLD PORT MODEL_DIR TABLE_FILE ADDRESS
 
-Started once per rank by tests/engines/vllm/test_vllm_plugin.py. On each rank vLLM's own layers are built three
+Started once per rank by tests/engines/vllm/test_vllm_ranks.py. On each rank vLLM's own layers are built three
 times over the same tables: with vLLM's own (head-sharded) tables, with every layer served remote (ADDRESS, the
 host path) and with every layer served node (ADDRESS as this host's tableserver over shm: graph mode device, the
 plugin's kernel gathering from its mapping), without and with sequence parallelism, and the same steps go

@@ -18,12 +18,7 @@ from tests_helpers import as_version, run_fresh
 from vllm_cpu import LAYERS
 
 pytest.importorskip("torch")
-try:
-    import vllm.models.deepseek_v41.common.engram  # noqa: F401
-except ModuleNotFoundError as e:  # only vllm itself missing skips; an installed vLLM that cannot load fails
-    if (e.name or "").split(".")[0] != "vllm":
-        raise
-    pytest.skip("vllm==0.33.0 is installed by `make test`", allow_module_level=True)
+vllm_cpu.require_vllm()
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

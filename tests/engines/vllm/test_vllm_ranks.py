@@ -1,0 +1,55 @@
+"""Tensor and sequence parallelism in the released vLLM (0.33.0, pinned): two ranks in two processes over gloo
+(tests/support/vllm_ranks.py), each building vLLM's own layers; apart from tests/engines/vllm/test_vllm_plugin.py
+(whose fixtures it uses) so that the test workers share vLLM's minutes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import vllm_cpu  # noqa: F401  (before vllm: Triton's interpreter, torchvision on a CPU torch)
+from conftest import EVENT_TIMEOUT, ROOT
+
+pytest.importorskip("torch")
+vllm_cpu.require_vllm()
+
+from test_vllm_plugin import engram_tables, memnode, model_dir  # noqa: E402,F401  (fixtures)
+
+
+@pytest.mark.slow
+def test_tensor_and_sequence_parallel_ranks_gather_their_columns(model_dir, engram_tables, memnode):
+    """TP=2 in two processes over gloo (tests/support/vllm_ranks.py): each rank's served layers gather only its
+    hash columns (12 of 24), and vLLM's own collectives join them, as for its head-sharded local tables;
+    with sequence parallelism too; placed remote (the host path) and placed node (graph mode device: each
+    rank's kernel gathers its own columns of every token). Every output bit-identical to vLLM's own tables on
+    that rank."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [str(port), model_dir[0], engram_tables, memnode.address]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "tests", "support", "vllm_ranks.py"), str(rank), "2", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )  # fmt: skip
+        for rank in range(2)
+    ]
+    reports = []
+    for proc in ranks:
+        out, err = proc.communicate(timeout=EVENT_TIMEOUT)
+        assert proc.returncode == 0, err[-3000:]
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    for rank, report in enumerate(reports):
+        for mode in ("tp", "sp"):
+            assert report[mode]["identical"], report
+            assert report[mode]["columns"] == [[12 * rank, 12 * rank + 12]] * 2, report
+            assert report[mode]["node"] == {"identical": True, "columns": report[mode]["columns"], "device": True}
+        assert report["served"] == {"1": 8, "14": 8}  # sp's steps, each issued at step start
