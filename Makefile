@@ -27,29 +27,24 @@ demo: $(BASE)
 	$(BIN)/tableserver demo
 
 # Every check CI runs (.ci/run), spread over the CPUs: the Soft-RoCE guest suite (GUEST_TEST, the longest
-# single test) starts first, in a pytest of its own; lint runs; then the sanitizer job beside the rest of the
-# suite on TEST_WORKERS pytest-xdist workers, a file per worker at a time, files with slow tests first
-# (tests/conftest.py), at a lower CPU priority than the guest. The sanitizer's and the guest's output follow
-# the rest's; the exit status is the first failure's (lint, the rest, the sanitizer, the guest).
+# single test) starts first, in a pytest of its own; lint and the sanitizer job run side by side; then the
+# rest of the suite on TEST_WORKERS pytest-xdist workers, a file per worker at a time, files with slow tests
+# first (tests/conftest.py). Both sides at the same CPU priority: the rest is the longer of the two now (the
+# guest finished minutes before it, niced, when it was the other way round). The guest's output follows the
+# rest's; the exit status is the first failure's.
 TEST_WORKERS ?= 3
 GUEST_TEST := tests/host/test_rdma_guest.py
 GUEST_LOG := build/guest-test.log
-SANITIZE_LOG := build/sanitize.log
 test: $(DEV)
 	@mkdir -p build; \
 	$(BIN)/python -m pytest -p no:cacheprovider -q -rs $(GUEST_TEST) > $(GUEST_LOG) 2>&1 & guest=$$!; \
-	trap 'kill $$guest $$sanitizer 2>/dev/null' INT TERM; \
-	nice -n 5 $(MAKE) --no-print-directory lint; lint_rc=$$?; rest=0; sanitize_rc=0; \
-	if [ $$lint_rc -eq 0 ]; then \
-		nice -n 5 $(MAKE) --no-print-directory sanitize > $(SANITIZE_LOG) 2>&1 & sanitizer=$$!; \
-		nice -n 5 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --ignore=$(GUEST_TEST) $(PYTEST_ARGS); \
-		rest=$$?; \
-		wait $$sanitizer; sanitize_rc=$$?; \
-		echo "--- make sanitize (beside the rest):"; cat $(SANITIZE_LOG); \
-	fi; \
+	trap 'kill $$guest 2>/dev/null' INT TERM; \
+	$(MAKE) --no-print-directory -j2 --output-sync=target lint sanitize \
+	&& $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --ignore=$(GUEST_TEST) $(PYTEST_ARGS); \
+	rest=$$?; \
 	wait $$guest; guest_rc=$$?; \
 	echo "--- $(GUEST_TEST) (started first, beside the rest):"; cat $(GUEST_LOG); \
-	for rc in $$lint_rc $$rest $$sanitize_rc $$guest_rc; do [ $$rc -eq 0 ] || exit $$rc; done
+	exit $$(( rest != 0 ? rest : guest_rc ))
 
 # One kind of tests (tests/<kind>/, the marker of the same name): make test-unit, test-daemon, ...
 test-unit test-daemon test-engines test-host test-deploy test-gpu: $(DEV)
