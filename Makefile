@@ -29,9 +29,8 @@ demo: $(BASE)
 # Every check CI runs (.ci/run), spread over the CPUs: the Soft-RoCE guest suite (GUEST_TEST, the longest
 # single test) starts first, in a pytest of its own; lint and the sanitizer job run side by side; then the
 # rest of the suite on TEST_WORKERS pytest-xdist workers, a file per worker at a time, files with slow tests
-# first (tests/conftest.py). Both sides at the same CPU priority: the rest is the longer of the two now (the
-# guest finished minutes before it, niced, when it was the other way round). The guest's output follows the
-# rest's; the exit status is the first failure's.
+# first (tests/conftest.py), at a lower CPU priority than the guest (its emulated CPUs are the critical
+# path). The guest's output follows the rest's; the exit status is the first failure's.
 TEST_WORKERS ?= 3
 GUEST_TEST := tests/host/test_rdma_guest.py
 GUEST_LOG := build/guest-test.log
@@ -39,8 +38,8 @@ test: $(DEV)
 	@mkdir -p build; \
 	$(BIN)/python -m pytest -p no:cacheprovider -q -rs $(GUEST_TEST) > $(GUEST_LOG) 2>&1 & guest=$$!; \
 	trap 'kill $$guest 2>/dev/null' INT TERM; \
-	$(MAKE) --no-print-directory -j2 --output-sync=target lint sanitize \
-	&& $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --ignore=$(GUEST_TEST) $(PYTEST_ARGS); \
+	nice -n 5 $(MAKE) --no-print-directory -j2 --output-sync=target lint sanitize \
+	&& nice -n 5 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --ignore=$(GUEST_TEST) $(PYTEST_ARGS); \
 	rest=$$?; \
 	wait $$guest; guest_rc=$$?; \
 	echo "--- $(GUEST_TEST) (started first, beside the rest):"; cat $(GUEST_LOG); \
