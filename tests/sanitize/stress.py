@@ -495,6 +495,11 @@ def stress_graphpoll(iterations: int, seed: int) -> None:
         except (TypeError, ValueError, BufferError):
             continue
         fail(f"Poller accepted what it must refuse: {args[1][:1]}")
+    try:
+        Poller(flags, [(0, 16, -1, ids[0], staging[0], row_bytes, cols)], False, dead_id="-1")
+        fail("Poller accepted a dead id that is not an integer")
+    except TypeError:
+        pass
     steps = 0
     for it in range(max(1, iterations // 5)):
         flags[:] = 0
@@ -502,7 +507,9 @@ def stress_graphpoll(iterations: int, seed: int) -> None:
             flags,
             [(0, 16, 32, ids[0], staging[0], row_bytes, cols), (48, 56, -1, ids[1], staging[1], row_bytes, cols)],
             bool(it % 2),
+            dead_id=-1 if it % 3 == 0 else None,  # an engine's padding marker: never read, zero rows
         )
+        dead = it % 3 == 0
         source = [table, table]
         p.set_shm(0, table, rows)
         p.set_shm(1, table, rows)
@@ -512,6 +519,8 @@ def stress_graphpoll(iterations: int, seed: int) -> None:
             bad = r.random() < 0.1
             for k in range(2):
                 ids[k, :n] = r.integers(0, rows, n)
+                if dead:
+                    ids[k, :n][r.random(n) < 0.3] = -1
                 if bad:
                     ids[k, 0] = rows + 7
             if r.random() < 0.1:  # swap a source between steps
@@ -534,8 +543,10 @@ def stress_graphpoll(iterations: int, seed: int) -> None:
                     fail(f"Poller: slot {k} released but its rows flag is {flags[rows_flag]}")
                 elif bad and (got.any() or not errors):
                     fail(f"Poller: slot {k}: an id outside the table was not refused with zero rows")
-                elif not bad and not np.array_equal(got, source[k][ids[k, :n]]):
-                    fail(f"Poller: slot {k}: rows differ from the table")
+                elif not bad and not np.array_equal(
+                    got, np.where((ids[k, :n] < 0)[:, None], 0, source[k][np.maximum(ids[k, :n], 0)])
+                ):
+                    fail(f"Poller: slot {k}: rows differ from the table (dead ids: zero rows)")
                 flags[rows_flag] = 0  # the graph consumed the release
             if flags[32] != (0 if bad else 1):
                 fail(f"Poller: the ok flag is {flags[32]} for a step {'refused' if bad else 'served'}")

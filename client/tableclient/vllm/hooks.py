@@ -115,6 +115,11 @@ def configure(cfg: PluginConfig, client_factory=None):
     return _state.configure(cfg, client_factory)
 
 
+def graph_steps() -> dict | None:
+    """placement -> the GraphStep of the in_graph layers (None until the first forward reaches one)."""
+    return _graph["steps"]
+
+
 def close_graphs() -> None:
     """The in_graph layers' GraphSteps closed (a graph replayed after this waits for nobody)."""
     steps, _graph["steps"] = _graph["steps"], None

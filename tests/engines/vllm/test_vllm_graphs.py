@@ -367,7 +367,7 @@ def test_remote_layers_in_full_graphs_wait_for_their_rows_inside_the_graph_bit_i
     try:
         hashes, x, mask = with_dead_ids(hasher)[0]
         vllm_cpu.step(remote, hashes, x, mask)  # vLLM's profile run: not a step, nothing armed or gathered
-        steps = hooks._graph["steps"]
+        steps = hooks.graph_steps()
         assert steps is not None and {s.poller for s in steps.values()} == {"native"}
         assert_bit_identical(run(remote, hasher, step=worker_step), want)
         for i, t in enumerate(TABLES):  # every live id of the steps read once, no dead one
