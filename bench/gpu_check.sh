@@ -17,7 +17,8 @@
 # in_graph pollers, native and Python, from ids to rows released against the bare gather, quiet and beside
 # busy threads; the watchdog with the GIL held), tests 45 (the CUDA tests that need no engine: graph mode
 # device, the vLLM plugin's device copies, the step's pinned staging). A stage that fails or runs out its cap
-# is reported and the next one runs; the exit status is 1 if any failed.
+# is reported and the next one runs; the exit status is 1 if any failed. STAGES=install,report,tests (names,
+# comma-separated) runs only those, to spend a short device lease on what changed.
 #
 # Wheels to carry (the device image has torch, triton, numpy, grpcio, protobuf, prometheus-client,
 # safetensors, pytest; it lacks these, and gets the same grpcio/protobuf as CI so the generated stubs match):
@@ -58,6 +59,10 @@ failed=""
 stage() {
     local name=$1 cap=$2
     shift 2
+    if [ -n "${STAGES:-}" ] && [[ ",$STAGES," != *",$name,"* ]]; then
+        echo "== $name: not run (STAGES=$STAGES)"
+        return
+    fi
     echo "== $name (cap ${cap} s)"
     local t0=$SECONDS
     timeout --kill-after=5 "$cap" "$@" 2>&1 | tee "$out/$name.log"
