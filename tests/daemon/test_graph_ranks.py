@@ -11,14 +11,9 @@ rank 0 counts the steps its peer's failure masked).
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
-
 import pytest
-from conftest import EVENT_TIMEOUT, ROOT, start_daemon
+from conftest import start_daemon
+from tests_helpers import run_ranks
 
 pytest.importorskip("torch")
 
@@ -29,38 +24,11 @@ KILL_AT, STEPS = 3, 6
 def test_every_rank_serves_the_tables_rows_or_every_rank_the_policys(demo_file, tmp_path, policy, poller):
     daemons = [start_daemon(str(tmp_path / f"node{rank}"), "--tables", demo_file) for rank in range(2)]
     try:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        script = os.path.join(ROOT, "tests", "support", "graph_ranks.py")
-        ranks = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    script,
-                    str(rank),
-                    "2",
-                    str(port),
-                    d.address,
-                    str(d.proc.pid),
-                    demo_file,
-                    policy,
-                    poller,
-                    str(KILL_AT),
-                    str(STEPS),
-                ],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                cwd=ROOT,
-            )  # fmt: skip
-            for rank, d in enumerate(daemons)
-        ]
-        reports = []
-        for proc in ranks:
-            out, err = proc.communicate(timeout=EVENT_TIMEOUT)
-            assert proc.returncode == 0, err[-3000:]
-            reports.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
+        reports = run_ranks(
+            "graph_ranks.py",
+            daemons,
+            lambda rank, d: [d.address, str(d.proc.pid), demo_file, policy, poller, str(KILL_AT), str(STEPS)],
+        )
     finally:
         for d in daemons:
             d.stop()

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import subprocess
+import sys
 import urllib.request
 
 import grpc
 import numpy as np
-from conftest import EVENT_TIMEOUT
+from conftest import EVENT_TIMEOUT, ROOT
 from prometheus_client.parser import text_string_to_metric_families
 from tableclient import TableClient
 
@@ -319,3 +322,28 @@ def free_port_block(n: int = 3) -> int:
             for t in socks:
                 t.close()
     raise RuntimeError("no free port block")
+
+
+def run_ranks(script: str, daemons: list, argv) -> list[list[dict]]:
+    """``tests/support/<script> RANK WORLD PORT *argv(rank, daemon)``, one process a rank (one per daemon, a
+    gloo group on a free port), all at once: each rank's printed JSON lines, once every rank exited 0."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path, world = os.path.join(ROOT, "tests", "support", script), str(len(daemons))
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, path, str(rank), world, str(port), *argv(rank, d)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )  # fmt: skip
+        for rank, d in enumerate(daemons)
+    ]
+    reports = []
+    for proc in ranks:
+        out, err = proc.communicate(timeout=EVENT_TIMEOUT)
+        assert proc.returncode == 0, err[-3000:]
+        reports.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
+    return reports

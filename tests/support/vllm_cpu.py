@@ -248,6 +248,33 @@ def step(engrams, hashes, x, token_mask):
     return [e(x, hashes[:, e.layer_hash_index], token_mask) for e in engrams]
 
 
+def worker_step(engrams, hashes, x, mask, output=None, outs=None):
+    """One step as vLLM's worker runs it: its own ``Worker.execute_model`` (hooked: the plugin's check before
+    every step and the in_graph layers' arming, the host code of the plugin a FULL graph's replay runs), whose
+    model runner (here: what DeepseekV4Model.forward does with the step) hashes and runs the layers, then its
+    own ``Worker.sample_tokens`` (hooked: where the step's results are read, its outcome checked), returning
+    ``output`` (default: a ModelRunnerOutput, its tokens on the host). Returns the layers' outputs (also
+    appended to ``outs``), with the Worker's result where it is not ``output``; raises before the forward (a
+    device layer's table under policy fail) or where the result is read (an in_graph layer's)."""
+    from tableclient.vllm import hooks
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.worker.gpu_worker import Worker
+
+    assert hooks.hooked(Worker.execute_model, hooks._execute_model)
+    assert hooks.hooked(Worker.sample_tokens, hooks._sample_tokens)
+    outs = [] if outs is None else outs
+    worker = object.__new__(Worker)
+    worker._pp_send_work, worker.profiler, worker.use_v2_model_runner = [], None, False
+    output = ModelRunnerOutput(req_ids=[], req_id_to_index={}) if output is None else output
+    worker.model_runner = types.SimpleNamespace(
+        execute_model=lambda scheduler_output, intermediate: outs.append(step(engrams, hashes, x, mask)),
+        sample_tokens=lambda grammar_output: output,
+    )
+    assert Worker.execute_model(worker, types.SimpleNamespace(total_num_scheduled_tokens=len(hashes))) is None
+    result = Worker.sample_tokens(worker, None)
+    return outs[-1] if result is output else (outs[-1], result)
+
+
 def conversation(seed: int = 0):
     """Prefill of two prompts (one with an image span), the second chunked, then decode steps: yields
     the requests of each forward, as ``hash_batch`` takes them."""

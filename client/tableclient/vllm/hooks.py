@@ -74,6 +74,7 @@ ENGRAM = "vllm.models.deepseek_v41.common.engram"
 WEIGHTS = "vllm.model_executor.model_loader.weight_utils"
 MODEL = "vllm.models.deepseek_v41"  # DeepseekV41ForCausalLM, the NVIDIA or the ROCm build of it
 WORKER = "vllm.v1.worker.gpu_worker"  # Worker.execute_model: the host, before every step (graphs or not)
+OUTPUTS = "vllm.v1.outputs"  # AsyncModelRunnerOutput: a step's results, read by vLLM's get_output()
 DEAD_ID = -1  # vLLM's engram.DEAD_ID, checked at start-up: ids of padding and dummy runs, zero rows
 #: checkpoint tensors of a layer's table: the checkpoint's names and vLLM's after its weights mapper
 TABLE_KEY = re.compile(
@@ -92,8 +93,10 @@ _wrappers: dict = {}  # each wrapper patch() put on vLLM -> (its hook, vLLM's fu
 _device: dict = {"tables": {}, "layers": weakref.WeakSet(), "streams": {}}
 # graph mode in_graph (remote layers under FULL graphs): placement -> GraphStep (built at the first forward,
 # vLLM's profile run, before any capture), layer -> its persistent device ids, and whether a forward runs
-# inside a step Worker armed (its flags live) rather than a start-up warm-up (copies only)
-_graph: dict = {"steps": None, "ids": {}, "in_step": False, "pending": None, "layers": weakref.WeakSet()}
+# inside a step Worker armed (its flags live) rather than a start-up warm-up (copies only); the steps run
+# whose outcome is still to check where their results are read ((placement, step number), oldest first)
+_graph: dict = {"steps": None, "ids": {}, "in_step": False, "pending": None, "layers": weakref.WeakSet(),
+                "armed": [], "replayed": []}  # fmt: skip
 
 
 def config() -> PluginConfig | None:
@@ -124,6 +127,7 @@ def close_graphs() -> None:
     """The in_graph layers' GraphSteps closed (a graph replayed after this waits for nobody)."""
     steps, _graph["steps"] = _graph["steps"], None
     _graph["ids"].clear()
+    _graph["armed"], _graph["replayed"] = [], []
     for step in (steps or {}).values():
         step.close()
 
@@ -135,6 +139,8 @@ def served(layer: int) -> bool:
 # ---------------------------------------------------------------------- the pin and the layout
 def check_vllm() -> str:
     """The installed vLLM's version, if this plugin supports it; PluginError naming the fix otherwise."""
+    import importlib
+
     version = check_release("vllm", "vLLM", SUPPORTED_VLLM)
     engram, weights, model = _modules()
     worker = _worker()
@@ -154,9 +160,16 @@ def check_vllm() -> str:
         model.DeepseekV41ForCausalLM.load_weights: ["self", "weights"],
         worker.Worker.execute_model: ["self", "scheduler_output"],
         worker.Worker.execute_dummy_batch: ["self"],
+        worker.Worker.sample_tokens: ["self", "grammar_output"],
     }  # fmt: skip
     pin = f"vllm=={SUPPORTED_VLLM}"
     check_layout(expected, "vLLM", pin, original=_original)
+    outputs = importlib.import_module(OUTPUTS)
+    wrapped = {"get_output", "get_kv_connector_output"}  # the plugin's CheckedOutput implements exactly these
+    if getattr(outputs.AsyncModelRunnerOutput, "__abstractmethods__", None) != wrapped:
+        raise PluginError(
+            f"tableserver plugin: vLLM's AsyncModelRunnerOutput is not the interface the plugin wraps: install {pin}"
+        )
     if getattr(engram, "DEAD_ID", None) != DEAD_ID or not callable(getattr(engram, "eager_break_during_capture", None)):
         raise PluginError(
             f"tableserver plugin: vLLM's Engram module has no DEAD_ID = {DEAD_ID} or eager_break_during_capture: "
@@ -209,6 +222,7 @@ def patch() -> None:
         (model.DeepseekV41ForCausalLM, "is_unused_checkpoint_weight", _is_unused),  # vLLM's is optional: None
         (_worker().Worker, "execute_model", _execute_model),
         (_worker().Worker, "execute_dummy_batch", _execute_dummy_batch),
+        (_worker().Worker, "sample_tokens", _sample_tokens),
     ]
     for owner, name, hook in targets:
         current = getattr(owner, name, None)
@@ -463,15 +477,36 @@ def _graph_step(engram):
     steps = _graph["steps"]
     if steps is None:
         staged = engram.staged_rows
+        agree, ranks = tp_agreement()
         steps = _graph["steps"] = rows().graph_steps(
             staged.shape[0], staged.device, side_stream=False, modes=("in_graph",),
-            rows_per_token=engram.embed_tokens.part_n_hash_cols,
+            rows_per_token=engram.embed_tokens.part_n_hash_cols, agree=agree,
+            results_check=rows().config.policy == "fail" or agree is not None,
         )  # fmt: skip
+        if agree is not None:
+            log.info("tableserver plugin: the %d tensor-parallel ranks agree each step on whether every in_graph "
+                     "layer's rows are the table's (else all serve the policy's)", ranks)  # fmt: skip
         tokens, _graph["pending"] = _graph["pending"], None
         if tokens is not None:  # built inside a step Worker runs (no profile run before it): armed now
-            for step in steps.values():
-                step.arm(tokens)
+            _graph["armed"] = [(placement, step.arm(tokens)) for placement, step in steps.items()]
     return steps[rows().layers[engram.embed_tokens.layer].placement]
+
+
+def tp_agreement():
+    """(agree, ranks): over vLLM's tensor-parallel group, with its own all-reduce (captured in FULL graphs as
+    the model's own are), where it has more than one rank (the ranks' columns of a layer meet in its
+    collectives); (None, 1) otherwise."""
+    from tableclient.graphstep import min_from_sum
+
+    try:
+        from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
+
+        ranks = get_tensor_model_parallel_world_size()
+    except (ImportError, AssertionError):  # no process groups (layers built outside vLLM's workers)
+        return None, 1
+    if ranks <= 1:
+        return None, 1
+    return min_from_sum(tensor_model_parallel_all_reduce, ranks), ranks
 
 
 def _live(t) -> bool:
@@ -521,11 +556,68 @@ def _join(embed) -> None:
 
 def _execute_model(original, self, scheduler_output):
     """vLLM's Worker, every step (the host runs it whether the step replays a graph or not): the device layers'
-    tables checked, the in_graph layers armed for the step's real tokens, the forward, then policy fail's
-    check of the in_graph layers (their rows are in place before the output is read)."""
+    tables checked, the in_graph layers armed for the step's real tokens, the forward. Their outcome (policy
+    fail, the ranks' agreement) is checked where the step's results are read: :func:`_sample_tokens`."""
     tokens = scheduler_output.total_num_scheduled_tokens
     before_step(tokens)
-    return _armed(original, tokens, False, self, scheduler_output)
+    return _checked(_armed(original, tokens, False, self, scheduler_output))
+
+
+def _sample_tokens(original, self, grammar_output):
+    """vLLM's Worker samples the step ``execute_model`` ran: its output carries the step's outcome check."""
+    return _checked(original(self, grammar_output))
+
+
+def _checked(out):
+    """A step's output, once it is one (``execute_model`` returns None before ``sample_tokens``): the in_graph
+    steps it ran are checked as its results are read: at once for a ModelRunnerOutput (its tokens are on
+    the host), in ``get_output()`` for an AsyncModelRunnerOutput (vLLM's async scheduling, which reads it a
+    step later). Policy fail: PluginError naming the layer; the output is never read."""
+    import importlib
+
+    if out is None or not _graph["replayed"]:
+        return out
+    replayed, _graph["replayed"] = _graph["replayed"], []
+    if isinstance(out, importlib.import_module(OUTPUTS).AsyncModelRunnerOutput):
+        return _checked_output_class()(out, replayed)
+    _check_steps(replayed)
+    return out
+
+
+def _check_steps(replayed) -> None:
+    from tableclient.streamops import GraphStepError
+
+    steps = _graph["steps"] or {}
+    try:
+        for placement, number in replayed:
+            if placement in steps:
+                steps[placement].check(number)
+    except GraphStepError as e:
+        raise PluginError(f"tableserver plugin: {e}") from None
+
+
+@functools.cache
+def _checked_output_class():
+    """An AsyncModelRunnerOutput that checks its steps' outcome when vLLM reads it (after the step's own
+    ``get_output()``, which waits for its copy to the host: the outcome, copied earlier on the same stream,
+    is there by then). The plugin's own object: nothing is stored on vLLM's."""
+    import importlib
+
+    base = importlib.import_module(OUTPUTS).AsyncModelRunnerOutput
+
+    class CheckedOutput(base):
+        def __init__(self, output, replayed):
+            self.output, self.replayed = output, replayed
+
+        def get_output(self):
+            result = self.output.get_output()
+            _check_steps(self.replayed)
+            return result
+
+        def get_kv_connector_output(self):
+            return self.output.get_kv_connector_output()
+
+    return CheckedOutput
 
 
 def _execute_dummy_batch(original, self):
@@ -544,8 +636,7 @@ def _armed(original, tokens: int, dummy: bool, *args):
     steps = _graph["steps"]
     if steps is None:
         _graph["pending"] = tokens  # the GraphSteps are built at this step's first in_graph layer, then armed
-    for step in (steps or {}).values():
-        step.arm(tokens)
+    _graph["armed"] = [(placement, step.arm(tokens)) for placement, step in (steps or {}).items()]
     _graph["in_step"] = True
     try:
         out = original(*args)
@@ -555,12 +646,18 @@ def _armed(original, tokens: int, dummy: bool, *args):
         raise
     finally:
         _graph["in_step"], _graph["pending"] = False, None
+    armed, _graph["armed"] = _graph["armed"], []  # (placement, step number): armed before or inside the step
     try:
         for step in (_graph["steps"] or {}).values():
-            step.after_replay()
+            step.after_replay()  # at once where the check is where results are read (results_check)
             step.account()  # what the native poller released so far, into the metrics (off the hot path)
     except GraphStepError as e:
         raise PluginError(f"tableserver plugin: {e}") from None
+    if not dummy and any(step.results_check for step in (_graph["steps"] or {}).values()):
+        from tableclient.graphstep import OUTCOMES
+
+        # a step's outcome is held for OUTCOMES - 1 launches: older unread ones are nobody's results
+        _graph["replayed"] = (_graph["replayed"] + armed)[-len(armed) * (OUTCOMES - 1) :]
     return out
 
 

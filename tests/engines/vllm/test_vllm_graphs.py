@@ -21,7 +21,7 @@ import pytest
 import vllm_cpu  # noqa: F401  (before vllm: Triton's interpreter, torchvision on a CPU torch)
 from conftest import start_daemon, wait_for
 from tests_helpers import client_rows, free_port_block
-from vllm_cpu import HC, HIDDEN, LAYERS
+from vllm_cpu import HC, HIDDEN, LAYERS, worker_step
 
 torch = pytest.importorskip("torch")
 vllm_cpu.require_vllm()
@@ -63,24 +63,6 @@ def with_dead_ids(hasher):
     dummy, keep = hasher.dummy_hashes(torch.zeros(4, dtype=torch.int32))
     x = torch.randn((len(hashes), HC, HIDDEN), generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     return [(hashes, x, mask), (dummy, x[:4], keep)]
-
-
-def worker_step(engrams, hashes, x, mask):
-    """One step as vLLM's worker runs it: its own ``Worker.execute_model`` (hooked: the plugin's check before
-    every step, the one host code of the plugin a FULL graph's replay runs), whose model runner (here: what
-    DeepseekV4Model.forward does with the step) hashes and runs the layers. Returns their outputs, or raises
-    before the forward."""
-    from vllm.v1.worker.gpu_worker import Worker
-
-    assert hooks.hooked(Worker.execute_model, hooks._execute_model)
-    outs = []
-    worker = object.__new__(Worker)
-    worker._pp_send_work, worker.profiler, worker.use_v2_model_runner = [], None, False
-    worker.model_runner = types.SimpleNamespace(
-        execute_model=lambda scheduler_output, intermediate: outs.append(vllm_cpu.step(engrams, hashes, x, mask))
-    )
-    Worker.execute_model(worker, types.SimpleNamespace(total_num_scheduled_tokens=len(hashes)))
-    return outs[0]
 
 
 def zero_table_layers(cfg, tables_path):
@@ -463,3 +445,49 @@ def test_failure_policy_when_the_memory_node_dies(vllm_config, hasher, engram_ta
         primary.stop()
         if backup:
             backup.stop()
+
+
+def test_policy_fail_is_checked_where_vllm_reads_the_steps_result(vllm_config, hasher, engram_tables, tmp_path):
+    """Graph mode in_graph under policy fail: the launch path never raises (``Worker.execute_model`` returns as
+    vLLM's does, its CPU lead intact); the step's outcome is checked where its results are read: a
+    ModelRunnerOutput in ``Worker.sample_tokens``; with vLLM's async scheduling, the AsyncModelRunnerOutput's
+    ``get_output()``, as vLLM's own executor reads it (its AsyncOutputFuture). A good step passes both."""
+    from tableclient import TableClientError
+    from vllm.v1.executor.uniproc_executor import AsyncOutputFuture
+    from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+
+    class Async(AsyncModelRunnerOutput):  # a step's result still on its way to the host, as vLLM's runner has it
+        def __init__(self):
+            self.read = 0
+
+        def get_output(self):
+            self.read += 1
+            return ModelRunnerOutput(req_ids=["r"], req_id_to_index={"r": 0}, sampled_token_ids=[[7]])
+
+        def get_kv_connector_output(self):
+            return None
+
+    primary = start_daemon(str(tmp_path / "primary"), "--tables", engram_tables)
+    try:
+        with graph_mode(vllm_config, "FULL"):
+            remote = build(vllm_config, engram_tables, address=primary.address, placement={1: "local"},
+                           policy="fail", timeout=30.0)  # fmt: skip
+        steps = list(vllm_cpu.conversation())
+        _, hashes, mask = vllm_cpu.hash_batch(hasher, steps[0])
+        x = torch.ones((len(hashes), HC, HIDDEN), dtype=torch.bfloat16)
+        inner = Async()
+        _, result = worker_step(remote, hashes, x, mask, output=inner)  # served: checked when read
+        assert isinstance(result, AsyncModelRunnerOutput) and inner.read == 0
+        assert AsyncOutputFuture(result, True).result().sampled_token_ids == [[7]]
+        primary.stop(signal.SIGKILL)  # the memory node dies between steps
+        _, hashes, mask = vllm_cpu.hash_batch(hasher, steps[1])
+        x = torch.ones((len(hashes), HC, HIDDEN), dtype=torch.bfloat16)
+        inner = Async()
+        _, result = worker_step(remote, hashes, x, mask, output=inner)  # launched: nothing raised
+        with pytest.raises(TableClientError, match=r"layer 14: step \d+'s rows were not served here"):
+            AsyncOutputFuture(result, True).result()
+        with pytest.raises(TableClientError, match=r"layer 14: step \d+'s rows were not served here"):
+            worker_step(remote, hashes, x, mask)  # the synchronous output: checked in sample_tokens
+    finally:
+        hooks.configure(PluginConfig())
+        primary.stop()

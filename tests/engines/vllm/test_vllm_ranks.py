@@ -53,3 +53,42 @@ def test_tensor_and_sequence_parallel_ranks_gather_their_columns(model_dir, engr
             assert report[mode]["columns"] == [[12 * rank, 12 * rank + 12]] * 2, report
             assert report[mode]["node"] == {"identical": True, "columns": report[mode]["columns"], "device": True}
         assert report["served"] == {"1": 8, "14": 8}  # sp's steps, each issued at step start
+
+
+KILL_AT = 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["fail", "zeros"])
+def test_tensor_parallel_ranks_serve_the_tables_rows_or_all_the_policys(model_dir, engram_tables, tmp_path, policy):
+    """TP=2 in two processes over gloo (tests/support/vllm_agree.py), remote layers in graph mode in_graph (FULL
+    graphs), each rank with its own memory node: the ranks reduce each layer's ok byte with vLLM's own
+    all-reduce inside the step and mask the rows by it. Rank 1's node dies before step KILL_AT: from then on
+    rank 0's gathers still succeed, yet both ranks' layers run on zero rows (never a mix the collectives
+    after the layer would blend), and under policy fail both ranks refuse each such step where vLLM reads its
+    result (``Worker.sample_tokens``), naming the layer and the rank it failed on."""
+    from conftest import start_daemon
+    from tests_helpers import run_ranks
+
+    daemons = [start_daemon(str(tmp_path / f"node{rank}"), "--tables", engram_tables) for rank in range(2)]
+    try:
+        reports = run_ranks(
+            "vllm_agree.py",
+            daemons,
+            lambda rank, d: [model_dir[0], engram_tables, d.address, str(d.proc.pid), policy, str(KILL_AT)],
+        )
+    finally:
+        for d in daemons:
+            d.stop()
+    for rank, steps in enumerate(reports):
+        assert len(steps) > KILL_AT + 1, steps
+        for s in steps:
+            if s["step"] < KILL_AT:
+                assert s == {"step": s["step"], "rows": {"1": "table", "14": "table"}, "check": "ok"}, (rank, s)
+                continue
+            assert s["rows"] == {"1": "zeros", "14": "zeros"}, (rank, s)  # rank 0's own rows masked too
+            if policy == "fail":
+                where = "on another rank" if rank == 0 else "here"
+                assert f"layer 1: step {s['step'] + 1}'s rows were not served {where}" in s["check"], (rank, s)
+            else:
+                assert s["check"] == "ok", (rank, s)
