@@ -62,7 +62,7 @@ from tableclient.graphstep import GraphStep, HostStreamOps  # noqa: E402
 from tableclient.step import LayerPlan  # noqa: E402
 
 from tableserver.common.model import ROWS_PER_TOKEN, WINDOWS_S  # noqa: E402
-from tableserver.ops.demo_run import ensure_demo_file, start_server  # noqa: E402
+from tableserver.ops.demo_run import ensure_demo_file, freeze, start_server  # noqa: E402
 from tableserver.tables.tablefile import read_header  # noqa: E402
 
 MODES = {
@@ -474,7 +474,7 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                         libc.usleep(1_000_000)
 
                     try:
-                        proc.send_signal(signal.SIGSTOP)
+                        freeze(proc.pid)  # every thread stopped: none answers the step's request
                         ids = rng.integers(0, table_rows, (tokens, ROWS_PER_TOKEN))
                         holder = threading.Thread(target=hold_gil)
                         holder.start()
@@ -485,9 +485,14 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                         go.set()  # the holder takes the GIL as this thread lets it go in the stand-in
                         seen = graphpoll.stand_in(g.flags.host, g.flags.index(0, 0), g.flags.index(0, 1), 30.0)
                         holder.join()
-                        g.rows(14, tokens)
+                        zeros = not g.rows(14, tokens).numpy().any()  # policy zeros: the watchdog's, not rows
                         dt = None if seen is None else g.released_at(14) - seen[0]
-                        late = (published - armed + dt - deadline_s) if dt is not None else float("inf")
+                        if dt is None or not zeros:
+                            say(lines, f"FAIL: watchdog {transport}/{poller}: the step was not released with the "
+                                       "policy's zero rows (the frozen server answered, or no release)")  # fmt: skip
+                            ok = False
+                            continue
+                        late = published - armed + dt - deadline_s
                         say(lines, f"  tcp  {poller:<9} watchdog, server frozen, GIL in C 1 s: released {dt * 1e3:.1f} ms "
                                    f"after the ids, {late * 1e3:+.1f} ms past its {deadline_s * 1e3:.0f} ms deadline "
                                    f"(goal <= +10 ms: {'met' if late <= 0.010 else 'missed'})")  # fmt: skip
@@ -550,7 +555,7 @@ def main() -> int:
     )
     ok = True
     faults_of = {
-        "frozen (SIGSTOP)": lambda proc: proc.send_signal(signal.SIGSTOP),
+        "frozen (SIGSTOP)": lambda proc: freeze(proc.pid),
         "killed": lambda proc: (proc.send_signal(signal.SIGCONT), proc.kill()),
     }
     with tempfile.TemporaryDirectory() as tmp:

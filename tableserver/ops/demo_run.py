@@ -94,6 +94,30 @@ def start_server(
         return proc, json.load(f)
 
 
+def freeze(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it is stopped (the benches' and tests' frozen server):
+    the signal is asynchronous, and a thread already running can still answer a request after ``kill``
+    returns. TableServerError if it has not stopped within ``timeout`` seconds."""
+    import signal
+
+    def stopped() -> bool:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:  # a thread that just exited
+                continue
+        return bool(states) and all(s in ("T", "t") for s in states)
+
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while not stopped():
+        if time.monotonic() > deadline:
+            raise TableServerError(f"process {pid} did not stop within {timeout:g} s of SIGSTOP")
+        time.sleep(0.001)
+
+
 def page_note(page_sizes: dict) -> str:
     """What page size the tables sit on, and how to get hugepages when they are on 4 KiB pages."""
     smallest = min(page_sizes.values(), default=0)

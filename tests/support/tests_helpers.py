@@ -151,25 +151,10 @@ def make_cgroup(controller: str, name: str):
 
 
 def freeze(pid: int) -> None:
-    """SIGSTOP ``pid`` and return once every thread of it is stopped: the signal is asynchronous, and a
-    thread already running (on a busy machine, say) can still answer a request after ``kill`` returns."""
-    import os
-    import signal
+    """SIGSTOP ``pid`` and return once every thread of it is stopped (tableserver/ops/demo_run.py's)."""
+    from tableserver.ops.demo_run import freeze as freeze_process
 
-    from conftest import wait_for
-
-    def stopped() -> bool:
-        states = []
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    states.append(f.read().rsplit(")", 1)[1].split()[0])
-            except OSError:  # a thread that just exited
-                continue
-        return bool(states) and all(s in ("T", "t") for s in states)
-
-    os.kill(pid, signal.SIGSTOP)
-    wait_for(stopped, f"process {pid} to stop on SIGSTOP")
+    freeze_process(pid, EVENT_TIMEOUT)
 
 
 def run_fresh(code: str, env: dict, prelude: str = "") -> subprocess.CompletedProcess:
