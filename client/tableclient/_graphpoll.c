@@ -84,7 +84,9 @@
 #define IDLE_AFTER_NS 50000000
 #define HOT_NS 20000000 /* spin on for this long after the last armed step (a decode step's gap) */
 #define STAND_IN_NAP_NS 100000
+#ifndef RECV_SPIN_NS /* (-DRECV_SPIN_NS=0 builds the poller that sleeps in poll() at once, to compare) */
 #define RECV_SPIN_NS 2000000 /* a response polled with non-blocking reads this long before poll() sleeps */
+#endif
 #define MAX_SLOTS 64
 #define MAX_EVENTS 256
 #define ERROR_CHARS 256
