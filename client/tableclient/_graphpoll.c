@@ -48,9 +48,8 @@
  *
  * The thread takes no GIL, and no lock while it spins: it reads the slots' states and flags atomically
  * and locks only to change a state (a Python call waiting for the lock never queues behind a spinner).
- * It spins (the CPU's pause hint) while a slot is armed, on a tcp response's non-blocking reads for up to
- * RECV_SPIN_NS before poll() sleeps (no wake-up between the packets of a step's rows), and, at normal
- * priority, for HOT_NS after a step (staying
+ * It spins (the CPU's pause hint) while a slot is armed and, at normal priority, for HOT_NS after a step
+ * (staying
  * on its CPU between decode steps); otherwise it waits on a condition arm() signals for at most SLEEP_NS (IDLE_SLEEP_NS once
  * idle for IDLE_AFTER_NS) between
  * looks otherwise, so a replay nobody armed is still released with zeros within that. It alone writes the
@@ -84,9 +83,6 @@
 #define IDLE_AFTER_NS 50000000
 #define HOT_NS 20000000 /* spin on for this long after the last armed step (a decode step's gap) */
 #define STAND_IN_NAP_NS 100000
-#ifndef RECV_SPIN_NS /* (-DRECV_SPIN_NS=0 builds the poller that sleeps in poll() at once, to compare) */
-#define RECV_SPIN_NS 2000000 /* a response polled with non-blocking reads this long before poll() sleeps */
-#endif
 #define MAX_SLOTS 64
 #define MAX_EVENTS 256
 #define ERROR_CHARS 256
@@ -235,7 +231,6 @@ static int send_request(int fd, const char *header, const char *ids, size_t n, i
 
 static int recv_all(int fd, char *buf, size_t n, int64_t deadline)
 {
-    int64_t spin_until = 0; /* the rows are due within microseconds: spin first, sleep in poll() after */
     while (n) {
         ssize_t r = recv(fd, buf, n, MSG_DONTWAIT);
         if (r > 0) {
@@ -248,13 +243,6 @@ static int recv_all(int fd, char *buf, size_t n, int64_t deadline)
         if (errno == EINTR)
             continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) {
-            int64_t t = now_ns();
-            if (!spin_until)
-                spin_until = t + RECV_SPIN_NS;
-            if (t < spin_until && t < deadline) {
-                cpu_relax();
-                continue;
-            }
             int w = wait_fd(fd, POLLIN, deadline);
             if (w < 0)
                 return w;
