@@ -58,37 +58,49 @@ def test_tensor_and_sequence_parallel_ranks_gather_their_columns(model_dir, engr
 KILL_AT = 3
 
 
+POLICIES = ("fail", "zeros")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["fail", "zeros"])
-def test_tensor_parallel_ranks_serve_the_tables_rows_or_all_the_policys(model_dir, engram_tables, tmp_path, policy):
+def test_tensor_parallel_ranks_serve_the_tables_rows_or_all_the_policys(model_dir, engram_tables, tmp_path):
     """TP=2 in two processes over gloo (tests/support/vllm_agree.py), remote layers in graph mode in_graph (FULL
     graphs), each rank with its own memory node: the ranks reduce each layer's ok byte with vLLM's own
     all-reduce inside the step and mask the rows by it. Rank 1's node dies before step KILL_AT: from then on
     rank 0's gathers still succeed, yet both ranks' layers run on zero rows (never a mix the collectives
     after the layer would blend), and under policy fail both ranks refuse each such step where vLLM reads its
-    result (``Worker.sample_tokens``), naming the layer and the rank it failed on."""
+    result (``Worker.sample_tokens``), naming the layer and the rank it failed on. Both policies in turn, in
+    the same two processes (a fresh pair of nodes each)."""
     from conftest import start_daemon
     from tests_helpers import run_ranks
 
-    daemons = [start_daemon(str(tmp_path / f"node{rank}"), "--tables", engram_tables) for rank in range(2)]
+    daemons = {
+        (policy, rank): start_daemon(str(tmp_path / f"{policy}{rank}"), "--tables", engram_tables)
+        for policy in POLICIES
+        for rank in range(2)
+    }
     try:
         reports = run_ranks(
             "vllm_agree.py",
-            daemons,
-            lambda rank, d: [model_dir[0], engram_tables, d.address, str(d.proc.pid), policy, str(KILL_AT)],
+            [daemons[(POLICIES[0], rank)] for rank in range(2)],
+            lambda rank, _: (
+                [model_dir[0], engram_tables, str(KILL_AT)]
+                + [f for p in POLICIES for f in (p, daemons[(p, rank)].address, str(daemons[(p, rank)].proc.pid))]
+            ),
         )
     finally:
-        for d in daemons:
+        for d in daemons.values():
             d.stop()
     for rank, steps in enumerate(reports):
-        assert len(steps) > KILL_AT + 1, steps
+        assert {s["policy"] for s in steps} == set(POLICIES)
         for s in steps:
             if s["step"] < KILL_AT:
-                assert s == {"step": s["step"], "rows": {"1": "table", "14": "table"}, "check": "ok"}, (rank, s)
+                assert (s["rows"], s["check"]) == ({"1": "table", "14": "table"}, "ok"), (rank, s)
                 continue
             assert s["rows"] == {"1": "zeros", "14": "zeros"}, (rank, s)  # rank 0's own rows masked too
-            if policy == "fail":
+            if s["policy"] == "fail":
                 where = "on another rank" if rank == 0 else "here"
                 assert f"layer 1: step {s['step'] + 1}'s rows were not served {where}" in s["check"], (rank, s)
             else:
                 assert s["check"] == "ok", (rank, s)
+        for policy in POLICIES:
+            assert len([s for s in steps if s["policy"] == policy]) > KILL_AT + 1, steps
