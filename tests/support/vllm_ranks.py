@@ -1,6 +1,6 @@
 """One tensor-parallel rank of vLLM's Engram layers on the CPU (gloo), with and without the plugin.
 
-    python tests/support/vllm_ranks.py RANK WORLD PORT MODEL_DIR TABLE_FILE ADDRESS
+    python tests/support/vllm_ranks.py RANK WORLD PORT MODEL_DIR TABLE_FILE ADDRESS KILL_AT [POLICY NODE PID]...
 
 Started once per rank by tests/engines/vllm/test_vllm_ranks.py. On each rank vLLM's own layers are built three
 times over the same tables: with vLLM's own (head-sharded) tables, with every layer served remote (ADDRESS, the
@@ -8,21 +8,32 @@ host path) and with every layer served node (ADDRESS as this host's tableserver 
 plugin's kernel gathering from its mapping), without and with sequence parallelism, and the same steps go
 through all three; prints one JSON line: per mode and placement whether every output was bit-identical to
 vLLM's own, and the hash columns this rank's served layers gathered.
+
+Then whether the ranks agree on each step's rows (:func:`agreement`): for each POLICY in turn, this rank's
+layers served remote by its own node (NODE, whose process is PID) in graph mode in_graph (vLLM's FULL graphs),
+every step through vLLM's own ``Worker.execute_model`` and ``Worker.sample_tokens`` (hooked), beside vLLM's
+own layers over its own tables and over all-zero tables (the references, alike on every rank). Rank 1 kills
+its node (SIGKILL) before step KILL_AT. One JSON line a step, before the report: the policy, which reference
+each served layer's output equals ("table", "zeros" or "neither") and what the check where vLLM reads the
+result said ("ok" or its error).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # tests/support, tests (conftest)
 
 import vllm_cpu  # noqa: E402  (before vllm)
+from graph_ranks import dead  # noqa: E402
 
 
-def main(rank: int, world: int, port: int, model_dir: str, table_file: str, address: str) -> dict:
+def main(rank: int, world: int, port: int, model_dir: str, table_file: str, address: str, kill_at: int,
+         runs: list) -> dict:  # fmt: skip
     import numpy as np
     import torch
     from conftest import local_tables
@@ -83,11 +94,62 @@ def main(rank: int, world: int, port: int, model_dir: str, table_file: str, addr
             "steps": len(outs[0]),
             "node": {"identical": same(outs[2]), "columns": columns["node"], "device": device},
         }
-    hooks.configure(PluginConfig())
-    vllm_cpu.close_parallel()
+    try:
+        agreement(rank, cfg, hasher, tables, kill_at, runs)
+    finally:
+        hooks.configure(PluginConfig())
+        vllm_cpu.close_parallel()
     return report
+
+
+def agreement(rank: int, cfg, hasher, tables, kill_at: int, runs: list) -> None:
+    """Each step's rows, ranks agreeing or not, per policy in ``runs`` ((policy, node address, node pid))."""
+    import numpy as np
+    import torch
+    from conftest import wait_for
+    from tableclient import TableClientError
+    from tableclient.engine import PluginConfig
+    from tableclient.vllm import hooks
+    from vllm.config import CUDAGraphMode
+
+    cfg.compilation_config.cudagraph_mode = CUDAGraphMode.FULL  # remote layers: in_graph
+
+    def build(plugin_config, zero=False):
+        hooks.configure(plugin_config)
+        engrams = vllm_cpu.build_engrams(cfg)
+        for e, layer in zip(engrams, vllm_cpu.LAYERS):
+            table = np.array(tables[f"engram.layer{layer}"])
+            vllm_cpu.load_table(e, np.zeros_like(table) if zero else table)
+        return engrams
+
+    own, zeros = build(PluginConfig()), build(PluginConfig(), zero=True)
+    for policy, address, pid in runs:
+        served = build(PluginConfig(address=address, transport="tcp", policy=policy, timeout=30.0,
+                                    liveness_timeout=600.0, gather_budget=600.0))  # fmt: skip
+        assert all(e.embed_tokens.in_graph for e in served)
+        rng = np.random.default_rng(0)
+        for i, requests in enumerate(vllm_cpu.conversation()):
+            if i == kill_at and rank == 1:
+                os.kill(pid, signal.SIGKILL)
+                wait_for(lambda: dead(pid), "the node to die")  # its sockets closed
+            _, hashes, mask = vllm_cpu.hash_batch(hasher, requests)
+            x = rng.standard_normal((len(hashes), vllm_cpu.HC, vllm_cpu.HIDDEN)).astype(np.float32)
+            x = torch.from_numpy(x).to(torch.bfloat16)
+            want, zero = vllm_cpu.step(own, hashes, x, mask), vllm_cpu.step(zeros, hashes, x, mask)
+            outs, check = [], "ok"
+            try:
+                vllm_cpu.worker_step(served, hashes, x, mask, outs=outs)
+            except TableClientError as e:
+                check = str(e)
+            rows = {}
+            for layer, got, a, b in zip(vllm_cpu.LAYERS, outs[-1], want, zero):
+                same = lambda r: torch.equal(got.view(torch.int16), r.view(torch.int16))  # noqa: E731
+                rows[str(layer)] = "table" if same(a) else "zeros" if same(b) else "neither"
+            print(json.dumps({"policy": policy, "step": i, "rows": rows, "check": check}), flush=True)
 
 
 if __name__ == "__main__":
     rank, world, port = (int(a) for a in sys.argv[1:4])
-    print(json.dumps(main(rank, world, port, *sys.argv[4:7])))
+    rest = sys.argv[8:]
+    runs = [(rest[k], rest[k + 1], int(rest[k + 2])) for k in range(0, len(rest), 3)]
+    print(json.dumps(main(rank, world, port, *sys.argv[4:7], int(sys.argv[7]), runs)))
