@@ -35,7 +35,7 @@ from test_vllm_plugin import (  # noqa: E402,F401  (fixtures: the model, its tab
     hasher,
     memnode,
     model_dir,
-    other_tables,
+    model_tables,
     plugin,
     run,
     server_rows,
@@ -47,6 +47,12 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 TABLES = tuple(f"engram.layer{layer}" for layer in LAYERS)
+
+
+@pytest.fixture(scope="module")
+def other_tables(model_dir, tmp_path_factory):
+    """The same tables' names and sizes with other rows: another version of the data."""
+    return model_tables(model_dir, tmp_path_factory.mktemp("vllm-other"), 12)
 
 
 def shm_rows() -> dict:

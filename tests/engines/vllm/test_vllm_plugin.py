@@ -62,12 +62,6 @@ def engram_tables(model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def other_tables(model_dir, tmp_path_factory):
-    """The same tables' names and sizes with other rows: another version of the data."""
-    return model_tables(model_dir, tmp_path_factory.mktemp("vllm-other"), 12)
-
-
-@pytest.fixture(scope="module")
 def memnode(engram_tables, tmp_path_factory):
     d = start_daemon(str(tmp_path_factory.mktemp("memnode")), "--tables", engram_tables)
     yield d
