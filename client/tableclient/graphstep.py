@@ -413,7 +413,7 @@ class GraphStep:
             if slot is not None and graph:
                 self.ops.wait(self.flags, slot.rows_flag, 1)
                 self.ops.write(self.flags, slot.rows_flag, 0)
-            dst.copy_(self._owner[layer].staging[layer][:tokens].view(n, -1), non_blocking=True)
+            dst.copy_(self._owner[layer].staging[layer][:tokens].view(dst.shape), non_blocking=True)  # 0 tokens too
         if graph and self.results_check:
             self._track(layer, dst)
         return dst

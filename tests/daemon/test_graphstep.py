@@ -61,7 +61,8 @@ def stream_step(g: GraphStep, ids: dict, tokens: int, layers=None) -> dict:
             for layer in layers:
                 g.publish_ids(layer, torch.from_numpy(ids[layer][:tokens]))
             for layer in layers:
-                out[layer] = g.rows(layer, tokens).clone().numpy().reshape(tokens, 24, -1)
+                rows = g.rows(layer, tokens).clone().numpy()
+                out[layer] = rows.reshape(tokens, 24, rows.shape[-1])
         except BaseException as e:
             errors.append(e)
 
@@ -188,7 +189,8 @@ def test_a_dead_server_ends_in_the_policy_and_the_stream_goes_on(tmp_path, demo_
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_dead_ids_are_never_read_and_give_zero_rows(daemon, local, transport):
     """An engine's padding marker (``dead_id``, vLLM's DEAD_ID): in_graph layers send only the live ids and
-    spread their rows into place, the dead ones zero, bit-exact; a step of dead ids only reads nothing."""
+    spread their rows into place, the dead ones zero, bit-exact; a step of dead ids only reads nothing, nor
+    does a step of no tokens."""
     dead = -1
     with TableClient(daemon.address, transport=transport) as c:
         g = make(c, {1: "in_graph", 14: "in_graph"}, dead_id=dead)
@@ -210,6 +212,10 @@ def test_dead_ids_are_never_read_and_give_zero_rows(daemon, local, transport):
             out = stream_step(g, ids, 4)
             g.after_replay()
             assert not any(out[p.layer].any() for p in PLANS)
+            g.arm(0)  # a step of no tokens (a data-parallel dummy run's): released at once, no rows
+            out = stream_step(g, {p.layer: np.zeros((0, 24), np.int64) for p in PLANS}, 0)
+            g.after_replay()
+            assert all(out[p.layer].shape[0] == 0 for p in PLANS)
         finally:
             g.close()
 
