@@ -1,6 +1,7 @@
 """Metadata lives in setup.cfg; this adds the optional C extensions: the row gather (tableserver/common/take.py
 says why), the flag wait of graph-safe steps (client/tableclient/_flags.c says why) and the disk tier's read
-engine (tableserver/disk/_diskio_c/module.c says why; its C files, by concept, as CPython's Modules/_io/).
+engine (tableserver/disk/_diskio_c/module.c says why; its C files, by concept, as CPython's Modules/_io/); where
+libibverbs' headers are, the in_graph poller's rdma source (client/tableclient/_graphverbs.c).
 
 ``optional=True``: without a C compiler or Python's headers the package installs all the same and
 ``tableserver.common.take`` runs numpy's gather (``tableserver.common.take.NATIVE`` is then False), and
@@ -9,8 +10,19 @@ engine (tableserver/disk/_diskio_c/module.c says why; its C files, by concept, a
 """
 
 import os
+import sysconfig
 
 from setuptools import Extension, setup
+
+
+def has_header(name: str) -> bool:
+    """Whether the C compiler finds header ``name`` in the usual places (CPATH, C_INCLUDE_PATH, Python's include
+    directory, /usr/local/include, /usr/include and its multiarch directory)."""
+    dirs = [d for var in ("CPATH", "C_INCLUDE_PATH") for d in os.environ.get(var, "").split(os.pathsep) if d]
+    multiarch = sysconfig.get_config_var("MULTIARCH") or ""
+    dirs += [sysconfig.get_path("include"), "/usr/local/include", f"/usr/include/{multiarch}", "/usr/include"]
+    return any(os.path.exists(os.path.join(d, name)) for d in dirs if d)
+
 
 # CI sets TABLESERVER_REQUIRE_NATIVE=1: a build error there fails the install (else an older .so of an
 # in-place build would go on being imported)
@@ -19,6 +31,7 @@ optional = os.environ.get("TABLESERVER_REQUIRE_NATIVE") != "1"
 # sdist (and rebuilds an extension when one changes).
 COMMON = "tableserver/common"
 DISKIO = "tableserver/disk/_diskio_c"  # not _diskio/: with no .so built, that folder imports as the module
+GRAPHVERBS_H = "client/tableclient/graphverbs.h"  # what _graphverbs hands _graphpoll (a capsule of functions)
 native = [
     Extension(
         "tableserver.common._take",
@@ -41,7 +54,7 @@ native = [
         "tableclient._graphpoll",
         ["client/tableclient/_graphpoll.c"],
         include_dirs=[COMMON],
-        depends=[f"{COMMON}/bufcheck.h", f"{COMMON}/rowcopy.h", f"{COMMON}/spin.h"],
+        depends=[f"{COMMON}/bufcheck.h", f"{COMMON}/rowcopy.h", f"{COMMON}/spin.h", GRAPHVERBS_H],
         optional=optional,
         extra_compile_args=["-O2"],
     ),
@@ -54,4 +67,18 @@ native = [
         extra_compile_args=["-O2"],
     ),
 ]
+# the in_graph poller's rdma source (client/tableclient/_graphverbs.c says why it is a module of its own): only
+# where libibverbs' headers are (Debian: libibverbs-dev), so that a client without RDMA builds and imports all the same
+if has_header("infiniband/verbs.h"):
+    native.append(
+        Extension(
+            "tableclient._graphverbs",
+            ["client/tableclient/_graphverbs.c"],
+            include_dirs=[COMMON],
+            depends=[f"{COMMON}/bufcheck.h", f"{COMMON}/rowcopy.h", f"{COMMON}/spin.h", GRAPHVERBS_H],
+            libraries=["ibverbs"],
+            optional=optional,
+            extra_compile_args=["-O2"],
+        )
+    )
 setup(ext_modules=[] if os.environ.get("TABLESERVER_BUILD_NATIVE") == "0" else native)

@@ -19,6 +19,12 @@
  *                               the slot's rows come over ``fd``, an authenticated, unsealed data connection
  *                               speaking the tcp wire protocol (tableserver/common/wire.py); the poller dups
  *                               it and owns the dup
+ * set_rdma(slot, endpoint)      the slot's rows are RDMA READs through ``endpoint``, a connected
+ *                               tableclient._graphverbs.Endpoint of its own (one RC QP reading the slot's
+ *                               table, rows of its row_bytes, max_tokens x columns of them per step; the
+ *                               poller keeps a reference until the slot's source changes). That module, built
+ *                               only where libibverbs is, hands its functions over in a capsule
+ *                               (graphverbs.h): this one neither includes nor links libibverbs
  * set_none(slot)                no source (a node down): its steps get the policy at once
  * arm(tokens, deadlines)        every slot: the next step has ``tokens`` tokens, its ids due by deadlines[i]
  *                               (CLOCK_MONOTONIC seconds, time.monotonic()'s clock)
@@ -57,6 +63,11 @@
  * after a release (the cancel barrier) and the watchdog (the same loop) never races a gather: a gather
  * past its deadline stops at the deadline (the socket is polled against it) and the policy is applied.
  * A connection that broke mid-response is never read again (the slot gets the policy until set_tcp).
+ * Over rdma the gather (_graphverbs.c) polls its completions against the same deadline; at it, or on any
+ * error, it moves its QP to the error state and drains the flush (bounded) before it returns and the step
+ * is released, and its READs land in the endpoint's own registered bounce buffer, copied into the staging
+ * by this thread after they all completed: no READ answered late can reach the staging. The endpoint is
+ * then broken for good (broken() says why, set_rdma connects a new one), as a tcp connection is.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -75,6 +86,7 @@
 #include <unistd.h>
 
 #include "bufcheck.h"
+#include "graphverbs.h"
 #include "rowcopy.h"
 #include "spin.h"
 
@@ -90,7 +102,7 @@
 #define MAX_ERROR_BODY 4096 /* an error frame's message read at most (else the connection is dropped) */
 
 enum { IDLE, ARMED, GATHERING, RELEASED };
-enum { SRC_NONE, SRC_SHM, SRC_TCP };
+enum { SRC_NONE, SRC_SHM, SRC_TCP, SRC_RDMA };
 enum { HOW_ROWS, HOW_POLICY, HOW_WATCHDOG, HOW_UNARMED };
 
 typedef struct {
@@ -100,6 +112,8 @@ typedef struct {
     int64_t *pos;
     Py_buffer ids, staging, table;
     int have_table;
+    PyObject *endpoint; /* SRC_RDMA: a tableclient._graphverbs.Endpoint (kept until the source changes) */
+    void *ep;
     size_t row_bytes, columns, max_tokens;
     /* state, under the poller's lock */
     int state, owe, failed, source, fd, tokens, timed_out;
@@ -130,6 +144,9 @@ typedef struct {
     Event events[MAX_EVENTS];
     int nevents;
 } Poller;
+
+/* tableclient._graphverbs' functions (the rdma source), taken at the first set_rdma */
+static const GraphVerbsAPI *verbs_api;
 
 
 /* the state a slot is in, read by the thread without the lock (written under it, with a release store
@@ -397,6 +414,7 @@ static void serve_ids(Poller *p, int i)
     if (s->budget_ns > 0 && seen + s->budget_ns < deadline) /* the gather's own deadline: from the ids */
         deadline = seen + s->budget_ns;
     int source = s->source;
+    void *ep = s->ep;
     s->timed_out = 0;
     pthread_mutex_unlock(&p->lock);
 
@@ -425,17 +443,31 @@ static void serve_ids(Poller *p, int i)
         }
     } else if (source == SRC_TCP) {
         ok = n == 0 || gather_tcp(s, ids, n, out, deadline, &fatal) == 0;
+    } else if (source == SRC_RDMA) {
+        ptrdiff_t bad = first_bad(ids, (ptrdiff_t)n, s->table_rows);
+        if (bad >= 0)
+            snprintf(s->error, ERROR_CHARS, "row id %lld at %td is outside the table's %llu rows", (long long)ids[bad],
+                     bad, (unsigned long long)s->table_rows);
+        else if (n) {
+            int r = verbs_api->gather(ep, ids, n, out, deadline, &s->timed_out, s->error, ERROR_CHARS);
+            ok = r == 0;
+            fatal = r == -1; /* the endpoint broke (its QP in the error state): never read again */
+        } else
+            ok = 1;
     } else {
         snprintf(s->error, ERROR_CHARS, "no connection to the layer's node (it reconnects in the background)");
     }
     if (ok && p->has_dead)
         spread(s, n, all);
     pthread_mutex_lock(&p->lock);
-    if (fatal && s->source == SRC_TCP) {
+    if (fatal && (s->source == SRC_TCP || s->source == SRC_RDMA)) {
         snprintf(s->broken, ERROR_CHARS, "%s", s->error);
-        s->source = SRC_NONE; /* never read again: Python connects anew (set_tcp) */
-        close(s->fd);
+        if (s->source == SRC_TCP)
+            close(s->fd);
         s->fd = -1;
+        s->source = SRC_NONE; /* never read again: Python connects anew (set_tcp, set_rdma); the endpoint is
+                                 let go by then, with the GIL */
+        s->ep = NULL;
     }
     if (s->step == step && s->state == GATHERING) {
         if (!ok) {
@@ -560,6 +592,15 @@ static int take_table(Slot *s, Py_buffer *old)
     return had;
 }
 
+/* (lock held) the slot's rdma endpoint, handed to the caller to let go of once it holds the GIL */
+static PyObject *take_endpoint(Slot *s)
+{
+    PyObject *o = s->endpoint;
+    s->endpoint = NULL;
+    s->ep = NULL;
+    return o;
+}
+
 static void drop_source(Slot *s)
 {
     if (s->source == SRC_TCP && s->fd >= 0)
@@ -580,6 +621,8 @@ static void poller_release_buffers(Poller *p)
         if (s->have_table)
             PyBuffer_Release(&s->table);
         s->have_table = 0;
+        Py_CLEAR(s->endpoint);
+        s->ep = NULL;
     }
     p->nslots = 0;
     if (p->flags_buf.obj)
@@ -601,6 +644,7 @@ static void stop(Poller *p)
     for (int i = 0; i < p->nslots; i++) {
         store(p, p->slots[i].rows_flag, 1); /* a graph replayed after this waits for nobody */
         drop_source(&p->slots[i]);
+        Py_XDECREF(take_endpoint(&p->slots[i])); /* the thread is gone: nothing gathers through it */
     }
 }
 
@@ -712,12 +756,14 @@ fail:
     return -1;
 }
 
-/* What a slot reads its rows from next: SRC_SHM (table, rows), SRC_TCP (fd, owned, table_index, max_rows) or
- * SRC_NONE */
+/* What a slot reads its rows from next: SRC_SHM (table, rows), SRC_TCP (fd, owned, table_index, max_rows),
+ * SRC_RDMA (endpoint, a reference owned, ep, rows) or SRC_NONE */
 typedef struct {
     int source, fd;
     Py_buffer table;
     uint64_t rows, table_index, max_rows;
+    PyObject *endpoint;
+    void *ep;
 } Source;
 
 /* Points slot i at ``next`` once it is not gathering (the GIL released meanwhile); the mapping it read
@@ -726,12 +772,14 @@ static PyObject *swap_source(Poller *p, int i, Source *next)
 {
     Slot *s = &p->slots[i];
     Py_buffer old = {0};
+    PyObject *old_endpoint;
     int had;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&p->lock);
     wait_not_gathering(p, s);
     drop_source(s);
     had = take_table(s, &old);
+    old_endpoint = take_endpoint(s);
     if (next->source == SRC_SHM) {
         s->table = next->table;
         s->have_table = 1;
@@ -740,6 +788,10 @@ static PyObject *swap_source(Poller *p, int i, Source *next)
         s->fd = next->fd;
         s->table_index = next->table_index;
         s->max_rows = next->max_rows;
+    } else if (next->source == SRC_RDMA) {
+        s->endpoint = next->endpoint;
+        s->ep = next->ep;
+        s->table_rows = next->rows;
     }
     s->source = next->source;
     s->broken[0] = 0;
@@ -747,6 +799,7 @@ static PyObject *swap_source(Poller *p, int i, Source *next)
     Py_END_ALLOW_THREADS
     if (had)
         PyBuffer_Release(&old);
+    Py_XDECREF(old_endpoint);
     Py_RETURN_NONE;
 }
 
@@ -785,6 +838,40 @@ static PyObject *Poller_set_tcp(Poller *p, PyObject *args)
         close(next.fd);
         return PyErr_SetFromErrno(PyExc_OSError);
     }
+    return swap_source(p, i, &next);
+}
+
+static PyObject *Poller_set_rdma(Poller *p, PyObject *args)
+{
+    PyObject *slot_o, *endpoint;
+    int i;
+    if (!PyArg_ParseTuple(args, "OO", &slot_o, &endpoint) || check_slot(p, slot_o, &i) < 0)
+        return NULL;
+    if (!verbs_api) {
+        const GraphVerbsAPI *api = PyCapsule_Import(GRAPHVERBS_CAPSULE, 0);
+        if (!api)
+            return NULL;
+        if (api->version != GRAPHVERBS_API_VERSION) {
+            PyErr_Format(PyExc_ImportError, "tableclient._graphverbs speaks version %d, this poller %d: rebuild both",
+                         api->version, GRAPHVERBS_API_VERSION);
+            return NULL;
+        }
+        verbs_api = api;
+    }
+    void *ep = verbs_api->endpoint(endpoint);
+    if (!ep)
+        return NULL;
+    Slot *s = &p->slots[i];
+    uint64_t max_rows, rows;
+    size_t row_bytes;
+    verbs_api->shape(ep, &max_rows, &row_bytes, &rows);
+    if (row_bytes != s->row_bytes || max_rows < s->max_tokens * s->columns) {
+        PyErr_Format(PyExc_ValueError, "the endpoint reads %llu rows of %zu B, the slot needs %zu of %zu B",
+                     (unsigned long long)max_rows, row_bytes, s->max_tokens * s->columns, s->row_bytes);
+        return NULL;
+    }
+    Py_INCREF(endpoint);
+    Source next = {.source = SRC_RDMA, .fd = -1, .endpoint = endpoint, .ep = ep, .rows = rows};
     return swap_source(p, i, &next);
 }
 
@@ -1040,6 +1127,8 @@ static PyMethodDef Poller_methods[] = {
     {"set_shm", (PyCFunction)Poller_set_shm, METH_VARARGS, "set_shm(slot, table, rows): rows copied from a mapping"},
     {"set_tcp", (PyCFunction)Poller_set_tcp, METH_VARARGS,
      "set_tcp(slot, fd, table_index, max_rows): rows over an authenticated, unsealed data connection (dup'd)"},
+    {"set_rdma", (PyCFunction)Poller_set_rdma, METH_VARARGS,
+     "set_rdma(slot, endpoint): rows READ through a connected tableclient._graphverbs.Endpoint (kept)"},
     {"set_none", (PyCFunction)Poller_set_none, METH_O, "set_none(slot): no source; its steps get the policy"},
     {"set_budget", (PyCFunction)Poller_set_budget, METH_VARARGS,
      "set_budget(slot, seconds): a gather ends this long after its ids were seen, or gets the policy"},

@@ -3,15 +3,18 @@ Python keeps doing for it off the hot path: pointing each layer at where its row
 that changes, and turning what the thread did into metrics.
 
 Per in_graph layer the thread copies the step's rows from the table this process maps (shm; the row copy
-of ``tableserver/common/rowcopy.h``) or reads them over a data connection of its own to the node (tcp:
-authenticated by Python, handed over unused, never sealed), and applies the policy at the deadline
+of ``tableserver/common/rowcopy.h``), reads them over a data connection of its own to the node (tcp:
+authenticated by Python, handed over unused, never sealed), or READs them through an RC QP of its own
+(rdma: ``_graphverbs.c``; its QP offered to the node in a session of its own, ``node.QpSession``, which
+answers with the server's QP and the table's regions), and applies the policy at the deadline
 itself, all without the GIL; with ``realtime`` at real-time priority (SCHED_FIFO 1) where the process may,
 so that a busy machine's scheduler does not park it for a slice mid-step (opt-in: a real-time spinner takes
 its core from every normal thread while a step is armed). :meth:`NativePoller.refresh` runs before every arm: a node replaced,
 reconnected, or a connection the thread dropped (it never reads a broken one again) gets a new source;
 with none, the layer's steps get the policy at once. Where this cannot serve a GraphStep (the extension
-not built, policy ``fallback``, a node reached only over rdma or a sealed connection, rows split over
-shards), :class:`NativeUnavailable` says why and the GraphStep keeps its Python poller.
+not built, policy ``fallback``, a node reached over rdma where ``_graphverbs`` is not built or libibverbs
+is missing, a sealed connection, rows split over shards), :class:`NativeUnavailable` says why (the
+GraphStep's start-up log line) and the GraphStep keeps its Python poller.
 """
 
 from __future__ import annotations
@@ -19,19 +22,33 @@ from __future__ import annotations
 import logging
 import time
 
-from tableclient.errors import TableClientError
+from tableclient.errors import ConnectError, TableClientError
 from tableclient.metrics import metrics
 from tableclient.streamops import GraphStepError
+from tableserver.common.verbs import QpInfo
 
 try:
     from tableclient import _graphpoll
 except ImportError:  # built without a C compiler
     _graphpoll = None
+try:
+    from tableclient import _graphverbs
+
+    #: why the native poller cannot read layers over rdma here ("" where it can)
+    RDMA_MISSING = ""
+except ModuleNotFoundError:  # built without libibverbs' headers
+    _graphverbs = None
+    RDMA_MISSING = "tableclient._graphverbs is not built (no libibverbs headers at install: Debian's libibverbs-dev)"
+except ImportError as e:  # built, but this host has no libibverbs
+    _graphverbs = None
+    RDMA_MISSING = f"tableclient._graphverbs cannot load ({e})"
 
 log = logging.getLogger("tableclient.graphstep")
 
 #: whether the native poller is built here (a C compiler at install)
 BUILT = _graphpoll is not None
+#: whether it reads layers over rdma itself (tableclient._graphverbs: libibverbs' headers at install, libibverbs here)
+RDMA = BUILT and _graphverbs is not None
 
 
 def stand_in(flags, ids_flag: int, rows_flag: int, timeout: float):
@@ -69,6 +86,8 @@ class NativePoller:
         self._rows = [client.tables[plan.table].rows for plan in self.plans]
         self._timeout = connect_timeout
         self._sources: list = [None] * len(slots)  # (generation, node) the source was set for
+        self._links: list = [None] * len(slots)  # rdma: the layer's (QpSession, Endpoint), freed once replaced
+        self._shapes = [(ids.size, staging.shape[-1]) for _plan, _i, _r, _o, ids, staging in slots]  # rows, row bytes
         self._poller = _graphpoll.Poller(
             flags,
             [(ids_flag, rows_flag, ok_flag, ids.reshape(-1), staging.reshape(-1), staging.shape[-1], ids.shape[-1])
@@ -92,7 +111,9 @@ class NativePoller:
             for i in range(len(slots)):
                 self.refresh(i, first=True)
         except BaseException:
-            self._poller.close()
+            self.close()  # the thread, and the rdma links of the layers connected before
+            for _plan, _ids_flag, rows_flag, *_ in slots:  # close() released them; never served, they are the
+                flags[rows_flag] = 0  # GraphStep's again (its Python poller's first arm would wait on them)
             raise
 
     def refresh(self, i: int, first: bool = False) -> None:
@@ -115,18 +136,20 @@ class NativePoller:
             return
         if broken is not None:
             log.warning("layer %d: the native poller's connection broke (%s): connecting again", self.layers[i], broken)
+        link = None
         if route.local is not None:
             self._poller.set_shm(i, route.local, self._rows[i])
+        elif route.transport is not None and route.transport.name == "rdma" and RDMA:
+            try:
+                link = self._connect_rdma(i, route)
+            except (TableClientError, OSError, ValueError) as e:
+                self._unconnected(i, "rdma connection", e, first)
+                return
         elif route.transport is not None and route.transport.name == "tcp":
             try:
                 sock, sealed = route.node.open_data_socket(self._timeout)
             except TableClientError as e:
-                if first:
-                    raise NativeUnavailable(f"no data connection of its own: {e}") from None
-                log.warning("layer %d: no data connection for the native poller (%s): policy until it has one",
-                            self.layers[i], e)  # fmt: skip
-                self._poller.set_none(i)
-                self._sources[i] = None
+                self._unconnected(i, "data connection", e, first)
                 return
             try:
                 if sealed:
@@ -136,10 +159,60 @@ class NativePoller:
                 sock.close()  # the poller holds its own duplicate
         elif first:
             why = route.transport.name if route.transport is not None else "rows split over shards, or no node up"
+            if why == "rdma" and not RDMA:
+                why = f"rdma and {RDMA_MISSING}"
             raise NativeUnavailable(f"table {self.plans[i].table!r} is read over {why}")
         else:
             self._poller.set_none(i)
+        self._keep(i, link)
         self._sources[i] = (generation, id(route.node))
+
+    def _connect_rdma(self, i: int, route) -> tuple:
+        """Layer ``i``'s rdma source, in use: an endpoint of its own on the device the client's rdma transport
+        uses, its QP offered to the node in a session of its own, connected to the server's QP, handed to the
+        thread. ``(QpSession, Endpoint)``; OSError (verbs), ValueError or TableClientError when it cannot be."""
+        dev = route.transport.dev
+        table = self.plans[i].table
+        capacity, row_bytes = self._shapes[i]
+        ep = _graphverbs.Endpoint(dev.name, dev.port, dev.gid_index, capacity, row_bytes)
+        side = None
+        try:
+            qp = QpInfo(ep.qp_num, ep.psn, ep.gid, ep.mtu)
+            side = route.node.open_qp_session(qp, dev.name, ep.max_rd_atomic, self._timeout)
+            info = side.tables.get(table)
+            if info is None or info.index != route.index:
+                raise ConnectError(f"table {table!r}: the node's catalog changed under the client's session")
+            regions = side.regions(route.index)
+            if not regions:
+                raise ValueError(f"table {table!r}: the node registered no memory of it for READs (served packed only)")
+            peer = side.peer
+            ep.connect(peer.qp_num, peer.psn, peer.gid, peer.mtu, side.rd_atomic, self._rows[i], regions)
+            self._poller.set_rdma(i, ep)
+        except BaseException:
+            if side is not None:
+                side.close()
+            ep.close()
+            raise
+        return side, ep
+
+    def _keep(self, i: int, link) -> None:
+        """Layer ``i``'s rdma link is ``link`` from now on (None: none); the one before (the thread let go of
+        it: every set_* waits for a gather in progress) closed."""
+        old, self._links[i] = self._links[i], link
+        if old is not None and old is not link:
+            side, ep = old
+            side.close()
+            ep.close()
+
+    def _unconnected(self, i: int, what: str, error: BaseException, first: bool) -> None:
+        """Layer ``i`` could not connect its ``what``: NativeUnavailable at start (the Python poller serves it),
+        else the policy until a later arm connects it."""
+        if first:
+            raise NativeUnavailable(f"no {what} of its own: {error}") from None
+        log.warning("layer %d: no %s for the native poller (%s): policy until it has one", self.layers[i], what, error)
+        self._poller.set_none(i)
+        self._sources[i] = None
+        self._keep(i, None)
 
     def busy(self) -> bool:
         return self._poller.busy()
@@ -181,3 +254,5 @@ class NativePoller:
 
     def close(self) -> None:
         self._poller.close()
+        for i in range(len(self._links)):
+            self._keep(i, None)

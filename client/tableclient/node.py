@@ -31,6 +31,7 @@ from tableclient.metrics import metrics
 from tableclient.table import TableInfo, check_catalog
 from tableclient.transports import AUTO_ORDER, KNOWN, TransportOptions, open_transport, prepare_transport
 from tableclient.transports.shm import local_host_id
+from tableserver.common.verbs import QpInfo
 from tableserver.common.wire import SECRET_BYTES, SESSION_ID_BYTES
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.v1 import tableserver_pb2_grpc as pb_grpc
@@ -186,9 +187,10 @@ class NodeSession:
                 self._metrics.error(e)
             self.close(graceful=False)  # within the deadline: ending the keepalive stream ends the session
             raise
-        self._metrics.connects.labels(self.transport).inc()
-        self._metrics.sessions.labels(self.transport).inc()
-        self._counted = self.transport
+        if self._transport is not None:  # a QpSession's data path is its owner's: counted nowhere
+            self._metrics.connects.labels(self.transport).inc()
+            self._metrics.sessions.labels(self.transport).inc()
+            self._counted = self.transport
 
     # ----------------------------------------------------------- connecting
     def _left(self) -> float:
@@ -349,6 +351,18 @@ class NodeSession:
             raise ConnectError(f"tableserver at {self.address} offered this session no tcp data connection")
         return TcpTransport(offer, self.session, self.infos, timeout, self.options.transport_options).detach()
 
+    def open_qp_session(self, qp: QpInfo, device: str, max_rd_atomic: int, timeout: float) -> QpSession:
+        """A session of its own with this node offering one RC QP (in INIT) and asking for rdma alone, for a
+        reader that drives that QP itself (a GraphStep's native poller, client/tableclient/_graphverbs.c), opened
+        within ``timeout`` seconds: the server connects a QP of its own to it and answers with the regions its
+        rkeys read (:class:`QpSession`). ConnectError where the server offers no rdma."""
+        if self.session is None or self.closed:
+            raise ConnectError(f"session with {self.address} is closed")
+        if "rdma" not in self.server.transports:
+            raise ConnectError(f"tableserver at {self.address} offers no rdma")
+        deadline = time.monotonic() + timeout
+        return QpSession(self.address, self.options, qp, device, max_rd_atomic, deadline=deadline)
+
     @property
     def node_id(self) -> str:
         return self.server.node_id or self.address
@@ -393,3 +407,66 @@ class NodeSession:
 
     def __repr__(self) -> str:
         return f"NodeSession({self.address!r}, node={self.node_id!r}, transport={self.transport!r})"
+
+
+class QpSession(NodeSession):
+    """A session with one node whose data path is one RC QP its owner drives (a GraphStep's native poller over
+    rdma: :meth:`NodeSession.open_qp_session`): opened offering ``qp`` and asking for rdma alone, kept alive by
+    a keepalive stream of its own like any session; ``peer`` is the server's QP (in RTS), ``rd_atomic`` the
+    READs it takes in flight, :meth:`regions` where a table's rows are and the rkeys this QP reads them with.
+    Closing it ends the session: the server destroys its QP and, with per-session memory windows, its rkeys.
+    It has no transport and is counted in no session metric."""
+
+    def __init__(self, address: str, options: NodeOptions, qp: QpInfo, device: str, max_rd_atomic: int,
+                 deadline: float | None = None):  # fmt: skip
+        self._qp, self._device, self._max_rd_atomic = qp, device, max_rd_atomic
+        self._endpoint = None
+        super().__init__(address, options, deadline=deadline)
+
+    def _connect(self, transport: str, client_name: str) -> None:
+        q = self._qp
+        resp = self._call(
+            self._stub.OpenSession,
+            pb.OpenSessionRequest(
+                client_name=f"{client_name or 'tableclient/' + os.path.basename(sys.argv[0] or 'python')} (graph poller)",
+                hostname=socket.gethostname(),
+                host_id=local_host_id(),
+                pid=os.getpid(),
+                transports=["rdma"],
+                rdma=pb.RdmaClientParams(
+                    qps=[pb.RdmaQueuePair(qp_num=q.qp_num, psn=q.psn, gid=q.gid, mtu=q.mtu)],
+                    device=self._device,
+                    max_rd_atomic=self._max_rd_atomic,
+                ),
+            ),
+        )
+        self.session = _session_info(self.address, resp)
+        self._start_keepalive()
+        offer = next((o for o in resp.offers[:MAX_OFFERS] if o.name == "rdma" and o.HasField("rdma")), None)
+        if offer is None or len(offer.rdma.qps) != 1:
+            raise ConnectError(
+                f"tableserver at {self.address} answered the graph poller's QP with "
+                f"{len(offer.rdma.qps) if offer is not None else 'no'} QPs of its own (one expected)"
+            )
+        self._endpoint = offer.rdma
+
+    @property
+    def peer(self) -> QpInfo:
+        """The server's QP connected to ours."""
+        q = self._endpoint.qps[0]
+        return QpInfo(q.qp_num, q.psn, q.gid, q.mtu)
+
+    @property
+    def rd_atomic(self) -> int:
+        """RDMA READs the server takes in flight on its QP."""
+        return max(self._endpoint.max_rd_atomic, 1)
+
+    def regions(self, table_index: int) -> list[tuple[int, int, int, int]]:
+        """``(table_offset, addr, rkey, length)`` of table ``table_index``'s regions, by offset: the rkey this
+        session's QP reads each with (its own memory window's, or the region's shared one). Empty for a table
+        the server serves packed only (a disk table)."""
+        return sorted(
+            (r.table_offset, r.addr, r.qp_rkeys[0] if r.qp_rkeys else r.rkey, r.length)
+            for r in self._endpoint.regions
+            if r.table == table_index
+        )

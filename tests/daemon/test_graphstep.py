@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 from conftest import EVENT_TIMEOUT, local_tables, start_daemon, wait_for
-from tests_helpers import freeze
+from tests_helpers import freeze, stream_step
 
 torch = pytest.importorskip("torch")
 
@@ -48,31 +48,6 @@ def make(client, modes, **kw):
     kw.setdefault("poller", POLLER["kind"])
     kw.setdefault("budgets", {1: EVENT_TIMEOUT, 14: EVENT_TIMEOUT})  # a busy machine's gather is not late
     return GraphStep(client, PLANS, modes, MAX_TOKENS, stream_ops=HostStreamOps(EVENT_TIMEOUT), **kw)
-
-
-def stream_step(g: GraphStep, ids: dict, tokens: int, layers=None) -> dict:
-    """What a replayed graph does for one step of ``tokens`` tokens: publish in_graph layers' ids (the
-    hasher's output), then each layer's copy of its rows; run in a thread of its own, as a stream is."""
-    out, errors = {}, []
-    layers = g.layers if layers is None else layers
-
-    def run():
-        try:
-            for layer in layers:
-                g.publish_ids(layer, torch.from_numpy(ids[layer][:tokens]))
-            for layer in layers:
-                rows = g.rows(layer, tokens).clone().numpy()
-                out[layer] = rows.reshape(tokens, 24, rows.shape[-1])
-        except BaseException as e:
-            errors.append(e)
-
-    t = threading.Thread(target=run)
-    t.start()
-    t.join(EVENT_TIMEOUT)
-    assert not t.is_alive(), "the stream was left waiting"
-    if errors:
-        raise errors[0]
-    return out
 
 
 def one_step(g: GraphStep, rng, local, tokens: int) -> dict:

@@ -6,7 +6,8 @@
    .so files the rest of the suite imports, in the working tree, are never touched.
 2. Runs, with gcc's libasan and libubsan preloaded (Python itself is not instrumented) and the copy first
    on PYTHONPATH: the extensions' unit tests (tests/unit/test_take.py, tests/daemon/test_diskio.py, the flag wait's
-   and the native poller's tests of tests/daemon/test_graphstep.py), then tests/sanitize/stress.py. Both refuse to run unless every
+   and the native poller's tests of tests/daemon/test_graphstep.py, its rdma source's host tests in
+   tests/unit/test_graphverbs.py), then tests/sanitize/stress.py. Both refuse to run unless every
    extension is imported from the copy and instrumented (tests/sanitize/sanitized_build.py).
 3. Fails on a non-zero exit, and on any sanitizer report: in the output, or in the report files that
    ASAN_OPTIONS/UBSAN_OPTIONS' log_path leaves (processes the tests start report there too).
@@ -37,6 +38,7 @@ CFLAGS = f"{SANITIZE} -fno-omit-frame-pointer -fno-sanitize-recover=undefined -g
 COPY = ("tableserver", "client", "tests", "setup.py", "setup.cfg", "pyproject.toml", "README.md")
 UNIT_TESTS = (
     "tests/unit/test_take.py",
+    "tests/unit/test_graphverbs.py",
     "tests/daemon/test_diskio.py",
     "tests/daemon/test_graphstep.py::test_the_flag_wait_is_native_where_required_and_checks_its_arguments",
     "tests/daemon/test_graphstep.py::test_steps_bit_exact_over_buckets_and_nothing_moves",
@@ -49,6 +51,8 @@ EXTENSIONS = (
     "tableserver/common/_take",
     "client/tableclient/_flags",
     "client/tableclient/_graphpoll",
+) + (  # the poller's rdma source, built where libibverbs' headers are (CI installs them: libibverbs-dev)
+    ("client/tableclient/_graphverbs",) if Path("/usr/include/infiniband/verbs.h").exists() else ()
 )
 REPORT = re.compile(
     r"ERROR: (AddressSanitizer|LeakSanitizer)|runtime error:|UndefinedBehaviorSanitizer|SUMMARY: \w+Sanitizer"

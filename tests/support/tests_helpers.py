@@ -332,3 +332,37 @@ def run_ranks(script: str, daemons: list, argv) -> list[list[dict]]:
         assert proc.returncode == 0, err[-3000:]
         reports.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
     return reports
+
+
+def stream_step(g, ids: dict, tokens: int, layers=None, published: dict | None = None) -> dict:
+    """What a replayed graph does for one step of ``tokens`` tokens at a GraphStep ``g`` (no GPU: its
+    HostStreamOps): publish the in_graph layers' ids (the hasher's output), then each layer's copy of its rows;
+    in a thread of its own, as a stream is. {layer: rows [tokens, 24, row_bytes]}; ``published`` gets when
+    each layer's ids went out (time.monotonic())."""
+    import threading
+    import time
+
+    import torch
+
+    out, errors = {}, []
+    layers = g.layers if layers is None else layers
+
+    def run():
+        try:
+            for layer in layers:
+                if published is not None:
+                    published[layer] = time.monotonic()
+                g.publish_ids(layer, torch.from_numpy(ids[layer][:tokens]))
+            for layer in layers:
+                rows = g.rows(layer, tokens).clone().numpy()
+                out[layer] = rows.reshape(tokens, 24, rows.shape[-1])
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(EVENT_TIMEOUT)
+    assert not t.is_alive(), "the stream was left waiting"
+    if errors:
+        raise errors[0]
+    return out
