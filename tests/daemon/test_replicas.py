@@ -211,6 +211,8 @@ def test_hedged_read_wins_over_a_frozen_primary(three, v1):
         # another one while the first one's session is still opening, and move back to it after
         first = c._router.shards("engram.layer1")[0].replicas[0].address
         wait_for(lambda: c._router.primary("engram.layer1").address == first, "the first replica's session")
+        # and the warm standby's (on a busy machine it may still be opening): the hedge needs one to go to
+        wait_for(lambda: sum(r["state"] == "up" for r in c.replicas().values()) >= 2, "the standby's session")
         primary = next(d for d in three if d.address == first)
         ids = np.arange(0, 30_000, 7)
         freeze(primary.proc.pid)  # every thread stopped before the gather: none can still answer it
