@@ -21,8 +21,10 @@ With a CUDA build of torch nothing here changes anything.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
 import tempfile
 import types
 
@@ -36,7 +38,9 @@ if CPU:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ["TRITON_INTERPRET"] = "1"
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (SITE, os.environ.get("PYTHONPATH")) if p)
-    os.environ.setdefault("VLLM_CACHE_ROOT", tempfile.mkdtemp(prefix="tableserver-vllm-cache-"))
+    if "VLLM_CACHE_ROOT" not in os.environ:  # a cache of this process's (and its children's), removed at its exit
+        os.environ["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="tableserver-vllm-cache-")
+        atexit.register(shutil.rmtree, os.environ["VLLM_CACHE_ROOT"], True)
 
 
 def require_vllm() -> None:
@@ -290,3 +294,9 @@ def conversation(seed: int = 0):
         ta, tb = rng.integers(0, 300, 2).tolist()
         yield [(a, [ta]), (b, [tb])]
         a, b = a + [ta], b + [tb]
+
+
+def decode_steps(seed: int = 0) -> list:
+    """The conversation's decode steps (two requests of one new token each), as ``hash_batch`` takes them: the
+    steps a decode graph replays, each far cheaper in Triton's interpreter than the conversation's prefills."""
+    return list(conversation(seed))[2:]

@@ -11,7 +11,7 @@ vLLM's own, and the hash columns this rank's served layers gathered.
 
 Then whether the ranks agree on each step's rows (:func:`agreement`): for each POLICY in turn, this rank's
 layers served remote by its own node (NODE, whose process is PID) in graph mode in_graph (vLLM's FULL graphs),
-every step through vLLM's own ``Worker.execute_model`` and ``Worker.sample_tokens`` (hooked), beside vLLM's
+each decode step through vLLM's own ``Worker.execute_model`` and ``Worker.sample_tokens`` (hooked), beside vLLM's
 own layers over its own tables and over all-zero tables (the references, alike on every rank). Rank 1 kills
 its node (SIGKILL) before step KILL_AT. One JSON line a step, before the report: the policy, which reference
 each served layer's output equals ("table", "zeros" or "neither") and what the check where vLLM reads the
@@ -128,7 +128,7 @@ def agreement(rank: int, cfg, hasher, tables, kill_at: int, runs: list) -> None:
                                     liveness_timeout=600.0, gather_budget=600.0))  # fmt: skip
         assert all(e.embed_tokens.in_graph for e in served)
         rng = np.random.default_rng(0)
-        for i, requests in enumerate(vllm_cpu.conversation()):
+        for i, requests in enumerate(vllm_cpu.decode_steps()):
             if i == kill_at and rank == 1:
                 os.kill(pid, signal.SIGKILL)
                 wait_for(lambda: dead(pid), "the node to die")  # its sockets closed

@@ -195,7 +195,7 @@ def test_a_node_restart_is_registered_anew_and_a_node_on_other_data_is_never_rea
         buffers = [
             (e.embed_tokens.device_rows.ids.data_ptr(), e.embed_tokens.device_rows.rows.data_ptr()) for e in served
         ]
-        steps = iter(vllm_cpu.conversation())
+        steps = iter(vllm_cpu.decode_steps())
         rng = np.random.default_rng(4)
 
         def step(engrams):
@@ -421,7 +421,7 @@ def test_failure_policy_when_the_memory_node_dies(vllm_config, hasher, engram_ta
                 **extra,
             )
         assert remote[1].embed_tokens.in_graph == (graph == "in_graph")
-        steps = list(vllm_cpu.conversation())
+        steps = vllm_cpu.decode_steps()
         _, hashes, mask = vllm_cpu.hash_batch(hasher, steps[0])
         x = torch.ones((len(hashes), HC, HIDDEN), dtype=torch.bfloat16)
         got = step(remote, hashes, x, mask)  # served normally
@@ -478,7 +478,7 @@ def test_policy_fail_is_checked_where_vllm_reads_the_steps_result(vllm_config, h
         with graph_mode(vllm_config, "FULL"):
             remote = build(vllm_config, engram_tables, address=primary.address, placement={1: "local"},
                            policy="fail", timeout=30.0)  # fmt: skip
-        steps = list(vllm_cpu.conversation())
+        steps = vllm_cpu.decode_steps()
         _, hashes, mask = vllm_cpu.hash_batch(hasher, steps[0])
         x = torch.ones((len(hashes), HC, HIDDEN), dtype=torch.bfloat16)
         inner = Async()
