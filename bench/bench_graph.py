@@ -4,6 +4,8 @@
     python bench/bench_graph.py [--steps 200] [--buckets 1,8,64] [--transports shm,tcp] [--out bench/out]
     python bench/bench_graph.py --device cpu --steps 20     (the same steps, eagerly, flags on the host)
     python bench/bench_graph.py --stage probe|node|modes|faults   (one stage; bench/gpu_check.sh runs them)
+    python tests/rdma/vm.py -- "python bench/bench_graph.py --device cpu --stage wake --transports rdma --steps 30"
+                                                       (the wake stage over rdma, in the Soft-RoCE guest)
 
 Stages (all by default): ``probe``, the start-up probe of stream memory operations
 (tableclient.streamops: a write and a wait captured, replayed, released from a host thread);
@@ -414,6 +416,11 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                     which = "python" if poller == "python" else "native"
                     g = GraphStep(client, plan, {14: "in_graph"}, tokens, policy="zeros", timeout=5.0, budgets={14: 5.0},
                                   stream_ops=HostStreamOps(60.0), poller=which, realtime=poller == "native-rt")  # fmt: skip
+                    if which == "native" and g.poller != "native":
+                        say(lines, f"FAIL: wake {transport}/{poller}: the native poller is not serving ({g.poller})")
+                        ok = False
+                        g.close()
+                        continue
                     if poller == "native-rt" and not g.poller_realtime:
                         say(
                             lines,
@@ -459,6 +466,9 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                     finally:
                         g.close()
                     if transport != "tcp":
+                        if transport == "rdma" and poller == "python":
+                            say(lines, "  rdma watchdog: not run (a stopped server's NIC still answers READs; "
+                                       "tests/rdma/test_graphpoll_rdma.py stalls the gather instead)")  # fmt: skip
                         continue
                     # the watchdog: the server frozen, the GIL held in C for a whole second meanwhile
                     deadline_s = 0.05
