@@ -4,7 +4,7 @@
     python bench/bench_graph.py [--steps 200] [--buckets 1,8,64] [--transports shm,tcp] [--out bench/out]
     python bench/bench_graph.py --device cpu --steps 20     (the same steps, eagerly, flags on the host)
     python bench/bench_graph.py --stage probe|node|modes|faults   (one stage; bench/gpu_check.sh runs them)
-    python tests/rdma/vm.py -- "python bench/bench_graph.py --device cpu --stage wake --transports rdma --steps 30"
+    python tests/rdma/vm.py -- "python bench/bench_graph.py --device cpu --stage wake --transports rdma --steps 100"
                                                        (the wake stage over rdma, in the Soft-RoCE guest)
 
 Stages (all by default): ``probe``, the start-up probe of stream memory operations
@@ -416,6 +416,9 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                     lines,
                     f"  {transport:<4} bare gather (same client, quiet)       {pct(bare, 50) * 1e6:>8.0f} {b99 * 1e6:>8.0f}",
                 )
+                if transport == "rdma":
+                    say(lines, "  rdma watchdog: not run (a stopped server's NIC still answers READs; "
+                               "tests/rdma/test_graphpoll_rdma.py stalls the gather instead)")  # fmt: skip
                 for poller in ("native", "native-rt", "python"):
                     which = "python" if poller == "python" else "native"
                     g = GraphStep(client, plan, {14: "in_graph"}, tokens, policy="zeros", timeout=5.0, budgets={14: 5.0},
@@ -471,9 +474,6 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                     finally:
                         g.close()
                     if transport != "tcp":
-                        if transport == "rdma" and poller == "python":
-                            say(lines, "  rdma watchdog: not run (a stopped server's NIC still answers READs; "
-                                       "tests/rdma/test_graphpoll_rdma.py stalls the gather instead)")  # fmt: skip
                         continue
                     # the watchdog: the server frozen, the GIL held in C for a whole second meanwhile
                     deadline_s = 0.05
