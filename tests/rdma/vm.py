@@ -90,7 +90,7 @@ class GuestBootFailed(RuntimeError):
 class GuestResult:
     rc: int
     console: str
-    results: str  # host directory the guest wrote into
+    results: str  # host directory the guest wrote into (gone after a clean run in a work directory of its own)
     seconds: float
     console_log: str = ""  # the whole console, as a file (CONSOLE_LOG in the work directory)
 
@@ -304,9 +304,13 @@ def run_guest(
     env: dict | None = None,
     echo: bool = False,
 ) -> GuestResult:
-    """Boots the guest, runs ``script`` (sh) in the chroot, returns its exit code and console."""
+    """Boots the guest, runs ``script`` (sh) in the chroot, returns its exit code and console.
+
+    Without ``workdir`` it makes one in TMPDIR and removes it after a clean exit (rc 0); after a failure it
+    stays (the console and the results named in the error or the result), for a person to read."""
     ensure_host_packages(install=os.geteuid() == 0)
     version = kernel_version()
+    own = workdir is None
     workdir = workdir or tempfile.mkdtemp(prefix="ts-guest-")
     results = os.path.join(workdir, "results")
     os.makedirs(results, exist_ok=True)
@@ -400,6 +404,8 @@ def run_guest(
         if failed:  # the boot itself failed: say where, in one line
             raise GuestBootFailed(f"Soft-RoCE guest (kernel {version}) did not boot: {failed[0][7:]}") from None
         rc = 255  # the guest never reached the end of the script
+    if own and rc == 0:
+        shutil.rmtree(workdir, ignore_errors=True)
     return GuestResult(rc, console.getvalue(), results, time.monotonic() - start, console_log)
 
 
