@@ -380,8 +380,34 @@ class Disturber:
             self.thread.join()
 
 
-def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps: int, lines: list) -> bool:
-    """ids published -> rows released for an in_graph layer 14 at 64 tokens, per transport and poller."""
+def keep_off(cpu: int, pids: list) -> dict:
+    """Every thread of ``pids`` kept off ``cpu`` (as an operator's taskset or isolcpus keeps an engine off
+    the poller's core); what each thread's CPUs were, for :func:`restore`."""
+    saved = {}
+    for pid in pids:
+        for tid in (int(t) for t in os.listdir(f"/proc/{pid}/task")):
+            try:
+                saved[tid] = os.sched_getaffinity(tid)
+                if saved[tid] - {cpu}:
+                    os.sched_setaffinity(tid, saved[tid] - {cpu})
+            except (ProcessLookupError, FileNotFoundError):  # a thread that ended meanwhile
+                saved.pop(tid, None)
+    return saved
+
+
+def restore(saved: dict) -> None:
+    for tid, cpus in saved.items():
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except (ProcessLookupError, FileNotFoundError):
+            pass
+
+
+def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps: int, lines: list,
+               poller_cpu: int = -1) -> bool:  # fmt: skip
+    """ids published -> rows released for an in_graph layer 14 at 64 tokens, per transport and poller;
+    ``native-pin``: the native poller pinned to ``poller_cpu`` (poller_cpus), every other thread of the bench
+    and of its server kept off that CPU."""
     import ctypes
     import threading
 
@@ -397,8 +423,12 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
         lines,
         f"wake: ids flag -> rows released, layer 14 in_graph, {tokens} tokens a step, {steps} steps, p50 / p99 us",
     )
+    pollers = ("native", "native-rt", "python") + (("native-pin",) if poller_cpu >= 0 else ())
+    if poller_cpu < 0:
+        say(lines, "  native-pin: not run (--poller-cpu -1, or one CPU: nothing to keep off the poller's)")
     for transport in transports:
         proc, ready = serve(path, tmp, transport)
+        kept_off = {}
         try:
             with TableClient(ready["control"], transport=transport) as client:
                 rng = np.random.default_rng(21)
@@ -419,10 +449,14 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                 if transport == "rdma":
                     say(lines, "  rdma watchdog: not run (a stopped server's NIC still answers READs; "
                                "tests/rdma/test_graphpoll_rdma.py stalls the gather instead)")  # fmt: skip
-                for poller in ("native", "native-rt", "python"):
+                for poller in pollers:  # native-pin last: the threads stay off its CPU until the server goes
                     which = "python" if poller == "python" else "native"
+                    cpus = [poller_cpu] if poller == "native-pin" else None
+                    if cpus:
+                        kept_off = keep_off(poller_cpu, [os.getpid(), proc.pid])
                     g = GraphStep(client, plan, {14: "in_graph"}, tokens, policy="zeros", timeout=5.0, budgets={14: 5.0},
-                                  stream_ops=HostStreamOps(60.0), poller=which, realtime=poller == "native-rt")  # fmt: skip
+                                  stream_ops=HostStreamOps(60.0), poller=which, realtime=poller == "native-rt",
+                                  poller_cpus=cpus)  # fmt: skip
                     if which == "native" and g.poller != "native":
                         say(lines, f"FAIL: wake {transport}/{poller}: the native poller is not serving ({g.poller})")
                         ok = False
@@ -433,6 +467,11 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                             lines,
                             f"  {transport:<4} native-rt: real-time priority refused here (CAP_SYS_NICE): skipped",
                         )
+                        g.close()
+                        continue
+                    if cpus and g.poller_cpu != poller_cpu:
+                        say(lines, f"  {transport:<4} native-pin: CPU {poller_cpu} not granted (held by another "
+                                   "poller on this host, or outside this cpuset): skipped")  # fmt: skip
                         g.close()
                         continue
                     ids_flag, rows_flag = g.flags.index(0, 0), g.flags.index(0, 1)
@@ -469,7 +508,7 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                                 note = f"{p99 / quiet99:.2f}x quiet p99 (goal <= {limit}x: {'met' if p99 <= limit * quiet99 else 'missed'})"
                             say(
                                 lines,
-                                f"  {transport:<4} {poller:<9} {kind:<27}{pct(took, 50) * 1e6:>8.0f} {p99 * 1e6:>8.0f}   {note}",
+                                f"  {transport:<4} {poller:<10} {kind:<26}{pct(took, 50) * 1e6:>8.0f} {p99 * 1e6:>8.0f}   {note}",
                             )
                     finally:
                         g.close()
@@ -478,8 +517,8 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                     # the watchdog: the server frozen, the GIL held in C for a whole second meanwhile
                     deadline_s = 0.05
                     g = GraphStep(client, plan, {14: "in_graph"}, tokens, policy="zeros", timeout=deadline_s,
-                                  budgets={14: deadline_s},
-                                  stream_ops=HostStreamOps(60.0), poller=which, realtime=poller == "native-rt")  # fmt: skip
+                                  budgets={14: deadline_s}, stream_ops=HostStreamOps(60.0), poller=which,
+                                  realtime=poller == "native-rt", poller_cpus=cpus)  # fmt: skip
                     libc = ctypes.PyDLL(None)
 
                     go = threading.Event()
@@ -508,13 +547,14 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                             ok = False
                             continue
                         late = published - armed + dt - deadline_s
-                        say(lines, f"  tcp  {poller:<9} watchdog, server frozen, GIL in C 1 s: released {dt * 1e3:.1f} ms "
+                        say(lines, f"  tcp  {poller:<10} watchdog, server frozen, GIL in C 1 s: released {dt * 1e3:.1f} ms "
                                    f"after the ids, {late * 1e3:+.1f} ms past its {deadline_s * 1e3:.0f} ms deadline "
                                    f"(goal <= +10 ms: {'met' if late <= 0.010 else 'missed'})")  # fmt: skip
                     finally:
                         proc.send_signal(signal.SIGCONT)
                         g.close()
         finally:
+            restore(kept_off)
             proc.kill()
             proc.wait()
     return ok
@@ -535,6 +575,10 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--stage", choices=STAGES, help="run one stage (default: all)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "out"))
+    mine = sorted(os.sched_getaffinity(0))
+    ap.add_argument("--poller-cpu", type=int, default=mine[-1] if len(mine) > 1 else -1,
+                    help="the wake stage's native-pin poller's CPU, kept free of every other thread "
+                         f"(default: this process's last, {mine[-1] if len(mine) > 1 else -1}; -1: no native-pin)")  # fmt: skip
     args = ap.parse_args()
     import torch
 
@@ -647,7 +691,9 @@ def main() -> int:
                     proc.kill()
                     proc.wait()
         if "wake" in stages:
-            ok &= stage_wake(torch, path, tmp, local, args.transports.split(","), args.steps, out_lines)
+            ok &= stage_wake(
+                torch, path, tmp, local, args.transports.split(","), args.steps, out_lines, args.poller_cpu
+            )
     os.makedirs(args.out, exist_ok=True)
     name = f"graph-{args.stage}.txt" if args.stage else "graph.txt"
     with open(os.path.join(args.out, name), "w") as f:

@@ -1,7 +1,7 @@
 /* tableclient._graphpoll: the in_graph layers' poller and watchdog in one native thread per GraphStep
  * (see client/tableclient/graphstep.py for the flag protocol; docs/DESIGN.md for why).
  *
- * Poller(flags, slots, fail, realtime=False, dead_id=None)
+ * Poller(flags, slots, fail, realtime=False, dead_id=None, cpu=-1)
  *   flags: the GraphStep's pinned uint32 flags (writable, 4-byte aligned)
  *   slots: a list of (ids_flag, rows_flag, ok_flag, ids, staging, row_bytes, columns), one per in_graph layer
  *          in the order to serve them (shortest window first): ok_flag -1 for none; ids a writable int64
@@ -14,6 +14,10 @@
  *          kernel's real-time throttling still leaves other threads 5% of its core)
  *   dead_id: an engine's marker for padding (vLLM's DEAD_ID): ids equal to it are never read nor sent, their
  *          rows are zero (every other id outside the table fails the step)
+ *   cpu:   pin the thread to this CPU (-1: wherever the scheduler puts it), for a core kept free of the
+ *          engine's other threads: no migration, no other thread's slice mid-step; ``Poller.cpu`` says the
+ *          CPU it runs on, -1 where the pin was refused (a CPU outside this process's cpuset)
+ * The thread is named "graph-poller" (ps -L, top -H).
  * set_shm(slot, table, rows)    the slot's rows are copied from ``table`` (a 2-D uint8 mapping, rows x row_bytes)
  * set_tcp(slot, fd, table_index, max_rows)
  *                               the slot's rows come over ``fd``, an authenticated, unsealed data connection
@@ -136,7 +140,7 @@ typedef struct {
     volatile uint32_t *flags;
     Py_ssize_t nflags;
     Slot slots[MAX_SLOTS];
-    int nslots, fail, closed, started, want_rt, rt, has_dead;
+    int nslots, fail, closed, started, want_rt, rt, has_dead, want_cpu, cpu;
     int64_t dead_id;
     pthread_t thread;
     pthread_mutex_t lock;
@@ -507,12 +511,20 @@ static void *run(void *arg)
     Poller *p = arg;
     int64_t last_armed = now_ns();
     prctl(PR_SET_TIMERSLACK, 1000, 0, 0, 0); /* this thread's naps end within a microsecond of their time */
+    prctl(PR_SET_NAME, "graph-poller", 0, 0, 0); /* 15 bytes at most */
+    if (p->want_cpu >= 0 && p->want_cpu < CPU_SETSIZE) {
+        cpu_set_t one;
+        CPU_ZERO(&one);
+        CPU_SET(p->want_cpu, &one);
+        if (pthread_setaffinity_np(pthread_self(), sizeof one, &one) == 0)
+            __atomic_store_n(&p->cpu, p->want_cpu, __ATOMIC_RELEASE);
+    }
     if (p->want_rt) {
         struct sched_param sp = {.sched_priority = 1};
         __atomic_store_n(&p->rt, pthread_setschedparam(pthread_self(), SCHED_FIFO, &sp) == 0, __ATOMIC_RELEASE);
     }
     pthread_mutex_lock(&p->lock);
-    pthread_cond_broadcast(&p->changed); /* Poller() waits for the priority to be known */
+    pthread_cond_broadcast(&p->changed); /* Poller() waits for the priority and the CPU to be known */
     p->started = 2;
     pthread_mutex_unlock(&p->lock);
     int64_t hot = __atomic_load_n(&p->rt, __ATOMIC_ACQUIRE) ? 0 : HOT_NS;
@@ -660,15 +672,21 @@ static void Poller_dealloc(Poller *p)
 static int Poller_init(Poller *p, PyObject *args, PyObject *kw)
 {
     PyObject *flags, *slots, *dead = Py_None;
-    int fail, realtime = 0;
-    static char *names[] = {"flags", "slots", "fail", "realtime", "dead_id", NULL};
+    int fail, realtime = 0, cpu = -1;
+    static char *names[] = {"flags", "slots", "fail", "realtime", "dead_id", "cpu", NULL};
     if (p->nslots || p->started) {
         PyErr_SetString(PyExc_RuntimeError, "a Poller is initialized once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOp|pO", names, &flags, &slots, &fail, &realtime, &dead))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOp|pOi", names, &flags, &slots, &fail, &realtime, &dead, &cpu))
         return -1;
+    if (cpu < -1 || cpu >= CPU_SETSIZE) {
+        PyErr_Format(PyExc_ValueError, "cpu %d: use -1 (not pinned) or a CPU number below %d", cpu, CPU_SETSIZE);
+        return -1;
+    }
     p->want_rt = realtime;
+    p->want_cpu = cpu;
+    p->cpu = -1;
     if (dead != Py_None) {
         p->dead_id = PyLong_AsLongLong(dead);
         if (p->dead_id == -1 && PyErr_Occurred())
@@ -746,7 +764,7 @@ static int Poller_init(Poller *p, PyObject *args, PyObject *kw)
     }
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&p->lock);
-    while (p->started != 2) /* its priority is known once it runs */
+    while (p->started != 2) /* its priority and CPU are known once it runs */
         pthread_cond_wait(&p->changed, &p->lock);
     pthread_mutex_unlock(&p->lock);
     Py_END_ALLOW_THREADS
@@ -1165,8 +1183,14 @@ static PyObject *Poller_get_realtime(Poller *p, void *closure)
     return PyBool_FromLong(__atomic_load_n(&p->rt, __ATOMIC_ACQUIRE));
 }
 
+static PyObject *Poller_get_cpu(Poller *p, void *closure)
+{
+    return PyLong_FromLong(__atomic_load_n(&p->cpu, __ATOMIC_ACQUIRE));
+}
+
 static PyGetSetDef Poller_getset[] = {
     {"realtime", (getter)Poller_get_realtime, NULL, "whether the thread runs at SCHED_FIFO priority", NULL},
+    {"cpu", (getter)Poller_get_cpu, NULL, "the CPU the thread is pinned to (-1: not pinned)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

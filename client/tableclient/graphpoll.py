@@ -9,7 +9,8 @@ authenticated by Python, handed over unused, never sealed), or READs them throug
 answers with the server's QP and the table's regions), and applies the policy at the deadline
 itself, all without the GIL; with ``realtime`` at real-time priority (SCHED_FIFO 1) where the process may,
 so that a busy machine's scheduler does not park it for a slice mid-step (opt-in: a real-time spinner takes
-its core from every normal thread while a step is armed). :meth:`NativePoller.refresh` runs before every arm: a node replaced,
+its core from every normal thread while a step is armed); with ``cpus`` pinned to one of the CPUs an
+operator set aside for pollers (``tableclient.pollercpu``: no migration, no engine thread's slice). :meth:`NativePoller.refresh` runs before every arm: a node replaced,
 reconnected, or a connection the thread dropped (it never reads a broken one again) gets a new source;
 with none, the layer's steps get the policy at once. Where this cannot serve a GraphStep (the extension
 not built, policy ``fallback``, a node reached over rdma where ``_graphverbs`` is not built or libibverbs
@@ -22,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 
+from tableclient import pollercpu
 from tableclient.errors import ConnectError, TableClientError
 from tableclient.metrics import metrics
 from tableclient.streamops import GraphStepError
@@ -75,7 +77,7 @@ class NativePoller:
     once a step's rows are the table's, 0 the policy's; -1 none)."""
 
     def __init__(self, client, slots: list, flags, policy: str, connect_timeout: float = 5.0, realtime: bool = False,
-                 budgets: list | None = None, dead_id: int | None = None):  # fmt: skip
+                 budgets: list | None = None, dead_id: int | None = None, cpus: list | None = None):  # fmt: skip
         if _graphpoll is None:
             raise NativeUnavailable("tableclient._graphpoll is not built (no C compiler at install)")
         if policy == "fallback":
@@ -88,16 +90,32 @@ class NativePoller:
         self._sources: list = [None] * len(slots)  # (generation, node) the source was set for
         self._links: list = [None] * len(slots)  # rdma: the layer's (QpSession, Endpoint), freed once replaced
         self._shapes = [(ids.size, staging.shape[-1]) for _plan, _i, _r, _o, ids, staging in slots]  # rows, row bytes
-        self._poller = _graphpoll.Poller(
-            flags,
-            [(ids_flag, rows_flag, ok_flag, ids.reshape(-1), staging.reshape(-1), staging.shape[-1], ids.shape[-1])
-             for _plan, ids_flag, rows_flag, ok_flag, ids, staging in slots],
-            policy == "fail",
-            realtime=realtime,
-            dead_id=dead_id,
-        )  # fmt: skip
+        # cpus: the CPUs set aside for pollers; this one claims one no other poller on the host holds
+        self._claim = pollercpu.claim(cpus) if cpus else None
+        try:
+            self._poller = _graphpoll.Poller(
+                flags,
+                [(ids_flag, rows_flag, ok_flag, ids.reshape(-1), staging.reshape(-1), staging.shape[-1], ids.shape[-1])
+                 for _plan, ids_flag, rows_flag, ok_flag, ids, staging in slots],
+                policy == "fail",
+                realtime=realtime,
+                dead_id=dead_id,
+                cpu=self._claim.cpu if self._claim is not None else -1,
+            )  # fmt: skip
+        except BaseException:
+            self._release_cpu()
+            raise
         #: whether the thread runs at real-time priority (SCHED_FIFO 1: where this process may)
         self.realtime = self._poller.realtime
+        #: the CPU the thread is pinned to; None: not pinned (none asked for, every one claimed, or refused)
+        self.cpu = self._poller.cpu if self._poller.cpu >= 0 else None
+        #: why it is not pinned though ``cpus`` were given (one line), else None
+        self.cpu_note = None
+        if cpus and self._claim is None:
+            self.cpu_note = f"every CPU of {cpus} is held by another poller on this host"
+        elif cpus and self.cpu is None:
+            self.cpu_note = f"CPU {self._claim.cpu} is outside this process's cpuset"
+            self._release_cpu()
         for i, budget in enumerate(budgets or ()):
             self._poller.set_budget(i, budget)
         #: per layer, time.monotonic() of its last step that ran out of time (None: the last one did not)
@@ -115,6 +133,11 @@ class NativePoller:
             for _plan, _ids_flag, rows_flag, *_ in slots:  # close() released them; never served, they are the
                 flags[rows_flag] = 0  # GraphStep's again (its Python poller's first arm would wait on them)
             raise
+
+    def _release_cpu(self) -> None:
+        claim, self._claim = self._claim, None
+        if claim is not None:
+            claim.close()
 
     def refresh(self, i: int, first: bool = False) -> None:
         """Layer ``i``'s source as routing reads its table now (before an arm; a connect when it changed)."""
@@ -254,5 +277,6 @@ class NativePoller:
 
     def close(self) -> None:
         self._poller.close()
+        self._release_cpu()
         for i in range(len(self._links)):
             self._keep(i, None)

@@ -145,7 +145,7 @@ class GraphStep:
                  policy: str = "fail", fallback=None, device=None, timeout: float = 5.0, stream_ops=None,
                  pin: bool | None = None, side_stream: bool = True, register: bool = True,
                  poller: str = "auto", realtime: bool = False, budgets: dict | None = None, agree=None,
-                 results_check: bool = False, dead_id: int | None = None):  # fmt: skip
+                 results_check: bool = False, dead_id: int | None = None, poller_cpus: list | None = None):  # fmt: skip
         import torch
 
         self.torch = torch
@@ -248,7 +248,7 @@ class GraphStep:
             try:
                 self._native = NativePoller(
                     client, slots, self.flags.host, policy, connect_timeout=timeout, realtime=realtime,
-                    budgets=[self.budgets[s.layer] for s in self._slots.values()], dead_id=dead_id,
+                    budgets=[self.budgets[s.layer] for s in self._slots.values()], dead_id=dead_id, cpus=poller_cpus,
                 )  # fmt: skip
             except NativeUnavailable as e:
                 if poller == "native":
@@ -256,12 +256,17 @@ class GraphStep:
                 log.info("in_graph layers %s: the Python poller (%s)", sorted(self._slots), e)
             else:
                 log.info(
-                    "in_graph layers %s: the native poller (no GIL on the hot path; %s)",
+                    "in_graph layers %s: the native poller (no GIL on the hot path; %s; %s)",
                     sorted(self._slots),
                     "real-time priority"
                     if self._native.realtime
                     else "normal priority: grant CAP_SYS_NICE or an "
                     "rtprio limit (ulimit -r 1) for a shorter tail on busy cores",
+                    f"pinned to CPU {self._native.cpu}"
+                    if self._native.cpu is not None
+                    else "not pinned: set poller_cpus to cores kept free of the engine"
+                    if not poller_cpus
+                    else f"not pinned: {self._native.cpu_note}",
                 )
         self._threads = [
             threading.Thread(target=self._poll, args=(s,), name=f"tableclient-graph-{s.layer}", daemon=True)
@@ -279,6 +284,11 @@ class GraphStep:
     def poller(self) -> str | None:
         """Who serves the in_graph layers: "native" (one C thread, no GIL), "python", or None (none)."""
         return None if not self._slots else "native" if self._native is not None else "python"
+
+    @property
+    def poller_cpu(self) -> int | None:
+        """The CPU the native poller's thread is pinned to (one of ``poller_cpus``), or None."""
+        return None if self._native is None else self._native.cpu
 
     @property
     def poller_realtime(self) -> bool:

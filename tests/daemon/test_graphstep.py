@@ -491,6 +491,62 @@ def test_the_native_poller_runs_at_real_time_priority_where_permitted_and_stays_
         make(c, {14: "in_graph"}, budgets={14: -0.5})
 
 
+def poller_threads() -> dict:
+    """This process's native poller threads (named by the extension): tid -> the CPUs it may run on."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() == "graph-poller":
+                    out[int(tid)] = os.sched_getaffinity(int(tid))
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return out
+
+
+def test_the_native_poller_is_pinned_to_a_cpu_of_poller_cpus_no_other_poller_holds(daemon, local, poller):
+    """poller_cpus: the thread runs on one CPU of the list (the kernel's affinity says so), a second
+    GraphStep takes the next CPU, a third with none left runs unpinned, a closed one's CPU is free again;
+    steps stay bit-exact. The CPUs are this process's last two, so no other test's poller holds them."""
+    from tableclient import graphpoll
+
+    if poller != "auto" or not graphpoll.BUILT:
+        pytest.skip("the native poller's CPU (built, and asked for)")
+    cpus = sorted(os.sched_getaffinity(0))[-2:]
+    with TableClient(daemon.address, transport="shm") as c:
+        before = set(poller_threads())
+        g1 = make(c, {1: "in_graph", 14: "in_graph"}, poller_cpus=cpus[:1])
+        g2 = g3 = None
+        try:
+            assert g1.poller_cpu == cpus[0]
+            (tid1,) = set(poller_threads()) - before
+            assert poller_threads()[tid1] == {cpus[0]}
+            rng = np.random.default_rng(15)
+            for tokens in (1, 64):
+                ids, out = one_step(g1, rng, local, tokens)
+                for p in PLANS:
+                    np.testing.assert_array_equal(out[p.layer], local[p.table][ids[p.layer]])
+            g2 = make(c, {14: "in_graph"}, poller_cpus=cpus)
+            assert g2.poller_cpu == (cpus[1] if len(cpus) > 1 else None)
+            g3 = make(c, {14: "in_graph"}, poller_cpus=cpus)
+            assert g3.poller == "native" and g3.poller_cpu is None  # every CPU held: it serves, unpinned
+            ids, out = one_step(g3, rng, local, 8)
+            np.testing.assert_array_equal(out[14], local["engram.layer14"][ids[14]])
+            g1.close()
+            g1 = make(c, {14: "in_graph"}, poller_cpus=cpus[:1])
+            assert g1.poller_cpu == cpus[0]  # the closed one's claim went with it
+        finally:
+            for g in (g1, g2, g3):
+                if g is not None:
+                    g.close()
+        outside = max(os.cpu_count() or 1, 1024)  # a CPU no cpuset has: the pin is refused, the poller serves
+        g = make(c, {14: "in_graph"}, poller_cpus=[outside - 1])
+        try:
+            assert g.poller == "native" and g.poller_cpu is None
+        finally:
+            g.close()
+
+
 def test_a_frozen_node_stalls_one_step_by_its_budget_and_the_next_get_the_policy_at_once(tmp_path, demo_file, local,
                                                                                             poller):  # fmt: skip
     """tcp, the node frozen (SIGSTOP): the first step's gather runs out of its budget (from its ids, not the

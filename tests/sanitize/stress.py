@@ -500,6 +500,18 @@ def stress_graphpoll(iterations: int, seed: int) -> None:
         fail("Poller accepted a dead id that is not an integer")
     except TypeError:
         pass
+    for cpu in (-2, 1 << 20):
+        try:
+            Poller(flags, [(0, 16, -1, ids[0], staging[0], row_bytes, cols)], False, cpu=cpu)
+            fail(f"Poller accepted cpu={cpu}")
+        except ValueError:
+            pass
+    cpus = sorted(os.sched_getaffinity(0))
+    if 1023 not in cpus:  # a CPU this cpuset lacks: the pin refused, the thread runs unpinned
+        p = Poller(flags, [(0, 16, -1, ids[0], staging[0], row_bytes, cols)], False, cpu=1023)
+        if p.cpu != -1:
+            fail(f"Poller(cpu=1023) says it runs on {p.cpu}")
+        p.close()
     steps = 0
     for it in range(max(1, iterations // 5)):
         flags[:] = 0
@@ -508,7 +520,10 @@ def stress_graphpoll(iterations: int, seed: int) -> None:
             [(0, 16, 32, ids[0], staging[0], row_bytes, cols), (48, 56, -1, ids[1], staging[1], row_bytes, cols)],
             bool(it % 2),
             dead_id=-1 if it % 3 == 0 else None,  # an engine's padding marker: never read, zero rows
+            cpu=-1 if it % 2 else cpus[it % len(cpus)],  # pinned or not
         )
+        if it % 2 == 0 and p.cpu != cpus[it % len(cpus)]:
+            fail(f"Poller(cpu={cpus[it % len(cpus)]}) runs on {p.cpu}")
         dead = it % 3 == 0
         source = [table, table]
         p.set_shm(0, table, rows)

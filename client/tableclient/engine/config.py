@@ -34,6 +34,8 @@ while a pod overrides its address)::
                                       # GIL switch interval (s; 0 = leave it): the Python poller's gather needs the GIL
     poller_priority = "normal"        # TABLESERVER_POLLER_PRIORITY: the native in_graph poller's thread, normal or
                                       # realtime (SCHED_FIFO 1 where permitted: no scheduler slice mid-step on busy cores)
+    poller_cpus = ""                  # TABLESERVER_POLLER_CPUS: CPUs kept free of the engine (taskset, isolcpus), e.g.
+                                      # "14,15": each native poller on this host pinned to one no other poller holds
 
 Placements: ``remote`` (a memory node: rdma or tcp), ``node`` (a tableserver
 on this host, over shm: one copy of the table per node) and ``local``
@@ -60,6 +62,7 @@ from dataclasses import dataclass, field, fields
 from tableclient.errors import TableClientError
 from tableclient.hostmem import STAGING_TOKENS
 from tableclient.model import WINDOWS_S
+from tableclient.pollercpu import parse_cpus
 
 PLACEMENTS = ("remote", "node", "local")
 GRAPH_MODES = ("before_replay", "in_graph", "eager_break", "device")
@@ -82,6 +85,7 @@ ENV = {
     "graph": "TABLESERVER_GRAPH_MODE",
     "switch_interval": "TABLESERVER_SWITCH_INTERVAL",
     "poller_priority": "TABLESERVER_POLLER_PRIORITY",
+    "poller_cpus": "TABLESERVER_POLLER_CPUS",
 }
 
 
@@ -111,6 +115,7 @@ class PluginConfig:
     graph: dict = field(default_factory=dict)  # layer -> graph mode (default before_replay)
     switch_interval: float = 0.0  # with in_graph layers: sys.setswitchinterval(this), 0 = leave it
     poller_priority: str = "normal"  # the native in_graph poller's thread: normal | realtime
+    poller_cpus: str = ""  # CPUs set aside for native pollers ("14,15", "12-15"): each poller pinned to one
 
     def __post_init__(self):
         for f in fields(self):
@@ -134,6 +139,10 @@ class PluginConfig:
             raise ConfigError("timeout and liveness_timeout must be > 0 seconds and max_tokens at least 1")
         if self.poller_priority not in ("normal", "realtime"):
             raise ConfigError(f"poller_priority = {self.poller_priority!r}: use normal or realtime")
+        try:
+            parse_cpus(self.poller_cpus)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if not 0 <= self.switch_interval <= 0.1:
             raise ConfigError(
                 f"switch_interval = {self.switch_interval!r}: expected seconds in 0..0.1 (0: leave the interpreter's)"

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from tableclient.engine.config import PluginConfig
 from tableclient.errors import TableClientError
 from tableclient.model import ROWS_PER_TOKEN
+from tableclient.pollercpu import parse_cpus
 
 FP8_BLOCK = 32
 
@@ -245,6 +246,7 @@ class EngramRows:
                     timeout=c.timeout,
                     side_stream=side_stream,
                     realtime=c.poller_priority == "realtime",
+                    poller_cpus=parse_cpus(c.poller_cpus),
                     budgets={s.layer: c.gather_budget for s in layers} if c.gather_budget else None,
                     agree=agree,
                     results_check=results_check,
