@@ -546,9 +546,12 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                                        "policy's zero rows (the frozen server answered, or no release)")  # fmt: skip
                             ok = False
                             continue
-                        late = published - armed + dt - deadline_s
-                        say(lines, f"  tcp  {poller:<10} watchdog, server frozen, GIL in C 1 s: released {dt * 1e3:.1f} ms "
-                                   f"after the ids, {late * 1e3:+.1f} ms past its {deadline_s * 1e3:.0f} ms deadline "
+                        late = published - armed + dt - deadline_s  # the deadline runs from the arm
+                        when = (f"{dt * 1e3:.1f} ms after the ids" if dt >= 0 else
+                                f"before its ids (published {(published - armed) * 1e3:.1f} ms after the arm: "
+                                "this thread lost its CPU)")  # fmt: skip
+                        say(lines, f"  tcp  {poller:<10} watchdog, server frozen, GIL in C 1 s: released {when}, "
+                                   f"{late * 1e3:+.1f} ms past its {deadline_s * 1e3:.0f} ms deadline "
                                    f"(goal <= +10 ms: {'met' if late <= 0.010 else 'missed'})")  # fmt: skip
                     finally:
                         proc.send_signal(signal.SIGCONT)
