@@ -39,8 +39,8 @@
  *                               waits (without the GIL) until no slot is armed or gathering; the errors of
  *                               the step's failed slots as (slot, message), or None on timeout
  * reset()                       every slot idle, flags 0 (after a replay that may not have run)
- * take_events() -> list         (slot, seconds from ids seen to release, how, rows zeroed) of the steps
- *                               released since the last call, how: 0 rows, 1 policy after an error,
+ * take_events() -> list         (slot, seconds from ids seen to release (0: never seen), how, rows zeroed)
+ *                               of the steps released since the last call, how: 0 rows, 1 policy after an error,
  *                               2 the deadline (watchdog), 3 a replay nobody armed
  * broken(slot) -> str|None      why the slot's connection broke (Python connects again, off the hot path)
  * close()                       stops the thread; every rows flag set (a replay after it waits for nobody)

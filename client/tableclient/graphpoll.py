@@ -241,9 +241,9 @@ class NativePoller:
         return self._poller.busy()
 
     def arm(self, tokens: int, deadlines: list) -> None:
-        for i in range(len(self.layers)):
-            self.refresh(i)
-        self.account()
+        self.account()  # first: a step before that ran out of time marks its node silent for refresh, which
+        for i in range(len(self.layers)):  # then serves the policy at once instead of reconnecting to a node
+            self.refresh(i)  # that does not answer (up to the connect timeout on the launch path)
         self._poller.arm(tokens, deadlines)
 
     def wait_released(self, timeout: float):
@@ -266,9 +266,13 @@ class NativePoller:
                 self._waits[i].observe(seconds)
                 if seconds > self.plans[i].window_s:
                     self._misses[i].inc()
-            elif how == WATCHDOG:
+            elif how == WATCHDOG and seconds > 0:  # its ids came, its rows did not: the node ran out of time
                 self._watchdog[i].inc()
                 self._missed[i] = time.monotonic()
+                log.warning("layer %d: rows not in place %.1f ms after the graph's ids (the gather's budget or the "
+                            "step's deadline): released with zero rows", self.layers[i], seconds * 1e3)  # fmt: skip
+            elif how == WATCHDOG:  # the graph was late, not the node (its next steps read it as ever)
+                self._watchdog[i].inc()
                 log.warning("layer %d: the graph's ids did not come by the deadline: released with zero rows",
                             self.layers[i])  # fmt: skip
             elif how == UNARMED:

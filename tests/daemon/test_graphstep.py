@@ -7,6 +7,7 @@ the failure policy within the layer's timeout, and the stream is never left wait
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -548,16 +549,18 @@ def test_the_native_poller_is_pinned_to_a_cpu_of_poller_cpus_no_other_poller_hol
 
 
 def test_a_frozen_node_stalls_one_step_by_its_budget_and_the_next_get_the_policy_at_once(tmp_path, demo_file, local,
-                                                                                            poller):  # fmt: skip
+                                                                                            poller, caplog):  # fmt: skip
     """tcp, the node frozen (SIGSTOP): the first step's gather runs out of its budget (from its ids, not the
     5 s timeout) and the watchdog releases it; while the node has not answered since, the next steps get
-    the policy at once (no second watchdog release: nothing waited); once it answers, rows again."""
+    the policy at once (no second watchdog release: nothing waited; no arm connects to it again); once it
+    answers, rows again."""
     if poller != "auto":
         pytest.skip("the native poller's (Python's waits out each step's budget)")
     d = start_daemon(str(tmp_path / "d"), "--tables", demo_file, "--transports", "tcp")
     try:
         with TableClient(d.address, transport="tcp", liveness_timeout=600.0) as c:
-            g = make(c, {14: "in_graph"}, policy="zeros", timeout=EVENT_TIMEOUT, budgets={14: 0.3})
+            # timeout: the ids' deadline, and the connect timeout a reconnect to the frozen node would wait out
+            g = make(c, {14: "in_graph"}, policy="zeros", timeout=20.0, budgets={14: 0.3})
             try:
                 if g.poller != "native":
                     pytest.skip("tableclient._graphpoll is not built here")
@@ -566,11 +569,17 @@ def test_a_frozen_node_stalls_one_step_by_its_budget_and_the_next_get_the_policy
                 freeze(d.proc.pid)
                 released = watchdog_releases(14)
                 out = {}
-                for k in range(3):
-                    ids = rng.integers(0, local["engram.layer14"].shape[0], (4, 24))
-                    g.arm(4)
-                    out[k] = stream_step(g, {14: ids}, 4, layers=[14])[14]
+                caplog.clear()
+                with caplog.at_level(logging.WARNING, logger="tableclient.graphstep"):
+                    for k in range(3):  # as an engine steps: each arm folds the step before's events
+                        ids = rng.integers(0, local["engram.layer14"].shape[0], (4, 24))
+                        g.arm(4)
+                        out[k] = stream_step(g, {14: ids}, 4, layers=[14])[14]
                     g.account()
+                said = [r.getMessage() for r in caplog.records]
+                # no reconnect to the frozen node on the launch path (it would wait out the connect timeout)
+                assert not [m for m in said if "connecting again" in m or "no data connection" in m], said
+                assert sum("has not answered since a step ran out of time" in m for m in said) == 1, said
                 assert not any(o.any() for o in out.values())  # the policy, every step
                 assert watchdog_releases(14) == released + 1  # one step waited (its budget); the others did not
                 thaw(d, c)
