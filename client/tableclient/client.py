@@ -115,6 +115,21 @@ class TableClient:
         """{address: {node, state, error, transport}} of every memory node this client knows."""
         return self._router.describe()
 
+    def shards(self, name: str) -> list:
+        """The segments of table ``name`` as routed now: ``Shard``s (their rows, and their replicas in the
+        order this client reads them; ``tableclient.routing.layout``)."""
+        if name not in self.tables:
+            raise KeyError(f"no table {name!r} on {self.address}: it serves {', '.join(self.tables) or 'none'}")
+        return self._router.shards(name)
+
+    def read_from(self, name: str) -> str | None:
+        """The address of the node this client reads table ``name`` (its first segment) from now; None while
+        none of its replicas is up."""
+        if name not in self.tables:
+            raise KeyError(f"no table {name!r} on {self.address}: it serves {', '.join(self.tables) or 'none'}")
+        node = self._router.primary(name)
+        return node.address if node is not None else None
+
     def reader(self, name: str) -> TableReader:
         """How table ``name`` is read now (which node and mapping serve it; see ``tableclient.routing.reader``)."""
         if name not in self.tables:

@@ -153,7 +153,7 @@ def test_a_sniffed_hello_is_useless(fresh_daemon, demo_local):
 
     def traffic():
         with TableClient(d.address, transport="tcp") as c:
-            seen["secret"] = c._router.primary().session.secret
+            seen["secret"] = c.session.secret
             ids = np.arange(16)
             np.testing.assert_array_equal(c.table("engram.layer1").gather(ids), demo_local["engram.layer1"][ids])
 

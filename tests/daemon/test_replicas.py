@@ -152,7 +152,7 @@ def test_clients_spread_by_rendezvous_and_only_a_dead_nodes_clients_move(three, 
     clients = [TableClient(addresses, transport="tcp", client_id=f"worker-{k}") for k in range(12)]
     try:
         for k, c in enumerate(clients):
-            primaries[k] = c._router.primary("engram.layer1").address
+            primaries[k] = c.read_from("engram.layer1")
         assert len(set(primaries.values())) == 3  # 12 clients over 3 nodes: every node has some
         victim = three[0]
         victim.stop(signal.SIGKILL)
@@ -161,7 +161,7 @@ def test_clients_spread_by_rendezvous_and_only_a_dead_nodes_clients_move(three, 
         for c in clients:
             check(c, local, rng, 300)  # fail-over: every gather still bit-exact
         for k, c in enumerate(clients):
-            now = c._router.primary("engram.layer1").address
+            now = c.read_from("engram.layer1")
             if primaries[k] != victim.address:
                 assert now == primaries[k]  # the others' clients stay where they were
             else:
@@ -177,7 +177,7 @@ def test_kill_mid_stream_fails_over_bit_exact(three, v1):
     local = local_tables(v1)
     failovers = REGISTRY.get_sample_value("tableserver_client_failovers_total") or 0
     with TableClient(",".join(d.address for d in three), transport="tcp", client_id="mid") as c:
-        primary = c._router.primary("engram.layer14").address
+        primary = c.read_from("engram.layer14")
         rng = np.random.default_rng(4)
         batches = [rng.integers(0, 40_001, 20_000) for _ in range(8)]
         handles = [c.table("engram.layer14").gather_async(ids) for ids in batches]
@@ -209,8 +209,8 @@ def test_hedged_read_wins_over_a_frozen_primary(three, v1):
     ) as c:  # only the hedge can save these gathers
         # the replica this client reads first (rendezvous), once its session is up: a client may start on
         # another one while the first one's session is still opening, and move back to it after
-        first = c._router.shards("engram.layer1")[0].replicas[0].address
-        wait_for(lambda: c._router.primary("engram.layer1").address == first, "the first replica's session")
+        first = c.shards("engram.layer1")[0].replicas[0].address
+        wait_for(lambda: c.read_from("engram.layer1") == first, "the first replica's session")
         # and the warm standby's (on a busy machine it may still be opening): the hedge needs one to go to
         wait_for(lambda: sum(r["state"] == "up" for r in c.replicas().values()) >= 2, "the standby's session")
         primary = next(d for d in three if d.address == first)
@@ -224,7 +224,7 @@ def test_hedged_read_wins_over_a_frozen_primary(three, v1):
             assert elapsed < 10, elapsed  # not held up by the frozen primary (the liveness check is at 60 s)
         finally:
             os.kill(primary.proc.pid, signal.SIGCONT)
-        state = c._router.describe()
+        state = c.replicas()
     assert counts()["won"] >= won + 1, (counts(), first, state)
 
 
@@ -244,7 +244,7 @@ def test_two_shards_times_two_replicas(tmp_path, v1):
             edge = np.array([0, 14_999, 15_000, 29_999, 15_000, 0])  # both sides of the shard boundary, twice
             np.testing.assert_array_equal(c.table("engram.layer1").gather(edge), local["engram.layer1"][edge])
             for k in range(2):  # one node of each shard dies
-                victim = c._router.shards("engram.layer1")[k].replicas[0]
+                victim = c.shards("engram.layer1")[k].replicas[0]
                 next(d for d in nodes if d.address == victim.address).stop(signal.SIGKILL)
             check(c, local, rng)
     finally:
@@ -339,7 +339,7 @@ def test_a_gather_waiting_when_the_client_closes_ends(tmp_path, v1):
             f"{a.address},{b.address}", transport="tcp", client_id="close", standby=False, liveness_timeout=600.0
         )
         primary = c.replicas()
-        first = c._router.shards("engram.layer1")[0].replicas[0].address
+        first = c.shards("engram.layer1")[0].replicas[0].address
         frozen = a if first == a.address else b
         freeze(frozen.proc.pid)
         outcome = {}

@@ -220,7 +220,7 @@ def test_the_daemon_runs_what_the_chart_renders(tmp_path, demo_file, demo_local)
         )
         assert "ok    tables:" in res.stdout and "ok    memory plan:" in res.stdout, res.stdout
         with TableClient(f"127.0.0.1:{ports['grpc']}", token="s3cret", transport="tcp") as client:
-            assert client._router.primary().server.node_id == "mem-tableserver-0"
+            assert client.server.node_id == "mem-tableserver-0"
             assert client.table("tiny").gather([0]).tobytes() == demo_local["tiny"][0].tobytes()
     finally:
         proc.terminate()
