@@ -10,7 +10,8 @@ answers with the server's QP and the table's regions), and applies the policy at
 itself, all without the GIL; with ``realtime`` at real-time priority (SCHED_FIFO 1) where the process may,
 so that a busy machine's scheduler does not park it for a slice mid-step (opt-in: a real-time spinner takes
 its core from every normal thread while a step is armed); with ``cpus`` pinned to one of the CPUs an
-operator set aside for pollers (``tableclient.pollercpu``: no migration, no engine thread's slice). :meth:`NativePoller.refresh` runs before every arm: a node replaced,
+operator set aside for pollers (``tableclient.pollercpu``: no migration, no engine thread's slice).
+:meth:`NativePoller.refresh` runs before every arm (after the steps before were accounted): a node replaced,
 reconnected, or a connection the thread dropped (it never reads a broken one again) gets a new source;
 with none, the layer's steps get the policy at once. Where this cannot serve a GraphStep (the extension
 not built, policy ``fallback``, a node reached over rdma where ``_graphverbs`` is not built or libibverbs
