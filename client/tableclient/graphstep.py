@@ -135,6 +135,8 @@ class _Slot:
     released_at: float = 0.0  # time.monotonic() of the last release
     live: object = None  # this step's live ids' positions, where some ids are dead (gathered into scratch)
     ok_flag: int = -1  # the host flag saying whether the released rows are the table's (1) or the policy's (0)
+    missed: float | None = None  # time.monotonic() when a step's rows did not come after its ids (None: the last came)
+    silent: bool = False  # its steps get the policy at once: its node has not answered since ``missed``
 
 
 class GraphStep:
@@ -652,6 +654,10 @@ class GraphStep:
                     self._released.notify_all()
                 want, into = ids[:tokens], staging[:tokens]
                 slot.live = None
+                silent = self._silent(slot)
+                if silent is not None:  # its node has not answered since a step ran out of time: no wait
+                    want = want[:0]
+                    error = GatherTimeout(silent)
                 if self.dead_id is not None:  # the live ids only, into the scratch; spread before the release
                     flat = want.reshape(-1)
                     dead = flat == self.dead_id
@@ -660,7 +666,7 @@ class GraphStep:
                         want = flat[slot.live]
                         into = self._scratch[slot.layer][: want.size]
                 try:  # issued under the lock: a watchdog taking the step over always finds (and cancels) it
-                    slot.handle = table.gather_async(want, out=into) if want.size else _Done()
+                    slot.handle = table.gather_async(want, out=into) if error is None and want.size else _Done()
                 except (TableClientError, TimeoutError, OSError, ValueError) as e:
                     slot.handle, error = None, e
                 handle = slot.handle
@@ -681,19 +687,22 @@ class GraphStep:
         with self._lock:
             if slot.step != step or slot.state not in (("armed", "gathering") if by_watchdog else ("gathering",)):
                 return
-            if by_watchdog and slot.state == "armed":
+            ids_late = by_watchdog and slot.state == "armed"
+            if ids_late:
                 slot.owe_ids = True  # released before its graph published the ids: their flag comes later
+            elif by_watchdog:  # its ids came, its rows did not: the node ran out of time
+                slot.missed = time.monotonic()
             slot.state = "serving"  # ours to release: the other side leaves it alone
             handle, slot.handle = slot.handle, None
         if error is not None and handle is not None:
             handle.cancel()  # a barrier: none of a failed or late gather's rows land after this
-        if by_watchdog:
-            log.warning(
-                "layer %d: rows not released within %g s: the watchdog releases the step (%s)",
-                slot.layer,
-                self.timeout,
-                self.policy,
-            )
+        if ids_late:
+            log.warning("layer %d: the graph's ids did not come by the deadline: the watchdog releases the step "
+                        "(%s)", slot.layer, self.policy)  # fmt: skip
+        elif by_watchdog:
+            log.warning("layer %d: rows not in place %.1f ms after the graph's ids (the gather's budget or the "
+                        "step's deadline): the watchdog releases the step (%s)", slot.layer,
+                        (time.perf_counter() - slot.seen) * 1e3, self.policy)  # fmt: skip
         staging = self._staging_np[slot.layer][:tokens]
         view, want, live = staging, self._ids_np[slot.layer][:tokens], slot.live
         if live is not None:  # some ids dead: their live ones were gathered into the scratch
@@ -731,6 +740,22 @@ class GraphStep:
         self.flags.host[slot.rows_flag] = 1
         self._released.notify_all()
 
+    def _silent(self, slot: _Slot) -> str | None:
+        """(lock held) Why ``slot``'s step gets the policy at once: its node has not answered (a keepalive
+        or rows) since one of its steps ran out of time; None once it has, or where routing spreads the
+        table over several nodes (each gather is timed as ever)."""
+        if slot.missed is None:
+            return None
+        node = self.post.client.reader(slot.plan.table).route().node
+        if node is None or node.last_heard >= slot.missed:
+            slot.missed, slot.silent = None, False
+            return None
+        if not slot.silent:
+            slot.silent = True
+            log.warning("layer %d: its node has not answered since a step ran out of time: the policy at once "
+                        "until it does", slot.layer)  # fmt: skip
+        return f"layer {slot.layer}: its node has not answered since a step ran out of time (the policy at once)"
+
     def _watchdog(self) -> None:
         while not self._closed:
             with self._lock:
@@ -746,7 +771,7 @@ class GraphStep:
                     slot,
                     step,
                     tokens,
-                    GatherTimeout(f"layer {slot.layer}: rows not in place within {self.timeout:g} s (watchdog)"),
+                    GatherTimeout(f"layer {slot.layer}: rows not in place by the step's deadline (watchdog)"),
                     by_watchdog=True,
                 )
 
