@@ -583,6 +583,8 @@ def main() -> int:
                     help="the wake stage's native-pin poller's CPU, kept free of every other thread "
                          f"(default: this process's last, {mine[-1] if len(mine) > 1 else -1}; -1: no native-pin)")  # fmt: skip
     args = ap.parse_args()
+    if args.poller_cpu != -1 and args.poller_cpu not in mine:
+        ap.error(f"--poller-cpu {args.poller_cpu}: not one of this process's CPUs ({mine[0]}..{mine[-1]}); -1: none")
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -17,6 +17,8 @@ import fcntl
 import os
 
 CLAIM_DIR = "/dev/shm"
+#: CPUs a thread can be pinned to (glibc's CPU_SETSIZE: the native poller's cpu_set_t)
+MAX_CPUS = 1024
 
 
 def parse_cpus(text: str) -> list[int]:
@@ -33,6 +35,8 @@ def parse_cpus(text: str) -> list[int]:
             first = last = -1
         if first < 0 or last < first:
             raise ValueError(f"poller_cpus {text!r}: {part!r} is not a CPU or a range: use e.g. '14,15' or '12-15'")
+        if last >= MAX_CPUS:
+            raise ValueError(f"poller_cpus {text!r}: CPU {last} is beyond the {MAX_CPUS} a poller can be pinned to")
         cpus.extend(c for c in range(first, last + 1) if c not in cpus)
     return cpus
 

@@ -17,6 +17,10 @@ def test_cpu_lists_parse_as_the_kernel_writes_them():
     for bad in ("x", "3-1", "-2", "1-", "1.5"):
         with pytest.raises(ValueError, match="is not a CPU or a range: use e.g. '14,15' or '12-15'"):
             parse_cpus(bad)
+    for big in ("1024", "0-100000000"):  # never a list of a hundred million CPUs
+        with pytest.raises(ValueError, match="is beyond the 1024 a poller can be pinned to"):
+            parse_cpus(big)
+    assert parse_cpus("1023") == [1023]
 
 
 def test_the_plugin_config_checks_its_poller_cpus():
