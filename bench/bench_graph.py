@@ -619,7 +619,7 @@ def main() -> int:
     ap.add_argument("--server-cpus", default="",
                     help="the native-pin rows' server CPUs, a cpulist (default: the upper half of those left "
                          "besides the poller's, or the poller's own where one is left); the bench's threads "
-                         "get the others")  # fmt: skip
+                         "get the others (all but the poller's if none)")  # fmt: skip
     args = ap.parse_args()
     if args.poller_cpu != -1 and args.poller_cpu not in mine:
         ap.error(f"--poller-cpu {args.poller_cpu}: not one of this process's CPUs ({mine[0]}..{mine[-1]}); -1: none")
@@ -632,10 +632,10 @@ def main() -> int:
             server_cpus = parse_cpus(args.server_cpus)
         except ValueError as e:
             ap.error(f"--server-cpus: {e}")
-        engine_cpus = [c for c in mine if c != args.poller_cpu and c not in server_cpus]
-        if not set(server_cpus) <= set(mine) or not engine_cpus:
-            ap.error(f"--server-cpus {args.server_cpus}: must be this process's CPUs and leave the bench one "
-                     "besides --poller-cpu's")  # fmt: skip
+        if not server_cpus or not set(server_cpus) <= set(mine):
+            ap.error(f"--server-cpus {args.server_cpus}: not this process's CPUs ({mine[0]}..{mine[-1]})")
+        rest = [c for c in mine if c != args.poller_cpu]
+        engine_cpus = [c for c in rest if c not in server_cpus] or rest  # none left: the bench shares the server's
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
