@@ -17,6 +17,7 @@ import time
 import numpy as np
 import pytest
 from conftest import EVENT_TIMEOUT, local_tables, start_daemon, wait_for
+from prometheus_client import REGISTRY
 from tests_helpers import freeze, stream_step
 
 torch = pytest.importorskip("torch")
@@ -127,7 +128,8 @@ def thaw(d, client) -> None:
 
 
 def watchdog_releases(layer: int) -> float:
-    return metrics().watchdog_releases.labels(str(layer))._value.get()
+    metrics()  # registered in the default registry on first use
+    return REGISTRY.get_sample_value("tableserver_client_watchdog_releases_total", {"layer": str(layer)}) or 0.0
 
 
 @pytest.mark.parametrize("policy", ["zeros", "fail", "fallback"])
