@@ -26,6 +26,9 @@ Soft-RoCE under TCG moves ~7.5k READs/s: correctness and same-run ratios
 only, never absolute speed. Usage from the command line::
 
     python tests/rdma/vm.py [--install] -- 'ibv_devices; rdma link'
+
+The command runs in the current directory, and ``python`` in it is the Python that runs vm.py (its
+directory, a venv's ``bin``, leads the guest's PATH).
 """
 
 from __future__ import annotations
@@ -495,6 +498,7 @@ def main() -> int:
         echo=True,
         memory_mb=args.memory,
         timeout=args.timeout,
+        env={"PATH": f"{os.path.dirname(sys.executable)}:{GUEST_PATH}"},  # `python` there: the one running this
     )
     print(f"\n[guest exit {res.rc} after {res.seconds:.1f} s]")
     return res.rc
