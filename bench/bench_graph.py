@@ -55,6 +55,7 @@ import tempfile
 import time
 
 import numpy as np
+from prometheus_client import REGISTRY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -383,6 +384,19 @@ class Disturber:
             self.thread.join()
 
 
+def graph_waits(since: tuple | None = None):
+    """Layer 14's in_graph waits the poller itself timed (ids seen -> rows released; the client's
+    ``tableserver_client_graph_wait_seconds``): (sum, count) now, or the mean since ``since``."""
+    labels = {"layer": "14", "phase": "in_graph"}
+    now = tuple(
+        REGISTRY.get_sample_value(f"tableserver_client_graph_wait_seconds_{part}", labels) or 0.0
+        for part in ("sum", "count")
+    )
+    if since is None:
+        return now
+    return (now[0] - since[0]) / max(now[1] - since[1], 1.0)
+
+
 def layout(cpus: list, poller_cpu: int) -> tuple:
     """(the engine's CPUs, the server's) for the native-pin rows, the poller's CPU apart: the server stands
     for another host (a memory node), so it gets CPUs the engine's threads do not run on, the upper half of
@@ -512,6 +526,8 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                     try:
                         for kind in ("quiet", "busy", "gil-in-C"):
                             took = []
+                            g.account()
+                            waited = graph_waits()
                             with Disturber(kind):
                                 end = time.monotonic() + WAKE_CONDITION_S
                                 for i in range(steps + (WARM_STEPS if kind == "quiet" else 0)):
@@ -532,6 +548,8 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                                     if kind != "quiet" or i >= WARM_STEPS:
                                         took.append(dt)
                             p99 = pct(took, 99)
+                            g.account()
+                            gathered = graph_waits(waited)
                             if kind == "quiet":
                                 quiet99, base = p99, min(b99, pct(placed, 99)) if pinned else b99
                                 goal = p99 <= max(1.5 * base, base + 150e-6)
@@ -541,7 +559,8 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                                 note = f"{p99 / quiet99:.2f}x quiet p99 (goal <= {limit}x: {'met' if p99 <= limit * quiet99 else 'missed'})"
                             say(
                                 lines,
-                                f"  {transport:<4} {poller:<10} {kind:<26}{pct(took, 50) * 1e6:>8.0f} {p99 * 1e6:>8.0f}   {note}",
+                                f"  {transport:<4} {poller:<10} {kind:<26}{pct(took, 50) * 1e6:>8.0f} {p99 * 1e6:>8.0f}   {note}; "
+                                f"mean {np.mean(took) * 1e6:.0f} us, of it ids seen -> released {gathered * 1e6:.0f} us",
                             )
                     finally:
                         g.close()
