@@ -17,8 +17,8 @@ server under each mode that releases rows in the graph; ``wake``, the in_graph p
 Python) at 64 tokens a step: from the graph's ids flag to its rows released, stamped by a native stand-in
 for the GPU (the poller's release time itself: the stand-in's own wake-up on a crowded machine is not the
 GPU's), quiet, beside a busy Python thread and beside a thread that holds the GIL inside C, against
-the bare gather of the same ids through the same client; and the watchdog with the server frozen and
-the GIL held in C for a second.
+the bare gather of the same ids through the same client, both paced as decode steps come (``--pace-ms``);
+and the watchdog with the server frozen and the GIL held in C for a second.
 
 Needs a CUDA GPU for graphs (exits 2 without one, unless --device cpu). A real tableserver serves the
 demo table file. Per graph-mode set -- both layers before_replay; layer 1 before_replay and layer 14
@@ -79,7 +79,7 @@ STAGES = ("probe", "node", "modes", "faults", "wake")
 #: the wake stage's pollers, in the order it runs them
 POLLERS = ("native", "native-rt", "python", "native-pin")
 #: the wake stage's longest condition (seconds): a slow poller's p99 comes from the steps it got through
-WAKE_CONDITION_S = 6.0
+WAKE_CONDITION_S = 8.0
 #: untimed steps first, the bare gather's and each poller's: a connection's first use (an rdma client's first
 #: READs, a poller's endpoint) is not a step's wake-up
 WARM_STEPS = 3
@@ -432,11 +432,16 @@ def restore(saved: dict) -> None:
 
 
 def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps: int, lines: list,
-               poller_cpu: int = -1, cpus: tuple = (), pollers: tuple = POLLERS) -> bool:  # fmt: skip
+               poller_cpu: int = -1, cpus: tuple = (), pollers: tuple = POLLERS, pace: float = 0.0) -> bool:  # fmt: skip
     """ids published -> rows released for an in_graph layer 14 at 64 tokens, per transport and poller;
     ``native-pin``: the native poller pinned to ``poller_cpu`` (poller_cpus), the bench's other threads on
     ``cpus[0]`` and its server's on ``cpus[1]`` (:func:`layout`), against the bare gather placed the same
     way as well as the unplaced one (the goal is judged against the faster of the two).
+
+    Steps are paced (``pace`` seconds from one step's ids to the next's, as decode steps come), and so is the
+    bare gather the quiet goal is judged against (the back-to-back one is printed too): a gather after a pause
+    of milliseconds runs slower than one right after another (its caches cooled meanwhile), and unpaced, a
+    disturbed condition's slower steps would make its ratio to quiet measure that pause.
 
     Run with torch's intra-op threads at 1: the host copies of the step (ids in, rows out) stand for a GPU's,
     which take no host thread, while torch's pool spins on after each parallel copy (libgomp's spin-wait)
@@ -471,10 +476,12 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                 table = client.table("engram.layer14")
                 buf = np.empty((tokens * ROWS_PER_TOKEN, 264), np.uint8)
 
-                def bare_gather() -> list:
-                    took = []
+                def bare_gather(pace: float = 0.0) -> list:
+                    took, t0 = [], 0.0
                     for i in range(WARM_STEPS + steps):
                         ids = rng.integers(0, table_rows, tokens * ROWS_PER_TOKEN)
+                        if pace:
+                            time.sleep(max(0.0, t0 + pace - time.perf_counter()))
                         t0 = time.perf_counter()
                         table.gather(ids, out=buf)
                         if i >= WARM_STEPS:
@@ -482,11 +489,19 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                     return took
 
                 bare = bare_gather()
-                b99 = pct(bare, 99)
+                b99 = back99 = pct(bare, 99)
                 say(
                     lines,
-                    f"  {transport:<4} bare gather (same client, quiet)       {pct(bare, 50) * 1e6:>8.0f} {b99 * 1e6:>8.0f}",
+                    f"  {transport:<4} bare gather (same client, back to back){pct(bare, 50) * 1e6:>8.0f} {b99 * 1e6:>8.0f}",
                 )
+                if pace:  # the baseline at the steps' cadence: what an engine's own gather at step start takes
+                    paced = bare_gather(pace)
+                    b99 = pct(paced, 99)
+                    say(
+                        lines,
+                        f"  {transport:<4} bare gather, paced {pace * 1e3:g} ms             "
+                        f"{pct(paced, 50) * 1e6:>8.0f} {pct(paced, 99) * 1e6:>8.0f}",
+                    )
                 if transport == "rdma":
                     say(lines, "  rdma watchdog: not run (a stopped server's NIC still answers READs; "
                                "tests/rdma/test_graphpoll_rdma.py stalls the gather instead)")  # fmt: skip
@@ -495,7 +510,7 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                     pinned = [poller_cpu] if poller == "native-pin" else None
                     if pinned:
                         kept_off = place({os.getpid(): cpus[0], proc.pid: cpus[1]})
-                        placed = bare_gather()
+                        placed = bare_gather(pace)
                         say(
                             lines,
                             f"  {transport:<4} bare gather, placed as native-pin   "
@@ -525,7 +540,7 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                     quiet99 = None
                     try:
                         for kind in ("quiet", "busy", "gil-in-C"):
-                            took = []
+                            took, published = [], []
                             g.account()
                             waited = graph_waits()
                             with Disturber(kind):
@@ -534,9 +549,13 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                                     if took and time.monotonic() > end:
                                         break  # a slow poller's condition ends early: its steps so far
                                     ids = rng.integers(0, table_rows, (tokens, ROWS_PER_TOKEN))
+                                    if pace and published:  # the next step's ids no sooner than pace after these
+                                        time.sleep(max(0.0, published[-1] + pace - time.monotonic()))
                                     g.arm(tokens)
                                     g.publish_ids(14, torch.from_numpy(ids), graph=False)  # the copy only
                                     seen = graphpoll.stand_in(g.flags.host, ids_flag, rows_flag, 30.0)
+                                    if seen is not None:
+                                        published.append(seen[0])
                                     got = g.rows(14, tokens).numpy().reshape(tokens, ROWS_PER_TOKEN, -1)
                                     # the release itself: a GPU would see it at once, the stand-in sees it
                                     # when this crowded machine runs it again
@@ -553,14 +572,16 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                             if kind == "quiet":
                                 quiet99, base = p99, min(b99, pct(placed, 99)) if pinned else b99
                                 goal = p99 <= max(1.5 * base, base + 150e-6)
-                                note = f"{p99 / base:.2f}x bare p99 (goal <= 1.5x or +150 us: {'met' if goal else 'missed'})"
+                                note = (f"{p99 / base:.2f}x {'paced ' if pace else ''}bare p99 (goal <= 1.5x or +150 us: "
+                                        f"{'met' if goal else 'missed'})" + (f", {p99 / back99:.2f}x back to back" if pace else ""))  # fmt: skip
                             else:
                                 limit = 1.5 if kind == "busy" else 2.0
                                 note = f"{p99 / quiet99:.2f}x quiet p99 (goal <= {limit}x: {'met' if p99 <= limit * quiet99 else 'missed'})"
                             say(
                                 lines,
                                 f"  {transport:<4} {poller:<10} {kind:<26}{pct(took, 50) * 1e6:>8.0f} {p99 * 1e6:>8.0f}   {note}; "
-                                f"mean {np.mean(took) * 1e6:.0f} us, of it ids seen -> released {gathered * 1e6:.0f} us",
+                                f"mean {np.mean(took) * 1e6:.0f} us, of it ids seen -> released {gathered * 1e6:.0f} us; "
+                                f"a step every {np.mean(np.diff(published)) * 1e3:.1f} ms",
                             )
                     finally:
                         g.close()
@@ -634,6 +655,9 @@ def main() -> int:
     ap.add_argument("--poller-cpu", type=int, default=mine[-1] if len(mine) > 1 else -1,
                     help="the wake stage's native-pin poller's CPU, kept free of every other thread "
                          f"(default: this process's last, {mine[-1] if len(mine) > 1 else -1}; -1: no native-pin)")  # fmt: skip
+    ap.add_argument("--pace-ms", type=float, default=20.0,
+                    help="the wake stage's steps: one every this many ms at most often, and a bare gather paced so "
+                         "(default 20, a decode step's order; 0: back to back)")  # fmt: skip
     ap.add_argument("--pollers", default=",".join(POLLERS), help=f"the wake stage's (default {','.join(POLLERS)})")
     ap.add_argument("--server-cpus", default="",
                     help="the native-pin rows' server CPUs, a cpulist (default: the upper half of those left "
@@ -772,7 +796,7 @@ def main() -> int:
             try:
                 ok &= stage_wake(
                     torch, path, tmp, local, args.transports.split(","), args.steps, out_lines, args.poller_cpu,
-                    (engine_cpus, server_cpus), pollers,
+                    (engine_cpus, server_cpus), pollers, args.pace_ms / 1e3,
                 )  # fmt: skip
             finally:
                 torch.set_num_threads(threads)

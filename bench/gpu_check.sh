@@ -7,13 +7,13 @@
 #   bash bench/gpu_check.sh --cpu [OUT_DIR]        every stage that runs without a GPU; exits 0 when they pass
 #   bash bench/gpu_check.sh --fetch-wheels [DIR]   (on a machine with PyPI) the wheels to carry, into DIR (.whl)
 #
-# Stages, each printed and flushed as it runs, logged to OUT_DIR/<stage>.log, and capped (seconds, 8 minutes
+# Stages, each printed and flushed as it runs, logged to OUT_DIR/<stage>.log, and capped (seconds, 10 minutes
 # in all, the wake stage once): install 45 (this project, with its native modules built: TABLESERVER_REQUIRE_NATIVE=1, pip -e
 # without an index; first the carried wheels of WHEELS=DIR, default .whl, into /tmp/gpu-site), probe 30 (stream
 # memory operations captured, replayed and released from a host thread: what GraphStep checks at start-up),
 # node 60 (both layers in graph mode device: the graph's own kernel gathers this host's daemon's mapping, buckets
 # 1/64/512, layer 1's rows against its 0.3 ms window, layer 14's wait, bit-exact), modes 90 (before_replay,
-# in_graph and device side by side on the same steps), faults 60 (a frozen and a killed server), wake 130 (the
+# in_graph and device side by side on the same steps), faults 60 (a frozen and a killed server), wake 240 (the
 # in_graph pollers, native and Python, from ids to rows released against the bare gather, quiet and beside
 # busy threads; the watchdog with the GIL held), tests 45 (the CUDA tests that need no engine: graph mode
 # device, the vLLM plugin's device copies, the step's pinned staging). A stage that fails or runs out its cap
@@ -126,7 +126,7 @@ if [ "$mode" = gpu ]; then
     stage node 60 "$py" bench/bench_graph.py --stage node --steps 100 --out "$out"
     stage modes 90 "$py" bench/bench_graph.py --stage modes --steps 50 --buckets 1,64,512 --out "$out"
     stage faults 60 "$py" bench/bench_graph.py --stage faults --steps 20 --buckets 64 --out "$out"
-    stage wake $((130 * runs)) bash -c "$(declare -f wake); py=$py out=$out runs=$runs; wake --steps 300"
+    stage wake $((240 * runs)) bash -c "$(declare -f wake); py=$py out=$out runs=$runs; wake --steps 300"
     stage tests 45 "$py" -m pytest -q -rs -p no:cacheprovider tests/gpu/test_device_tables_gpu.py tests/gpu/test_graph_outcomes_gpu.py \
         tests/gpu/test_vllm_gpu.py tests/daemon/test_step.py
 else
