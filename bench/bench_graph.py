@@ -577,11 +577,12 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                             else:
                                 limit = 1.5 if kind == "busy" else 2.0
                                 note = f"{p99 / quiet99:.2f}x quiet p99 (goal <= {limit}x: {'met' if p99 <= limit * quiet99 else 'missed'})"
+                            every = (f"a step every {np.mean(np.diff(published)) * 1e3:.1f} ms" if len(published) > 1
+                                     else "one step")  # fmt: skip
                             say(
                                 lines,
                                 f"  {transport:<4} {poller:<10} {kind:<26}{pct(took, 50) * 1e6:>8.0f} {p99 * 1e6:>8.0f}   {note}; "
-                                f"mean {np.mean(took) * 1e6:.0f} us, of it ids seen -> released {gathered * 1e6:.0f} us; "
-                                f"a step every {np.mean(np.diff(published)) * 1e3:.1f} ms",
+                                f"mean {np.mean(took) * 1e6:.0f} us, of it ids seen -> released {gathered * 1e6:.0f} us; {every}",
                             )
                     finally:
                         g.close()
@@ -666,6 +667,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.poller_cpu != -1 and args.poller_cpu not in mine:
         ap.error(f"--poller-cpu {args.poller_cpu}: not one of this process's CPUs ({mine[0]}..{mine[-1]}); -1: none")
+    if not 0.0 <= args.pace_ms <= 1000.0:  # nan fails both
+        ap.error(f"--pace-ms {args.pace_ms:g}: from 0 (back to back) to 1000")
     pollers = tuple(p for p in POLLERS if p in args.pollers.split(","))
     if not pollers or set(args.pollers.split(",")) - set(POLLERS):
         ap.error(f"--pollers {args.pollers}: name some of {','.join(POLLERS)}")
@@ -673,8 +676,8 @@ def main() -> int:
     if args.server_cpus:
         try:
             server_cpus = parse_cpus(args.server_cpus)
-        except ValueError as e:
-            ap.error(f"--server-cpus: {e}")
+        except ValueError:
+            ap.error(f"--server-cpus {args.server_cpus!r}: not a cpulist: use e.g. '8-14' or '7,9'")
         if not server_cpus or not set(server_cpus) <= set(mine):
             ap.error(f"--server-cpus {args.server_cpus}: not this process's CPUs ({mine[0]}..{mine[-1]})")
         rest = [c for c in mine if c != args.poller_cpu]
