@@ -440,7 +440,7 @@ def main() -> int:
                 "\nclient library cost per call, back to back (median of interleaved calls): the gather "
                 "through the library vs the bare operation under it"
             )
-            tcp_node = tcp._node_transport()
+            tcp_node = tcp.node_transport()
             say(f"{'rows':>6}  {'path':<34}{'library us':>11}{'bare us':>9}{'per call us':>12}")
             for n in (1, 1536):
                 out = rows_buffer(n, ROW_BYTES)

@@ -166,8 +166,10 @@ class TableClient:
             handles.append(t.gather_async(ids, out, hedge_after=hedge))
         return handles
 
-    def _node_transport(self, name: str | None = None):
-        """The data transport of the node read first (tests and tools that speak to one node)."""
+    def node_transport(self, name: str | None = None):
+        """The data transport (tcp, shm or rdma) of the node table ``name`` is read from now (by default
+        any table's), for tools and tests that speak to one node below the routing: its requests skip
+        fail-over, hedging and the client's metrics. TableClientError while no such node is usable."""
         node = self._router.primary(name)
         if node is None:
             raise TableClientError(f"no session with a node of {self.address}")

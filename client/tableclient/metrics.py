@@ -168,14 +168,14 @@ def error_reason(exc: BaseException) -> str:
 
 class GatherRecorder(Recorder):
     """The metric children of one (table, layer, transport, mode), updated together once per gather:
-    ``count(rows, unique_rows, nbytes)``, ``observe(seconds)``, ``record``/``defer`` both
+    ``defer(rows, unique_rows, nbytes, seconds)``, or ``count`` at issue and ``observe`` at the wait
     (``tableserver.common.recorder.Recorder``; deferred gathers are applied by every scrape of this
     process's registry, the client's maintenance tick (50 ms), close and exit)."""
 
     __slots__ = ()
 
-    def __init__(self, latency, rows, unique_rows, nbytes, direct: bool = True):
-        super().__init__(latency, rows, unique_rows, nbytes, direct=direct)
+    def __init__(self, latency, rows, unique_rows, nbytes):
+        super().__init__(latency, rows, unique_rows, nbytes)
         _flush_first.add(self)
 
 

@@ -315,7 +315,7 @@ def test_sealed_tcp_keeps_rows_and_row_ids_private(fresh_daemon, demo_local, sea
 
     def traffic():
         with TableClient(d.address, transport="tcp") as c:
-            assert (c._node_transport()._seal_rx is not None) == sealed
+            assert c.node_transport().sealed == sealed
             t = c.table("engram.layer14")
             np.testing.assert_array_equal(t.gather(ids), table[ids])
             np.testing.assert_array_equal(t.gather(np.zeros(0, np.int64)), table[[]])
@@ -325,7 +325,7 @@ def test_sealed_tcp_keeps_rows_and_row_ids_private(fresh_daemon, demo_local, sea
 
             np.testing.assert_array_equal(t.gather([7, 7, 8]), table[[7, 7, 8]])
             with pytest.raises(RemoteError):  # a sealed error answer, from the server's own check
-                c._node_transport().gather(
+                c.node_transport().gather(
                     c.tables["engram.layer14"].index,
                     np.array([len(table)], np.int64),
                     np.empty((1, table.shape[1]), np.uint8),

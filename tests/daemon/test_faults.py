@@ -229,7 +229,7 @@ def test_recoverable_errors_keep_the_connection(daemon, demo_local):
 def test_remote_error_surfaces_as_remote_error(daemon):
     """A request the server refuses raises RemoteError from wait (here: a table index it lacks)."""
     with TableClient(daemon.address, transport="tcp") as c:
-        transport = c._node_transport()
+        transport = c.node_transport()
         pending = transport.gather(42, np.array([0], np.int64), np.empty((1, 8), np.uint8))
         with pytest.raises(RemoteError, match="UNKNOWN_TABLE"):
             pending.wait(10)
@@ -438,7 +438,7 @@ def test_sync_wait_with_no_time_left_takes_rows_already_here(daemon, demo_local)
     import select as select_module
 
     with TableClient(daemon.address, transport="tcp") as c:
-        transport = c._node_transport()
+        transport = c.node_transport()
         table = c.table("engram.layer1")
         for row in (0, 4321, table.info.rows - 1):
             ids = np.array([row], dtype=np.int64)

@@ -366,7 +366,7 @@ def test_tcp_request_refused_before_sending_leaves_the_connection_usable(daemon,
         table = c.table("engram.layer1")
         ids = np.arange(0, 400, dtype=np.int64)
         with pytest.raises((ValueError, BufferError, TypeError)):
-            c._node_transport().gather(0, ids[::2], np.empty((200, 264), np.uint8), True)
+            c.node_transport().gather(0, ids[::2], np.empty((200, 264), np.uint8), True)
         for _ in range(3):
             np.testing.assert_array_equal(table.gather(ids[::-1]), demo_local[table.name][ids[::-1]])
 

@@ -134,7 +134,7 @@ def test_tls(fresh_daemon, pki, demo_local):
     port = d.address.rsplit(":", 1)[1]
     with TableClient(f"localhost:{port}", tls_ca=pki["ca"][0], token=TOKEN, transport="tcp") as c:
         np.testing.assert_array_equal(c.table("tiny").gather([0]), demo_local["tiny"][[0]])
-        assert c._node_transport()._seal_rx is not None  # TLS control plane: the tcp rows are sealed too
+        assert c.node_transport().sealed  # TLS control plane: the tcp rows are sealed too
     with pytest.raises(ConnectError):
         TableClient(f"localhost:{port}", token=TOKEN, connect_timeout=3)  # plaintext to a TLS port
 

@@ -53,7 +53,7 @@ def test_device_present():
 
 def test_handshake(rdma_daemon, demo_local):
     with TableClient(rdma_daemon.address, transport="rdma", rdma_qps=3, rdma_ring_rows=256, **SLOW_CLIENT) as c:
-        t = c._node_transport()
+        t = c.node_transport()
         assert len(t._qps) == 3 and t.device == "rxe_lo"
         for info in c.tables.values():  # the regions tile every table exactly, on row boundaries
             state = t._tables[info.index]
@@ -162,7 +162,7 @@ def test_auto_prefers_rdma(rdma_daemon):
 
 def test_out_of_range_rejected_before_posting(client):
     t = client.table("engram.layer1")
-    transport = client._node_transport()
+    transport = client.node_transport()
     before = next(transport._tokens)
     for bad in ([t.rows], [-1], [0.5]):
         with pytest.raises(ValueError):
@@ -176,7 +176,7 @@ def test_pack_server_checks_ids_itself(rdma_daemon, demo_local):
     with TableClient(rdma_daemon.address, transport="rdma", mode="pack", rdma_ring_rows=256, **SLOW_CLIENT) as c:
         t = c.table("engram.layer1")
         out = np.empty((2, 264), np.uint8)
-        pending = c._node_transport().gather(t.info.index, np.array([0, t.rows + 5], np.int64), out, mode="pack")
+        pending = c.node_transport().gather(t.info.index, np.array([0, t.rows + 5], np.int64), out, mode="pack")
         with pytest.raises(RemoteError, match="ROW_OUT_OF_RANGE"):
             pending.wait(EVENT_TIMEOUT)
         np.testing.assert_array_equal(t.gather([3, 4], timeout=EVENT_TIMEOUT), demo_local[t.name][[3, 4]])
@@ -195,7 +195,7 @@ def one_sided_wr(transport, opcode, wr_id: int, rkey: int, addr: int):
 
 def post_remote_write(client, wr_id: int):
     """Posts an RDMA WRITE of 264 bytes of 0xAB into row 0 of engram.layer1 on the client's first QP."""
-    t = client._node_transport()
+    t = client.node_transport()
     state = t._tables[client.tables["engram.layer1"].index]
     wr, local = one_sided_wr(t, verbs().e.IBV_WR_RDMA_WRITE, wr_id, int(state.rkeys[0, 0]), int(state.addrs[0]))
     local.array[:264] = 0xAB
@@ -245,7 +245,7 @@ def test_an_rkey_reads_only_on_its_own_sessions_qps(rdma_daemon, demo_local):
     e = verbs().e
     index = None
     with TableClient(rdma_daemon.address, transport="rdma", rdma_qps=2, rdma_ring_rows=64, **SLOW_CLIENT) as a:
-        ta = a._node_transport()
+        ta = a.node_transport()
         index = a.tables["engram.layer1"].index
         sa = ta._tables[index]
         addr = int(sa.addrs[0])
@@ -254,7 +254,7 @@ def test_an_rkey_reads_only_on_its_own_sessions_qps(rdma_daemon, demo_local):
         assert status == e.IBV_WC_SUCCESS and row == demo_local["engram.layer1"][0].tobytes()
         old_rkeys = [int(k) for k in sa.rkeys[0]]
     with TableClient(rdma_daemon.address, transport="rdma", rdma_qps=1, rdma_ring_rows=64, **SLOW_CLIENT) as b:
-        tb = b._node_transport()
+        tb = b.node_transport()
         assert int(tb._tables[index].rkeys[0, 0]) not in old_rkeys
         status, row = read_with(tb, old_rkeys[0], addr, 92)  # the ended session's rkey, on a live QP
         assert status == e.IBV_WC_REM_ACCESS_ERR and row != demo_local["engram.layer1"][0].tobytes()
@@ -288,7 +288,7 @@ def test_a_client_that_stops_taking_pack_replies_stalls_only_itself(demo_file, d
     try:
         pack = dict(transport="rdma", mode="pack", rdma_qps=1, rdma_ring_rows=64, **SLOW_CLIENT)
         with TableClient(d.address, client_name="stalls", **pack) as x, TableClient(d.address, **pack) as y:
-            tx = x._node_transport()
+            tx = x.node_transport()
             tx._recv_wrs = [(Dropped(), wr) for _qp, wr in tx._recv_wrs]
             for i in range(16):  # each reply uses up one of its 16 receive buffers
                 np.testing.assert_array_equal(x.table("engram.layer1").gather([i], timeout=EVENT_TIMEOUT), rows[[i]])
@@ -322,7 +322,7 @@ def test_reconnects_after_a_qp_error(rdma_daemon, demo_local):
                     c.table("engram.layer1").gather([0, 1], timeout=EVENT_TIMEOUT), demo_local["engram.layer1"][[0, 1]]
                 )
         wait_for(lambda: c.replicas()[rdma_daemon.address]["state"] == "up", lambda: f"a new session: {c.replicas()}")
-        assert c._node_transport() is not t
+        assert c.node_transport() is not t
         ids = np.arange(0, 50_000, 501)
         np.testing.assert_array_equal(
             c.table("engram.layer1").gather(ids, timeout=EVENT_TIMEOUT), demo_local["engram.layer1"][ids]

@@ -275,71 +275,69 @@ def test_native_unique_refuses_buffers_it_cannot_fill():
     assert native_unique(np.empty(0, np.int64), u, v, 3) == 0
 
 
-def shm_recorder(registry, direct: bool = True):
-    """A fresh client GatherRecorder of table t, layer 1, shm reads, in ``registry``."""
-    from tableclient.metrics import ClientMetrics, GatherRecorder
+def shm_metrics(registry):
+    """Client metrics in ``registry`` and the label values of table t, layer 1, shm reads."""
+    from tableclient.metrics import ClientMetrics
 
-    m = ClientMetrics(registry)
-    labels = ("t", "1", "shm")
-    return GatherRecorder(
-        m.gather_latency.labels(*labels, "read"),
-        m.rows.labels(*labels),
-        m.unique_rows.labels(*labels),
-        m.bytes.labels(*labels),
-        direct=direct,
-    )
+    return ClientMetrics(registry), ("t", "1", "shm")
 
 
-def test_gather_recorder_direct_updates_export_what_the_public_api_does():
-    """GatherRecorder calls prometheus_client's value objects directly; the exported samples must be
-    exactly those of the public inc()/observe() (and the fallback must work where they are missing)."""
-    from prometheus_client import CollectorRegistry, generate_latest
-
-    fast_reg, slow_reg = CollectorRegistry(), CollectorRegistry()
-    fast, slow = shm_recorder(fast_reg, direct=True), shm_recorder(slow_reg, direct=False)
-    assert fast._incs is not None and slow._incs is None
-    values = [0.0, 2e-6, 2.5e-6, 4e-6, 1e-4, 0.3, 0.5, 7.0] + list(np.random.default_rng(0).exponential(1e-3, 200))
-    for i, seconds in enumerate(values):
-        for r in (fast, slow):
-            r.record(i + 1, i, 264 * i, float(seconds))
-
-    def samples(registry):  # without the *_created timestamps (when each registry was made)
-        return [line for line in generate_latest(registry).decode().splitlines() if "_created" not in line]
-
-    assert samples(fast_reg) == samples(slow_reg)
-    assert any(
-        line.startswith("tableserver_client_gather_duration_seconds_count") and line.endswith(" 208.0")
-        for line in samples(fast_reg)
-    )
+def registry_samples(registry) -> dict:
+    """{(sample name, labels): value} of every sample but the *_created timestamps (when each registry
+    was made); collecting first applies what a FlushFirst in the registry guards."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for m in registry.collect()
+        for s in m.samples
+        if not s.name.endswith("_created")
+    }
 
 
 def test_deferred_gathers_are_applied_by_the_next_scrape():
     """The fast paths defer their metrics; a collection of the registry applies them first (so a scrape
-    sees every gather), bucketed exactly as one observe() per gather would."""
+    sees every gather), exactly as prometheus_client's own inc() and observe() per gather would, the
+    split ``count`` at issue and ``observe`` at the wait included."""
     from prometheus_client import CollectorRegistry
+    from tableclient.metrics import GatherRecorder
 
-    from tableserver.common.recorder import MAX_DEFERRED
+    from tableserver.common.recorder import MAX_DEFERRED, FlushFirst
 
     now_reg, later_reg = CollectorRegistry(), CollectorRegistry()
-    now, later = shm_recorder(now_reg), shm_recorder(later_reg)
-    values = [2e-6, 2.5e-6, 4e-6, 1e-4, 0.3] + list(np.random.default_rng(1).exponential(1e-3, 2 * MAX_DEFERRED))
+    guard = FlushFirst()  # first in its registry, as the client's is in the process's
+    later_reg.register(guard)
+    m, labels = shm_metrics(now_reg)
+    lm, _ = shm_metrics(later_reg)
+    later = guard.add(
+        GatherRecorder(
+            lm.gather_latency.labels(*labels, "read"),
+            lm.rows.labels(*labels),
+            lm.unique_rows.labels(*labels),
+            lm.bytes.labels(*labels),
+        )
+    )
+    edges = [0.0, 2e-6, 2.5e-6, 4e-6, 1e-4, 0.3, 0.5, 7.0]
+    values = edges + list(np.random.default_rng(1).exponential(1e-3, 2 * MAX_DEFERRED))
     for i, seconds in enumerate(values):
-        now.record(i + 1, i, 264 * i, float(seconds))
-        later.defer(i + 1, i, 264 * i, float(seconds))
-    assert len(later._deferred) < MAX_DEFERRED  # applied inline once that many waited
+        m.rows.labels(*labels).inc(i + 1)
+        m.unique_rows.labels(*labels).inc(i)
+        m.bytes.labels(*labels).inc(264 * i)
+        m.gather_latency.labels(*labels, "read").observe(float(seconds))
+        if i % 3:
+            later.defer(i + 1, i, 264 * i, float(seconds))
+        else:
+            later.count(i + 1, i, 264 * i)
+            later.observe(float(seconds))
+    assert 0 < later.pending < MAX_DEFERRED  # applied inline once that many waited, some still waiting
 
-    def samples(registry):
-        return {
-            (m.name, s.name, tuple(sorted(s.labels.items()))): s.value
-            for m in registry.collect()
-            for s in m.samples
-            if not s.name.endswith("_created")
-        }
-
-    got, want = samples(later_reg), samples(now_reg)  # collecting applies what was still deferred
-    assert not later._deferred and got.keys() == want.keys()
+    got, want = registry_samples(later_reg), registry_samples(now_reg)  # collecting applies the rest
+    assert later.pending == 0 and got.keys() == want.keys()
     for key, value in want.items():
         assert got[key] == pytest.approx(value, rel=1e-9), key
+    count = later_reg.get_sample_value(
+        "tableserver_client_gather_duration_seconds_count",
+        {"table": "t", "layer": "1", "transport": "shm", "mode": "read"},
+    )
+    assert count == len(values)
 
 
 def test_flag_wakes_every_waiter_and_times_out():
@@ -364,27 +362,27 @@ def test_flag_wakes_every_waiter_and_times_out():
 
 def test_server_gather_metrics_are_deferred_and_applied_by_a_scrape():
     """The daemon's per-request metrics (rows, bytes, latency) wait in a deque; collecting its registry
-    applies them first, equal to one observe per request."""
-    from prometheus_client import CollectorRegistry, generate_latest
+    applies them first, equal to prometheus_client's own inc() and observe() per request."""
+    from prometheus_client import CollectorRegistry
 
     from tableserver.metrics import ServerMetrics
 
-    def samples(m):  # {sample: value}; sums compare approximately (added in another order)
-        lines = [
-            line.rsplit(" ", 1)
-            for line in generate_latest(m.registry).decode().splitlines()
-            if line.startswith("tableserver_gather_") and "_created" not in line
-        ]
-        return {name: float(value) for name, value in lines}
-
     now, later = ServerMetrics(CollectorRegistry()), ServerMetrics(CollectorRegistry())
-    inst_now, inst_later = now.gather_op("tcp", "gather", "t"), later.gather_op("tcp", "gather", "t")
+    recorder = later.gather_op("tcp", "gather", "t")
     for i, seconds in enumerate(np.random.default_rng(2).exponential(1e-3, 3000).tolist()):
-        inst_now.record(i + 1, 264 * (i + 1), seconds)
-        inst_later.defer(i + 1, 264 * (i + 1), seconds)
-    assert inst_later._deferred  # some still waiting ...
-    assert samples(later) == pytest.approx(samples(now), rel=1e-12)  # ... applied by the scrape, bucket for bucket
-    assert samples(later)['tableserver_gather_rows_total{op="gather",table="t",transport="tcp"}'] == 3000 * 3001 / 2
+        now.gather_rows.labels("t", "tcp", "gather").inc(i + 1)
+        now.gather_bytes.labels("t", "tcp", "gather").inc(264 * (i + 1))
+        now.gather_latency.labels("tcp", "gather").observe(seconds)
+        recorder.defer(i + 1, 264 * (i + 1), seconds)
+    assert recorder.pending  # some still waiting ...
+
+    def gathers(registry):  # sums compare approximately (added in another order)
+        return {k: v for k, v in registry_samples(registry).items() if k[0].startswith("tableserver_gather_")}
+
+    got = gathers(later.registry)  # ... applied by the scrape, bucket for bucket
+    assert recorder.pending == 0 and got == pytest.approx(gathers(now.registry), rel=1e-12)
+    labels = {"op": "gather", "table": "t", "transport": "tcp"}
+    assert later.registry.get_sample_value("tableserver_gather_rows_total", labels) == 3000 * 3001 / 2
 
 
 def test_copy_buffers_start_half_a_page_in():
@@ -412,18 +410,31 @@ def test_a_flush_waits_for_one_in_progress():
     first has applied what it popped, so a scrape never reads a count still in flight."""
     import threading
 
-    from prometheus_client import CollectorRegistry
+    from prometheus_client import CollectorRegistry, Counter
 
-    from tableserver.metrics import ServerMetrics
+    from tableserver.common.recorder import Recorder
 
-    recorder = ServerMetrics(CollectorRegistry()).gather_op("tcp", "gather", "t")
-    recorder.defer(1, 264, 1e-4)
-    recorder._applying.acquire()  # a flush in progress, stopped between popping and applying
+    registry = CollectorRegistry()
+    rows = Counter("rows", "rows", registry=registry)
+    entered, go = threading.Event(), threading.Event()
+
+    class Latency:  # a histogram child whose observe holds the first flush between popping and applied
+        def observe(self, seconds):
+            entered.set()
+            assert go.wait(EVENT_TIMEOUT)
+
+    recorder = Recorder(Latency(), rows)
+    recorder.defer(1, 1e-4)
+    first = threading.Thread(target=recorder.flush)
+    first.start()
+    assert entered.wait(EVENT_TIMEOUT) and recorder.pending == 0  # popped, being applied
+    recorder.count(2)  # counted only: no latency to observe
     second = threading.Thread(target=recorder.flush)
     second.start()
     second.join(0.2)
     assert second.is_alive()  # waits for the first ...
-    recorder._applying.release()
+    go.set()
+    first.join(EVENT_TIMEOUT)
     second.join(EVENT_TIMEOUT)
-    assert not second.is_alive() and not recorder._deferred  # ... then applies what it found
-    assert recorder.counters[0]._value.get() == 1
+    assert not second.is_alive() and recorder.pending == 0  # ... then applies what it found
+    assert registry.get_sample_value("rows_total") == 3

@@ -241,6 +241,11 @@ class TcpTransport(ClientTransport):
             self._seal_rx = Direction(derive_key(secret, S2C, nonce, client_nonce))
 
     @property
+    def sealed(self) -> bool:
+        """Whether the server seals this connection's payloads (AES-GCM, its control plane is TLS)."""
+        return self._seal_rx is not None
+
+    @property
     def error(self) -> BaseException | None:
         """Why the connection broke, once it has (every request then fails with it)."""
         return self._error
