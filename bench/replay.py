@@ -197,7 +197,7 @@ def run_steps(step: EngramStep, hasher, traffic, steps: int, bare: np.ndarray | 
     for i in range(steps):
         ids = step_ids(hasher, traffic)
         step.begin_step(ids)
-        t0 = step._t0
+        t0 = step.started_at
         spin_until(t0 + w1)
         g1 = time.perf_counter()
         step.wait(1)

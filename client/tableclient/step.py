@@ -172,6 +172,11 @@ class EngramStep:
         self._t0 = 0.0
         self.issue_order: list = []
 
+    @property
+    def started_at(self) -> float:
+        """``time.perf_counter()`` when the current step's gathers were issued (0.0 before the first)."""
+        return self._t0
+
     # ---------------------------------------------------------------- a step
     def begin_step(self, row_ids: dict) -> None:
         """Issues every layer's gather now, shortest window first. ``row_ids[layer]`` is ``[T, 24]``.

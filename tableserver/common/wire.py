@@ -80,7 +80,10 @@ FATAL = frozenset({Status.BAD_FRAME, Status.UNAUTHENTICATED, Status.TOO_MANY_ROW
 
 def status_name(status: int) -> str:
     """A wire status by name (its number when this version does not know it)."""
-    return Status(status).name if status in Status._value2member_map_ else str(status)
+    try:
+        return Status(status).name
+    except ValueError:
+        return str(status)
 
 
 class Refused(Exception):

@@ -165,6 +165,10 @@ class ShmTransport(ServerTransport):
     def release(self, session) -> None:
         if self._loop is not None:
             self._loop.release(session)
+
+    def attach(self, conn: Connection, session) -> None:
+        """Binds a connection whose HELLO proved ``session`` to it (its protocol calls this)."""
+        self._loop.attach(conn, session)
         if self.rows_port is not None:
             self.rows_port.release(session)
 
@@ -260,7 +264,7 @@ class _ShmProtocol(Protocol):
                 raise Refused(
                     Status.UNAUTHENTICATED, "unknown session, wrong proof, or shm not granted: open a session over gRPC"
                 )
-            self.t._loop.attach(conn, session)
+            self.t.attach(conn, session)
         except Refused as e:
             self.t.metrics.refused(e.status)
             self.ratelog.warning(e.name, "shm: refused a connection: %s", e)

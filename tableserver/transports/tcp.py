@@ -169,6 +169,10 @@ class TcpTransport(ServerTransport):
         if self._loop is not None:
             self._loop.release(session)
 
+    def attach(self, conn: Connection, session) -> None:
+        """Binds a connection whose HELLO proved ``session`` to it (its protocol calls this)."""
+        self._loop.attach(conn, session)
+
     def park(self, conn: Connection) -> None:
         """Parks a connection whose gather goes to a disk queue (watched for a hang-up meanwhile)."""
         self._loop.park(conn)
@@ -565,7 +569,7 @@ class _TcpProtocol(Protocol):
             raise Refused(Status.UNAUTHENTICATED, "unknown session or wrong proof: open a session over gRPC")
         if self.t.name not in session.transports:
             raise Refused(Status.UNAUTHENTICATED, f"this session was not granted the {self.t.name} transport")
-        self.t._loop.attach(conn, session)
+        self.t.attach(conn, session)
         return proof
 
     def _check(self, st: _State):
