@@ -17,8 +17,8 @@ server under each mode that releases rows in the graph; ``wake``, the in_graph p
 Python) at 64 tokens a step: from the graph's ids flag to its rows released, stamped by a native stand-in
 for the GPU (the poller's release time itself: the stand-in's own wake-up on a crowded machine is not the
 GPU's), quiet, beside a busy Python thread and beside a thread that holds the GIL inside C, against
-the bare gather of the same ids through the same client, both paced as decode steps come (``--pace-ms``);
-and the watchdog with the server frozen and the GIL held in C for a second.
+the bare gather of the same ids through the same client, both paced as decode steps come (``--pace-ms``)
+and taking turns in blocks; and the watchdog with the server frozen and the GIL held in C for a second.
 
 Needs a CUDA GPU for graphs (exits 2 without one, unless --device cpu). A real tableserver serves the
 demo table file. Per graph-mode set -- both layers before_replay; layer 1 before_replay and layer 14
@@ -79,7 +79,13 @@ STAGES = ("probe", "node", "modes", "faults", "wake")
 #: the wake stage's pollers, in the order it runs them
 POLLERS = ("native", "native-rt", "python", "native-pin")
 #: the wake stage's longest condition (seconds): a slow poller's p99 comes from the steps it got through
-WAKE_CONDITION_S = 8.0
+WAKE_CONDITION_S = 12.0
+#: what the wake stage measures per poller: the bare gather (the baseline) and the poller's three conditions
+WAKE_KINDS = ("bare", "quiet", "busy", "gil-in-C")
+#: the wake stage's steps of one kind in a row, after one untimed step that lets its condition settle; the
+#: kinds take turns in rounds, the order rotated each round, so the host's slower drifts (its other tenants,
+#: its clock, its caches) fall on every kind alike instead of on whichever ran during them
+BLOCK_STEPS = 20
 #: untimed steps first, the bare gather's and each poller's: a connection's first use (an rdma client's first
 #: READs, a poller's endpoint) is not a step's wake-up
 WARM_STEPS = 3
@@ -431,17 +437,63 @@ def restore(saved: dict) -> None:
             pass
 
 
+def rotation(kinds: tuple, steps: int, pace: float, step, waits=None, unplaced: dict | None = None) -> dict | None:
+    """Runs ``steps`` timed steps of each kind, in blocks of BLOCK_STEPS taking turns (the order rotated each
+    round), each block inside its :class:`Disturber` (``bare`` and ``quiet`` beside nothing) and led by one
+    untimed step; a block of ``bare, unplaced`` runs with every thread of each pid in ``unplaced`` on its CPUs
+    there, each put back where it was after. ``step(kind)`` runs one step and returns (when its ids went out, monotonic; its latency),
+    or None when it failed (then so does this). Steps are paced: one's ids no sooner than ``pace`` after the
+    previous step's, whatever its kind. A kind that has used WAKE_CONDITION_S stops where it is. Returns
+    {kind: {"took": latencies, "gaps": each timed step's time since the previous step's ids, "waited": the
+    mean of ``waits()``' (sum, count) over its blocks}}."""
+    out = {k: {"took": [], "gaps": [], "sums": [0.0, 0.0], "spent": 0.0} for k in kinds}
+    last = None
+    for r in range(-(-steps // BLOCK_STEPS)):
+        for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
+            o = out[kind]
+            want = min(BLOCK_STEPS, steps - len(o["took"]))
+            if want <= 0 or o["spent"] > WAKE_CONDITION_S:
+                continue
+            start, before = time.monotonic(), waits() if waits is not None else None
+            moved = place(unplaced) if kind == "bare, unplaced" else {}
+            try:
+                with Disturber(kind if kind in ("busy", "gil-in-C") else "quiet"):
+                    for i in range(1 + want):
+                        if pace and last is not None:
+                            time.sleep(max(0.0, last + pace - time.monotonic()))
+                        got = step(kind)
+                        if got is None:
+                            return None
+                        published, took = got
+                        if i:
+                            o["took"].append(took)
+                            o["gaps"].append(published - last)
+                        last = published
+            finally:
+                restore(moved)
+            o["spent"] += time.monotonic() - start
+            if before is not None:
+                after = waits()
+                o["sums"] = [o["sums"][0] + after[0] - before[0], o["sums"][1] + after[1] - before[1]]
+    for o in out.values():
+        o["waited"] = o["sums"][0] / max(o["sums"][1], 1.0)
+    return out
+
+
 def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps: int, lines: list,
                poller_cpu: int = -1, cpus: tuple = (), pollers: tuple = POLLERS, pace: float = 0.0) -> bool:  # fmt: skip
-    """ids published -> rows released for an in_graph layer 14 at 64 tokens, per transport and poller;
-    ``native-pin``: the native poller pinned to ``poller_cpu`` (poller_cpus), the bench's other threads on
-    ``cpus[0]`` and its server's on ``cpus[1]`` (:func:`layout`), against the bare gather placed the same
-    way as well as the unplaced one (the goal is judged against the faster of the two).
+    """ids published -> rows released for an in_graph layer 14 at 64 tokens, per transport and poller,
+    quiet, beside a busy Python thread and beside a thread holding the GIL in C, against the bare gather of
+    the same ids through the same client. Per poller the four take turns in blocks (:func:`rotation`), so
+    a drift of the host between them does not read as the poller's. ``native-pin``: the native poller
+    pinned to ``poller_cpu`` (poller_cpus), the bench's other threads on ``cpus[0]`` and its server's on
+    ``cpus[1]`` (:func:`layout`); its bare gather runs placed so and, in blocks of its own, on every CPU
+    (the goal is judged against the faster of the two).
 
-    Steps are paced (``pace`` seconds from one step's ids to the next's, as decode steps come), and so is the
-    bare gather the quiet goal is judged against (the back-to-back one is printed too): a gather after a pause
-    of milliseconds runs slower than one right after another (its caches cooled meanwhile), and unpaced, a
-    disturbed condition's slower steps would make its ratio to quiet measure that pause.
+    Steps are paced (``pace`` seconds from one step's ids to the next's, as decode steps come), the bare
+    gather's too (the back-to-back one is printed as well): a gather after a pause of milliseconds runs
+    slower than one right after another (its caches cooled meanwhile), and unpaced, a disturbed condition's
+    slower steps would make its ratio to quiet measure that pause.
 
     Run with torch's intra-op threads at 1: the host copies of the step (ids in, rows out) stand for a GPU's,
     which take no host thread, while torch's pool spins on after each parallel copy (libgomp's spin-wait)
@@ -462,6 +514,7 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
         f"wake: ids flag -> rows released, layer 14 in_graph, {tokens} tokens a step, {steps} steps, p50 / p99 us",
     )
     pollers = tuple(p for p in pollers if p != "native-pin" or poller_cpu >= 0)
+    everywhere = sorted(os.sched_getaffinity(0))  # the bench's CPUs before any row's placement
     if poller_cpu < 0:
         say(lines, "  native-pin: not run (--poller-cpu -1, or one CPU: nothing to keep off the poller's)")
     else:
@@ -476,32 +529,20 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                 table = client.table("engram.layer14")
                 buf = np.empty((tokens * ROWS_PER_TOKEN, 264), np.uint8)
 
-                def bare_gather(pace: float = 0.0) -> list:
-                    took, t0 = [], 0.0
-                    for i in range(WARM_STEPS + steps):
-                        ids = rng.integers(0, table_rows, tokens * ROWS_PER_TOKEN)
-                        if pace:
-                            time.sleep(max(0.0, t0 + pace - time.perf_counter()))
-                        t0 = time.perf_counter()
-                        table.gather(ids, out=buf)
-                        if i >= WARM_STEPS:
-                            took.append(time.perf_counter() - t0)
-                    return took
+                def bare_step(kind: str = "bare") -> tuple:
+                    ids = rng.integers(0, table_rows, tokens * ROWS_PER_TOKEN)
+                    t0 = time.monotonic()
+                    table.gather(ids, out=buf)
+                    return t0, time.monotonic() - t0
 
-                bare = bare_gather()
-                b99 = back99 = pct(bare, 99)
+                for _ in range(WARM_STEPS):
+                    bare_step()
+                back = [bare_step()[1] for _ in range(steps)]
+                back99 = pct(back, 99)
                 say(
                     lines,
-                    f"  {transport:<4} bare gather (same client, back to back){pct(bare, 50) * 1e6:>8.0f} {b99 * 1e6:>8.0f}",
+                    f"  {transport:<4} bare gather (same client, back to back){pct(back, 50) * 1e6:>8.0f} {back99 * 1e6:>8.0f}",
                 )
-                if pace:  # the baseline at the steps' cadence: what an engine's own gather at step start takes
-                    paced = bare_gather(pace)
-                    b99 = pct(paced, 99)
-                    say(
-                        lines,
-                        f"  {transport:<4} bare gather, paced {pace * 1e3:g} ms             "
-                        f"{pct(paced, 50) * 1e6:>8.0f} {pct(paced, 99) * 1e6:>8.0f}",
-                    )
                 if transport == "rdma":
                     say(lines, "  rdma watchdog: not run (a stopped server's NIC still answers READs; "
                                "tests/rdma/test_graphpoll_rdma.py stalls the gather instead)")  # fmt: skip
@@ -510,12 +551,6 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                     pinned = [poller_cpu] if poller == "native-pin" else None
                     if pinned:
                         kept_off = place({os.getpid(): cpus[0], proc.pid: cpus[1]})
-                        placed = bare_gather(pace)
-                        say(
-                            lines,
-                            f"  {transport:<4} bare gather, placed as native-pin   "
-                            f"{pct(placed, 50) * 1e6:>8.0f} {pct(placed, 99) * 1e6:>8.0f}",
-                        )
                     g = GraphStep(client, plan, {14: "in_graph"}, tokens, policy="zeros", timeout=5.0, budgets={14: 5.0},
                                   stream_ops=HostStreamOps(60.0), poller=which, realtime=poller == "native-rt",
                                   poller_cpus=pinned)  # fmt: skip
@@ -537,52 +572,59 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                         g.close()
                         continue
                     ids_flag, rows_flag = g.flags.index(0, 0), g.flags.index(0, 1)
-                    quiet99 = None
+
+                    def step(kind: str) -> tuple | None:
+                        if kind.startswith("bare"):
+                            return bare_step()
+                        ids = rng.integers(0, table_rows, (tokens, ROWS_PER_TOKEN))
+                        g.arm(tokens)
+                        g.publish_ids(14, torch.from_numpy(ids), graph=False)  # the copy only
+                        seen = graphpoll.stand_in(g.flags.host, ids_flag, rows_flag, 30.0)
+                        got = g.rows(14, tokens).numpy().reshape(tokens, ROWS_PER_TOKEN, -1)
+                        # the release itself: a GPU would see it at once, the stand-in sees it when this
+                        # crowded machine runs it again
+                        dt = None if seen is None else g.released_at(14) - seen[0]
+                        if dt is None or not np.array_equal(got, local["engram.layer14"][ids]):
+                            say(lines, f"FAIL: wake {transport}/{poller}/{kind}: rows differ or never came")
+                            return None
+                        return seen[0], dt
+
+                    def waits() -> tuple:
+                        g.account()
+                        return graph_waits()
+
+                    # the bare gather of the native-pin rows both placed as they are and on every CPU
+                    kinds = WAKE_KINDS + (("bare, unplaced",) if pinned else ())
+                    unplaced = {os.getpid(): everywhere, proc.pid: everywhere}
                     try:
-                        for kind in ("quiet", "busy", "gil-in-C"):
-                            took, published = [], []
-                            g.account()
-                            waited = graph_waits()
-                            with Disturber(kind):
-                                end = time.monotonic() + WAKE_CONDITION_S
-                                for i in range(steps + (WARM_STEPS if kind == "quiet" else 0)):
-                                    if took and time.monotonic() > end:
-                                        break  # a slow poller's condition ends early: its steps so far
-                                    ids = rng.integers(0, table_rows, (tokens, ROWS_PER_TOKEN))
-                                    if pace and published:  # the next step's ids no sooner than pace after these
-                                        time.sleep(max(0.0, published[-1] + pace - time.monotonic()))
-                                    g.arm(tokens)
-                                    g.publish_ids(14, torch.from_numpy(ids), graph=False)  # the copy only
-                                    seen = graphpoll.stand_in(g.flags.host, ids_flag, rows_flag, 30.0)
-                                    if seen is not None:
-                                        published.append(seen[0])
-                                    got = g.rows(14, tokens).numpy().reshape(tokens, ROWS_PER_TOKEN, -1)
-                                    # the release itself: a GPU would see it at once, the stand-in sees it
-                                    # when this crowded machine runs it again
-                                    dt = None if seen is None else g.released_at(14) - seen[0]
-                                    if dt is None or not np.array_equal(got, local["engram.layer14"][ids]):
-                                        say(lines, f"FAIL: wake {transport}/{poller}/{kind}: rows differ or never came")
-                                        ok = False
-                                        break
-                                    if kind != "quiet" or i >= WARM_STEPS:
-                                        took.append(dt)
+                        warm = [step("quiet") for _ in range(WARM_STEPS)]
+                        got = None if None in warm else rotation(kinds, steps, pace, step, waits, unplaced)
+                        if got is None:
+                            ok = False
+                            continue
+                        base = min(pct(got[k]["took"], 99) for k in kinds if k.startswith("bare"))
+                        for kind in kinds:
+                            took, gaps = got[kind]["took"], got[kind]["gaps"]
                             p99 = pct(took, 99)
-                            g.account()
-                            gathered = graph_waits(waited)
-                            if kind == "quiet":
-                                quiet99, base = p99, min(b99, pct(placed, 99)) if pinned else b99
+                            if kind.startswith("bare"):
+                                note = f"{p99 / back99:.2f}x back to back"
+                            elif kind == "quiet":
+                                quiet99 = p99
                                 goal = p99 <= max(1.5 * base, base + 150e-6)
-                                note = (f"{p99 / base:.2f}x {'paced ' if pace else ''}bare p99 (goal <= 1.5x or +150 us: "
-                                        f"{'met' if goal else 'missed'})" + (f", {p99 / back99:.2f}x back to back" if pace else ""))  # fmt: skip
+                                note = (f"{p99 / base:.2f}x bare p99 (goal <= 1.5x or +150 us: "
+                                        f"{'met' if goal else 'missed'}), {p99 / back99:.2f}x back to back")  # fmt: skip
                             else:
                                 limit = 1.5 if kind == "busy" else 2.0
-                                note = f"{p99 / quiet99:.2f}x quiet p99 (goal <= {limit}x: {'met' if p99 <= limit * quiet99 else 'missed'})"
-                            every = (f"a step every {np.mean(np.diff(published)) * 1e3:.1f} ms" if len(published) > 1
-                                     else "one step")  # fmt: skip
+                                note = (f"{p99 / quiet99:.2f}x quiet p99 (goal <= {limit}x: "
+                                        f"{'met' if p99 <= limit * quiet99 else 'missed'})")  # fmt: skip
+                            if not kind.startswith("bare"):
+                                note += f"; mean {np.mean(took) * 1e6:.0f} us, of it ids seen -> released {got[kind]['waited'] * 1e6:.0f} us"
+                            count = "" if len(took) == steps else f"{len(took)} steps, "
+                            note += f"; {count}a step every {np.mean(gaps) * 1e3:.1f} ms" if gaps else "; no step"
+                            label = kind.replace("bare", "bare gather")
                             say(
                                 lines,
-                                f"  {transport:<4} {poller:<10} {kind:<26}{pct(took, 50) * 1e6:>8.0f} {p99 * 1e6:>8.0f}   {note}; "
-                                f"mean {np.mean(took) * 1e6:.0f} us, of it ids seen -> released {gathered * 1e6:.0f} us; {every}",
+                                f"  {transport:<4} {poller:<10} {label:<26}{pct(took, 50) * 1e6:>8.0f} {p99 * 1e6:>8.0f}   {note}",
                             )
                     finally:
                         g.close()
