@@ -440,12 +440,13 @@ def restore(saved: dict) -> None:
 def rotation(kinds: tuple, steps: int, pace: float, step, waits=None, unplaced: dict | None = None) -> dict | None:
     """Runs ``steps`` timed steps of each kind, in blocks of BLOCK_STEPS taking turns (the order rotated each
     round), each block inside its :class:`Disturber` (``bare`` and ``quiet`` beside nothing) and led by one
-    untimed step; a block of ``bare, unplaced`` runs with every thread of each pid in ``unplaced`` on its CPUs
-    there, each put back where it was after. ``step(kind)`` runs one step and returns (when its ids went out, monotonic; its latency),
-    or None when it failed (then so does this). Steps are paced: one's ids no sooner than ``pace`` after the
-    previous step's, whatever its kind. A kind that has used WAKE_CONDITION_S stops where it is. Returns
-    {kind: {"took": latencies, "gaps": each timed step's time since the previous step's ids, "waited": the
-    mean of ``waits()``' (sum, count) over its blocks}}."""
+    untimed step; a block of ``bare, unplaced`` runs with every thread of each pid in ``unplaced`` on the
+    CPUs given there, each thread put back where it was after. ``step(kind)`` runs one step and returns
+    (when its ids went out, monotonic; its latency), or None when it failed (then so does this). Steps are
+    paced: one's ids no sooner than ``pace`` after the previous step's, whatever its kind. A kind that has
+    used WAKE_CONDITION_S stops where it is. Returns {kind: {"took": latencies, "gaps": each timed step's
+    time since the previous step's ids, "waited": the mean of ``waits()``' (sum, count) over its timed
+    steps}}."""
     out = {k: {"took": [], "gaps": [], "sums": [0.0, 0.0], "spent": 0.0} for k in kinds}
     last = None
     for r in range(-(-steps // BLOCK_STEPS)):
@@ -454,7 +455,7 @@ def rotation(kinds: tuple, steps: int, pace: float, step, waits=None, unplaced: 
             want = min(BLOCK_STEPS, steps - len(o["took"]))
             if want <= 0 or o["spent"] > WAKE_CONDITION_S:
                 continue
-            start, before = time.monotonic(), waits() if waits is not None else None
+            start, before = time.monotonic(), None
             moved = place(unplaced) if kind == "bare, unplaced" else {}
             try:
                 with Disturber(kind if kind in ("busy", "gil-in-C") else "quiet"):
@@ -468,6 +469,8 @@ def rotation(kinds: tuple, steps: int, pace: float, step, waits=None, unplaced: 
                         if i:
                             o["took"].append(took)
                             o["gaps"].append(published - last)
+                        elif waits is not None:  # from the first timed step on
+                            before = waits()
                         last = published
             finally:
                 restore(moved)
