@@ -78,7 +78,8 @@ MODES = {
 STAGES = ("probe", "node", "modes", "faults", "wake")
 #: the wake stage's pollers, in the order it runs them
 POLLERS = ("native", "native-rt", "python", "native-pin")
-#: the wake stage's longest condition (seconds): a slow poller's p99 comes from the steps it got through
+#: the wake stage's longest condition by default (seconds, ``--condition-s``): a slow poller's p99 comes from
+#: the steps it got through
 WAKE_CONDITION_S = 12.0
 #: what the wake stage measures per poller: the bare gather (the baseline) and the poller's three conditions
 WAKE_KINDS = ("bare", "quiet", "busy", "gil-in-C")
@@ -437,14 +438,15 @@ def restore(saved: dict) -> None:
             pass
 
 
-def rotation(kinds: tuple, steps: int, pace: float, step, waits=None, unplaced: dict | None = None) -> dict | None:
+def rotation(kinds: tuple, steps: int, pace: float, step, waits=None, unplaced: dict | None = None,
+             budget_s: float = WAKE_CONDITION_S) -> dict | None:  # fmt: skip
     """Runs ``steps`` timed steps of each kind, in blocks of BLOCK_STEPS taking turns (the order rotated each
     round), each block inside its :class:`Disturber` (``bare`` and ``quiet`` beside nothing) and led by one
     untimed step; a block of ``bare, unplaced`` runs with every thread of each pid in ``unplaced`` on the
     CPUs given there, each thread put back where it was after. ``step(kind)`` runs one step and returns
     (when its ids went out, monotonic; its latency), or None when it failed (then so does this). Steps are
     paced: one's ids no sooner than ``pace`` after the previous step's, whatever its kind. A kind that has
-    used WAKE_CONDITION_S stops where it is. Returns {kind: {"took": latencies, "gaps": each timed step's
+    used ``budget_s`` seconds stops where it is. Returns {kind: {"took": latencies, "gaps": each timed step's
     time since the previous step's ids, "waited": the mean of ``waits()``' (sum, count) over its timed
     steps}}."""
     out = {k: {"took": [], "gaps": [], "sums": [0.0, 0.0], "spent": 0.0} for k in kinds}
@@ -453,7 +455,7 @@ def rotation(kinds: tuple, steps: int, pace: float, step, waits=None, unplaced: 
         for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
             o = out[kind]
             want = min(BLOCK_STEPS, steps - len(o["took"]))
-            if want <= 0 or o["spent"] > WAKE_CONDITION_S:
+            if want <= 0 or o["spent"] > budget_s:
                 continue
             start, before = time.monotonic(), None
             moved = place(unplaced) if kind == "bare, unplaced" else {}
@@ -484,7 +486,8 @@ def rotation(kinds: tuple, steps: int, pace: float, step, waits=None, unplaced: 
 
 
 def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps: int, lines: list,
-               poller_cpu: int = -1, cpus: tuple = (), pollers: tuple = POLLERS, pace: float = 0.0) -> bool:  # fmt: skip
+               poller_cpu: int = -1, cpus: tuple = (), pollers: tuple = POLLERS, pace: float = 0.0,
+               condition_s: float = WAKE_CONDITION_S) -> bool:  # fmt: skip
     """ids published -> rows released for an in_graph layer 14 at 64 tokens, per transport and poller,
     quiet, beside a busy Python thread and beside a thread holding the GIL in C, against the bare gather of
     the same ids through the same client. Per poller the four take turns in blocks (:func:`rotation`), so
@@ -601,7 +604,7 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                     unplaced = {os.getpid(): everywhere, proc.pid: everywhere}
                     try:
                         warm = [step("quiet") for _ in range(WARM_STEPS)]
-                        got = None if None in warm else rotation(kinds, steps, pace, step, waits, unplaced)
+                        got = None if None in warm else rotation(kinds, steps, pace, step, waits, unplaced, condition_s)
                         if got is None:
                             ok = False
                             continue
@@ -704,6 +707,9 @@ def main() -> int:
     ap.add_argument("--pace-ms", type=float, default=20.0,
                     help="the wake stage's steps: one every this many ms at most often, and a bare gather paced so "
                          "(default 20, a decode step's order; 0: back to back)")  # fmt: skip
+    ap.add_argument("--condition-s", type=float, default=WAKE_CONDITION_S,
+                    help="the wake stage's time for each kind of step of one poller, at most (default "
+                         f"{WAKE_CONDITION_S:g} s; more under emulation, where a step takes ~50 ms or more)")  # fmt: skip
     ap.add_argument("--pollers", default=",".join(POLLERS), help=f"the wake stage's (default {','.join(POLLERS)})")
     ap.add_argument("--server-cpus", default="",
                     help="the native-pin rows' server CPUs, a cpulist (default: the upper half of those left "
@@ -714,6 +720,8 @@ def main() -> int:
         ap.error(f"--poller-cpu {args.poller_cpu}: not one of this process's CPUs ({mine[0]}..{mine[-1]}); -1: none")
     if not 0.0 <= args.pace_ms <= 1000.0:  # nan fails both
         ap.error(f"--pace-ms {args.pace_ms:g}: from 0 (back to back) to 1000")
+    if not 0.0 < args.condition_s <= 3600.0:  # nan fails both
+        ap.error(f"--condition-s {args.condition_s:g}: more than 0, at most 3600")
     pollers = tuple(p for p in POLLERS if p in args.pollers.split(","))
     if not pollers or set(args.pollers.split(",")) - set(POLLERS):
         ap.error(f"--pollers {args.pollers}: name some of {','.join(POLLERS)}")
@@ -844,7 +852,7 @@ def main() -> int:
             try:
                 ok &= stage_wake(
                     torch, path, tmp, local, args.transports.split(","), args.steps, out_lines, args.poller_cpu,
-                    (engine_cpus, server_cpus), pollers, args.pace_ms / 1e3,
+                    (engine_cpus, server_cpus), pollers, args.pace_ms / 1e3, args.condition_s,
                 )  # fmt: skip
             finally:
                 torch.set_num_threads(threads)
