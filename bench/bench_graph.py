@@ -4,8 +4,8 @@
     python bench/bench_graph.py [--steps 200] [--buckets 1,8,64] [--transports shm,tcp] [--out bench/out]
     python bench/bench_graph.py --device cpu --steps 20     (the same steps, eagerly, flags on the host)
     python bench/bench_graph.py --stage probe|node|modes|faults   (one stage; bench/gpu_check.sh runs them)
-    python tests/rdma/vm.py -- "python bench/bench_graph.py --device cpu --stage wake --transports rdma --steps 100"
-                                                       (the wake stage over rdma, in the Soft-RoCE guest)
+    python tests/rdma/vm.py -- "python bench/bench_graph.py --device cpu --stage wake --transports rdma \\
+        --steps 100 --condition-s 40"                  (the wake stage over rdma, in the Soft-RoCE guest)
 
 Stages (all by default): ``probe``, the start-up probe of stream memory operations
 (tableclient.streamops: a write and a wait captured, replayed, released from a host thread);
