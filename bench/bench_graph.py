@@ -404,14 +404,17 @@ def graph_waits(since: tuple | None = None):
     return (now[0] - since[0]) / max(now[1] - since[1], 1.0)
 
 
-def layout(cpus: list, poller_cpu: int) -> tuple:
-    """(the engine's CPUs, the server's) for the native-pin rows, the poller's CPU apart: the server stands
-    for another host (a memory node), so it gets CPUs the engine's threads do not run on, the upper half of
-    the rest; with one CPU left besides the poller's (a 2-vCPU VM) it shares the poller's, which sleeps in
-    poll() while a tcp request is out (over shm no server thread is on the step's path)."""
+def layout(cpus: list, poller_cpu: int, transport: str) -> tuple:
+    """(the engine's CPUs, the server's) for the native-pin rows over ``transport``, the poller's CPU apart.
+    A tcp server stands for another host (a memory node), so it gets CPUs the engine's threads do not run
+    on, the upper half of the rest; with one CPU left besides the poller's (a 2-vCPU VM) it shares the
+    poller's, which sleeps in poll() while a tcp request is out. Over shm the daemon is a process of this
+    host, and over rdma the NIC answers READs: no server thread is on the step's path, and an operator who
+    keeps a core for the poller keeps the daemon off it too, so with one CPU left the daemon shares the
+    engine's (on the poller's, its threads took the poller's CPU in the shm runs' busy tails: docs/perf.md)."""
     rest = [c for c in cpus if c != poller_cpu]
     if len(rest) < 2:
-        return rest, [poller_cpu]
+        return rest, ([poller_cpu] if transport == "tcp" else rest)
     return rest[: len(rest) // 2], rest[len(rest) // 2 :]
 
 
@@ -492,8 +495,8 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
     quiet, beside a busy Python thread and beside a thread holding the GIL in C, against the bare gather of
     the same ids through the same client. Per poller the four take turns in blocks (:func:`rotation`), so
     a drift of the host between them does not read as the poller's. ``native-pin``: the native poller
-    pinned to ``poller_cpu`` (poller_cpus), the bench's other threads on ``cpus[0]`` and its server's on
-    ``cpus[1]`` (:func:`layout`); its bare gather runs placed so and, in blocks of its own, on every CPU
+    pinned to ``poller_cpu`` (poller_cpus), the bench's other threads and its server's on the CPUs
+    ``cpus[transport]`` gives (:func:`layout`); its bare gather runs placed so and, in blocks of its own, on every CPU
     (the goal is judged against the faster of the two).
 
     Steps are paced (``pace`` seconds from one step's ids to the next's, as decode steps come), the bare
@@ -524,8 +527,10 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
     if poller_cpu < 0:
         say(lines, "  native-pin: not run (--poller-cpu -1, or one CPU: nothing to keep off the poller's)")
     else:
-        say(lines, f"  native-pin: the poller on CPU {poller_cpu}, the bench's other threads on CPUs "
-                   f"{','.join(map(str, cpus[0]))}, its server's on {','.join(map(str, cpus[1]))}")  # fmt: skip
+        for transport in transports:
+            engine, server = cpus[transport]
+            say(lines, f"  native-pin over {transport}: the poller on CPU {poller_cpu}, the bench's other threads "
+                       f"on CPUs {','.join(map(str, engine))}, its server's on {','.join(map(str, server))}")  # fmt: skip
     for transport in transports:
         proc, ready = serve(path, tmp, transport)
         kept_off = {}
@@ -556,7 +561,7 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                     which = "python" if poller == "python" else "native"
                     pinned = [poller_cpu] if poller == "native-pin" else None
                     if pinned:
-                        kept_off = place({os.getpid(): cpus[0], proc.pid: cpus[1]})
+                        kept_off = place({os.getpid(): cpus[transport][0], proc.pid: cpus[transport][1]})
                     g = GraphStep(client, plan, {14: "in_graph"}, tokens, policy="zeros", timeout=5.0, budgets={14: 5.0},
                                   stream_ops=HostStreamOps(60.0), poller=which, realtime=poller == "native-rt",
                                   poller_cpus=pinned)  # fmt: skip
@@ -713,8 +718,8 @@ def main() -> int:
     ap.add_argument("--pollers", default=",".join(POLLERS), help=f"the wake stage's (default {','.join(POLLERS)})")
     ap.add_argument("--server-cpus", default="",
                     help="the native-pin rows' server CPUs, a cpulist (default: the upper half of those left "
-                         "besides the poller's, or the poller's own where one is left); the bench's threads "
-                         "get the others (all but the poller's if none)")  # fmt: skip
+                         "besides the poller's; where one is left, the poller's own over tcp, that one over shm "
+                         "and rdma); the bench's threads get the others (all but the poller's if none)")  # fmt: skip
     args = ap.parse_args()
     if args.poller_cpu != -1 and args.poller_cpu not in mine:
         ap.error(f"--poller-cpu {args.poller_cpu}: not one of this process's CPUs ({mine[0]}..{mine[-1]}); -1: none")
@@ -725,7 +730,8 @@ def main() -> int:
     pollers = tuple(p for p in POLLERS if p in args.pollers.split(","))
     if not pollers or set(args.pollers.split(",")) - set(POLLERS):
         ap.error(f"--pollers {args.pollers}: name some of {','.join(POLLERS)}")
-    engine_cpus, server_cpus = layout(mine, args.poller_cpu)
+    transports = args.transports.split(",")
+    placed = {t: layout(mine, args.poller_cpu, t) for t in transports}
     if args.server_cpus:
         try:
             server_cpus = parse_cpus(args.server_cpus)
@@ -735,6 +741,7 @@ def main() -> int:
             ap.error(f"--server-cpus {args.server_cpus}: not this process's CPUs ({mine[0]}..{mine[-1]})")
         rest = [c for c in mine if c != args.poller_cpu]
         engine_cpus = [c for c in rest if c not in server_cpus] or rest  # none left: the bench shares the server's
+        placed = dict.fromkeys(transports, (engine_cpus, server_cpus))
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -852,7 +859,7 @@ def main() -> int:
             try:
                 ok &= stage_wake(
                     torch, path, tmp, local, args.transports.split(","), args.steps, out_lines, args.poller_cpu,
-                    (engine_cpus, server_cpus), pollers, args.pace_ms / 1e3, args.condition_s,
+                    placed, pollers, args.pace_ms / 1e3, args.condition_s,
                 )  # fmt: skip
             finally:
                 torch.set_num_threads(threads)
