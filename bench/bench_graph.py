@@ -411,7 +411,7 @@ def layout(cpus: list, poller_cpu: int, transport: str) -> tuple:
     poller's, which sleeps in poll() while a tcp request is out. Over shm the daemon is a process of this
     host, and over rdma the NIC answers READs: no server thread is on the step's path, and an operator who
     keeps a core for the poller keeps the daemon off it too, so with one CPU left the daemon shares the
-    engine's (on the poller's, its threads took the poller's CPU in the shm runs' busy tails: docs/perf.md)."""
+    engine's."""
     rest = [c for c in cpus if c != poller_cpu]
     if len(rest) < 2:
         return rest, ([poller_cpu] if transport == "tcp" else rest)
