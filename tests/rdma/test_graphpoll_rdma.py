@@ -220,8 +220,11 @@ def test_a_gather_past_its_budget_is_released_at_its_deadline(rdma_daemon, demo_
 def test_the_cancel_barrier_with_reads_in_flight():
     """An endpoint whose QP is connected to a QP nobody has: its READs are in flight (unanswered, retried) when
     the gather's deadline comes. The gather fails then (ETIMEDOUT, within RELEASE_SLACK_S), its QP moved to
-    the error state and the READs' flush drained; nothing is written to the caller's buffer then or later
-    (past the QP's retries); the endpoint is broken for good (the next gather fails at once, saying why)."""
+    the error state; nothing is written to the caller's buffer then or later (past the QP's retries: the READs
+    land in the endpoint's own bounce buffer, copied out only once all completed); the endpoint is broken for
+    good (the next gather fails at once, saying why). The barrier waits for the READs' flush 2 ms at most
+    (DRAIN_NS), so the GPU is not held for it: under the guest's emulation it may not drain in that time,
+    and the endpoint then says so."""
     from tableclient import _graphverbs
 
     with Device("rxe_lo") as dev:
@@ -239,7 +242,8 @@ def test_the_cancel_barrier_with_reads_in_flight():
         print(f"gather with READs in flight failed {(took - 0.05) * 1e3:.2f} ms after its deadline")
         assert 0.05 <= took < 0.05 + RELEASE_SLACK_S, took
         assert ep.broken is not None and "by the deadline" in ep.broken
-        assert "not flushed" not in ep.broken, ep.broken  # the flush drained before the gather returned
+        assert "did not go to the error state" not in ep.broken, ep.broken
+        print(f"the flush {'not drained in 2 ms' if 'not flushed' in ep.broken else 'drained'}: {ep.broken}")
         time.sleep(1.0)  # past the QP's retries: a READ still owed would have landed by now
         assert (out == 0xA5).all(), "bytes landed in the caller's buffer after the gather returned"
         with pytest.raises(OSError, match="by the deadline"):
