@@ -165,12 +165,12 @@ class ShmTransport(ServerTransport):
     def release(self, session) -> None:
         if self._loop is not None:
             self._loop.release(session)
+        if self.rows_port is not None:
+            self.rows_port.release(session)
 
     def attach(self, conn: Connection, session) -> None:
         """Binds a connection whose HELLO proved ``session`` to it (its protocol calls this)."""
         self._loop.attach(conn, session)
-        if self.rows_port is not None:
-            self.rows_port.release(session)
 
     def active_sessions(self) -> int:
         return self._loop.active_sessions() if self._loop is not None else 0
