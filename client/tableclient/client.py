@@ -170,6 +170,8 @@ class TableClient:
         """The data transport (tcp, shm or rdma) of the node table ``name`` is read from now (by default
         any table's), for tools and tests that speak to one node below the routing: its requests skip
         fail-over, hedging and the client's metrics. TableClientError while no such node is usable."""
+        if name is not None and name not in self.tables:
+            raise KeyError(f"no table {name!r} on {self.address}: it serves {', '.join(self.tables) or 'none'}")
         node = self._router.primary(name)
         if node is None:
             raise TableClientError(f"no session with a node of {self.address}")

@@ -398,3 +398,10 @@ def test_cancel_is_a_barrier_for_the_duplicate_expansion(daemon):
         ids = np.random.default_rng(4).integers(0, 60, 200_000)
         changed = rows_changed_after_cancel(table, ids, 30)
     assert not any(changed), f"rows written after cancel() returned, per trial: {changed}"
+
+
+def test_node_transport_names_the_table_it_does_not_know(client):
+    """The one-node hook for tools: by table name, that table's node; an unknown name is one clear error."""
+    assert client.node_transport("engram.layer1") is client.node_transport()
+    with pytest.raises(KeyError, match="no table 'nope' on .*: it serves engram.layer1"):
+        client.node_transport("nope")
