@@ -369,3 +369,59 @@ def test_a_tampered_sealed_frame_ends_its_connection(fresh_daemon, demo_local):
         assert status == Status.BAD_FRAME and b"failed authentication" in msg
         assert s.recv(1) == b""  # closed
     assert_still_serving(d, demo_local)
+
+
+def test_a_closed_session_drops_every_data_connection_it_held(fresh_daemon, demo_local):
+    """CloseSession ends the session's tcp connection, its shm connection and its connection to the shm
+    transport's rows port (the same-host socket for disk tables), while the client keeps every socket
+    open; another session's connections on all three keep being served."""
+    from tests_helpers import shm_hello
+
+    from tableserver.common.wire import HEADER, HEADER_BYTES, recv_exact, request_header, send_all
+    from tableserver.v1 import tableserver_pb2 as pb
+    from tableserver.v1 import tableserver_pb2_grpc as pb_grpc
+
+    d = fresh_daemon("--disk-tables", "engram.layer14")
+    layer14 = list(demo_local).index("engram.layer14")  # the catalog's order is the file's
+
+    def connect(session) -> dict:
+        rows_path = {o.name: o for o in session.offers}["shm"].shm.rows_socket_path
+        assert rows_path, "the shm transport offered no rows port although a disk table is served"
+        tcp = socket.create_connection(tuple_of(d.ready["tcp"]), timeout=EVENT_TIMEOUT)
+        shm = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        rows = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        for s, path in ((shm, d.ready["shm"]), (rows, rows_path)):
+            s.settimeout(EVENT_TIMEOUT)
+            s.connect(path)
+        assert tcp_hello(tcp, session.session_id, session.secret)[0] == Status.OK
+        msg, fds = shm_hello(shm, session.session_id, session.secret)
+        for fd in fds:
+            os.close(fd)
+        assert HEADER.unpack_from(msg)[2] == Status.OK
+        assert tcp_hello(rows, session.session_id, session.secret)[0] == Status.OK
+        return {"tcp": tcp, "shm": shm, "rows port": rows}
+
+    closed, kept = (open_raw_session(d.address, ("tcp", "shm")) for _ in range(2))
+    ending, staying = connect(closed), connect(kept)
+    try:
+        with grpc.insecure_channel(d.address) as ch:
+            pb_grpc.TableServiceStub(ch).CloseSession(
+                pb.CloseSessionRequest(session_id=closed.session_id), timeout=EVENT_TIMEOUT
+            )
+        for name, s in ending.items():
+            assert s.recv(4096) == b"", f"the closed session's {name} connection was not dropped"
+        ids = np.array([0, 5, 5, demo_local["engram.layer14"].shape[0] - 1], np.int64)
+        for name in ("tcp", "rows port"):  # the other session's gathers are answered on the same sockets
+            s = staying[name]
+            send_all(s, [request_header(FrameType.GATHER, 7, layer14, ids.size), ids.astype("<i8")])
+            head = bytearray(HEADER_BYTES)
+            assert recv_exact(s, memoryview(head)), f"the other session's {name} connection was dropped"
+            assert HEADER.unpack(head)[2] == Status.OK
+            rows = bytearray(ids.size * demo_local["engram.layer14"].shape[1])
+            assert recv_exact(s, memoryview(rows))
+            np.testing.assert_array_equal(np.frombuffer(rows, np.uint8).reshape(ids.size, -1),
+                                          demo_local["engram.layer14"][ids], err_msg=name)  # fmt: skip
+    finally:
+        for s in (*ending.values(), *staying.values()):
+            s.close()
+    assert_still_serving(d, demo_local)
