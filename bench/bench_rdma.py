@@ -62,11 +62,10 @@ def native() -> None:
 
     v = verbs()
     e = v.e
-    rdma_t._set_rdma = v.wr.SendWR.set_wr_rdma
     row_bytes, qps, ring_rows = ROW_BYTES, 4, 4096
     staging = _FakeStaging(qps * ring_rows * row_bytes)
     t0 = time.perf_counter()
-    rings = [rdma_t._ReadRing(v, staging, q * ring_rows, ring_rows, row_bytes) for q in range(qps)]
+    rings = [rdma_t.ReadRing(v, staging, q * ring_rows, ring_rows, row_bytes) for q in range(qps)]
     build = time.perf_counter() - t0
     qp = _NoPostQP()
     starts = np.array([0, 1 << 31, 1 << 32, 3 << 31], np.int64)  # a table in 4 MRs

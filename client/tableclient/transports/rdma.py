@@ -72,7 +72,6 @@ _SEND_TAG = 1 << 62
 _RECV_TAG = 1 << 61
 #: how long a request waits for staging space or a send slot (completions progressing meanwhile)
 STAGING_WAIT_S = 10.0
-_set_rdma = None  # SendWR.set_wr_rdma, bound at first use
 
 
 def probe_wait(deadline: float, now: float) -> float:
@@ -117,11 +116,14 @@ class RdmaPrepared(Prepared):
         self.dev.close()
 
 
-class _ReadRing:
-    """Prebuilt READ chains of one (table, QP): slot i reads into staging row ``base + i``."""
+class ReadRing:
+    """Prebuilt READ chains of one (table, QP): slot i reads into staging row ``base + i``. Built once at
+    connect; a gather patches its rows' addresses into them (``post``), so no WR is made per row.
+    ``staging`` needs ``addr`` and ``mr.lkey`` only (``bench/bench_rdma.py`` times it unposted)."""
 
     def __init__(self, v, staging: RegisteredBuffer, base_row: int, rows: int, row_bytes: int):
         e = v.e
+        self._set_rdma = v.wr.SendWR.set_wr_rdma
         self.slots = RingAllocator(rows)
         lkey = staging.mr.lkey
         addr0 = staging.addr + base_row * row_bytes
@@ -149,21 +151,22 @@ class _ReadRing:
 
     def post(self, qp, start: int, addrs: list, rkeys, wr_id: int) -> None:
         """Posts one chain reading ``addrs`` into slots ``start..``; only its last WR is signaled."""
+        set_rdma = self._set_rdma
         k = len(addrs)
         end = start + k - 1
         last = self.last[end]
         last.wr_id = wr_id
         if k == 1:
-            _set_rdma(last, rkeys if isinstance(rkeys, int) else rkeys[0], addrs[0])
+            set_rdma(last, rkeys if isinstance(rkeys, int) else rkeys[0], addrs[0])
             qp.post_send(last)
             return
         head = self.chain[start:end]
         if isinstance(rkeys, int):
-            any(map(_set_rdma, head, itertools.repeat(rkeys), addrs))  # set_wr_rdma returns None: runs them all
-            _set_rdma(last, rkeys, addrs[-1])
+            any(map(set_rdma, head, itertools.repeat(rkeys), addrs))  # set_wr_rdma returns None: runs them all
+            set_rdma(last, rkeys, addrs[-1])
         else:
-            any(map(_set_rdma, head, rkeys, addrs))
-            _set_rdma(last, rkeys[-1], addrs[-1])
+            any(map(set_rdma, head, rkeys, addrs))
+            set_rdma(last, rkeys[-1], addrs[-1])
         before = self.chain[end - 1]
         before.next_wr = last
         try:
@@ -278,12 +281,10 @@ class RdmaTransport(ClientTransport):
         return RdmaPrepared(dev, cq, [m[0] for m in made], [m[1] for m in made], rows)
 
     def __init__(self, offer, session, catalog, connect_timeout=10.0, options=DEFAULT_OPTIONS, prepared=None):
-        global _set_rdma
         deadline = time.monotonic() + connect_timeout  # the handshake and the probe, all of it
         if not isinstance(prepared, RdmaPrepared):
             raise TransportUnavailable("rdma needs device resources prepared before the session opened")
         v = verbs()
-        _set_rdma = v.wr.SendWR.set_wr_rdma
         self._v, self._e = v, v.e
         self._prep = prepared  # ours from here: close() frees it, on a failed connect too
         self.dev, self._cq, self._qps = prepared.dev, prepared.cq, prepared.qps
@@ -348,7 +349,7 @@ class RdmaTransport(ClientTransport):
                     t.staging = self._register(len(self._qps) * rows * rb, self._e.IBV_ACCESS_LOCAL_WRITE)
                     t.staging_rows = t.staging.array[: len(self._qps) * rows * rb].reshape(-1, rb)
                     try:
-                        t.rings = [_ReadRing(self._v, t.staging, q * rows, rows, rb) for q in range(len(self._qps))]
+                        t.rings = [ReadRing(self._v, t.staging, q * rows, rows, rb) for q in range(len(self._qps))]
                     except self._v.Error as e:
                         raise _failed(f"building the READ chains of table {t.info.name!r}", e) from None
         return t
