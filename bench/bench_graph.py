@@ -19,6 +19,10 @@ for the GPU (the poller's release time itself: the stand-in's own wake-up on a c
 GPU's), quiet, beside a busy Python thread and beside a thread that holds the GIL inside C, against
 the bare gather of the same ids through the same client, both paced as decode steps come (``--pace-ms``)
 and taking turns in blocks; and the watchdog with the server frozen and the GIL held in C for a second.
+Under each native poller's condition two more lines say what the host did to the poller's thread meanwhile
+(``Witness``, from /proc: its waits for its CPU, preemptions, migrations, and a pinned poller's CPU's
+interrupts and stolen time) and the p99 of the steps in which it never waited for its CPU, so a miss
+reads as the poller's own or as the scheduler's.
 
 Needs a CUDA GPU for graphs (exits 2 without one, unless --device cpu). A real tableserver serves the
 demo table file. Per graph-mode set -- both layers before_replay; layer 1 before_replay and layer 14
@@ -87,6 +91,8 @@ WAKE_KINDS = ("bare", "quiet", "busy", "gil-in-C")
 #: kinds take turns in rounds, the order rotated each round, so the host's slower drifts (its other tenants,
 #: its clock, its caches) fall on every kind alike instead of on whichever ran during them
 BLOCK_STEPS = 20
+#: a poller's wait for its CPU that the wake stage counts against a step (us)
+LOST_US = 20
 #: untimed steps first, the bare gather's and each poller's: a connection's first use (an rdma client's first
 #: READs, a poller's endpoint) is not a step's wake-up
 WARM_STEPS = 3
@@ -404,6 +410,93 @@ def graph_waits(since: tuple | None = None):
     return (now[0] - since[0]) / max(now[1] - since[1], 1.0)
 
 
+class Witness:
+    """What the host did to the native poller's thread, read from /proc (counters since boot: a block's share
+    is the difference of two readings): the time it was runnable but not running (schedstat), its involuntary
+    switches and its migrations; and, while it is pinned to ``cpu``, that CPU's interrupts, the TLB shootdowns
+    among them, and the time the hypervisor stole from it. A disturbed kind's slower steps with these at the
+    quiet kind's level did not come from this machine's scheduler or interrupts."""
+
+    FIELDS = ("runnable_ms", "preempted", "migrated", "irqs", "LOC", "RES", "CAL", "TLB", "steal_ms")
+    #: the interrupts named apart: the local timer, rescheduling and function-call IPIs, TLB shootdowns
+    NAMED = ("LOC", "RES", "CAL", "TLB")
+
+    def __init__(self, tid: int, cpu: int | None):
+        self.task, self.cpu = f"/proc/self/task/{tid}", cpu
+        self.tick_ms = 1e3 / os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def find(name: str = "graph-poller") -> int | None:
+        """The tid of this process's thread called ``name`` (the native poller's PR_SET_NAME), or None."""
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    if f.read().strip() == name:
+                        return int(tid)
+            except OSError:
+                continue
+        return None
+
+    def kept_off(self) -> int:
+        """The poller's time runnable but not running since it started, ns (schedstat's run delay: added up
+        each time it gets its CPU back, so exact between readings when it is running at both)."""
+        try:
+            with open(f"{self.task}/schedstat") as f:
+                return int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):
+            return 0
+
+    def __call__(self) -> np.ndarray:
+        got = np.zeros(len(self.FIELDS))
+        try:
+            got[0] = self.kept_off() / 1e6
+            with open(f"{self.task}/status") as f:
+                got[1] = next(int(line.split()[1]) for line in f if line.startswith("nonvoluntary_ctxt_switches"))
+            with open(f"{self.task}/sched") as f:
+                got[2] = next((int(line.split()[-1]) for line in f if line.startswith("se.nr_migrations")), 0)
+        except (OSError, StopIteration, ValueError):
+            got[:3] = np.nan  # the thread ended, or this kernel keeps no such count
+        if self.cpu is not None:
+            with open("/proc/interrupts") as f:
+                column = f.readline().split().index(f"CPU{self.cpu}")
+                for line in f:
+                    parts = line.split()
+                    if len(parts) > column + 1 and parts[column + 1].isdigit():
+                        got[3] += int(parts[column + 1])
+                        if parts[0][:-1] in self.NAMED:
+                            got[4 + self.NAMED.index(parts[0][:-1])] = int(parts[column + 1])
+            with open("/proc/stat") as f:
+                row = next(line.split() for line in f if line.startswith(f"cpu{self.cpu} "))
+            got[8] = int(row[8]) * self.tick_ms if len(row) > 8 else np.nan
+        else:
+            got[3:] = np.nan
+        return got
+
+    def describe(self, seen: np.ndarray, steps: int) -> str:
+        """One block sum (``seen``, over ``steps`` timed steps) as a line's tail, per 100 steps."""
+        per = 100.0 / max(steps, 1)
+        r, p, m, irqs, timer, resched, call, tlb, steal = seen * per
+        out = f"per 100 steps: runnable, not running {r:.2f} ms, preempted {p:.0f}, migrated {m:.0f}"
+        if self.cpu is not None:
+            out += (f"; CPU {self.cpu}: {irqs:.0f} interrupts (timer {timer:.0f}, rescheduling {resched:.0f}, "
+                    f"function call {call:.0f}, TLB shootdown {tlb:.0f}), stolen {steal:.0f} ms")  # fmt: skip
+        return out
+
+
+def cpu_waits(took: list, kept: list) -> str:
+    """In how many of a kind's steps the poller waited over LOST_US for its CPU (another thread ran there),
+    from arm to rows, and the p99 of the other steps: a p99 that meets its goal without them missed it
+    through the host's scheduler, not through the poller."""
+    took, kept = np.asarray(took), np.asarray(kept, np.float64) / 1e3
+    if took.size == 0 or kept.size != took.size:
+        return "the poller's waits for its CPU: not read"
+    waited = kept > LOST_US
+    rest = f"{pct(took[~waited], 99) * 1e6:.0f} us" if (~waited).any() else "none"
+    most = f", {kept.max():.0f} us at most" if waited.any() else ""
+    return (f"the poller waited over {LOST_US} us for its CPU in {waited.sum()} of {took.size} steps{most}; "
+            f"p99 of the other steps {rest}")  # fmt: skip
+
+
 def layout(cpus: list, poller_cpu: int, transport: str) -> tuple:
     """(the engine's CPUs, the server's) for the native-pin rows over ``transport``, the poller's CPU apart.
     A tcp server stands for another host (a memory node), so it gets CPUs the engine's threads do not run
@@ -442,17 +535,19 @@ def restore(saved: dict) -> None:
 
 
 def rotation(kinds: tuple, steps: int, pace: float, step, waits=None, unplaced: dict | None = None,
-             budget_s: float = WAKE_CONDITION_S) -> dict | None:  # fmt: skip
+             budget_s: float = WAKE_CONDITION_S, witness=None) -> dict | None:  # fmt: skip
     """Runs ``steps`` timed steps of each kind, in blocks of BLOCK_STEPS taking turns (the order rotated each
     round), each block inside its :class:`Disturber` (``bare`` and ``quiet`` beside nothing) and led by one
     untimed step; a block of ``bare, unplaced`` runs with every thread of each pid in ``unplaced`` on the
     CPUs given there, each thread put back where it was after. ``step(kind)`` runs one step and returns
-    (when its ids went out, monotonic; its latency), or None when it failed (then so does this). Steps are
+    (when its ids went out, monotonic; its latency[, the ns its poller waited for a CPU meanwhile]), or None
+    when it failed (then so does this). Steps are
     paced: one's ids no sooner than ``pace`` after the previous step's, whatever its kind. A kind that has
     used ``budget_s`` seconds stops where it is. Returns {kind: {"took": latencies, "gaps": each timed step's
     time since the previous step's ids, "waited": the mean of ``waits()``' (sum, count) over its timed
-    steps}}."""
-    out = {k: {"took": [], "gaps": [], "sums": [0.0, 0.0], "spent": 0.0} for k in kinds}
+    steps, "seen": what ``witness()`` (a :class:`Witness`) counted over them, summed, "kept": the steps'
+    poller's waits for its CPU, ns, where ``step`` returned them}}."""
+    out = {k: {"took": [], "gaps": [], "sums": [0.0, 0.0], "spent": 0.0, "seen": 0.0, "kept": []} for k in kinds}
     last = None
     for r in range(-(-steps // BLOCK_STEPS)):
         for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
@@ -460,7 +555,7 @@ def rotation(kinds: tuple, steps: int, pace: float, step, waits=None, unplaced: 
             want = min(BLOCK_STEPS, steps - len(o["took"]))
             if want <= 0 or o["spent"] > budget_s:
                 continue
-            start, before = time.monotonic(), None
+            start, before, seen = time.monotonic(), None, None
             moved = place(unplaced) if kind == "bare, unplaced" else {}
             try:
                 with Disturber(kind if kind in ("busy", "gil-in-C") else "quiet"):
@@ -470,16 +565,20 @@ def rotation(kinds: tuple, steps: int, pace: float, step, waits=None, unplaced: 
                         got = step(kind)
                         if got is None:
                             return None
-                        published, took = got
+                        published, took = got[:2]
                         if i:
                             o["took"].append(took)
                             o["gaps"].append(published - last)
-                        elif waits is not None:  # from the first timed step on
-                            before = waits()
+                            o["kept"].extend(got[2:])
+                        else:  # from the first timed step on
+                            before = waits() if waits is not None else None
+                            seen = witness() if witness is not None else None
                         last = published
             finally:
                 restore(moved)
             o["spent"] += time.monotonic() - start
+            if seen is not None:
+                o["seen"] = o["seen"] + witness() - seen
             if before is not None:
                 after = waits()
                 o["sums"] = [o["sums"][0] + after[0] - before[0], o["sums"][1] + after[1] - before[1]]
@@ -588,6 +687,7 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                         if kind.startswith("bare"):
                             return bare_step()
                         ids = rng.integers(0, table_rows, (tokens, ROWS_PER_TOKEN))
+                        kept = witness.kept_off() if witness is not None else None
                         g.arm(tokens)
                         g.publish_ids(14, torch.from_numpy(ids), graph=False)  # the copy only
                         seen = graphpoll.stand_in(g.flags.host, ids_flag, rows_flag, 30.0)
@@ -598,7 +698,7 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                         if dt is None or not np.array_equal(got, local["engram.layer14"][ids]):
                             say(lines, f"FAIL: wake {transport}/{poller}/{kind}: rows differ or never came")
                             return None
-                        return seen[0], dt
+                        return (seen[0], dt) if kept is None else (seen[0], dt, witness.kept_off() - kept)
 
                     def waits() -> tuple:
                         g.account()
@@ -607,9 +707,12 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                     # the bare gather of the native-pin rows both placed as they are and on every CPU
                     kinds = WAKE_KINDS + (("bare, unplaced",) if pinned else ())
                     unplaced = {os.getpid(): everywhere, proc.pid: everywhere}
+                    tid = Witness.find() if which == "native" else None
+                    witness = Witness(tid, poller_cpu if pinned else None) if tid is not None else None
                     try:
                         warm = [step("quiet") for _ in range(WARM_STEPS)]
-                        got = None if None in warm else rotation(kinds, steps, pace, step, waits, unplaced, condition_s)
+                        got = None if None in warm else rotation(kinds, steps, pace, step, waits, unplaced,
+                                                                 condition_s, witness)  # fmt: skip
                         if got is None:
                             ok = False
                             continue
@@ -637,6 +740,9 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                                 lines,
                                 f"  {transport:<4} {poller:<10} {label:<26}{pct(took, 50) * 1e6:>8.0f} {p99 * 1e6:>8.0f}   {note}",
                             )
+                            if witness is not None and not kind.startswith("bare"):
+                                say(lines, f"{'':<43}{witness.describe(got[kind]['seen'], len(took))}")
+                                say(lines, f"{'':<43}{cpu_waits(took, got[kind]['kept'])}")
                     finally:
                         g.close()
                     if transport != "tcp":
