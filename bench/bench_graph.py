@@ -458,10 +458,11 @@ class Witness:
             got[:3] = np.nan  # the thread ended, or this kernel keeps no such count
         if self.cpu is not None:
             with open("/proc/interrupts") as f:
-                column = f.readline().split().index(f"CPU{self.cpu}")
+                header = f.readline().split()
+                column = header.index(f"CPU{self.cpu}")
                 for line in f:
-                    parts = line.split()
-                    if len(parts) > column + 1 and parts[column + 1].isdigit():
+                    parts = line.split()  # a count per CPU after the name (ERR and MIS: one, for all)
+                    if len(parts) > len(header) and parts[column + 1].isdigit():
                         got[3] += int(parts[column + 1])
                         if parts[0][:-1] in self.NAMED:
                             got[4 + self.NAMED.index(parts[0][:-1])] = int(parts[column + 1])
