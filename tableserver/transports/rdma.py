@@ -18,7 +18,10 @@ the MRs ``REMOTE_READ`` and hands every session their rkeys.
 client SENDs its row ids; one server thread gathers them with ``np.take`` into
 the session's registered staging buffer and RDMA-WRITEs them packed, with the
 request id as immediate data, to the destination the request names. Invariant:
-the staging buffer is reused only after its WRITE has completed.
+the staging buffer is reused only after its WRITE has completed. The thread
+polls the sessions' CQs while requests come and, after SPIN_ROUNDS rounds with
+none, sleeps in ``poll()`` on their completion channels (``cqevents``): an idle
+node takes no CPU and wakes at the next completion.
 
 A session's QPs, CQ and buffers are destroyed when the session ends (client
 close, keepalive loss, lease expiry); nothing else is disturbed.
@@ -27,6 +30,8 @@ close, keepalive loss, lease expiry); nothing else is disturbed.
 from __future__ import annotations
 
 import logging
+import os
+import select
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tableserver.common.cqevents import EventCQ
 from tableserver.common.take import in_range, take_checked
 from tableserver.common.verbs import (
     Device,
@@ -60,6 +66,10 @@ SEND_DEPTH = 64
 #: a pack reply (WRITE_WITH_IMM) the client does not take for this long (it stopped posting receive
 #: buffers: RNR forever) ends its session; meanwhile every other session is served
 PACK_REPLY_TIMEOUT_S = 5.0
+#: rounds over the sessions' CQs with nothing to do before the pack thread sleeps on their completion events
+SPIN_ROUNDS = 50
+#: the longest the pack thread sleeps on completion events (it also wakes when a session comes or goes)
+SLEEP_S = 1.0
 
 
 @dataclass
@@ -87,7 +97,7 @@ class Region:
 @dataclass(eq=False)
 class _SessionQPs:
     session: Session
-    cq: object
+    events: EventCQ  # the session's CQ (``events.cq``) on a completion channel of its own
     qps: list
     infos: list
     recv: RegisteredBuffer | None = None
@@ -102,6 +112,10 @@ class _SessionQPs:
     lock: threading.Lock = field(default_factory=threading.Lock)
     closed: bool = False
 
+    @property
+    def cq(self):
+        return self.events.cq
+
     def close(self) -> None:
         with self.lock:
             if self.closed:
@@ -111,7 +125,7 @@ class _SessionQPs:
                 mw.close()
             for qp in self.qps:
                 qp.close()
-            self.cq.close()
+            self.events.close()
             for b in (self.recv, self.staging, self.reply):
                 if b is not None:
                     b.close()
@@ -140,6 +154,7 @@ class RdmaTransport(ServerTransport):
         self._sessions: dict[bytes, _SessionQPs] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)  # the pack thread's: sessions changed
         self._packer: threading.Thread | None = None
         self._closed = False
         self._ratelog = RateLimitedLog(log)
@@ -231,6 +246,7 @@ class RdmaTransport(ServerTransport):
             return
         self._closed = True
         self._stop.set()
+        self._poke()
         if self._packer is not None:
             self._packer.join(timeout=5)
         with self._lock:
@@ -243,6 +259,14 @@ class RdmaTransport(ServerTransport):
         self.regions = []
         if self.dev is not None:
             self.dev.close()
+        os.close(self._wake)
+
+    def _poke(self) -> None:
+        """Wakes the pack thread from its sleep on completion events (to see the sessions anew)."""
+        try:
+            os.eventfd_write(self._wake, 1)
+        except OSError:  # the counter is full (the thread is awake anyway) or the transport closed
+            pass
 
     # ----------------------------------------------------------------- sessions
     def offer(self, session: Session, request: pb.OpenSessionRequest):
@@ -256,13 +280,16 @@ class RdmaTransport(ServerTransport):
         # Reads in flight per QP: as many as both devices allow (16 on ConnectX, 128 on rxe).
         rd_atomic = max(1, min(dev.max_rd_atomic, params.max_rd_atomic or 1))
         try:
-            cq = v.cq.CQ(dev.context, len(params.qps) * (RECV_DEPTH + SEND_DEPTH) + 16)
+            events = EventCQ(v, dev.context, len(params.qps) * (RECV_DEPTH + SEND_DEPTH) + 16)
         except v.Error as err:
             raise TransportError(f"rdma: cannot create a CQ on {dev.name}: {err}", errno=error_errno(err)) from None
-        s = _SessionQPs(session, cq, [], [])
+        if events.fd is None:
+            self._ratelog.warning("events", "rdma: a CQ's completion channel has no descriptor this process can "
+                                  "tell apart: the pack thread polls that session's CQ every millisecond when idle")  # fmt: skip
+        s = _SessionQPs(session, events, [], [])
         try:
             for _ in params.qps:
-                qp, info = create_rc_qp(dev, cq, SEND_DEPTH, RECV_DEPTH, e.IBV_ACCESS_REMOTE_READ)
+                qp, info = create_rc_qp(dev, s.cq, SEND_DEPTH, RECV_DEPTH, e.IBV_ACCESS_REMOTE_READ)
                 s.qps.append(qp)
                 s.infos.append(info)
             if self.pack_max_rows:
@@ -281,6 +308,7 @@ class RdmaTransport(ServerTransport):
             raise
         with self._lock:
             self._sessions[session.id] = s
+        self._poke()
         log.info("rdma: session %s connected %d QPs (reads in flight per QP: %d)", session.label, len(s.qps), rd_atomic)
         return pb.TransportOffer(
             name="rdma",
@@ -333,6 +361,7 @@ class RdmaTransport(ServerTransport):
             s = self._sessions.pop(session.id, None)
         if s is not None:
             s.close()
+            self._poke()
             log.info("rdma: session %s: destroyed %d QPs", session.label, len(s.qps))
 
     def active_sessions(self) -> int:
@@ -362,34 +391,85 @@ class RdmaTransport(ServerTransport):
         s.slot = slot
 
     def _pack_loop(self) -> None:
-        """Serves pack requests of every session; backs off to 1 ms polls when idle. Never waits on one
-        session: a reply still on the wire holds only that session's next request."""
+        """Serves pack requests of every session. Never waits on one session: a reply still on the wire
+        holds only that session's next request. After SPIN_ROUNDS rounds with nothing to do it sleeps on
+        the sessions' completion events (:meth:`_sleep`)."""
         idle = 0
         while not self._stop.is_set():
             with self._lock:
-                sessions = list(self._sessions.values())
-            busy = False
-            stalled = []
-            for s in sessions:
-                with s.lock:
-                    if s.closed or s.recv is None:
-                        continue
-                    try:
-                        busy |= self._poll_session(s)
-                    except _Stalled as e:
-                        stalled.append((s, str(e)))
-                    except Exception as e:  # a broken session must not stop the others
-                        self.metrics.error("qp_error")
-                        self._ratelog.warning("pack", "rdma: session %s pack error: %s", s.session.label, e)
-            for s, why in stalled:  # outside s.lock: ending the session releases (closes) it
-                self.metrics.error("qp_error")
-                log.warning("rdma: session %s: %s; ending it", s.session.label, why)
-                self.sessions.close(s.session.id, f"rdma pack replies stalled: {why}")
-            if busy:
+                sessions = [s for s in self._sessions.values() if s.recv is not None]
+            if self._serve_round(sessions):
                 idle = 0
-            else:
+            elif idle < SPIN_ROUNDS:
                 idle += 1
-                time.sleep(0 if idle < 50 else 0.0002 if idle < 500 else 0.001)
+                time.sleep(0)
+            elif self._sleep(sessions):
+                idle = 0
+
+    def _serve_round(self, sessions: list) -> bool:
+        """One pass over ``sessions``' CQs: whether any completion or request was handled."""
+        busy = False
+        stalled = []
+        for s in sessions:
+            with s.lock:
+                if s.closed:
+                    continue
+                try:
+                    busy |= self._poll_session(s)
+                except _Stalled as e:
+                    stalled.append((s, str(e)))
+                except Exception as e:  # a broken session must not stop the others
+                    self.metrics.error("qp_error")
+                    self._ratelog.warning("pack", "rdma: session %s pack error: %s", s.session.label, e)
+        for s, why in stalled:  # outside s.lock: ending the session releases (closes) it
+            self.metrics.error("qp_error")
+            log.warning("rdma: session %s: %s; ending it", s.session.label, why)
+            self.sessions.close(s.session.id, f"rdma pack replies stalled: {why}")
+        return busy or bool(stalled)
+
+    def _sleep(self, sessions: list) -> bool:
+        """Arms every session's CQ, looks at them once more (a completion before the arm raises no event)
+        and, with nothing there, sleeps in poll() on their completion channels and the wake-up eventfd,
+        until a completion, a session coming or going, or the nearest pack reply's deadline (SLEEP_S at
+        most; 1 ms where a channel has no descriptor). Whether it found or woke for work."""
+        now = time.monotonic()
+        timeout = SLEEP_S
+        watched = {}
+        for s in sessions:
+            with s.lock:
+                if s.closed:
+                    continue
+                if s.events.fd is None:
+                    timeout = min(timeout, 0.001)
+                    continue
+                try:
+                    s.events.arm()
+                except Exception as e:
+                    self._ratelog.warning("arm", "rdma: session %s: cannot arm its CQ: %s", s.session.label, e)
+                    timeout = min(timeout, 0.001)
+                    continue
+                watched[s.events.fd] = s
+                if s.inflight is not None:
+                    timeout = min(timeout, max(s.inflight[1] - now, 0.0))
+        if self._serve_round(sessions):
+            return True
+        poller = select.poll()
+        poller.register(self._wake, select.POLLIN)
+        for fd in watched:
+            poller.register(fd, select.POLLIN)
+        ready = poller.poll(timeout * 1e3)
+        for fd, revents in ready:
+            if fd == self._wake:
+                try:
+                    os.eventfd_read(self._wake)
+                except OSError:
+                    pass
+                continue
+            s = watched[fd]
+            with s.lock:
+                if not s.closed and revents & select.POLLIN:  # a closed one's fd may be another file's now
+                    s.events.take_event()
+        return bool(ready)
 
     def _poll_session(self, s: _SessionQPs) -> bool:
         e = verbs().e

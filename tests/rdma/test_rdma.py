@@ -308,6 +308,55 @@ def test_a_client_that_stops_taking_pack_replies_stalls_only_itself(demo_file, d
         d.stop()
 
 
+def _wakeups(pid: int) -> int:
+    """Every thread of ``pid``: its context switches so far (each sleep the thread woke from is one)."""
+    n = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                n += sum(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+        except OSError:  # a thread that ended meanwhile
+            continue
+    return n
+
+
+#: a pack node's wake-ups over IDLE_S seconds with one idle pack session open, at most (its gRPC, keepalive and
+#: metrics threads wake a few dozen times a second; a pack thread that polled each millisecond added 1,000 a second)
+IDLE_S, IDLE_WAKEUPS = 2.0, 700
+
+
+def test_an_idle_pack_node_sleeps_on_completion_events(demo_file, demo_local, tmp_path):
+    """Before: the pack thread polled every session's CQ each millisecond when idle, and with no session at
+    all too, for the daemon's whole life. Now, once nothing came for its spin rounds, it sleeps on the CQs'
+    completion channels: an idle node barely wakes, and a pack request wakes it (served bit-exact)."""
+    d = guest_daemon(str(tmp_path / "d"), "--tables", demo_file, *RDMA_DAEMON)
+    try:
+        time.sleep(1.0)  # started: the pack thread has no session yet
+        before = _wakeups(d.proc.pid)
+        time.sleep(IDLE_S)
+        alone = _wakeups(d.proc.pid) - before
+        with TableClient(d.address, transport="rdma", mode="pack", rdma_qps=2, **SLOW_CLIENT) as c:
+            t = c.table("engram.layer14")
+            rng = np.random.default_rng(5)
+            ids = rng.integers(0, t.rows, 300)
+            np.testing.assert_array_equal(t.gather(ids, mode="pack"), demo_local[t.name][ids])
+            time.sleep(1.0)  # past the spin rounds: asleep on the session's completion channel
+            before = _wakeups(d.proc.pid)
+            time.sleep(IDLE_S)
+            idle = _wakeups(d.proc.pid) - before
+            for _ in range(3):  # each one wakes it from its sleep
+                ids = rng.integers(0, t.rows, 300)
+                np.testing.assert_array_equal(t.gather(ids, mode="pack"), demo_local[t.name][ids])
+                time.sleep(0.5)
+        print(f"pack node wake-ups in {IDLE_S:g} s: {alone} without a session, {idle} with an idle pack session")
+        assert alone <= IDLE_WAKEUPS and idle <= IDLE_WAKEUPS, (
+            f"an idle pack node woke {alone} times without a session and {idle} times with one in {IDLE_S:g} s"
+        )
+        assert "completion channel has no descriptor" not in d.log()
+    finally:
+        d.stop()
+
+
 def test_reconnects_after_a_qp_error(rdma_daemon, demo_local):
     """A QP driven into the error state (a remote WRITE the server refuses): the next gather fails over to
     nothing (one node) and fails fast; the client opens a new session and QPs, and serves bit-exact."""
