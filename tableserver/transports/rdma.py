@@ -410,8 +410,8 @@ class RdmaTransport(ServerTransport):
                 time.sleep(0)
             elif time.monotonic() - worked < POLL_FOR_S:
                 time.sleep(POLL_NAP_S)
-            elif self._sleep(sessions):
-                idle = 0
+            elif self._sleep(sessions):  # woken by work (or by a session coming or going): poll again
+                idle, worked = 0, time.monotonic()
 
     def _serve_round(self, sessions: list) -> bool:
         """One pass over ``sessions``' CQs: whether any completion or request was handled."""
