@@ -40,6 +40,11 @@ class TransportOptions:
 
     #: tcp: seconds a reader spins on the socket before sleeping (0: never spins)
     busy_poll: float = 0.0
+    #: tcp (and shm's rows port): seconds a connection may sit unused before the next request first checks,
+    #: with one non-blocking peek, whether the server closed it meanwhile (--idle-timeout), and re-opens it
+    #: then (0: before every request on an unused connection; inf: never). A connection found closed only
+    #: by a request sent after a shorter gap is re-opened and the request re-sent, once
+    idle_check: float = 1.0
     #: shm: build the page tables of the mappings at connect (no first-touch fault in a gather)
     populate: bool = True
     #: rdma: device (None: the first), GID index (None: the best), port, QPs per session, ring rows per

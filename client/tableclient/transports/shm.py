@@ -16,6 +16,11 @@ comes in the table list with ``"tier": "disk"`` and no descriptor; its gathers
 go over the endpoint's rows socket, a Unix stream socket speaking tcp's
 protocol (:class:`RowsSocket`, a :class:`~tableclient.transports.tcp.TcpTransport`
 that dials a path instead of a port).
+
+A server with ``--idle-timeout`` closes both connections once unused that long.
+The handshake's connection is never used again (the mappings outlive it); the
+rows socket is re-opened like tcp's connection (tcp.py): a gather after an idle
+gap never fails for it.
 """
 
 from __future__ import annotations
@@ -268,6 +273,12 @@ class ShmTransport(ClientTransport):
 
     def local_table(self, table_index: int):
         return self._tables.get(table_index)
+
+    @property
+    def rows_port(self) -> RowsSocket | None:
+        """The connection to the server's rows socket that serves this session's disk tables (a
+        TcpTransport); None when the server serves none."""
+        return self._rows
 
     def gather(self, table_index, ids, out, sync=False, mode="read", expand=None, hedge_after=None) -> Pending:
         if table_index in self._disk:

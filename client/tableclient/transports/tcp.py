@@ -19,6 +19,17 @@ response being read is resumable, so readers may take turns mid-frame.
 
 Lifetime of an output buffer: it belongs to the request until its Pending
 completes. A cancelled request's late rows land in a scratch buffer instead.
+
+A connection the server closed while it sat unused (its ``--idle-timeout``) is
+re-opened, never reported as a broken node: a request about to go out on a
+connection quiet for ``idle_check`` seconds first looks (one non-blocking peek)
+whether the server's FIN or reset is already there, and re-opens it then; and a
+request sent on a quiet connection keeps a copy of its ids, so when the
+connection turns out closed (EOF, ECONNRESET, EPIPE) before any byte of a
+response came back, it is re-sent once on a fresh connection (gathers are
+idempotent reads), under a new request id. Anything else -- the re-opened
+connection refused or failing too, a timeout, a connection that broke while it
+was answering -- breaks the transport as before, and routing fails over.
 """
 
 from __future__ import annotations
@@ -36,7 +47,7 @@ import time
 
 import numpy as np
 
-from tableclient.errors import AuthError, ConnectError, GatherTimeout, TransportError
+from tableclient.errors import AuthError, ConnectError, GatherTimeout, TableClientError, TransportError
 from tableclient.transports.base import (
     DEFAULT_OPTIONS,
     ClientTransport,
@@ -78,6 +89,13 @@ RECV_SLICE_S = 0.25
 #: the least time a request has to be taken by the server's socket: each request is sent within the
 #: connect_timeout the transport was opened with (what the session's open had left of it), at least this
 MIN_SEND_TIMEOUT_S = 1.0
+#: a request sent on a connection quiet this long (nothing in flight, nothing sent or received) may find
+#: it closed by the server's --idle-timeout (0.01 s at least, measured from the server's last answer): it
+#: keeps a copy of its ids, to be re-sent on a fresh connection if that one turns out closed before any
+#: response began. Requests sent back to back (a step's burst, a busy pipeline) keep none
+QUIET_S = 0.001
+#: what a connection the peer closed looks like on its next use: EOF (raised as a reset), reset, broken pipe
+_CLOSED = (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
 
 
 def _connect(address: tuple, deadline: float) -> socket.socket:
@@ -100,7 +118,7 @@ def _connect(address: tuple, deadline: float) -> socket.socket:
 
 
 class _TcpPending(Pending):
-    __slots__ = ("out", "request_id", "receiving", "transport", "sync")
+    __slots__ = ("out", "request_id", "receiving", "transport", "sync", "again")
 
     def __init__(self, out: np.ndarray, request_id: int, transport, sync: bool):
         super().__init__()
@@ -109,6 +127,8 @@ class _TcpPending(Pending):
         self.receiving = False  # a reader is writing this response into ``out``
         self.transport = transport
         self.sync = sync  # read by the waiting caller's thread, not the receiver thread
+        #: (table index, a copy of the ids) of a request sent on a quiet connection: what re-sending it takes
+        self.again: tuple[int, np.ndarray] | None = None
 
     def wait(self, timeout: float | None = None) -> None:
         if self.sync and not self._event.is_set():
@@ -156,16 +176,15 @@ class TcpTransport(ClientTransport):
         #: how long one request may take to be sent: a server that reads none of it for that long has
         #: stopped reading (the connection is then broken, not waited on forever)
         self.send_timeout = max(float(connect_timeout), MIN_SEND_TIMEOUT_S)
-        deadline = time.monotonic() + connect_timeout  # connect and handshake, all of it
-        sock = self._dial(offer, deadline)
-        self._sock = sock
-        self._seal_tx = self._seal_rx = None  # seal.Direction each way when the server seals this connection
+        #: seconds a connection may sit unused before a request first checks that the server has not closed it
+        self.idle_check = max(0.0, float(options.idle_check))
+        #: connections re-opened because the server had closed the last one while it sat unused
+        self.reopened = 0
+        self._offer, self._session = offer, session  # what re-opening the connection takes
         self._scratch = copy_buffer(0)  # a sealed response as received (placed: no 4K aliasing)
-        self._hello(session.id, session.secret, deadline)
-        sock.settimeout(None)
-        self._rcvtimeo = -1.0  # SO_RCVTIMEO as last set (seconds, 0 = none)
-        self._poller = select.poll()
-        self._poller.register(sock, select.POLLIN)
+        self._open(time.monotonic() + connect_timeout)  # connect and handshake, all of it
+        self._last_io = time.perf_counter()  # the last request sent or response in (perf_counter, as completed_at)
+        self._exposed = False  # a request went out on a quiet connection and no response has begun since
         self._ids = itertools.count(1)
         self._pending: collections.deque[_TcpPending] = collections.deque()
         self._send_lock = threading.Lock()
@@ -177,6 +196,16 @@ class TcpTransport(ClientTransport):
         self._closed = False
         self._rx = threading.Thread(target=self._receive_loop, name="tableclient-tcp-rx", daemon=True)
         self._rx.start()
+
+    def _open(self, deadline: float) -> None:
+        """Dials the offer and authenticates, by ``deadline``: the connection becomes ``_sock``."""
+        self._sock = self._dial(self._offer, deadline)
+        self._seal_tx = self._seal_rx = None  # seal.Direction each way when the server seals this connection
+        self._hello(self._session.id, self._session.secret, deadline)
+        self._sock.settimeout(None)
+        self._rcvtimeo = -1.0  # SO_RCVTIMEO as last set (seconds, 0 = none)
+        self._poller = select.poll()
+        self._poller.register(self._sock, select.POLLIN)
 
     def _dial(self, offer, deadline: float) -> socket.socket:
         """The connected socket of ``offer`` (a tcp endpoint here), by ``deadline``; sets ``endpoint``."""
@@ -250,22 +279,36 @@ class TcpTransport(ClientTransport):
         """Why the connection broke, once it has (every request then fails with it)."""
         return self._error
 
+    def peer_closed(self) -> bool:
+        """Whether the server has closed this connection: its FIN (or reset) is here with no response
+        before it. A look that reads nothing (one non-blocking peek); the next request re-opens it."""
+        try:
+            return not self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:  # reset, or this transport closed
+            return True
+
     def gather(self, table_index, ids, out, sync=False, mode="read", expand=None, hedge_after=None) -> Pending:
+        now = time.perf_counter()
+        if not self._pending and now - self._last_io >= self.idle_check:  # a hint, looked at unlocked
+            self._check_idle()
+            now = time.perf_counter()
         with self._send_lock:
             if self._error is not None:
                 raise self._error
+            if not self._pending and now - self._last_io >= QUIET_S:
+                self._exposed = True  # the server may have closed it meanwhile: keep what re-sending takes
             # Synchronous until handed over: another thread's read may complete it before the hand-over,
             # which must then count nothing (the receiver counts exactly the async requests not done)
             p = _TcpPending(out, next(self._ids), self, True)
+            if self._exposed:
+                p.again = (table_index, np.array(ids, np.int64))  # a copy: the caller's ids may change
             self._pending.append(p)  # before sending: a reader may see the answer at once
+            self._last_io = now
             sent = 0  # > 0 once (part of) the frame may be on the wire
             try:
-                header = request_header(FrameType.GATHER, p.request_id, table_index, ids.size)
-                if self._seal_tx is None:
-                    payload, size = ids, ids.nbytes
-                else:
-                    payload = self._seal_tx.seal(header, memoryview(ids).cast("B"))
-                    size = len(payload)
+                header, payload, size = self._frame(p.request_id, table_index, ids)
                 try:  # never blocking: a server that stops reading must not hold this thread
                     sent = self._sock.sendmsg([header, payload], [], socket.MSG_DONTWAIT)
                 except (BlockingIOError, InterruptedError):
@@ -284,6 +327,12 @@ class TcpTransport(ClientTransport):
                 )
                 self.abort("the server stopped reading requests")
                 raise self._error from None
+            except _CLOSED as e:
+                if not self._exposed:
+                    self._fail(TransportError(f"tcp connection to {self.endpoint} broke while sending: {e}"))
+                    raise self._error from None
+                # closed by the server while it sat unused: the reader finds it so, re-opens it and re-sends
+                log.debug("tcp connection to %s closed under a request (%s): re-sent once re-opened", self.endpoint, e)
             except OSError as e:
                 self._fail(TransportError(f"tcp connection to {self.endpoint} broke while sending: {e}"))
                 raise self._error from None
@@ -296,6 +345,76 @@ class TcpTransport(ClientTransport):
         if not sync:
             self._hand_over(p)
         return p
+
+    def _frame(self, request_id: int, table_index: int, ids: np.ndarray) -> tuple:
+        """One GATHER request: (header, payload, payload bytes), the payload sealed when the connection is."""
+        header = request_header(FrameType.GATHER, request_id, table_index, ids.size)
+        if self._seal_tx is None:
+            return header, ids, ids.nbytes
+        payload = self._seal_tx.seal(header, memoryview(ids).cast("B"))
+        return header, payload, len(payload)
+
+    # -- a connection the server closed while it sat unused
+    def _check_idle(self) -> None:
+        """Before the first request after ``idle_check`` seconds without one: re-opens the connection now
+        if the server has closed it meanwhile (its idle timeout), so no request is sent into it."""
+        if not self.peer_closed():
+            return
+        with self._rx_lock, self._send_lock:
+            if self._pending or self._closed or self._error is not None or not self.peer_closed():
+                return  # used meanwhile (a request sent into it is re-sent), or re-opened already
+            self._reopen("was closed by the server while idle")
+
+    def _lost(self, e: BaseException) -> None:
+        """A reader found the connection broken (it holds the reader's lock). Closed by the peer before any
+        byte of a response came back, after requests were sent on a quiet connection: the server closed
+        it while idle, and the connection is re-opened and those requests re-sent, once. Otherwise (or
+        when re-opening fails) the transport is broken and every pending request fails."""
+        r = self._reading
+        if isinstance(e, _CLOSED) and self._exposed and r.p is None and r.got == 0 and not self._closed:
+            with self._send_lock:
+                if (
+                    self._exposed
+                    and self._error is None
+                    and self._pending
+                    and all(p.again is not None for p in self._pending)
+                ):
+                    self._reopen(f"was closed by the server while idle ({e})")
+                    return
+        self._broken(e)
+
+    def _reopen(self, why: str) -> bool:
+        """Replaces the connection, which the server closed while it sat unused, with a fresh one (dialed
+        and authenticated within send_timeout), then re-sends the pending requests in order, each under
+        a new request id (nothing of the old connection can answer them). The caller holds the reader's
+        and the send lock. False when that fails too: the transport is then broken, as by any failure."""
+        old = self._sock
+        try:
+            old.close()
+        except OSError:
+            pass
+        n = len(self._pending)
+        try:
+            if self._closed:
+                raise ConnectError("the transport was closed")
+            deadline = time.monotonic() + self.send_timeout
+            self._open(deadline)
+            if self._closed:  # closed while it dialed: close() ends the new socket
+                raise ConnectError("the transport was closed")
+            self._reading.header()
+            for p in self._pending:
+                table_index, ids = p.again
+                p.again, p.request_id = None, next(self._ids)
+                header, payload, _ = self._frame(p.request_id, table_index, ids)
+                send_all(self._sock, [header, payload], deadline)
+        except (TableClientError, OSError) as e:
+            self._fail(TransportError(f"tcp connection to {self.endpoint} {why}, and re-opening it failed: {e}"))
+            return False
+        self._exposed = False  # once: a fresh connection that fails too is a failure
+        self._last_io = time.perf_counter()
+        self.reopened += 1
+        log.debug("tcp connection to %s %s: re-opened, %d request(s) re-sent", self.endpoint, why, n)
+        return True
 
     # -- reading: one reader at a time, in request order
     def _hand_over(self, p: _TcpPending) -> None:
@@ -318,7 +437,7 @@ class TcpTransport(ClientTransport):
                     if not self._read_one(deadline):
                         break
             except _BROKEN as e:
-                self._broken(e)
+                self._lost(e)
             finally:
                 self._rx_lock.release()
             if deadline is not None and time.monotonic() >= deadline:
@@ -338,7 +457,7 @@ class TcpTransport(ClientTransport):
                     while self._async > 0 and self._error is None:
                         self._read_one(None)
                 except _BROKEN as e:
-                    self._broken(e)
+                    self._lost(e)
 
     def _timeout(self, seconds: float | None) -> None:
         """Bounds how long the next blocking ``recv`` sleeps (SO_RCVTIMEO; None: no bound). The bound
@@ -425,7 +544,9 @@ class TcpTransport(ClientTransport):
         p = self._pending[0] if self._pending else None
         if p is None or p.request_id != req_id:  # left in line: the connection's failure completes it
             raise ConnectionError(f"response to request {req_id} that is not next in line")
+        self._exposed = False  # the server answers on this connection: a close from here on is a failure
         self._pending.popleft()
+        p.again = None
         r.p, r.status = p, status
         if status == Status.OK:
             p.receiving = True
@@ -459,6 +580,7 @@ class TcpTransport(ClientTransport):
             if not p.sync:
                 self._async -= 1
             p.complete(error)
+        self._last_io = p.completed_at
         if refused is not None and refused.fatal:
             raise ConnectionError(f"server closed the connection after {refused.name}")
 
