@@ -21,16 +21,21 @@ may take there, freed memory included:
   reserve and fraction for it too, so the pinned buffer cannot push the host into the OOM killer.
 
 The checks the engine will make are done first (the reserve, every rank's request against its share, host
-pages above device pages); a plan that cannot fit says why in one line (``MemoryLimitError``, exit 1).
-Imported by the command only (tableserver/cli.py).
+pages above device pages); a plan that cannot fit says why in one line (``MemoryLimitError``, exit 1). Input that
+is no plan's says so in one line naming the flag (``ConfigError``, exit 2): every size finite, above 0 (0 for
+``--other-gib``), at least a byte and within int64, wherever it came from (a flag, an engine log's line); the
+layout bounded (``MAX_PARALLEL``, ``MAX_RANKS_PER_HOST``); a file flag's file a regular file (a table file: or a
+block device), read in bounded pieces. Imported by the command only (tableserver/cli.py).
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import re
 import shlex
+import stat
 import tomllib
 from dataclasses import dataclass, field
 
@@ -65,6 +70,15 @@ KV_LOG_LINES = {
     "sglang": re.compile(r"KV size: ([0-9.]+) GB"),
     "vllm": re.compile(r"Available KV cache memory: ([0-9.]+) GiB"),
 }
+#: the largest size a plan takes, in bytes (int64's: what every engine and the kernel count sizes in)
+MAX_BYTES = (1 << 63) - 1
+#: the most of --tp, --dp or --nnodes a plan takes, and the most ranks it puts on one host (the plan counts
+#: every rank of a host)
+MAX_PARALLEL = 4096
+MAX_RANKS_PER_HOST = 1024
+#: a placement file is a few lines of TOML; what is read of an engine log at a time (a line, at most)
+MAX_PLACEMENT_BYTES = 1 << 20
+LOG_CHUNK = 1 << 20
 KV_POOL_HELP = (
     "the device KV pool per rank as the engine logs it at start-up (SGLang: 'KV Cache is allocated ... KV size: "
     "X GB'; vLLM: 'Available KV cache memory: X GiB'): pass --kv-pool-gib X or --engine-log FILE"
@@ -86,11 +100,52 @@ def catalog(path: str | None = None) -> tuple[list[Table], str]:
         return tables, "DeepSeek-V4.1 (tableserver/common/model.py)"
     from tableserver.tables.tablefile import read_header
 
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        mode = stat.S_IFREG  # read_header says what is wrong, in its words
+    if not (stat.S_ISREG(mode) or stat.S_ISBLK(mode)):  # a FIFO's open would wait for a writer for ever
+        raise ConfigError(f"--tables {path}: not a file nor a block device: pass the table file")
     header = read_header(path)  # TableFileError: one line naming the file's problem
     tables = [Table(t.layer, t.name, t.rows, t.row_bytes) for t in header.tables if t.layer >= 0]
     if not tables:
         raise ConfigError(f"{path} holds no Engram layer's table (none has a layer): pass the model's table file")
     return sorted(tables, key=lambda t: t.layer), f"{path}'s catalog"
+
+
+def size_problem(gib: float, zero: bool = False) -> str | None:
+    """What is wrong with ``gib`` GiB as a size (finite, above 0 or, where ``zero``, 0; at least a byte; at
+    most ``MAX_BYTES``), or None."""
+    if not math.isfinite(gib):
+        return "not a finite number"
+    if gib < 0 or (gib == 0 and not zero):
+        return "zero bytes" if gib == 0 else "below zero"
+    if gib * GIB >= MAX_BYTES:
+        return "more than the 8 EiB (2^63 - 1 bytes) a size may be"
+    if 0 < gib * GIB < 1:
+        return "less than a byte"
+    return None
+
+
+def flag_bytes(flag: str, gib: float, zero: bool = False) -> int:
+    """``flag``'s ``gib`` GiB in bytes; ConfigError naming the flag, its value and the problem otherwise."""
+    problem = size_problem(gib, zero)
+    if problem:
+        raise ConfigError(f"{flag} {gib:g}: {problem}: expected a size in GiB {'of 0 or more' if zero else 'above 0'}")
+    return int(gib * GIB)
+
+
+def _open_regular(flag: str, path: str, fix: str):
+    """``path`` opened for reading in binary, if it is a regular file (a FIFO or a device would never end or
+    never answer); else ConfigError naming ``flag``, ending in ``fix``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: {e.strerror}: {fix}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ConfigError(f"{flag} {path}: not a regular file: {fix}")
+    return os.fdopen(fd, "rb")
 
 
 def parse_placement(spec: str) -> tuple[dict[int, str], str | None]:
@@ -100,15 +155,24 @@ def parse_placement(spec: str) -> tuple[dict[int, str], str | None]:
         return {}, None
     if "=" not in spec:
         try:
-            with open(spec, "rb") as f:
-                doc = tomllib.load(f)
+            with _open_regular("--placement", spec, "pass a placement.toml or LAYER=PLACEMENT pairs") as f:
+                text = f.read(MAX_PLACEMENT_BYTES + 1)
         except OSError as e:
-            raise ConfigError(
-                f"--placement {spec}: {e.strerror}: pass a placement.toml or LAYER=PLACEMENT pairs"
-            ) from None
+            raise ConfigError(f"--placement {spec}: {e.strerror}") from None
+        if len(text) > MAX_PLACEMENT_BYTES:
+            raise ConfigError(f"--placement {spec}: over {MAX_PLACEMENT_BYTES >> 20} MiB: not a placement.toml")
+        try:
+            doc = tomllib.loads(text.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise ConfigError(f"--placement {spec}: not UTF-8 text: pass a placement.toml") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"--placement {spec}: not valid TOML ({e})") from None
         layers, path = doc.get("layers", {}), spec
+        if not isinstance(layers, dict):
+            raise ConfigError(
+                f"--placement {spec}: 'layers' is {type(layers).__name__} {layers!r:.40}, not a table: write "
+                '[layers] with a line LAYER = "remote" | "node" | "local" each (e.g. 14 = "node")'
+            )
     else:
         layers, path = dict(item.partition("=")[::2] for item in spec.split(",") if item.strip()), None
     out = {}
@@ -132,15 +196,31 @@ def host_memory_bytes(meminfo: str = "/proc/meminfo") -> int:
 
 
 def kv_pool_from_log(engine: str, path: str) -> int:
-    """The last device KV pool figure the engine logged in ``path``, in bytes."""
+    """The last device KV pool figure the engine logged in ``path``, in bytes (read a line, or a MiB, at a
+    time: a log of any size)."""
+    last = None
     try:
-        with open(path, errors="replace") as f:
-            found = KV_LOG_LINES[engine].findall(f.read())
+        with _open_regular("--engine-log", path, "pass the engine's log file, or --kv-pool-gib") as f:
+            while chunk := f.readline(LOG_CHUNK):
+                for found in KV_LOG_LINES[engine].finditer(chunk.decode("utf-8", "replace")):
+                    last = found
     except OSError as e:
         raise ConfigError(f"--engine-log {path}: {e.strerror}") from None
-    if not found:
+    if last is None:
         raise ConfigError(f"--engine-log {path}: no device KV pool line of {engine} in it: {KV_POOL_HELP}")
-    return int(float(found[-1]) * GIB)
+    try:
+        gib = float(last.group(1))
+    except ValueError:
+        gib, problem = 0.0, "holds no number"
+    else:
+        problem = size_problem(gib)
+        problem = problem and f"is {problem}"
+    if problem:
+        raise ConfigError(
+            f"--engine-log {path}: its last device KV pool line {last.group(0)!r} {problem}: pass the pool as "
+            "--kv-pool-gib X"
+        )
+    return int(gib * GIB)
 
 
 @dataclass(frozen=True)
@@ -281,6 +361,7 @@ def size_host_kv(p: Parallel, budget: int, kv_pool: int) -> tuple[float, int]:
 def make_plan(req: PlanRequest) -> LaunchPlan:
     """The plan for ``req``; ``error`` says in one line why it cannot fit (the checks say which failed)."""
     p = req.parallel
+    _check_bounds(req)
     home = default_home(p) if req.home == "auto" else req.home
     try:
         check_home(p, home)
@@ -373,6 +454,23 @@ def make_plan(req: PlanRequest) -> LaunchPlan:
             failed, plan.error = True, f"plan does not fit: {why}"
     _launch_line(plan)
     return plan
+
+
+def _check_bounds(req: PlanRequest) -> None:
+    """ConfigError where a request's layout or sizes are beyond what a plan is made for."""
+    p = req.parallel
+    for name in ("tp", "dp", "nnodes"):
+        if getattr(p, name) > MAX_PARALLEL:
+            raise ConfigError(f"--{name} {getattr(p, name)}: expected at most {MAX_PARALLEL}")
+    if p.ranks_per_host > MAX_RANKS_PER_HOST:
+        raise ConfigError(
+            f"--tp {p.tp} --dp {p.dp} over --nnodes {p.nnodes} put {p.ranks_per_host} ranks on each host: a plan "
+            f"takes at most {MAX_RANKS_PER_HOST} (give the hosts there are as --nnodes)"
+        )
+    for name, n, least in (("host memory", req.host_bytes, 1), ("device KV pool per rank", req.kv_pool_bytes, 1),
+                           ("other memory", req.other_bytes, 0)):  # fmt: skip
+        if not least <= n <= MAX_BYTES:
+            raise ConfigError(f"{name} of {n} bytes: expected {least} to {MAX_BYTES} bytes")
 
 
 def _launch_line(plan: LaunchPlan) -> None:
@@ -473,19 +571,15 @@ def request_from_args(args) -> PlanRequest:
     if args.engine_log:
         kv_pool = kv_pool_from_log(args.engine, args.engine_log)
     elif args.kv_pool_gib is not None:
-        if not args.kv_pool_gib > 0:
-            raise ConfigError(f"--kv-pool-gib {args.kv_pool_gib:g}: expected a positive size in GiB")
-        kv_pool = int(args.kv_pool_gib * GIB)
+        kv_pool = flag_bytes("--kv-pool-gib", args.kv_pool_gib)
     else:
         raise ConfigError(f"the plan needs {KV_POOL_HELP}")
     if args.host_memory_gib is not None:
-        if not args.host_memory_gib > 0:
-            raise ConfigError(f"--host-memory-gib {args.host_memory_gib:g}: expected a positive size in GiB")
-        host, host_label = int(args.host_memory_gib * GIB), "--host-memory-gib"
+        host = flag_bytes("--host-memory-gib", args.host_memory_gib)
+        host_label = "--host-memory-gib"
     else:
         host, host_label = host_memory_bytes(), "MemTotal of this host"
-    if args.other_gib < 0:
-        raise ConfigError(f"--other-gib {args.other_gib:g}: expected a size in GiB, at least 0")
+    other = flag_bytes("--other-gib", args.other_gib, zero=True)
     return PlanRequest(
         parallel=parallel,
         placement=placement,
@@ -493,13 +587,24 @@ def request_from_args(args) -> PlanRequest:
         kv_pool_bytes=kv_pool,
         tables=tables,
         home=args.engine_tables,
-        other_bytes=int(args.other_gib * GIB),
+        other_bytes=other,
         placement_file=path,
         address=args.address or os.environ.get("TABLESERVER_ADDRESS") or "memnode:7070",
         model=args.model_path,
         model_label=label,
         host_label=host_label,
     )
+
+
+def _count(text: str) -> int:
+    """A --tp, --dp or --nnodes value: a whole number from 1 to ``MAX_PARALLEL`` (argparse's type)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= MAX_PARALLEL:
+        raise argparse.ArgumentTypeError(f"expected a whole number from 1 to {MAX_PARALLEL}, got {text!r}")
+    return n
 
 
 def add_flags(parser) -> None:
@@ -512,9 +617,9 @@ def add_flags(parser) -> None:
         "(a layer not named: remote; default: every layer remote)",
     )
     parser.add_argument("--engine", choices=("sglang", "vllm"), default="sglang", help="default %(default)s")
-    parser.add_argument("--tp", type=int, default=8, help="tensor-parallel ranks per replica (default %(default)s)")
-    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default %(default)s)")
-    parser.add_argument("--nnodes", type=int, default=1, help="hosts the ranks spread over (default %(default)s)")
+    parser.add_argument("--tp", type=_count, default=8, help="tensor-parallel ranks per replica (default %(default)s)")
+    parser.add_argument("--dp", type=_count, default=1, help="data-parallel replicas (default %(default)s)")
+    parser.add_argument("--nnodes", type=_count, default=1, help="hosts the ranks spread over (default %(default)s)")
     parser.add_argument(
         "--dp-attention", action="store_true", help="SGLang's attention DP (--attn-dp-size DP, inside the TP group)"
     )

@@ -8,7 +8,7 @@ import os
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, run_cli
 
 from tableserver.cli import main
 from tableserver.common.hostmem import GIB, Parallel
@@ -133,9 +133,130 @@ def test_the_command(capsys):
     for argv, msg in (
         (["plan"], "needs the device KV pool per rank"),
         (["plan", "--kv-pool-gib", "40", "--tp", "3", "--nnodes", "2"], "do not spread evenly"),
-        (["plan", "--kv-pool-gib", "-1"], "expected a positive size"),
+        (["plan", "--kv-pool-gib", "-1"], "expected a size in GiB above 0"),
         (["plan", "--kv-pool-gib", "40", "--engine", "vllm", "--engine-tables", "shared"], "dp_shared_memory"),
     ):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and msg in err[0], err
+
+
+GOOD = ("--kv-pool-gib", "40", "--host-memory-gib", "1024")
+#: every figure a size flag takes as a float that is no size: (value, the problem the line names)
+NOT_SIZES = [
+    ("inf", "not a finite number"),
+    ("nan", "not a finite number"),
+    ("1e300", "more than the 8 EiB (2^63 - 1 bytes) a size may be"),
+    ("1e-12", "less than a byte"),
+]
+
+
+def refused(*argv: str, code: int = 2) -> str:
+    """``tableserver plan ARGV`` in its own process: exit ``code``, one ``tableserver: error:`` line on stderr
+    and nothing else (no traceback); the line."""
+    res = run_cli("plan", *argv)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == code and len(lines) == 1 and lines[0].startswith("tableserver: error: "), res.stderr
+    return lines[0].removeprefix("tableserver: error: ")
+
+
+@pytest.mark.parametrize("flag", ["--kv-pool-gib", "--host-memory-gib", "--other-gib"])
+@pytest.mark.parametrize("value,problem", NOT_SIZES, ids=[v for v, _ in NOT_SIZES])
+def test_a_size_flag_takes_only_a_size(flag, value, problem):
+    """Before: inf and 1e300 ended in an OverflowError, nan in a ValueError (--other-gib), a sub-byte pool in a
+    ZeroDivisionError and a sub-byte host in a plan for a host of 0 bytes."""
+    args = dict(zip(GOOD[::2], GOOD[1::2]))
+    args[flag] = value
+    line = refused(*(x for kv in args.items() for x in kv))
+    above = "of 0 or more" if flag == "--other-gib" else "above 0"
+    assert line == f"{flag} {float(value):g}: {problem}: expected a size in GiB {above}"
+
+
+def test_zero_is_a_size_only_where_nothing_is_one(capsys):
+    assert refused("--kv-pool-gib", "0") == "--kv-pool-gib 0: zero bytes: expected a size in GiB above 0"
+    assert refused(*GOOD[:2], "--host-memory-gib", "0").startswith("--host-memory-gib 0: zero bytes")
+    assert main(["plan", *GOOD, "--other-gib", "0"]) == 0
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize(
+    "engine,line,problem",
+    [
+        ("sglang", "KV size: . GB", "holds no number"),
+        ("sglang", "KV size: 0.00 GB", "is zero bytes"),
+        ("sglang", "KV size: 1.2.3 GB", "holds no number"),
+        ("sglang", "KV size: 99999999999 GB", "is more than the 8 EiB (2^63 - 1 bytes) a size may be"),
+        ("vllm", "Available KV cache memory: 0.0000000001 GiB", "is less than a byte"),
+    ],
+    ids=["dot", "zero", "two-dots", "beyond-int64", "sub-byte"],
+)
+def test_an_engine_log_line_that_gives_no_pool_is_said(tmp_path, engine, line, problem):
+    """Before: 'KV size: . GB' ended in a ValueError, 'KV size: 0.00 GB' in a ZeroDivisionError (a plan for a
+    0-byte pool). The last line is the one the engine ran with: an earlier good one does not stand in."""
+    log = tmp_path / "engine.log"
+    good = "KV size: 40.00 GB" if engine == "sglang" else "Available KV cache memory: 40.0 GiB"
+    log.write_text(f"INFO {good}\nINFO {line}\n")
+    got = refused("--engine", engine, "--engine-log", str(log), "--host-memory-gib", "1024")
+    assert (
+        got == f"--engine-log {log}: its last device KV pool line {line!r} {problem}: pass the pool as --kv-pool-gib X"
+    )
+
+
+def test_an_engine_log_is_read_a_line_at_a_time(tmp_path):
+    log = tmp_path / "engine.log"
+    with open(log, "w") as f:
+        f.write("x" * (3 << 20) + "\n")  # a line longer than a read
+        f.write("KV Cache is allocated. KV size: 38.62 GB\n")
+    assert kv_pool_from_log("sglang", str(log)) == int(38.62 * GIB)
+
+
+@pytest.mark.parametrize("layers", ["5", "[1, 14]", '"remote"'])
+def test_a_placement_file_whose_layers_are_no_table_is_said(tmp_path, layers):
+    """Before: ``layers = 5`` ended in an AttributeError."""
+    path = tmp_path / "placement.toml"
+    path.write_text(f"layers = {layers}\n")
+    line = refused("--placement", str(path), *GOOD)
+    assert line.startswith(f"--placement {path}: 'layers' is ") and ", not a table: write [layers] with" in line
+
+
+@pytest.mark.parametrize(
+    "argv,line",
+    [
+        (["--tp", "1000000000000"], "argument --tp: expected a whole number from 1 to 4096, got '1000000000000'"),
+        (["--dp", "99999"], "argument --dp: expected a whole number from 1 to 4096, got '99999'"),
+        (["--nnodes", "0"], "argument --nnodes: expected a whole number from 1 to 4096, got '0'"),
+        (
+            ["--tp", "4096", "--dp", "4096"],
+            "--tp 4096 --dp 4096 over --nnodes 1 put 16777216 ranks on each host: "
+            "a plan takes at most 1024 (give the hosts there are as --nnodes)",
+        ),
+    ],  # fmt: skip
+    ids=["tp", "dp", "nnodes", "ranks-per-host"],
+)
+def test_the_layout_is_bounded(argv, line):
+    """Before: --tp 1000000000000 counted a trillion ranks' tables, one by one (a plan that never answered)."""
+    assert refused(*GOOD, *argv).startswith(line)
+
+
+def test_the_largest_layout_is_planned():
+    assert main(["plan", *GOOD, "--tp", "1024", "--json"]) == 1  # 1024 ranks' host KV: no room, but an answer
+
+
+@pytest.mark.parametrize("flag", ["--engine-log", "--placement", "--tables"])
+def test_a_fifo_for_a_file_is_refused_not_waited_on(tmp_path, flag):
+    """Before: open() waited for a writer for ever."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    argv = [flag, str(fifo)] + (["--host-memory-gib", "1024"] if flag == "--engine-log" else list(GOOD))
+    assert refused(*argv).startswith(f"{flag} {fifo}: not a ")
+
+
+def test_a_request_beyond_the_bounds_is_refused_by_the_plan_itself():
+    for req, msg in (
+        (request(kv_gib=0), "device KV pool per rank of 0 bytes"),
+        (request(host_gib=1 << 34), "host memory of 18446744073709551616 bytes"),
+        (request(other_bytes=-1), "other memory of -1 bytes"),
+        (request(tp=8, dp=1024), "put 8192 ranks on each host"),
+    ):
+        with pytest.raises(ConfigError, match=msg):
+            make_plan(req)
