@@ -70,6 +70,9 @@ KV_LOG_LINES = {
     "sglang": re.compile(r"KV size: ([0-9.]+) GB"),
     "vllm": re.compile(r"Available KV cache memory: ([0-9.]+) GiB"),
 }
+#: a line of the speculative draft model's pool, logged after the target's (SGLang's kv_pool_runtime.py:
+#: "Post-capture KV sizing: draft KV cache allocated. ... KV size: 1.20 GB"): not the pool to plan for
+DRAFT_LINE = "draft KV cache"
 #: the largest size a plan takes, in bytes (int64's: what every engine and the kernel count sizes in)
 MAX_BYTES = (1 << 63) - 1
 #: the most of --tp, --dp or --nnodes a plan takes, and the most ranks it puts on one host (the plan counts
@@ -202,7 +205,8 @@ def kv_pool_from_log(engine: str, path: str) -> int:
     try:
         with _open_regular("--engine-log", path, "pass the engine's log file, or --kv-pool-gib") as f:
             while chunk := f.readline(LOG_CHUNK):
-                for found in KV_LOG_LINES[engine].finditer(chunk.decode("utf-8", "replace")):
+                text = chunk.decode("utf-8", "replace")
+                for found in () if DRAFT_LINE in text else KV_LOG_LINES[engine].finditer(text):
                     last = found
     except OSError as e:
         raise ConfigError(f"--engine-log {path}: {e.strerror}") from None

@@ -115,6 +115,13 @@ def test_device_pool_from_the_engines_log(tmp_path):
     assert kv_pool_from_log("vllm", str(log)) == int(61.2 * GIB)
     with pytest.raises(ConfigError, match="no device KV pool line of sglang"):
         kv_pool_from_log("sglang", str(log))
+    # the target's pool, not the speculative draft's logged after it (SGLang's kv_pool_runtime.py)
+    log.write_text(
+        "Post-capture KV sizing: KV cache allocated. dtype: torch.uint8, #tokens: 9000000, KV size: 38.62 GB, "
+        "avail mem=3.10 GB\nPost-capture KV sizing: draft KV cache allocated. dtype: torch.uint8, #tokens: 9000000, "
+        "KV size: 1.20 GB\n"
+    )
+    assert kv_pool_from_log("sglang", str(log)) == int(38.62 * GIB)
 
 
 def test_the_command(capsys):
