@@ -289,7 +289,8 @@ class RdmaTransport(ServerTransport):
             raise TransportError(f"rdma: cannot create a CQ on {dev.name}: {err}", errno=error_errno(err)) from None
         if events.fd is None:
             self._ratelog.warning("events", "rdma: a CQ's completion channel has no descriptor this process can "
-                                  "tell apart: the pack thread polls that session's CQ every millisecond when idle")  # fmt: skip
+                                  "tell apart for sure (%s): the pack thread polls that session's CQ every "
+                                  "millisecond when idle", events.why)  # fmt: skip
         s = _SessionQPs(session, events, [], [])
         try:
             for _ in params.qps:
