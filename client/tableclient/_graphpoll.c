@@ -29,6 +29,10 @@
  *                               poller keeps a reference until the slot's source changes). That module, built
  *                               only where libibverbs is, hands its functions over in a capsule
  *                               (graphverbs.h): this one neither includes nor links libibverbs
+ * set_host(slot)                the slot's steps are handed to Python (take_handoff/finish_handoff): a source
+ *                               this thread cannot read (a sealed connection, a disk-tier or packed-only table,
+ *                               rows split over shards) or one being connected again, read by the client's
+ *                               own transport meanwhile
  * set_none(slot)                no source (a node down): its steps get the policy at once
  * arm(tokens, deadlines)        every slot: the next step has ``tokens`` tokens, its ids due by deadlines[i]
  *                               (CLOCK_MONOTONIC seconds, time.monotonic()'s clock)
@@ -38,11 +42,26 @@
  * wait_released(timeout) -> list|None
  *                               waits (without the GIL) until no slot is armed or gathering; the errors of
  *                               the step's failed slots as (slot, message), or None on timeout
- * reset()                       every slot idle, flags 0 (after a replay that may not have run)
+ * reset()                       every slot idle, flags 0 (after a replay that may not have run); once closed,
+ *                               nothing (the flags stay released: a replay waits for nobody)
  * take_events() -> list         (slot, seconds from ids seen to release (0: never seen), how, rows zeroed)
  *                               of the steps released since the last call, how: 0 rows, 1 policy after an error,
- *                               2 the deadline (watchdog), 3 a replay nobody armed
+ *                               2 the deadline before the graph's ids came (watchdog), 3 a replay nobody armed,
+ *                               4 the deadline after its ids came: a remote source (tcp, rdma, the client's
+ *                               transport) did not answer in time (never a mapped table: its copy cannot be late)
  * broken(slot) -> str|None      why the slot's connection broke (Python connects again, off the hot path)
+ * poll_closed(slot) -> bool     whether the server closed the slot's idle tcp connection (its idle timeout):
+ *                               the connection is then dropped (broken() says so), never written to
+ * take_handoff(timeout) -> (slot, step, tokens, deadline)|None
+ *                               (without the GIL) a step handed to Python: a slot whose source is set_host, or
+ *                               whose connection the server had closed before a byte of the step's response came
+ *                               (reads are idempotent: the client's transport sends it again); Python gathers
+ *                               its rows into the slot's staging by ``deadline`` (time.monotonic()'s clock) and
+ *                               calls finish_handoff. A handoff nobody took by its deadline gets the policy here
+ * finish_handoff(slot, step, ok, error, timed_out) -> bool
+ *                               releases a step taken with take_handoff: its rows (``ok``), or the policy's
+ *                               (zeros; ``error`` the one-line why, ``timed_out``: by its deadline); False when
+ *                               the step is no longer that one (reset or closed meanwhile)
  * close()                       stops the thread; every rows flag set (a replay after it waits for nobody)
  *
  * released_at(slot) -> float   when the slot's last step was released (time.monotonic()'s clock)
@@ -104,10 +123,13 @@
 #define ERROR_CHARS 256
 #define HEADER_BYTES 24 /* the wire's frame header (tableserver/common/wire.py) */
 #define MAX_ERROR_BODY 4096 /* an error frame's message read at most (else the connection is dropped) */
+#define REQUESTS_IN_FLIGHT 2 /* tcp: a request sent ahead while the one before is answered (never blocking on it) */
 
 enum { IDLE, ARMED, GATHERING, RELEASED };
-enum { SRC_NONE, SRC_SHM, SRC_TCP, SRC_RDMA };
-enum { HOW_ROWS, HOW_POLICY, HOW_WATCHDOG, HOW_UNARMED };
+enum { SRC_NONE, SRC_SHM, SRC_TCP, SRC_RDMA, SRC_HOST };
+enum { HOW_ROWS, HOW_POLICY, HOW_WATCHDOG, HOW_UNARMED, HOW_LATE };
+enum { HANDOFF_NONE, HANDOFF_PENDING, HANDOFF_TAKEN }; /* a GATHERING slot's step handed to Python */
+#define GATHER_RESEND (-2) /* the server had closed the connection before any byte of the step's response */
 
 typedef struct {
     uint32_t ids_flag, rows_flag;
@@ -120,9 +142,10 @@ typedef struct {
     void *ep;
     size_t row_bytes, columns, max_tokens;
     /* state, under the poller's lock */
-    int state, owe, failed, source, fd, tokens, timed_out;
+    int state, owe, failed, source, fd, tokens, timed_out, handoff;
     uint64_t step;
     int64_t deadline_ns, released_ns, budget_ns;
+    int64_t handoff_seen, handoff_deadline; /* a handed-off step: when its ids came, when it is due */
     uint64_t table_rows, table_index, max_rows, request_id;
     char error[ERROR_CHARS];
     char broken[ERROR_CHARS];
@@ -140,7 +163,7 @@ typedef struct {
     volatile uint32_t *flags;
     Py_ssize_t nflags;
     Slot slots[MAX_SLOTS];
-    int nslots, fail, closed, started, want_rt, rt, has_dead, want_cpu, cpu;
+    int nslots, fail, closed, started, stopping, want_rt, rt, has_dead, want_cpu, cpu;
     int64_t dead_id;
     pthread_t thread;
     pthread_mutex_t lock;
@@ -170,7 +193,7 @@ static void event(Poller *p, int slot, int how, int64_t seen, long long zeroed)
 /* (lock held) the slot's staging rows of this step hold what the policy serves: zeros */
 static void fill_policy(Slot *s, int tokens)
 {
-    size_t n = (size_t)(tokens > 0 ? tokens : (int)s->max_tokens) * s->columns * s->row_bytes;
+    size_t n = (tokens > 0 ? (size_t)tokens : s->max_tokens) * s->columns * s->row_bytes; /* <= the staging: init */
     memset(s->staging.buf, 0, n);
 }
 
@@ -186,14 +209,16 @@ static void release_slot(Poller *p, Slot *s, int ok)
 }
 
 /* ------------------------------------------------------------------ tcp, against the deadline */
+/* Waits for ``events`` on fd until ``deadline``: 0, -ETIMEDOUT past it, -EPIPE on an error, or -errno */
 static int wait_fd(int fd, short events, int64_t deadline)
 {
     for (;;) {
         int64_t left = deadline - now_ns();
         if (left <= 0)
             return -ETIMEDOUT;
+        int64_t ms = left / 1000000 + 1;
         struct pollfd pfd = {fd, events, 0};
-        int r = poll(&pfd, 1, (int)((left + 999999) / 1000000));
+        int r = poll(&pfd, 1, ms > 60000 ? 60000 : (int)ms); /* a far deadline: looked at again each minute */
         if (r > 0) {
             if (pfd.revents & (POLLERR | POLLNVAL))
                 return -EPIPE;
@@ -204,18 +229,54 @@ static int wait_fd(int fd, short events, int64_t deadline)
     }
 }
 
-static int send_all(int fd, const char *buf, size_t n, int64_t deadline)
+/* Whether the server closed (or reset) a connection that owes this side nothing: 1 closed (a hang-up, an error,
+ * the stream's end), 0 open, -1 bytes nobody asked for are waiting on it (a server out of step). Never reads. */
+static int peer_closed(int fd)
 {
-    while (n) {
-        ssize_t w = send(fd, buf, n, MSG_DONTWAIT | MSG_NOSIGNAL);
+    struct pollfd pfd = {fd, POLLIN | POLLRDHUP, 0};
+    int r;
+    do
+        r = poll(&pfd, 1, 0);
+    while (r < 0 && errno == EINTR);
+    if (r <= 0)
+        return 0;
+    if (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL))
+        return 1;
+    char c;
+    ssize_t k = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
+        return 1;
+    return k > 0 ? -1 : 0;
+}
+
+/* Writes one request -- its header, then its n bytes of ids -- from byte *off on, header and ids in one
+ * sendmsg where the socket takes both (the server wakes once, as for the Python client's requests). With
+ * ``block`` it waits for room until ``deadline`` until all is written; without, it returns -EAGAIN as soon as
+ * the socket takes no more (*off says how far it got). 0 once all is written, else -errno (-ETIMEDOUT). */
+static int send_request(int fd, const char *header, const char *ids, size_t n, size_t *off, int block,
+                        int64_t deadline)
+{
+    while (*off < HEADER_BYTES + n) {
+        struct iovec iov[2];
+        int k = 0;
+        if (*off < HEADER_BYTES)
+            iov[k++] = (struct iovec){(void *)(header + *off), HEADER_BYTES - *off};
+        size_t at = *off > HEADER_BYTES ? *off - HEADER_BYTES : 0;
+        if (n > at)
+            iov[k++] = (struct iovec){(void *)(ids + at), n - at};
+        struct msghdr msg = {0};
+        msg.msg_iov = iov;
+        msg.msg_iovlen = (size_t)k;
+        ssize_t w = sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
         if (w > 0) {
-            buf += w;
-            n -= (size_t)w;
+            *off += (size_t)w;
             continue;
         }
         if (w < 0 && errno == EINTR)
             continue;
         if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            if (!block)
+                return -EAGAIN;
             int r = wait_fd(fd, POLLOUT, deadline);
             if (r < 0)
                 return r;
@@ -226,37 +287,15 @@ static int send_all(int fd, const char *buf, size_t n, int64_t deadline)
     return 0;
 }
 
-/* A request's header and ids in one sendmsg (one segment where they fit: the server wakes once, as for the
- * Python client's requests), the rest as the socket takes it */
-static int send_request(int fd, const char *header, const char *ids, size_t n, int64_t deadline)
-{
-    struct iovec iov[2] = {{(void *)header, HEADER_BYTES}, {(void *)ids, n}};
-    struct msghdr msg = {0};
-    msg.msg_iov = iov;
-    msg.msg_iovlen = 2;
-    ssize_t w;
-    do
-        w = sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
-    while (w < 0 && errno == EINTR);
-    if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK)
-        return -errno;
-    size_t done = w > 0 ? (size_t)w : 0;
-    if (done < HEADER_BYTES) {
-        int r = send_all(fd, header + done, HEADER_BYTES - done, deadline);
-        if (r < 0)
-            return r;
-        done = HEADER_BYTES;
-    }
-    return send_all(fd, ids + (done - HEADER_BYTES), n - (done - HEADER_BYTES), deadline);
-}
-
-static int recv_all(int fd, char *buf, size_t n, int64_t deadline)
+/* Reads n bytes by the deadline; *got counts every byte read (of any response of the step) */
+static int recv_all(int fd, char *buf, size_t n, int64_t deadline, size_t *got)
 {
     while (n) {
         ssize_t r = recv(fd, buf, n, MSG_DONTWAIT);
         if (r > 0) {
             buf += r;
             n -= (size_t)r;
+            *got += (size_t)r;
             continue;
         }
         if (r == 0)
@@ -285,16 +324,29 @@ static void put_request(char *h, uint64_t request_id, uint32_t table, uint32_t c
     memcpy(h + 20, &count, 4);
 }
 
-/* One response: its rows into out (count ids of row_bytes); 0, or -1 with the error (fatal: broken) */
-static int read_response(Slot *s, uint64_t request_id, uint32_t count, char *out, int64_t deadline, int *fatal)
+/* (a failed read or write) s->error says why; the step may be sent again elsewhere (GATHER_RESEND) where the
+ * server had closed the connection before this side read a byte of the step's responses (its idle timeout, a
+ * restart): nothing of the step was read, and reads are idempotent */
+static int io_failed(Slot *s, int r, size_t answered, const char *what)
+{
+    s->timed_out = r == -ETIMEDOUT;
+    if (s->timed_out)
+        snprintf(s->error, ERROR_CHARS, "%s", what);
+    else
+        snprintf(s->error, ERROR_CHARS, "%s", strerror(-r));
+    return !answered && (r == -ECONNRESET || r == -EPIPE) ? GATHER_RESEND : -1;
+}
+
+/* One response: its rows into out (count ids of row_bytes); 0, -1 with the error (*fatal: broken), or
+ * GATHER_RESEND */
+static int read_response(Slot *s, uint64_t request_id, uint32_t count, char *out, int64_t deadline, int *fatal,
+                         size_t *answered)
 {
     char h[HEADER_BYTES];
-    int r = recv_all(s->fd, h, HEADER_BYTES, deadline);
+    int r = recv_all(s->fd, h, HEADER_BYTES, deadline, answered);
     if (r < 0) {
         *fatal = 1;
-        s->timed_out = r == -ETIMEDOUT;
-        snprintf(s->error, ERROR_CHARS, "%s", r == -ETIMEDOUT ? "rows not in place by the deadline (watchdog)" : strerror(-r));
-        return -1;
+        return io_failed(s, r, *answered, "rows not in place by the deadline (watchdog)");
     }
     uint16_t type, status;
     uint64_t rid;
@@ -311,7 +363,7 @@ static int read_response(Slot *s, uint64_t request_id, uint32_t count, char *out
     }
     if (status != 0) {
         char msg[MAX_ERROR_BODY + 1];
-        if (n > MAX_ERROR_BODY || recv_all(s->fd, msg, n, deadline) < 0) {
+        if (n > MAX_ERROR_BODY || recv_all(s->fd, msg, n, deadline, answered) < 0) {
             *fatal = 1;
             snprintf(s->error, ERROR_CHARS, "the server refused the gather (status %u)", status);
             return -1;
@@ -328,42 +380,55 @@ static int read_response(Slot *s, uint64_t request_id, uint32_t count, char *out
                  s->row_bytes);
         return -1;
     }
-    r = recv_all(s->fd, out, (size_t)count * s->row_bytes, deadline);
+    r = recv_all(s->fd, out, (size_t)count * s->row_bytes, deadline, answered);
     if (r < 0) {
         *fatal = 1;
-        s->timed_out = r == -ETIMEDOUT;
-        snprintf(s->error, ERROR_CHARS, "%s", r == -ETIMEDOUT ? "rows not in place by the deadline (watchdog)" : strerror(-r));
-        return -1;
+        return io_failed(s, r, *answered, "rows not in place by the deadline (watchdog)");
     }
     return 0;
 }
 
-/* The step's n ids over tcp, at most max_rows a request, two requests in flight; 0 or -1 (s->error) */
+/* The step's n ids over tcp, at most max_rows a request. A request goes out ahead while the one before is
+ * answered (REQUESTS_IN_FLIGHT), but only as far as the socket takes it at once: this thread never waits to
+ * send while a response is owed to it (the server may be waiting to write that response, its own buffers
+ * full of rows this side does not read: both would wait until the deadline); it reads that response first,
+ * then sends the rest. 0; -1 (s->error, *fatal: the connection is not read again); GATHER_RESEND (the server
+ * had closed the connection: nothing read, *fatal) */
 static int gather_tcp(Slot *s, const int64_t *ids, size_t n, char *out, int64_t deadline, int *fatal)
 {
+    int closed = peer_closed(s->fd); /* one poll(): the server's idle timeout found before a byte is sent */
+    if (closed) {
+        *fatal = 1;
+        snprintf(s->error, ERROR_CHARS, "%s",
+                 closed > 0 ? "the server had closed the connection" : "bytes nobody asked for on the connection");
+        return closed > 0 ? GATHER_RESEND : -1;
+    }
     size_t chunk = s->max_rows ? s->max_rows : n;
-    size_t nreq = (n + chunk - 1) / chunk, sent = 0, done = 0;
+    if (chunk > UINT32_MAX) /* a frame's count is 32 bits */
+        chunk = UINT32_MAX;
+    size_t nreq = (n + chunk - 1) / chunk, sent = 0, done = 0, off = 0, answered = 0;
     char h[HEADER_BYTES];
     uint64_t first = s->request_id;
     while (done < nreq) {
-        while (sent < nreq && sent < done + 2) {
+        while (sent < nreq && sent < done + REQUESTS_IN_FLIGHT) {
             size_t lo = sent * chunk, cnt = n - lo < chunk ? n - lo : chunk;
             put_request(h, first + sent, (uint32_t)s->table_index, (uint32_t)cnt);
-            int r = send_request(s->fd, h, (const char *)(ids + lo), cnt * 8, deadline);
+            int r = send_request(s->fd, h, (const char *)(ids + lo), cnt * 8, &off, sent == done, deadline);
+            if (r == -EAGAIN)
+                break; /* a response is owed: read it first (only a request with none owed waits to be sent) */
             if (r < 0) {
                 *fatal = 1;
-                s->timed_out = r == -ETIMEDOUT;
-                snprintf(s->error, ERROR_CHARS, "%s",
-                         r == -ETIMEDOUT ? "the request not sent by the deadline (watchdog)" : strerror(-r));
-                return -1;
+                return io_failed(s, r, answered, "the request not sent by the deadline (watchdog)");
             }
             sent++;
+            off = 0;
         }
         size_t lo = done * chunk, cnt = n - lo < chunk ? n - lo : chunk;
-        if (read_response(s, first + done, (uint32_t)cnt, out + lo * s->row_bytes, deadline, fatal) < 0) {
-            if (!*fatal && done + 1 < sent) /* a request still in flight: its response is on the wire */
+        int r = read_response(s, first + done, (uint32_t)cnt, out + lo * s->row_bytes, deadline, fatal, &answered);
+        if (r < 0) {
+            if (!*fatal && (done + 1 < sent || off)) /* a request in flight or half written: mid-frame */
                 *fatal = 1;
-            return -1;
+            return r;
         }
         done++;
     }
@@ -390,6 +455,28 @@ static void spread(Slot *s, size_t m, size_t n)
 }
 
 /* ------------------------------------------------------------------ the thread */
+/* (lock held) the slot's step goes to Python (take_handoff): its rows read by the client's own transport */
+static void hand_off(Poller *p, Slot *s, int64_t seen, int64_t deadline)
+{
+    s->handoff_seen = seen;
+    s->handoff_deadline = deadline;
+    __atomic_store_n(&s->handoff, HANDOFF_PENDING, __ATOMIC_RELEASE);
+    pthread_cond_broadcast(&p->changed);
+}
+
+/* (lock held) the slot's connection is not read again: why in s->broken; ``host``: its steps go to Python
+ * until Python points the slot at a new connection (a connection the server closed: the node answers, and the
+ * client's transport reconnects), else the policy (a node that did not answer, or broke the protocol) */
+static void break_source(Slot *s, int host)
+{
+    snprintf(s->broken, ERROR_CHARS, "%s", s->error);
+    if (s->source == SRC_TCP && s->fd >= 0)
+        close(s->fd);
+    s->fd = -1;
+    s->source = host ? SRC_HOST : SRC_NONE; /* the endpoint is let go by Python, with the GIL (set_* or close) */
+    s->ep = NULL;
+}
+
 static void serve_ids(Poller *p, int i)
 {
     Slot *s = &p->slots[i];
@@ -415,17 +502,22 @@ static void serve_ids(Poller *p, int i)
     int tokens = s->tokens;
     uint64_t step = s->step;
     int64_t deadline = s->deadline_ns;
-    if (s->budget_ns > 0 && seen + s->budget_ns < deadline) /* the gather's own deadline: from the ids */
+    if (s->budget_ns > 0 && seen < deadline - s->budget_ns) /* the gather's own deadline: from the ids */
         deadline = seen + s->budget_ns;
     int source = s->source;
     void *ep = s->ep;
     s->timed_out = 0;
+    if (source == SRC_HOST) { /* Python's to read and release (or the policy here at the deadline) */
+        hand_off(p, s, seen, deadline);
+        pthread_mutex_unlock(&p->lock);
+        return;
+    }
     pthread_mutex_unlock(&p->lock);
 
     size_t n = (size_t)tokens * s->columns, all = n;
     const int64_t *ids = s->ids.buf;
     char *out = s->staging.buf;
-    int ok = 0, fatal = 0;
+    int ok = 0, fatal = 0, resend = 0;
     if (p->has_dead) { /* only the live ids are read, into the first rows; spread to their places after */
         size_t m = 0;
         for (size_t k = 0; k < n; k++)
@@ -446,7 +538,9 @@ static void serve_ids(Poller *p, int i)
             ok = 1;
         }
     } else if (source == SRC_TCP) {
-        ok = n == 0 || gather_tcp(s, ids, n, out, deadline, &fatal) == 0;
+        int r = n == 0 ? 0 : gather_tcp(s, ids, n, out, deadline, &fatal);
+        ok = r == 0;
+        resend = r == GATHER_RESEND;
     } else if (source == SRC_RDMA) {
         ptrdiff_t bad = first_bad(ids, (ptrdiff_t)n, s->table_rows);
         if (bad >= 0)
@@ -456,6 +550,7 @@ static void serve_ids(Poller *p, int i)
             int r = verbs_api->gather(ep, ids, n, out, deadline, &s->timed_out, s->error, ERROR_CHARS);
             ok = r == 0;
             fatal = r == -1; /* the endpoint broke (its QP in the error state): never read again */
+            resend = fatal && !s->timed_out; /* an error, not silence (a restarted node): nothing was written */
         } else
             ok = 1;
     } else {
@@ -464,22 +559,19 @@ static void serve_ids(Poller *p, int i)
     if (ok && p->has_dead)
         spread(s, n, all);
     pthread_mutex_lock(&p->lock);
-    if (fatal && (s->source == SRC_TCP || s->source == SRC_RDMA)) {
-        snprintf(s->broken, ERROR_CHARS, "%s", s->error);
-        if (s->source == SRC_TCP)
-            close(s->fd);
-        s->fd = -1;
-        s->source = SRC_NONE; /* never read again: Python connects anew (set_tcp, set_rdma); the endpoint is
-                                 let go by then, with the GIL */
-        s->ep = NULL;
-    }
+    if (fatal && (s->source == SRC_TCP || s->source == SRC_RDMA))
+        break_source(s, resend); /* Python connects anew (set_tcp, set_rdma), off the launch path */
     if (s->step == step && s->state == GATHERING) {
-        if (!ok) {
-            fill_policy(s, tokens);
-            s->failed = 1;
+        if (resend && deadline > now_ns()) {
+            hand_off(p, s, seen, deadline); /* this step's rows through the client's transport */
+        } else {
+            if (!ok) {
+                fill_policy(s, tokens);
+                s->failed = 1;
+            }
+            release_slot(p, s, ok);
+            event(p, i, ok ? HOW_ROWS : s->timed_out ? HOW_LATE : HOW_POLICY, seen, ok ? 0 : (long long)all);
         }
-        release_slot(p, s, ok);
-        event(p, i, ok ? HOW_ROWS : s->timed_out ? HOW_WATCHDOG : HOW_POLICY, seen, ok ? 0 : (long long)all);
     } else {
         pthread_cond_broadcast(&p->changed); /* reset meanwhile: the gather's rows are nobody's */
     }
@@ -533,7 +625,26 @@ static void *run(void *arg)
         int64_t t = now_ns();
         for (int i = 0; i < p->nslots; i++) {
             Slot *s = &p->slots[i];
-            if (STATE(s) != ARMED)
+            int state = STATE(s);
+            if (state == GATHERING && __atomic_load_n(&s->handoff, __ATOMIC_ACQUIRE) == HANDOFF_PENDING) {
+                armed = 1; /* Python has not taken it yet: the policy at its deadline, as for any gather */
+                if (t < s->handoff_deadline)
+                    continue;
+                pthread_mutex_lock(&p->lock);
+                if (STATE(s) == GATHERING && s->handoff == HANDOFF_PENDING && t >= s->handoff_deadline) {
+                    __atomic_store_n(&s->handoff, HANDOFF_NONE, __ATOMIC_RELEASE);
+                    snprintf(s->error, ERROR_CHARS, "rows not in place by the deadline (watchdog): the client's "
+                                                    "transport did not take the step in time");
+                    fill_policy(s, s->tokens);
+                    s->failed = 1;
+                    s->timed_out = 1;
+                    release_slot(p, s, 0);
+                    event(p, i, HOW_LATE, s->handoff_seen, (long long)((size_t)s->tokens * s->columns));
+                }
+                pthread_mutex_unlock(&p->lock);
+                continue;
+            }
+            if (state != ARMED)
                 continue;
             armed = 1;
             if (t < s->deadline_ns)
@@ -641,23 +752,39 @@ static void poller_release_buffers(Poller *p)
         PyBuffer_Release(&p->flags_buf);
 }
 
+/* Stops the thread, once (a second caller, or one racing the first, returns at once: ``stopping`` is set with
+ * the GIL held); every slot's source let go under the lock, so a set_* racing it (its GIL released) either
+ * swapped before, and its source is let go here, or finds the poller closed and lets its own go. */
 static void stop(Poller *p)
 {
-    if (!p->started)
+    if (!p->started || p->stopping)
         return;
+    p->stopping = 1;
+    PyObject *endpoints[MAX_SLOTS];
+    int n = p->nslots;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&p->lock);
     __atomic_store_n(&p->closed, 1, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&p->changed);
     pthread_mutex_unlock(&p->lock);
     pthread_join(p->thread, NULL);
-    Py_END_ALLOW_THREADS
-    p->started = 0;
-    for (int i = 0; i < p->nslots; i++) {
-        store(p, p->slots[i].rows_flag, 1); /* a graph replayed after this waits for nobody */
-        drop_source(&p->slots[i]);
-        Py_XDECREF(take_endpoint(&p->slots[i])); /* the thread is gone: nothing gathers through it */
+    pthread_mutex_lock(&p->lock);
+    for (int i = 0; i < n; i++) {
+        Slot *s = &p->slots[i];
+        if (s->handoff == HANDOFF_PENDING) { /* nobody takes it now: the stream waits for nobody (below) */
+            __atomic_store_n(&s->handoff, HANDOFF_NONE, __ATOMIC_RELEASE);
+            SET_STATE(s, RELEASED);
+        }
+        store(p, s->rows_flag, 1); /* a graph replayed after this waits for nobody */
+        drop_source(s);
+        endpoints[i] = take_endpoint(s); /* the thread is gone: nothing gathers through it */
     }
+    pthread_cond_broadcast(&p->changed); /* take_handoff's waiters: closed */
+    pthread_mutex_unlock(&p->lock);
+    Py_END_ALLOW_THREADS
+    for (int i = 0; i < n; i++)
+        Py_XDECREF(endpoints[i]);
+    p->started = 0;
 }
 
 static void Poller_dealloc(Poller *p)
@@ -743,13 +870,17 @@ static int Poller_init(Poller *p, PyObject *args, PyObject *kw)
         s->row_bytes = (size_t)row_bytes;
         s->columns = (size_t)columns;
         s->max_tokens = (size_t)(s->ids.len / 8) / s->columns;
-        if (!s->max_tokens || (size_t)s->staging.len < s->max_tokens * s->columns * s->row_bytes) {
+        size_t ids_n, staging_n, live_n; /* every product checked: a wrapped size would pass the comparison */
+        if (!s->max_tokens || s->max_tokens > INT32_MAX ||
+            __builtin_mul_overflow(s->max_tokens, s->columns, &ids_n) ||
+            __builtin_mul_overflow(ids_n, s->row_bytes, &staging_n) ||
+            __builtin_mul_overflow(ids_n, sizeof(int64_t), &live_n) || (size_t)s->staging.len < staging_n) {
             PyErr_SetString(PyExc_ValueError, "a slot's staging is smaller than its ids' rows");
             goto fail;
         }
         if (p->has_dead) {
-            s->live = PyMem_RawMalloc(s->max_tokens * s->columns * sizeof(int64_t));
-            s->pos = PyMem_RawMalloc(s->max_tokens * s->columns * sizeof(int64_t));
+            s->live = PyMem_RawMalloc(live_n);
+            s->pos = PyMem_RawMalloc(live_n);
             if (!s->live || !s->pos) {
                 PyErr_NoMemory();
                 goto fail;
@@ -790,11 +921,16 @@ static PyObject *swap_source(Poller *p, int i, Source *next)
 {
     Slot *s = &p->slots[i];
     Py_buffer old = {0};
-    PyObject *old_endpoint;
-    int had;
+    PyObject *old_endpoint = NULL;
+    int had = 0, closed;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&p->lock);
     wait_not_gathering(p, s);
+    closed = p->closed;
+    if (closed) { /* stop() let go of every source: this one is let go of below, never kept */
+        pthread_mutex_unlock(&p->lock);
+        goto out;
+    }
     drop_source(s);
     had = take_table(s, &old);
     old_endpoint = take_endpoint(s);
@@ -814,10 +950,20 @@ static PyObject *swap_source(Poller *p, int i, Source *next)
     s->source = next->source;
     s->broken[0] = 0;
     pthread_mutex_unlock(&p->lock);
+out:
     Py_END_ALLOW_THREADS
     if (had)
         PyBuffer_Release(&old);
     Py_XDECREF(old_endpoint);
+    if (closed) {
+        if (next->source == SRC_TCP && next->fd >= 0)
+            close(next->fd);
+        if (next->source == SRC_SHM)
+            PyBuffer_Release(&next->table);
+        Py_XDECREF(next->endpoint);
+        PyErr_SetString(PyExc_RuntimeError, "the poller is closed: its sources are let go");
+        return NULL;
+    }
     Py_RETURN_NONE;
 }
 
@@ -831,7 +977,9 @@ static PyObject *Poller_set_shm(Poller *p, PyObject *args)
         return NULL;
     if (PyObject_GetBuffer(table, &next.table, PyBUF_C_CONTIGUOUS) < 0)
         return NULL;
-    if (!rows || (uint64_t)next.table.len < rows * p->slots[i].row_bytes) {
+    uint64_t need;
+    if (!rows || __builtin_mul_overflow(rows, (uint64_t)p->slots[i].row_bytes, &need) ||
+        (uint64_t)next.table.len < need) {
         PyBuffer_Release(&next.table);
         PyErr_SetString(PyExc_ValueError, "the table is smaller than rows x row_bytes");
         return NULL;
@@ -883,7 +1031,7 @@ static PyObject *Poller_set_rdma(Poller *p, PyObject *args)
     uint64_t max_rows, rows;
     size_t row_bytes;
     verbs_api->shape(ep, &max_rows, &row_bytes, &rows);
-    if (row_bytes != s->row_bytes || max_rows < s->max_tokens * s->columns) {
+    if (row_bytes != s->row_bytes || max_rows < (uint64_t)(s->max_tokens * s->columns)) { /* checked at init */
         PyErr_Format(PyExc_ValueError, "the endpoint reads %llu rows of %zu B, the slot needs %zu of %zu B",
                      (unsigned long long)max_rows, row_bytes, s->max_tokens * s->columns, s->row_bytes);
         return NULL;
@@ -908,6 +1056,15 @@ static PyObject *Poller_set_budget(Poller *p, PyObject *args)
     p->slots[i].budget_ns = (int64_t)(seconds * 1e9);
     pthread_mutex_unlock(&p->lock);
     Py_RETURN_NONE;
+}
+
+static PyObject *Poller_set_host(Poller *p, PyObject *slot_o)
+{
+    int i;
+    Source next = {.source = SRC_HOST, .fd = -1};
+    if (check_slot(p, slot_o, &i) < 0)
+        return NULL;
+    return swap_source(p, i, &next);
 }
 
 static PyObject *Poller_set_none(Poller *p, PyObject *slot_o)
@@ -946,7 +1103,11 @@ static PyObject *Poller_arm(Poller *p, PyObject *args)
         Py_XDECREF(d);
         if (PyErr_Occurred())
             return NULL;
-        due[i] = (int64_t)(v * 1e9);
+        if (v != v) {
+            PyErr_SetString(PyExc_ValueError, "a deadline of nan: use time.monotonic() seconds");
+            return NULL;
+        }
+        due[i] = seconds_to_ns(v); /* saturated: inf is never, not a wrapped deadline already passed */
         if (tokens < 0 || (size_t)tokens > p->slots[i].max_tokens) {
             PyErr_Format(PyExc_ValueError, "%d tokens in a step, this GraphStep holds %zu", tokens, p->slots[i].max_tokens);
             return NULL;
@@ -983,16 +1144,36 @@ static PyObject *Poller_busy(Poller *p, PyObject *unused)
     return PyBool_FromLong(busy);
 }
 
+/* now + seconds, saturated (an infinite timeout waits for ever, never for a wrapped negative time) */
+static int64_t after(double seconds)
+{
+    int64_t now = now_ns(), ns = seconds_to_ns(seconds);
+    return ns > INT64_MAX - now ? INT64_MAX : now + ns;
+}
+
+/* a timeout argument in seconds; -1 with ValueError for NaN */
+static int timeout_arg(PyObject *arg, double *out)
+{
+    *out = PyFloat_AsDouble(arg);
+    if (*out == -1 && PyErr_Occurred())
+        return -1;
+    if (*out != *out) {
+        PyErr_SetString(PyExc_ValueError, "a timeout of nan: use seconds >= 0");
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *Poller_wait_released(Poller *p, PyObject *arg)
 {
-    double timeout = PyFloat_AsDouble(arg);
-    if (PyErr_Occurred())
+    double timeout;
+    if (timeout_arg(arg, &timeout) < 0)
         return NULL;
     int done = 0;
     char errors[MAX_SLOTS][ERROR_CHARS];
     int failed[MAX_SLOTS];
     Py_BEGIN_ALLOW_THREADS
-    int64_t end = now_ns() + (int64_t)(timeout * 1e9);
+    int64_t end = after(timeout);
     pthread_mutex_lock(&p->lock);
     for (;;) {
         done = 1;
@@ -1027,9 +1208,13 @@ static PyObject *Poller_reset(Poller *p, PyObject *unused)
 {
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&p->lock);
-    for (int i = 0; i < p->nslots; i++) {
+    for (int i = 0; i < p->nslots && !p->closed; i++) { /* closed: the flags stay released (nobody waits) */
         Slot *s = &p->slots[i];
-        wait_not_gathering(p, s);
+        if (s->handoff == HANDOFF_PENDING) { /* not taken: nobody writes its staging now */
+            __atomic_store_n(&s->handoff, HANDOFF_NONE, __ATOMIC_RELEASE);
+            SET_STATE(s, IDLE);
+        }
+        wait_not_gathering(p, s); /* a handoff Python took ends by its deadline (finish_handoff) */
         SET_STATE(s, IDLE);
         s->owe = 0;
         s->failed = 0;
@@ -1068,14 +1253,95 @@ static PyObject *Poller_broken(Poller *p, PyObject *slot_o)
     if (check_slot(p, slot_o, &i) < 0)
         return NULL;
     char why[ERROR_CHARS];
-    int source;
     pthread_mutex_lock(&p->lock);
     memcpy(why, p->slots[i].broken, ERROR_CHARS);
-    source = p->slots[i].source;
+    p->slots[i].broken[0] = 0; /* said once */
     pthread_mutex_unlock(&p->lock);
-    if (source != SRC_NONE || !why[0])
+    if (!why[0])
         Py_RETURN_NONE;
     return PyUnicode_DecodeUTF8(why, (Py_ssize_t)strnlen(why, ERROR_CHARS), "replace");
+}
+
+static PyObject *Poller_poll_closed(Poller *p, PyObject *slot_o)
+{
+    int i;
+    if (check_slot(p, slot_o, &i) < 0)
+        return NULL;
+    Slot *s = &p->slots[i];
+    int closed = 0;
+    pthread_mutex_lock(&p->lock);
+    if (s->source == SRC_TCP && s->state != GATHERING) { /* a gather in progress finds out itself */
+        closed = peer_closed(s->fd);
+        if (closed) {
+            snprintf(s->error, ERROR_CHARS, "%s",
+                     closed > 0 ? "the server closed the idle connection" : "bytes nobody asked for on the connection");
+            break_source(s, closed > 0); /* closed: the client's transport reads its steps until it has another */
+        }
+    }
+    pthread_mutex_unlock(&p->lock);
+    return PyBool_FromLong(closed != 0);
+}
+
+static PyObject *Poller_take_handoff(Poller *p, PyObject *arg)
+{
+    double timeout;
+    if (timeout_arg(arg, &timeout) < 0)
+        return NULL;
+    int found = -1, tokens = 0;
+    uint64_t step = 0;
+    int64_t deadline = 0;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t end = after(timeout);
+    pthread_mutex_lock(&p->lock);
+    for (;;) {
+        for (int i = 0; i < p->nslots && found < 0; i++) {
+            Slot *s = &p->slots[i];
+            if (s->state == GATHERING && s->handoff == HANDOFF_PENDING) {
+                __atomic_store_n(&s->handoff, HANDOFF_TAKEN, __ATOMIC_RELEASE); /* Python's until finish_handoff */
+                found = i;
+                tokens = s->tokens;
+                step = s->step;
+                deadline = s->handoff_deadline;
+            }
+        }
+        int64_t left = end - now_ns();
+        if (found >= 0 || p->closed || left <= 0)
+            break;
+        nap_on(p, left < 50000000 ? left : 50000000);
+    }
+    pthread_mutex_unlock(&p->lock);
+    Py_END_ALLOW_THREADS
+    if (found < 0)
+        Py_RETURN_NONE;
+    return Py_BuildValue("(iKid)", found, (unsigned long long)step, tokens, deadline * 1e-9);
+}
+
+static PyObject *Poller_finish_handoff(Poller *p, PyObject *args)
+{
+    PyObject *slot_o;
+    unsigned long long step;
+    int ok, timed_out, i;
+    const char *why;
+    if (!PyArg_ParseTuple(args, "OKpsp", &slot_o, &step, &ok, &why, &timed_out) || check_slot(p, slot_o, &i) < 0)
+        return NULL;
+    Slot *s = &p->slots[i];
+    int released = 0;
+    pthread_mutex_lock(&p->lock);
+    if (s->step == step && s->state == GATHERING && s->handoff == HANDOFF_TAKEN) {
+        __atomic_store_n(&s->handoff, HANDOFF_NONE, __ATOMIC_RELEASE);
+        s->timed_out = !ok && timed_out;
+        if (!ok) {
+            snprintf(s->error, ERROR_CHARS, "%s", why);
+            fill_policy(s, s->tokens);
+            s->failed = 1;
+        }
+        release_slot(p, s, ok);
+        event(p, i, ok ? HOW_ROWS : s->timed_out ? HOW_LATE : HOW_POLICY, s->handoff_seen,
+              ok ? 0 : (long long)((size_t)s->tokens * s->columns));
+        released = 1;
+    }
+    pthread_mutex_unlock(&p->lock);
+    return PyBool_FromLong(released);
 }
 
 static PyObject *Poller_released_at(Poller *p, PyObject *slot_o)
@@ -1106,7 +1372,7 @@ static PyObject *stand_in(PyObject *module, PyObject *args)
     if (PyObject_GetBuffer(flags, &b, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
         return NULL;
     if (b.itemsize != 4 || ((uintptr_t)b.buf & 3) || ids_flag < 0 || rows_flag < 0 || ids_flag >= b.len / 4 ||
-        rows_flag >= b.len / 4 || !(timeout >= 0)) {
+        rows_flag >= b.len / 4 || !(timeout >= 0)) { /* NaN too */
         PyBuffer_Release(&b);
         PyErr_SetString(PyExc_ValueError, "flags must be aligned uint32 holding both indices; timeout >= 0");
         return NULL;
@@ -1115,7 +1381,7 @@ static PyObject *stand_in(PyObject *module, PyObject *args)
     int64_t took = -1, published = 0;
     struct timespec nap = {0, STAND_IN_NAP_NS};
     Py_BEGIN_ALLOW_THREADS
-    int64_t t0 = now_ns(), end = t0 + (int64_t)(timeout * 1e9);
+    int64_t t0 = now_ns(), end = after(timeout);
     published = t0;
     __atomic_store_n(&f[ids_flag], 1, __ATOMIC_RELEASE);
     for (;;) {
@@ -1147,7 +1413,15 @@ static PyMethodDef Poller_methods[] = {
      "set_tcp(slot, fd, table_index, max_rows): rows over an authenticated, unsealed data connection (dup'd)"},
     {"set_rdma", (PyCFunction)Poller_set_rdma, METH_VARARGS,
      "set_rdma(slot, endpoint): rows READ through a connected tableclient._graphverbs.Endpoint (kept)"},
+    {"set_host", (PyCFunction)Poller_set_host, METH_O,
+     "set_host(slot): its steps handed to Python (take_handoff), read by the client's own transport"},
     {"set_none", (PyCFunction)Poller_set_none, METH_O, "set_none(slot): no source; its steps get the policy"},
+    {"poll_closed", (PyCFunction)Poller_poll_closed, METH_O,
+     "poll_closed(slot) -> whether the server closed its idle tcp connection (then dropped; broken() says why)"},
+    {"take_handoff", (PyCFunction)Poller_take_handoff, METH_O,
+     "take_handoff(timeout) -> (slot, step, tokens, deadline) of a step handed to Python, or None"},
+    {"finish_handoff", (PyCFunction)Poller_finish_handoff, METH_VARARGS,
+     "finish_handoff(slot, step, ok, error, timed_out) -> whether it released that step"},
     {"set_budget", (PyCFunction)Poller_set_budget, METH_VARARGS,
      "set_budget(slot, seconds): a gather ends this long after its ids were seen, or gets the policy"},
     {"arm", (PyCFunction)Poller_arm, METH_VARARGS, "arm(tokens, deadlines): the next step of every slot"},
@@ -1156,8 +1430,9 @@ static PyMethodDef Poller_methods[] = {
      "wait_released(timeout) -> [(slot, error)] of the failed slots once none is armed or gathering, None on timeout"},
     {"reset", (PyCFunction)Poller_reset, METH_NOARGS, "reset(): every slot idle and its flags 0"},
     {"take_events", (PyCFunction)Poller_take_events, METH_NOARGS,
-     "take_events() -> [(slot, seconds, how)] of the steps released since the last call"},
-    {"broken", (PyCFunction)Poller_broken, METH_O, "broken(slot) -> why its connection broke, or None"},
+     "take_events() -> [(slot, seconds, how, zeroed)] of the steps released since the last call"},
+    {"broken", (PyCFunction)Poller_broken, METH_O,
+     "broken(slot) -> why its connection broke since the last call (said once), or None"},
     {"released_at", (PyCFunction)Poller_released_at, METH_O,
      "released_at(slot) -> when its last step was released (time.monotonic()'s clock)"},
     {"close", (PyCFunction)Poller_close, METH_NOARGS, "close(): stops the thread and sets every rows flag"},
@@ -1227,5 +1502,6 @@ PyMODINIT_FUNC PyInit__graphpoll(void)
     PyModule_AddIntConstant(m, "POLICY", HOW_POLICY);
     PyModule_AddIntConstant(m, "WATCHDOG", HOW_WATCHDOG);
     PyModule_AddIntConstant(m, "UNARMED", HOW_UNARMED);
+    PyModule_AddIntConstant(m, "LATE", HOW_LATE);
     return m;
 }

@@ -63,10 +63,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tableclient.bounds import check_timeout
 from tableclient.devicetable import DeviceTable, DeviceTableUnavailable, gather
 from tableclient.errors import GatherTimeout, TableClientError
-from tableclient.graphpoll import NativePoller, NativeUnavailable
+from tableclient.graphpoll import SILENT, NativePoller, NativeUnavailable
 from tableclient.metrics import metrics
+from tableclient.silence import Silence
 from tableclient.step import EngramStep, LayerPlan
 from tableclient.streamops import CudaStreamOps, GraphFlags, GraphStepError, HostStreamOps, wait_flag
 
@@ -135,8 +137,8 @@ class _Slot:
     released_at: float = 0.0  # time.monotonic() of the last release
     live: object = None  # this step's live ids' positions, where some ids are dead (gathered into scratch)
     ok_flag: int = -1  # the host flag saying whether the released rows are the table's (1) or the policy's (0)
-    missed: float | None = None  # time.monotonic() when a step's rows did not come after its ids (None: the last came)
-    silent: bool = False  # its steps get the policy at once: its node has not answered since ``missed``
+    silence: Silence | None = None  # whether its node answers since a step's rows did not come after its ids
+    node: object = None  # the node the step in progress reads (None: a mapping here, or routed)
 
 
 class GraphStep:
@@ -155,6 +157,7 @@ class GraphStep:
         for layer, mode in self.modes.items():
             if mode not in MODES:
                 raise ValueError(f"layer {layer}: unknown graph mode {mode!r}: use {', '.join(MODES)}")
+        timeout = check_timeout("timeout", timeout)  # a deadline of inf would be one already passed, natively
         self.max_tokens, self.rows_per_token, self.timeout, self.policy = max_tokens, rows_per_token, timeout, policy
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         cuda = self.device.type == "cuda"
@@ -218,7 +221,8 @@ class GraphStep:
         if isinstance(self.ops, CudaStreamOps):
             self.flags.device_ptr(self.ops, 0)  # resolved now, not inside the first capture
         self._slots = {
-            p.layer: _Slot(p.layer, p, self.flags.index(i, IDS), self.flags.index(i, ROWS), ok_flag=self.flags.index(i, OK))
+            p.layer: _Slot(p.layer, p, self.flags.index(i, IDS), self.flags.index(i, ROWS), ok_flag=self.flags.index(i, OK),
+                           silence=Silence(client.table(p.table), client.tables[p.table].rows, row_bytes[p.layer]))
             for i, p in enumerate(post)
         }  # fmt: skip
         self._outcomes_init(agree, results_check, pin)
@@ -524,7 +528,7 @@ class GraphStep:
                         f"{self.timeout:g} s: a replay was armed and never launched (call reset() after a failed replay)"
                     )
                 time.sleep(0.0002)  # the GPU's consumption notifies nobody: poll
-            self._native.arm(tokens, [time.monotonic() + self.timeout] * len(self._slots))
+            self._native.arm(tokens, self.timeout)  # the deadline taken after its sources were refreshed
             return self._steps
         host = self.flags.host
         with self._lock:
@@ -579,6 +583,13 @@ class GraphStep:
             errors = [s.error for s in self._slots.values() if s.error is not None]
         if errors:
             raise errors[0]
+
+    def silence(self, layer: int) -> Silence:
+        """In_graph layer ``layer``'s silence (:mod:`tableclient.silence`), by either poller: whether its node has
+        answered since a step ran out of time, and its probes."""
+        if self._native is not None:
+            return self._native.silence(layer)
+        return self._slots[layer].silence
 
     def released_at(self, layer: int) -> float:
         """When in_graph layer ``layer``'s last step was released (time.monotonic()'s clock), by either
@@ -657,7 +668,7 @@ class GraphStep:
                 silent = self._silent(slot)
                 if silent is not None:  # its node has not answered since a step ran out of time: no wait
                     want = want[:0]
-                    error = GatherTimeout(silent)
+                    error = silent
                 if self.dead_id is not None:  # the live ids only, into the scratch; spread before the release
                     flat = want.reshape(-1)
                     dead = flat == self.dead_id
@@ -690,8 +701,8 @@ class GraphStep:
             ids_late = by_watchdog and slot.state == "armed"
             if ids_late:
                 slot.owe_ids = True  # released before its graph published the ids: their flag comes later
-            elif by_watchdog:  # its ids came, its rows did not: the node ran out of time
-                slot.missed = time.monotonic()
+            elif by_watchdog and slot.silence.late(slot.node):  # its ids came, its rows did not: the node's time
+                log.warning(SILENT, slot.layer)
             slot.state = "serving"  # ours to release: the other side leaves it alone
             handle, slot.handle = slot.handle, None
         if error is not None and handle is not None:
@@ -740,21 +751,17 @@ class GraphStep:
         self.flags.host[slot.rows_flag] = 1
         self._released.notify_all()
 
-    def _silent(self, slot: _Slot) -> str | None:
-        """(lock held) Why ``slot``'s step gets the policy at once: its node has not answered (a keepalive
-        or rows) since one of its steps ran out of time; None once it has, or where routing spreads the
-        table over several nodes (each gather is timed as ever)."""
-        if slot.missed is None:
+    def _silent(self, slot: _Slot) -> GatherTimeout | None:
+        """(lock held) Why ``slot``'s step gets the policy at once: its node has not answered since one of its
+        steps ran out of time (:mod:`tableclient.silence`: until a probe is answered); None once it has. Notes
+        the node the step reads (``slot.node``): None where this process maps the table, which is never silent."""
+        route = self.post.client.reader(slot.plan.table).route()
+        slot.node = route.node if route.local is None else None
+        if not slot.silence.silent(slot.node):
             return None
-        node = self.post.client.reader(slot.plan.table).route().node
-        if node is None or node.last_heard >= slot.missed:
-            slot.missed, slot.silent = None, False
-            return None
-        if not slot.silent:
-            slot.silent = True
-            log.warning("layer %d: its node has not answered since a step ran out of time: the policy at once "
-                        "until it does", slot.layer)  # fmt: skip
-        return f"layer {slot.layer}: its node has not answered since a step ran out of time (the policy at once)"
+        return GatherTimeout(
+            f"layer {slot.layer}: its node has not answered since a step ran out of time (the policy at once)"
+        )
 
     def _watchdog(self) -> None:
         while not self._closed:
@@ -795,3 +802,5 @@ class GraphStep:
         for step in (self.pre, self.post):
             if step is not None:
                 step.abandon()
+        for slot in self._slots.values():
+            slot.silence.clear()  # a probe in flight abandoned

@@ -85,6 +85,10 @@ class ClientMetrics:
             ("watchdog_releases", Counter, "tableserver_client_watchdog_releases_total", ("layer",),
              "Steps of in_graph layers whose rows the watchdog released at the layer's timeout (filled by the "
              "failure policy), so the GPU never waited forever."),
+            ("graph_handoffs", Counter, "tableserver_client_graph_handoffs_total", ("layer",),
+             "Steps of in_graph layers the native poller handed to the client's own transport (a source it cannot "
+             "read itself, one being connected again, or a connection the server had closed): rows as ever, a GIL "
+             "wake-up later."),
             ("sessions", Gauge, "tableserver_client_sessions", ("transport",), "Open client sessions, by data transport.",
              {"multiprocess_mode": "livesum"}),
             ("connects", Counter, "tableserver_client_connects_total", ("transport",), "Sessions opened with a tableserver."),

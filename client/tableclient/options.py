@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 
+from tableclient.bounds import check_timeout
 from tableclient.node import NodeOptions
 from tableclient.routing import RoutingOptions
 from tableclient.table import check_mode
@@ -53,18 +54,20 @@ class ClientOptions:
             ("keepalive_interval", c.keepalive_interval),
             ("dns_refresh", r.dns_refresh),
         ):
-            if not value > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
+            check_timeout(name, value)
         if not 0 <= t.busy_poll <= MAX_BUSY_POLL_S:
             raise ValueError(
                 f"busy_poll must be 0..{MAX_BUSY_POLL_S:g} seconds (a core spins this long per wait), got {t.busy_poll!r}"
             )
+        check_timeout("backoff_max", r.backoff_max)
         if not 0 < r.backoff_min <= r.backoff_max:
             raise ValueError(
                 f"backoff_min must be > 0 seconds and at most backoff_max, got {r.backoff_min!r}, {r.backoff_max!r}"
             )
-        if not 0 < self.hedge_fraction <= 1 or (self.hedge_after is not None and not self.hedge_after > 0):
-            raise ValueError("hedge_fraction must be in (0, 1] and hedge_after > 0 seconds")
+        if not 0 < self.hedge_fraction <= 1:
+            raise ValueError(f"hedge_fraction must be in (0, 1], got {self.hedge_fraction!r}")
+        if self.hedge_after is not None:
+            check_timeout("hedge_after", self.hedge_after)
         return self
 
 

@@ -119,12 +119,23 @@ def test_the_next_step_armed_while_the_last_still_runs(daemon, local, modes):
             g.close()
 
 
-def thaw(d, client) -> None:
-    """Resumes a frozen daemon and waits until it answered its client's keepalive again."""
-    thawed = time.monotonic()
+def answered_again(g: GraphStep, d, rng, local, tokens: int) -> tuple:
+    """Resumes a frozen daemon whose node went silent for layer 14 (a step's rows did not come after its ids):
+    steps get the policy at once and probe the node until a probe is answered (not the next keepalive:
+    tableclient.silence); the step after that reads the table again. That step's (ids, rows)."""
     os.kill(d.proc.pid, signal.SIGCONT)
-    node = client.reader("engram.layer14").route().node
-    wait_for(lambda: node.last_heard > thawed, "the thawed node to answer its keepalive")
+    g.reset()  # a step the frozen node left unconsumed: start clean
+    silence = g.silence(14)
+    assert silence.node is not None, "the layer's node was not silent"
+    answered = silence.answered
+    for _ in range(2):  # a probe issued while it was frozen may be answered now; else this step's
+        ids, out = one_step(g, rng, local, tokens)
+        if silence.node is None:
+            break
+        assert not out[14].any()  # still silent: the policy at once, and a probe of it
+        wait_for(silence.probe_done, "the thawed node to answer the probe")
+    assert silence.node is None and silence.answered == answered + 1
+    return ids, out
 
 
 def watchdog_releases(layer: int) -> float:
@@ -268,9 +279,7 @@ def test_a_frozen_server_is_released_by_the_watchdog(tmp_path, demo_file, local)
                 assert not t.is_alive() and not t_out[14].any()
                 g.account()  # the native poller's releases reach the metrics off the hot path
                 assert watchdog_releases(14) == released + 1
-                thaw(d, c)  # until the node answers, steps get the policy at once
-                g.reset()  # layer 1 was never gathered this step: start clean
-                ids2, out = one_step(g, rng, local, 4)  # the server answers again: bit-exact, nothing stale
+                ids2, out = answered_again(g, d, rng, local, 4)  # the server answers again: bit-exact, nothing stale
                 np.testing.assert_array_equal(out[14], local["engram.layer14"][ids2[14]])
                 np.testing.assert_array_equal(out[1], local["engram.layer1"][ids2[1]])
             finally:
@@ -339,10 +348,15 @@ def test_a_closed_graph_step_refuses_to_arm_and_keeps_its_flags_released(daemon,
         g.close()  # idempotent
 
 
-def test_modes_are_checked(daemon):
+def test_modes_and_timeouts_are_checked(daemon):
+    """A graph mode it does not know; a timeout of inf or 1e10 s (issue 50, item 7: natively an int64 deadline
+    that overflowed, every step released at once with zeros) or nan: one line naming it."""
     with TableClient(daemon.address, transport="tcp") as c:
         with pytest.raises(ValueError, match="unknown graph mode 'sometimes'"):
             GraphStep(c, PLANS, {14: "sometimes"}, MAX_TOKENS)
+        for timeout in (float("inf"), 1e10, float("nan"), 0.0):
+            with pytest.raises(ValueError, match="timeout must be seconds above 0 and at most 86400"):
+                GraphStep(c, PLANS, {14: "in_graph"}, MAX_TOKENS, timeout=timeout)
 
 
 def test_the_flag_wait_is_native_where_required_and_checks_its_arguments():
@@ -488,7 +502,7 @@ def test_the_native_poller_runs_at_real_time_priority_where_permitted_and_stays_
     assert PluginConfig.load({"TABLESERVER_POLLER_PRIORITY": "realtime"}).poller_priority == "realtime"
     with pytest.raises(ConfigError, match="poller_priority = 'fast': use normal or realtime"):
         PluginConfig(poller_priority="fast")
-    with pytest.raises(ConfigError, match="gather_budget = -1.0: expected seconds >= 0"):
+    with pytest.raises(ConfigError, match="gather_budget = -1.0: expected seconds 0 .from the windows. to 86400"):
         PluginConfig.load({"TABLESERVER_GATHER_BUDGET": "-1"})
     with TableClient(daemon.address, transport="shm") as c, pytest.raises(ValueError, match="a gather budget of"):
         make(c, {14: "in_graph"}, budgets={14: -0.5})
@@ -554,8 +568,8 @@ def test_a_frozen_node_stalls_one_step_by_its_budget_and_the_next_get_the_policy
                                                                                             poller, caplog):  # fmt: skip
     """tcp, the node frozen (SIGSTOP): the first step's gather runs out of its budget (from its ids, not the
     5 s timeout) and the watchdog releases it; while the node has not answered since, the next steps get
-    the policy at once (no second watchdog release: nothing waited; no arm connects to it again); once it
-    answers, rows again. Both pollers."""
+    the policy at once (no second watchdog release: nothing waited; nothing connects to it again) and probe
+    it; once a probe is answered, rows again. Both pollers."""
     d = start_daemon(str(tmp_path / "d"), "--tables", demo_file, "--transports", "tcp")
     try:
         with TableClient(d.address, transport="tcp", liveness_timeout=600.0) as c:
@@ -577,14 +591,12 @@ def test_a_frozen_node_stalls_one_step_by_its_budget_and_the_next_get_the_policy
                         out[k] = stream_step(g, {14: ids}, 4, layers=[14])[14]
                     g.account()
                 said = [r.getMessage() for r in caplog.records]
-                # no reconnect to the frozen node on the launch path (it would wait out the connect timeout)
-                assert not [m for m in said if "connecting again" in m or "no data connection" in m], said
+                # no reconnect to the silent node (on the launch path it would wait out the connect timeout)
+                assert not [m for m in said if "connected in the background" in m or "no connection" in m], said
                 assert sum("has not answered since a step ran out of time" in m for m in said) == 1, said
                 assert not any(o.any() for o in out.values())  # the policy, every step
                 assert watchdog_releases(14) == released + 1  # one step waited (its budget); the others did not
-                thaw(d, c)
-                g.reset()
-                ids2, rows = one_step(g, rng, local, 4)
+                ids2, rows = answered_again(g, d, rng, local, 4)
                 np.testing.assert_array_equal(rows[14], local["engram.layer14"][ids2[14]])
             finally:
                 g.close()

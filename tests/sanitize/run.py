@@ -39,12 +39,14 @@ COPY = ("tableserver", "client", "tests", "setup.py", "setup.cfg", "pyproject.to
 UNIT_TESTS = (
     "tests/unit/test_take.py",
     "tests/unit/test_graphverbs.py",
+    "tests/unit/test_graphpoll.py",
     "tests/daemon/test_diskio.py",
     "tests/daemon/test_graphstep.py::test_the_flag_wait_is_native_where_required_and_checks_its_arguments",
     "tests/daemon/test_graphstep.py::test_steps_bit_exact_over_buckets_and_nothing_moves",
     "tests/daemon/test_graphstep.py::test_a_frozen_server_is_released_by_the_watchdog",
     "tests/daemon/test_graphstep.py::test_the_native_poller_connects_again_after_its_node_restarts",
     "tests/daemon/test_graphstep.py::test_dead_ids_are_never_read_and_give_zero_rows",
+    "tests/daemon/test_graphpoll_sources.py",
 )
 EXTENSIONS = (
     "tableserver/disk/_diskio",

@@ -31,6 +31,7 @@ import errno
 import mmap
 import os
 import random
+import socket
 import sys
 import tempfile
 import threading
@@ -583,19 +584,161 @@ def stress_graphpoll(iterations: int, seed: int) -> None:
     print(f"graphpoll: {steps} steps, {len(refused)} refusals in {time.monotonic() - t0:.1f} s")
 
 
+def _wire_peer(conn: socket.socket, table: np.ndarray, close_after: int) -> None:
+    """A tcp peer of the poller's reader: answers GATHER frames from ``table`` (a whole response before it
+    reads on), closes after ``close_after`` responses (an idle timeout, a restart)."""
+    from tableserver.common.wire import HEADER, HEADER_BYTES, FrameType, Status, response_header
+
+    def recv(n: int) -> bytes | None:
+        buf = bytearray()
+        while len(buf) < n:
+            got = conn.recv(n - len(buf))
+            if not got:
+                return None
+            buf += got
+        return bytes(buf)
+
+    try:
+        for _ in range(close_after):
+            head = recv(HEADER_BYTES)
+            if head is None:
+                return
+            _m, _t, _f, request_id, _table, count = HEADER.unpack(head)
+            ids = np.frombuffer(recv(count * 8) or b"", "<i8")
+            if ids.size != count:
+                return
+            rows = table[ids]
+            conn.sendall(
+                response_header(FrameType.GATHER, Status.OK, request_id, table.shape[1], count) + rows.tobytes()
+            )
+    except OSError:
+        pass
+    finally:
+        conn.close()
+
+
+def stress_graphpoll_sources(iterations: int, seed: int) -> None:
+    """The poller's tcp reader against peers that close at random (steps handed to Python then), steps handed
+    over (set_host) and taken or left to the watchdog, sources changed at random, close() racing a thread
+    that arms and sets sources: rows bit-exact or the policy, never a fd closed twice or leaked."""
+    from tableclient._graphpoll import Poller
+
+    t0 = time.monotonic()
+    r = np.random.default_rng(seed + 1)
+    rows, row_bytes, cols, max_tokens = 4000, 24, 24, 16
+    table = r.integers(0, 256, (rows, row_bytes), dtype=np.uint8)
+    fds_before = len(os.listdir("/proc/self/fd"))
+    steps = handed = 0
+    for _ in range(max(1, iterations // 10)):
+        flags = np.zeros(64, np.uint32)
+        ids = np.zeros(max_tokens * cols, np.int64)
+        staging = np.zeros(max_tokens * cols * row_bytes, np.uint8)
+        p = Poller(flags, [(0, 16, 32, ids, staging, row_bytes, cols)], False)
+        stop = threading.Event()
+
+        def handoffs(p=p, ids=ids, staging=staging, stop=stop):
+            nonlocal handed
+            while not stop.is_set():
+                job = p.take_handoff(0.05)
+                if job is None:
+                    continue
+                slot, step, tokens, deadline = job
+                n = tokens * cols
+                if r.random() < 0.8:  # else left: finished late, or as failed
+                    staging[: n * row_bytes] = table[ids[:n]].reshape(-1)
+                    p.finish_handoff(slot, step, True, "", False)
+                    handed += 1
+                else:
+                    p.finish_handoff(slot, step, False, "refused", bool(r.random() < 0.5))
+
+        helper = threading.Thread(target=handoffs)
+        helper.start()
+        peers = []
+        for _ in range(15):
+            kind = r.random()
+            if kind < 0.5:
+                a, b = socket.socketpair()
+                t = threading.Thread(target=_wire_peer, args=(b, table, int(r.integers(0, 4))), daemon=True)
+                t.start()
+                peers.append((a, t))
+                p.set_tcp(0, a.fileno(), 0, int(r.integers(1, 400)))
+            elif kind < 0.8:
+                p.set_host(0)
+            else:
+                p.set_shm(0, table, rows)
+            for _ in range(int(r.integers(1, 4))):
+                tokens = int(r.integers(1, max_tokens + 1))
+                n = tokens * cols
+                ids[:n] = r.integers(0, rows, n)
+                if r.random() < 0.2:
+                    p.poll_closed(0)
+                try:
+                    p.arm(tokens, [time.monotonic() + 0.5])
+                except RuntimeError:
+                    p.reset()
+                    continue
+                flags[0] = 1
+                if p.wait_released(5.0) is None:
+                    fail("Poller sources: a step not released within 5 s")
+                    break
+                if flags[16] != 1:
+                    fail(f"Poller sources: released but the rows flag is {flags[16]}")
+                got = staging[: n * row_bytes].reshape(n, row_bytes)
+                if flags[32] == 1 and not np.array_equal(got, table[ids[:n]]):
+                    fail("Poller sources: rows marked ok differ from the table")
+                elif flags[32] == 0 and got.any():
+                    fail("Poller sources: a step refused without zero rows")
+                flags[16] = 0
+                steps += 1
+                p.broken(0)
+                p.take_events()
+        closer = threading.Thread(target=p.close)
+        arming = threading.Thread(target=lambda p=p: [_try(p.arm, 1, [time.monotonic() + 0.01]) for _ in range(50)])
+        arming.start()
+        closer.start()
+        closer.join()
+        arming.join()
+        stop.set()
+        helper.join()
+        try:
+            a, b = socket.socketpair()
+            p.set_tcp(0, a.fileno(), 0, 16)
+            fail("Poller sources: a source set after close was taken")
+        except RuntimeError:
+            pass
+        a.close()
+        b.close()
+        for a, t in peers:
+            a.close()
+            t.join(5)
+        del p
+    leaked = len(os.listdir("/proc/self/fd")) - fds_before
+    if leaked > 0:
+        fail(f"Poller sources: {leaked} descriptors left open")
+    print(f"graphpoll sources: {steps} steps, {handed} handed to Python in {time.monotonic() - t0:.1f} s")
+
+
+def _try(call, *args) -> None:
+    try:
+        call(*args)
+    except RuntimeError:
+        pass
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--expect-dir", help="the sanitized tree every extension must be imported from")
     ap.add_argument("--iterations", type=int, default=150)
     ap.add_argument("--seed", type=int, default=int(time.time()))
-    ap.add_argument("--only", choices=("diskio", "take", "flags", "graphpoll"), action="append")
+    ap.add_argument("--only", choices=("diskio", "take", "flags", "graphpoll", "sources"), action="append")
     a = ap.parse_args()
     try:
         check_imports(a.expect_dir)
     except RuntimeError as e:
         sys.exit(f"stress: {e}")
     print(f"stress: seed {a.seed}, {a.iterations} iterations", flush=True)
-    parts = {"diskio": stress_diskio, "take": stress_take, "flags": stress_flags, "graphpoll": stress_graphpoll}
+    parts = {"diskio": stress_diskio, "take": stress_take, "flags": stress_flags, "graphpoll": stress_graphpoll,
+             "sources": stress_graphpoll_sources}  # fmt: skip
     for part in a.only or tuple(parts):
         parts[part](a.iterations, a.seed)
     if failures:

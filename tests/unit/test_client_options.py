@@ -6,6 +6,8 @@ default is its group's, and values out of bounds fail with a ValueError naming t
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from tableclient.node import NodeOptions
 from tableclient.options import ClientOptions, client_options
@@ -88,8 +90,8 @@ def test_an_unknown_argument_is_a_type_error():
         (dict(mode="write"), "unknown gather mode"),
         (dict(rdma_qps=65), "rdma_qps must be"),
         (dict(rdma_ring_rows=8), "rdma_ring_rows at least"),
-        (dict(request_timeout=0), "request_timeout must be > 0"),
-        (dict(keepalive_interval=-1.0), "keepalive_interval must be > 0"),
+        (dict(request_timeout=0), "request_timeout must be seconds above 0"),
+        (dict(keepalive_interval=-1.0), "keepalive_interval must be seconds above 0"),
         (dict(busy_poll=0.5), "busy_poll must be"),
         (dict(hedge_fraction=0.0), "hedge_fraction"),
         (dict(hedge_after=0.0), "hedge_after"),
@@ -100,6 +102,28 @@ def test_an_unknown_argument_is_a_type_error():
 def test_values_out_of_bounds_name_the_argument(bad, match):
     with pytest.raises(ValueError, match=match):
         client_options(**bad)
+
+
+@pytest.mark.parametrize("value", [math.inf, 1e10, math.nan, 86400.5])
+@pytest.mark.parametrize("name", ["request_timeout", "connect_timeout", "liveness_timeout", "hedge_after"])
+def test_timeouts_are_finite_and_at_most_a_day(name, value):
+    """Issue 50, item 7: a timeout becomes a deadline, natively an int64 of nanoseconds; inf or 1e10 s
+    overflowed it (every step released at once with zeros), nan compares false with everything. Refused
+    where accepted, one line naming the option; a day is taken."""
+    with pytest.raises(ValueError, match=f"{name} must be seconds above 0 and at most 86400"):
+        client_options(**{name: value})
+    client_options(**{name: 86400.0})
+
+
+@pytest.mark.parametrize("value", ["inf", "1e10", "nan", "-1"])
+def test_the_plugins_timeouts_are_finite_and_at_most_a_day(value):
+    from tableclient.engine import ConfigError, PluginConfig
+
+    for name, env in (("timeout", "TABLESERVER_TIMEOUT"), ("liveness_timeout", "TABLESERVER_LIVENESS_TIMEOUT")):
+        with pytest.raises(ConfigError, match=f"{name} must be seconds above 0 .* \\({env}\\)"):
+            PluginConfig.load({env: value})
+    with pytest.raises(ConfigError, match="gather_budget"):
+        PluginConfig.load({"TABLESERVER_GATHER_BUDGET": value if value != "-1" else "inf"})
 
 
 def _info(name: str, checksum: str, rows: int = 10, row_bytes: int = 8) -> TableInfo:

@@ -59,6 +59,7 @@ import os
 import tomllib
 from dataclasses import dataclass, field, fields
 
+from tableclient.bounds import MAX_TIMEOUT_S, timeout_error
 from tableclient.errors import TableClientError
 from tableclient.hostmem import STAGING_TOKENS
 from tableclient.model import WINDOWS_S
@@ -133,10 +134,16 @@ class PluginConfig:
             raise ConfigError(f"mode = {self.mode!r}: use read or pack")
         if self.transport not in ("auto", "rdma", "tcp", "shm"):
             raise ConfigError(f"transport = {self.transport!r}: use auto, rdma, tcp or shm")
-        if not self.gather_budget >= 0:
-            raise ConfigError(f"gather_budget = {self.gather_budget!r}: expected seconds >= 0 (0: from the windows)")
-        if not self.timeout > 0 or not self.liveness_timeout > 0 or self.max_tokens < 1:
-            raise ConfigError("timeout and liveness_timeout must be > 0 seconds and max_tokens at least 1")
+        if not 0 <= self.gather_budget <= MAX_TIMEOUT_S:
+            raise ConfigError(
+                f"gather_budget = {self.gather_budget!r}: expected seconds 0 (from the windows) to {MAX_TIMEOUT_S:g}"
+            )
+        for name in ("timeout", "liveness_timeout"):  # a deadline of inf or 1e10 s overflows the native poller's
+            why = timeout_error(name, getattr(self, name))
+            if why is not None:
+                raise ConfigError(f"{why} ({ENV[name]})")
+        if self.max_tokens < 1:
+            raise ConfigError(f"max_tokens must be at least 1, got {self.max_tokens!r}")
         if self.poller_priority not in ("normal", "realtime"):
             raise ConfigError(f"poller_priority = {self.poller_priority!r}: use normal or realtime")
         try:
