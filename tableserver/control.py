@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import ipaddress
 import logging
+import os
 import socket
 import time
 import urllib.parse
@@ -116,6 +117,8 @@ class ServerState:
         self.max_rows = max_rows
         self.host_id = host_id
         self.node_id = node_id or socket.gethostname()
+        #: this daemon's start (ServerInfo.instance_id): random, new every time the daemon starts
+        self.instance_id = os.urandom(8).hex()
         self.open_rate = open_rate or OpenRate(20.0, 100)
         self.catalog_rate = catalog_rate or OpenRate(50.0, 200)
         self.max_sessions, self.max_sessions_per_peer = max_sessions, max_sessions_per_peer
@@ -135,6 +138,7 @@ class ServerState:
             transports=list(self.transports),
             max_rows_per_request=self.max_rows,
             node_id=self.node_id,
+            instance_id=self.instance_id,
         )
 
     def catalog(self) -> pb.Catalog:
@@ -210,6 +214,18 @@ class TableService(pb_grpc.TableServiceServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"client_name and hostname are limited to {MAX_NAME_BYTES} bytes"
             )
+        owner = b""
+        if request.owner_session_id or request.owner_proof:
+            held = state.sessions.owner(request.owner_session_id, request.owner_proof)
+            if held is None:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"session {request.owner_session_id.hex()[:12]} this session is opened on behalf of is not "
+                    f"held by this daemon (node {state.node_id}, instance {state.instance_id}): another daemon "
+                    "behind the same address holds it (a shared address such as a Service VIP); open the "
+                    "session where that one is, or open a session of its own",
+                )
+            owner = held.id
         peer = state.peer_key(context.peer())
         await self._rate_limit(context, state.open_rate, peer, "sessions opened")
         if len(state.sessions) >= state.max_sessions:
@@ -246,6 +262,7 @@ class TableService(pb_grpc.TableServiceServicer):
             peer=context.peer(),
             peer_key=peer,
             transports=tuple(granted),
+            owner=owner,
         )
         if state.metrics is not None:
             state.metrics.sessions_opened.inc()
@@ -261,6 +278,7 @@ class TableService(pb_grpc.TableServiceServicer):
             lease_seconds=state.sessions.lease_seconds,
             offers=offers,
             max_rows_per_request=state.max_rows,
+            server=state.catalog().server,
         )
 
     async def KeepAlive(self, request_iterator, context):

@@ -12,6 +12,13 @@ connections and QPs) exactly once, outside the registry lock.
 Each session carries the key of the client network it came from
 (``peer_key``); the registry counts open sessions per key, for the per-peer
 cap.
+
+A session may be opened on behalf of another of the client's (a native
+poller's QP session): it names that session (``owner``), proven with that
+session's secret (:meth:`SessionRegistry.owner`), and this daemon refuses it
+unless it holds that session: a client behind one address for several daemons
+(a Service VIP in a rolling update) never gets a session on a daemon other than
+its main session's.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tableserver.common.wire import SECRET_BYTES, SESSION_ID_BYTES
+from tableserver.common.wire import SECRET_BYTES, SESSION_ID_BYTES, owner_proof
 
 log = logging.getLogger("tableserver.sessions")
 
@@ -39,6 +46,7 @@ class Session:
     peer: str = ""
     peer_key: str = ""  # the client's network prefix (control.peer_key)
     transports: tuple[str, ...] = ()
+    owner: bytes = b""  # the session this one was opened on behalf of (a native poller's QP session), if any
     created: float = field(default_factory=time.monotonic)
     deadline: float = 0.0
     bound: bool = False  # a KeepAlive stream has renewed it
@@ -47,7 +55,8 @@ class Session:
 
     @property
     def label(self) -> str:
-        return f"{self.id.hex()[:12]} ({self.client_name or '?'} pid {self.pid} from {self.peer or '?'})"
+        owner = f" for session {self.owner.hex()[:12]}" if self.owner else ""
+        return f"{self.id.hex()[:12]} ({self.client_name or '?'} pid {self.pid} from {self.peer or '?'}{owner})"
 
 
 class SessionRegistry:
@@ -82,6 +91,14 @@ class SessionRegistry:
     def get(self, session_id: bytes) -> Session | None:
         with self._lock:
             return self._sessions.get(session_id)
+
+    def owner(self, session_id: bytes, proof: bytes) -> Session | None:
+        """The open session ``session_id`` when ``proof`` is its :func:`owner_proof` (a client opening a
+        session on its behalf holds it); None when this daemon does not hold it or the proof is wrong."""
+        s = self.get(session_id) if len(session_id) == SESSION_ID_BYTES else None
+        if s is None or s.closed or not hmac.compare_digest(owner_proof(s.secret, s.id), proof):
+            return None
+        return s
 
     def authenticate_hello(self, payload: bytes, server_nonce: bytes) -> tuple[Session | None, bytes]:
         """A data-transport HELLO (session id, client nonce, MAC) checked against ``server_nonce``:

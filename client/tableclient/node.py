@@ -16,6 +16,7 @@ Not fork-safe (gRPC channels are not): create sessions after forking.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -32,7 +33,7 @@ from tableclient.table import TableInfo, check_catalog
 from tableclient.transports import AUTO_ORDER, KNOWN, TransportOptions, open_transport, prepare_transport
 from tableclient.transports.shm import local_host_id
 from tableserver.common.verbs import QpInfo
-from tableserver.common.wire import SECRET_BYTES, SESSION_ID_BYTES
+from tableserver.common.wire import SECRET_BYTES, SESSION_ID_BYTES, owner_proof
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.v1 import tableserver_pb2_grpc as pb_grpc
 
@@ -355,13 +356,22 @@ class NodeSession:
         """A session of its own with this node offering one RC QP (in INIT) and asking for rdma alone, for a
         reader that drives that QP itself (a GraphStep's native poller, client/tableclient/_graphverbs.c), opened
         within ``timeout`` seconds: the server connects a QP of its own to it and answers with the regions its
-        rkeys read (:class:`QpSession`). ConnectError where the server offers no rdma."""
+        rkeys read (:class:`QpSession`).
+
+        It is this session's daemon's or none: opened on behalf of this session (the server refuses it unless
+        it holds this session), its catalog this session's (every table's checksum, rows and row size, and
+        where the node holds it), its server this session's node and start (``node_id``, ``instance_id``) in
+        both the catalog and the open's answer. So where one address reaches several daemons (a Service VIP in
+        a rolling update) a reader never READs another daemon's rows. ConnectError (one line) where it is not
+        this daemon's, where this session is closed or lost, or where the server offers no rdma."""
         if self.session is None or self.closed:
             raise ConnectError(f"session with {self.address} is closed")
+        if self.error is not None:
+            raise ConnectError(f"session with {self.address} is lost ({self.error}): no QP session on its behalf")
         if "rdma" not in self.server.transports:
             raise ConnectError(f"tableserver at {self.address} offers no rdma")
         deadline = time.monotonic() + timeout
-        return QpSession(self.address, self.options, qp, device, max_rd_atomic, deadline=deadline)
+        return QpSession(self.address, self.options, qp, device, max_rd_atomic, owner=self, deadline=deadline)
 
     @property
     def node_id(self) -> str:
@@ -409,22 +419,79 @@ class NodeSession:
         return f"NodeSession({self.address!r}, node={self.node_id!r}, transport={self.transport!r})"
 
 
+def catalog_difference(mine: list[TableInfo], theirs: list[TableInfo]) -> str | None:
+    """How the catalog ``theirs`` differs from ``mine`` (a session's, admitted through the client's pins), in a
+    few words; None when it is the same: every table's identity (checksum, total rows, row size, as the pins
+    hold it) first, then every other field (where the node holds it: index, rows, row_lo, tier; and the rest)."""
+    by_name = {t.name: t for t in theirs}
+    for t in mine:
+        o = by_name.get(t.name)
+        if o is None:
+            return f"table {t.name!r} is not served there"
+        if (o.checksum, o.total_rows, o.row_bytes) != (t.checksum, t.total_rows, t.row_bytes):
+            return (
+                f"table {t.name!r} there is {o.checksum} ({o.total_rows} rows of {o.row_bytes} B), the session's "
+                f"{t.checksum} ({t.total_rows} rows of {t.row_bytes} B)"
+            )
+        changed = [f.name for f in dataclasses.fields(t) if getattr(o, f.name) != getattr(t, f.name)]
+        if changed:
+            return f"table {t.name!r} there has " + ", ".join(
+                f"{name} {getattr(o, name)!r} (the session's {getattr(t, name)!r})" for name in changed
+            )
+    if len(theirs) != len(mine):
+        return f"{len(theirs)} tables there, the session's {len(mine)}"
+    return None
+
+
+def daemon_difference(mine, theirs) -> str | None:
+    """How the daemon ``theirs`` (a ServerInfo) is not ``mine`` (a session's), in a few words; None when it is
+    that daemon: the same node (``node_id``, ``host_id``) and the same start of it (``instance_id``, which a
+    daemon of this version always names)."""
+    if not mine.instance_id:
+        return f"node {mine.node_id!r} names no instance (tableserver {mine.version or '?'}, older than this client)"
+    if theirs.node_id != mine.node_id:
+        return f"node {theirs.node_id!r} there, the session's {mine.node_id!r}"
+    if theirs.host_id != mine.host_id:
+        return f"node {mine.node_id!r} there runs on host {theirs.host_id!r}, the session's on {mine.host_id!r}"
+    if theirs.instance_id != mine.instance_id:
+        return (
+            f"node {mine.node_id!r} there is another start of it (instance {theirs.instance_id or 'none'!r}, "
+            f"the session's {mine.instance_id!r})"
+        )
+    return None
+
+
 class QpSession(NodeSession):
     """A session with one node whose data path is one RC QP its owner drives (a GraphStep's native poller over
-    rdma: :meth:`NodeSession.open_qp_session`): opened offering ``qp`` and asking for rdma alone, kept alive by
-    a keepalive stream of its own like any session; ``peer`` is the server's QP (in RTS), ``rd_atomic`` the
-    READs it takes in flight, :meth:`regions` where a table's rows are and the rkeys this QP reads them with.
-    Closing it ends the session: the server destroys its QP and, with per-session memory windows, its rkeys.
-    It has no transport and is counted in no session metric."""
+    rdma: :meth:`NodeSession.open_qp_session`): opened offering ``qp`` and asking for rdma alone, on behalf of
+    the session ``owner`` and admitted only as that session's daemon's (its catalog, node and start; the server
+    holds ``owner``), kept alive by a keepalive stream of its own like any session; ``peer`` is the server's QP
+    (in RTS), ``rd_atomic`` the READs it takes in flight, :meth:`regions` where a table's rows are and the rkeys
+    this QP reads them with. Closing it ends the session: the server destroys its QP and, with per-session
+    memory windows, its rkeys. It has no transport and is counted in no session metric."""
 
-    def __init__(self, address: str, options: NodeOptions, qp: QpInfo, device: str, max_rd_atomic: int,
-                 deadline: float | None = None):  # fmt: skip
+    def __init__(self, address: str, options: NodeOptions, qp: QpInfo, device: str, max_rd_atomic: int, *,
+                 owner: NodeSession, deadline: float | None = None):  # fmt: skip
         self._qp, self._device, self._max_rd_atomic = qp, device, max_rd_atomic
+        if owner.session is None:
+            raise ConnectError(f"session with {address} is closed")
+        self._owner_server, self._owner_infos, self._owner_session = owner.server, owner.infos, owner.session
         self._endpoint = None
         super().__init__(address, options, deadline=deadline)
 
+    def _refuse(self, why: str) -> ConnectError:
+        """The one-line error of a QP session that reached a daemon other than its owner's."""
+        return ConnectError(
+            f"tableserver at {self.address}: the graph poller's QP session reached another daemon than its "
+            f"session's ({why}), so nothing is read through it: that address leads to several daemons (a Service "
+            "VIP, e.g. in a rolling update); give the client each node's own address (a headless Service)"
+        )
+
     def _connect(self, transport: str, client_name: str) -> None:
-        q = self._qp
+        why = catalog_difference(self._owner_infos, self.infos) or daemon_difference(self._owner_server, self.server)
+        if why:
+            raise self._refuse(why)
+        q, owner = self._qp, self._owner_session
         resp = self._call(
             self._stub.OpenSession,
             pb.OpenSessionRequest(
@@ -433,6 +500,8 @@ class QpSession(NodeSession):
                 host_id=local_host_id(),
                 pid=os.getpid(),
                 transports=["rdma"],
+                owner_session_id=owner.id,
+                owner_proof=owner_proof(owner.secret, owner.id),
                 rdma=pb.RdmaClientParams(
                     qps=[pb.RdmaQueuePair(qp_num=q.qp_num, psn=q.psn, gid=q.gid, mtu=q.mtu)],
                     device=self._device,
@@ -441,6 +510,15 @@ class QpSession(NodeSession):
             ),
         )
         self.session = _session_info(self.address, resp)
+        # the daemon that opened it, whichever connection this call took (the catalog's may have been another's)
+        why = (
+            daemon_difference(self._owner_server, resp.server)
+            if resp.HasField("server")
+            else "the server that opened it does not name itself (a tableserver older than this client)"
+        )
+        if why:
+            self._end_opened()
+            raise self._refuse(why)
         self._start_keepalive()
         offer = next((o for o in resp.offers[:MAX_OFFERS] if o.name == "rdma" and o.HasField("rdma")), None)
         if offer is None or len(offer.rdma.qps) != 1:
@@ -449,6 +527,17 @@ class QpSession(NodeSession):
                 f"{len(offer.rdma.qps) if offer is not None else 'no'} QPs of its own (one expected)"
             )
         self._endpoint = offer.rdma
+
+    def _end_opened(self) -> None:
+        """Ends the session just opened on a daemon it is refused for (best effort: else its lease does)."""
+        try:
+            self._stub.CloseSession(
+                pb.CloseSessionRequest(session_id=self.session.id),
+                timeout=max(min(2.0, self._deadline - time.monotonic()), 0.001),
+                metadata=self._metadata,
+            )
+        except grpc.RpcError:
+            pass
 
     @property
     def peer(self) -> QpInfo:

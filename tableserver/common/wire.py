@@ -145,6 +145,12 @@ def server_proof(secret: bytes, session_id: bytes, server_nonce: bytes, client_n
     return hello_mac(secret, session_id, server_nonce, client_nonce, b"tableserver-server")
 
 
+def owner_proof(secret: bytes, session_id: bytes) -> bytes:
+    """HMAC-SHA256(secret, "tableserver-owner" | session id): a client opening a session on behalf of session
+    ``session_id`` (OpenSessionRequest.owner_session_id) holds that session."""
+    return hello_mac(secret, session_id, b"", b"", b"tableserver-owner")
+
+
 def challenge_frame(nonce: bytes) -> bytes:
     return response_header(FrameType.CHALLENGE, Status.OK, 0, 0, len(nonce)) + nonce
 

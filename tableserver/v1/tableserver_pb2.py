@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n tableserver/v1/tableserver.proto\x12\x0etableserver.v1\"\x13\n\x11GetCatalogRequest\"\xdb\x01\n\tTableInfo\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04rows\x18\x03 \x01(\x04\x12\x11\n\trow_bytes\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\r\n\x05shape\x18\x06 \x03(\x04\x12\r\n\x05layer\x18\x07 \x01(\x05\x12\x0f\n\x07version\x18\x08 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\t \x01(\t\x12\x0e\n\x06nbytes\x18\n \x01(\x04\x12\x12\n\ntotal_rows\x18\x0b \x01(\x04\x12\x0e\n\x06row_lo\x18\x0c \x01(\x04\x12\x0c\n\x04tier\x18\r \x01(\t\"\x83\x01\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x0f\n\x07host_id\x18\x03 \x01(\t\x12\x12\n\ntransports\x18\x04 \x03(\t\x12\x1c\n\x14max_rows_per_request\x18\x05 \x01(\r\x12\x0f\n\x07node_id\x18\x06 \x01(\t\"`\n\x07\x43\x61talog\x12)\n\x06tables\x18\x01 \x03(\x0b\x32\x19.tableserver.v1.TableInfo\x12*\n\x06server\x18\x02 \x01(\x0b\x32\x1a.tableserver.v1.ServerInfo\"\x9d\x01\n\x12OpenSessionRequest\x12\x13\n\x0b\x63lient_name\x18\x01 \x01(\t\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x0f\n\x07host_id\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x12\n\ntransports\x18\x05 \x03(\t\x12.\n\x04rdma\x18\n \x01(\x0b\x32 .tableserver.v1.RdmaClientParams\"\x9e\x01\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x0e\n\x06secret\x18\x02 \x01(\x0c\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\x12.\n\x06offers\x18\x04 \x03(\x0b\x32\x1e.tableserver.v1.TransportOffer\x12\x1c\n\x14max_rows_per_request\x18\x05 \x01(\r\"\xb0\x01\n\x0eTransportOffer\x12\x0c\n\x04name\x18\x01 \x01(\t\x12*\n\x03tcp\x18\x02 \x01(\x0b\x32\x1b.tableserver.v1.TcpEndpointH\x00\x12*\n\x03shm\x18\x03 \x01(\x0b\x32\x1b.tableserver.v1.ShmEndpointH\x00\x12,\n\x04rdma\x18\x04 \x01(\x0b\x32\x1c.tableserver.v1.RdmaEndpointH\x00\x42\n\n\x08\x65ndpoint\")\n\x0bTcpEndpoint\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\"M\n\x0bShmEndpoint\x12\x13\n\x0bsocket_path\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x18\n\x10rows_socket_path\x18\x03 \x01(\t\"S\n\rRdmaQueuePair\x12\x0e\n\x06qp_num\x18\x01 \x01(\r\x12\x0b\n\x03psn\x18\x02 \x01(\r\x12\x0b\n\x03gid\x18\x03 \x01(\x0c\x12\x0b\n\x03lid\x18\x04 \x01(\r\x12\x0b\n\x03mtu\x18\x05 \x01(\r\"\xa8\x01\n\x10RdmaClientParams\x12*\n\x03qps\x18\x01 \x03(\x0b\x32\x1d.tableserver.v1.RdmaQueuePair\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x14\n\x0cstaging_addr\x18\x03 \x01(\x04\x12\x14\n\x0cstaging_rkey\x18\x04 \x01(\r\x12\x15\n\rstaging_bytes\x18\x05 \x01(\x04\x12\x15\n\rmax_rd_atomic\x18\x06 \x01(\r\"o\n\nRdmaRegion\x12\r\n\x05table\x18\x01 \x01(\r\x12\x14\n\x0ctable_offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x61\x64\x64r\x18\x03 \x01(\x04\x12\x0c\n\x04rkey\x18\x04 \x01(\r\x12\x0e\n\x06length\x18\x05 \x01(\x04\x12\x10\n\x08qp_rkeys\x18\x06 \x03(\r\"\xa5\x01\n\x0cRdmaEndpoint\x12*\n\x03qps\x18\x01 \x03(\x0b\x32\x1d.tableserver.v1.RdmaQueuePair\x12+\n\x07regions\x18\x02 \x03(\x0b\x32\x1a.tableserver.v1.RdmaRegion\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x15\n\rpack_max_rows\x18\x04 \x01(\r\x12\x15\n\rmax_rd_atomic\x18\x05 \x01(\r\"&\n\x10KeepAliveRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\"*\n\x11KeepAliveResponse\x12\x15\n\rlease_seconds\x18\x01 \x01(\x01\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\"\x16\n\x14\x43loseSessionResponse2\xe1\x02\n\x0cTableService\x12H\n\nGetCatalog\x12!.tableserver.v1.GetCatalogRequest\x1a\x17.tableserver.v1.Catalog\x12V\n\x0bOpenSession\x12\".tableserver.v1.OpenSessionRequest\x1a#.tableserver.v1.OpenSessionResponse\x12T\n\tKeepAlive\x12 .tableserver.v1.KeepAliveRequest\x1a!.tableserver.v1.KeepAliveResponse(\x01\x30\x01\x12Y\n\x0c\x43loseSession\x12#.tableserver.v1.CloseSessionRequest\x1a$.tableserver.v1.CloseSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n tableserver/v1/tableserver.proto\x12\x0etableserver.v1\"\x13\n\x11GetCatalogRequest\"\xdb\x01\n\tTableInfo\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04rows\x18\x03 \x01(\x04\x12\x11\n\trow_bytes\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\r\n\x05shape\x18\x06 \x03(\x04\x12\r\n\x05layer\x18\x07 \x01(\x05\x12\x0f\n\x07version\x18\x08 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\t \x01(\t\x12\x0e\n\x06nbytes\x18\n \x01(\x04\x12\x12\n\ntotal_rows\x18\x0b \x01(\x04\x12\x0e\n\x06row_lo\x18\x0c \x01(\x04\x12\x0c\n\x04tier\x18\r \x01(\t\"\x98\x01\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x0f\n\x07host_id\x18\x03 \x01(\t\x12\x12\n\ntransports\x18\x04 \x03(\t\x12\x1c\n\x14max_rows_per_request\x18\x05 \x01(\r\x12\x0f\n\x07node_id\x18\x06 \x01(\t\x12\x13\n\x0binstance_id\x18\x07 \x01(\t\"`\n\x07\x43\x61talog\x12)\n\x06tables\x18\x01 \x03(\x0b\x32\x19.tableserver.v1.TableInfo\x12*\n\x06server\x18\x02 \x01(\x0b\x32\x1a.tableserver.v1.ServerInfo\"\xcc\x01\n\x12OpenSessionRequest\x12\x13\n\x0b\x63lient_name\x18\x01 \x01(\t\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x0f\n\x07host_id\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x12\n\ntransports\x18\x05 \x03(\t\x12\x18\n\x10owner_session_id\x18\x06 \x01(\x0c\x12\x13\n\x0bowner_proof\x18\x07 \x01(\x0c\x12.\n\x04rdma\x18\n \x01(\x0b\x32 .tableserver.v1.RdmaClientParams\"\xca\x01\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x0e\n\x06secret\x18\x02 \x01(\x0c\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\x12.\n\x06offers\x18\x04 \x03(\x0b\x32\x1e.tableserver.v1.TransportOffer\x12\x1c\n\x14max_rows_per_request\x18\x05 \x01(\r\x12*\n\x06server\x18\x06 \x01(\x0b\x32\x1a.tableserver.v1.ServerInfo\"\xb0\x01\n\x0eTransportOffer\x12\x0c\n\x04name\x18\x01 \x01(\t\x12*\n\x03tcp\x18\x02 \x01(\x0b\x32\x1b.tableserver.v1.TcpEndpointH\x00\x12*\n\x03shm\x18\x03 \x01(\x0b\x32\x1b.tableserver.v1.ShmEndpointH\x00\x12,\n\x04rdma\x18\x04 \x01(\x0b\x32\x1c.tableserver.v1.RdmaEndpointH\x00\x42\n\n\x08\x65ndpoint\")\n\x0bTcpEndpoint\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\"M\n\x0bShmEndpoint\x12\x13\n\x0bsocket_path\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x18\n\x10rows_socket_path\x18\x03 \x01(\t\"S\n\rRdmaQueuePair\x12\x0e\n\x06qp_num\x18\x01 \x01(\r\x12\x0b\n\x03psn\x18\x02 \x01(\r\x12\x0b\n\x03gid\x18\x03 \x01(\x0c\x12\x0b\n\x03lid\x18\x04 \x01(\r\x12\x0b\n\x03mtu\x18\x05 \x01(\r\"\xa8\x01\n\x10RdmaClientParams\x12*\n\x03qps\x18\x01 \x03(\x0b\x32\x1d.tableserver.v1.RdmaQueuePair\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x14\n\x0cstaging_addr\x18\x03 \x01(\x04\x12\x14\n\x0cstaging_rkey\x18\x04 \x01(\r\x12\x15\n\rstaging_bytes\x18\x05 \x01(\x04\x12\x15\n\rmax_rd_atomic\x18\x06 \x01(\r\"o\n\nRdmaRegion\x12\r\n\x05table\x18\x01 \x01(\r\x12\x14\n\x0ctable_offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x61\x64\x64r\x18\x03 \x01(\x04\x12\x0c\n\x04rkey\x18\x04 \x01(\r\x12\x0e\n\x06length\x18\x05 \x01(\x04\x12\x10\n\x08qp_rkeys\x18\x06 \x03(\r\"\xa5\x01\n\x0cRdmaEndpoint\x12*\n\x03qps\x18\x01 \x03(\x0b\x32\x1d.tableserver.v1.RdmaQueuePair\x12+\n\x07regions\x18\x02 \x03(\x0b\x32\x1a.tableserver.v1.RdmaRegion\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x15\n\rpack_max_rows\x18\x04 \x01(\r\x12\x15\n\rmax_rd_atomic\x18\x05 \x01(\r\"&\n\x10KeepAliveRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\"*\n\x11KeepAliveResponse\x12\x15\n\rlease_seconds\x18\x01 \x01(\x01\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\"\x16\n\x14\x43loseSessionResponse2\xe1\x02\n\x0cTableService\x12H\n\nGetCatalog\x12!.tableserver.v1.GetCatalogRequest\x1a\x17.tableserver.v1.Catalog\x12V\n\x0bOpenSession\x12\".tableserver.v1.OpenSessionRequest\x1a#.tableserver.v1.OpenSessionResponse\x12T\n\tKeepAlive\x12 .tableserver.v1.KeepAliveRequest\x1a!.tableserver.v1.KeepAliveResponse(\x01\x30\x01\x12Y\n\x0c\x43loseSession\x12#.tableserver.v1.CloseSessionRequest\x1a$.tableserver.v1.CloseSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,35 +36,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TABLEINFO']._serialized_start=74
   _globals['_TABLEINFO']._serialized_end=293
   _globals['_SERVERINFO']._serialized_start=296
-  _globals['_SERVERINFO']._serialized_end=427
-  _globals['_CATALOG']._serialized_start=429
-  _globals['_CATALOG']._serialized_end=525
-  _globals['_OPENSESSIONREQUEST']._serialized_start=528
-  _globals['_OPENSESSIONREQUEST']._serialized_end=685
-  _globals['_OPENSESSIONRESPONSE']._serialized_start=688
-  _globals['_OPENSESSIONRESPONSE']._serialized_end=846
-  _globals['_TRANSPORTOFFER']._serialized_start=849
-  _globals['_TRANSPORTOFFER']._serialized_end=1025
-  _globals['_TCPENDPOINT']._serialized_start=1027
-  _globals['_TCPENDPOINT']._serialized_end=1068
-  _globals['_SHMENDPOINT']._serialized_start=1070
-  _globals['_SHMENDPOINT']._serialized_end=1147
-  _globals['_RDMAQUEUEPAIR']._serialized_start=1149
-  _globals['_RDMAQUEUEPAIR']._serialized_end=1232
-  _globals['_RDMACLIENTPARAMS']._serialized_start=1235
-  _globals['_RDMACLIENTPARAMS']._serialized_end=1403
-  _globals['_RDMAREGION']._serialized_start=1405
-  _globals['_RDMAREGION']._serialized_end=1516
-  _globals['_RDMAENDPOINT']._serialized_start=1519
-  _globals['_RDMAENDPOINT']._serialized_end=1684
-  _globals['_KEEPALIVEREQUEST']._serialized_start=1686
-  _globals['_KEEPALIVEREQUEST']._serialized_end=1724
-  _globals['_KEEPALIVERESPONSE']._serialized_start=1726
-  _globals['_KEEPALIVERESPONSE']._serialized_end=1768
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1770
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1811
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1813
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1835
-  _globals['_TABLESERVICE']._serialized_start=1838
-  _globals['_TABLESERVICE']._serialized_end=2191
+  _globals['_SERVERINFO']._serialized_end=448
+  _globals['_CATALOG']._serialized_start=450
+  _globals['_CATALOG']._serialized_end=546
+  _globals['_OPENSESSIONREQUEST']._serialized_start=549
+  _globals['_OPENSESSIONREQUEST']._serialized_end=753
+  _globals['_OPENSESSIONRESPONSE']._serialized_start=756
+  _globals['_OPENSESSIONRESPONSE']._serialized_end=958
+  _globals['_TRANSPORTOFFER']._serialized_start=961
+  _globals['_TRANSPORTOFFER']._serialized_end=1137
+  _globals['_TCPENDPOINT']._serialized_start=1139
+  _globals['_TCPENDPOINT']._serialized_end=1180
+  _globals['_SHMENDPOINT']._serialized_start=1182
+  _globals['_SHMENDPOINT']._serialized_end=1259
+  _globals['_RDMAQUEUEPAIR']._serialized_start=1261
+  _globals['_RDMAQUEUEPAIR']._serialized_end=1344
+  _globals['_RDMACLIENTPARAMS']._serialized_start=1347
+  _globals['_RDMACLIENTPARAMS']._serialized_end=1515
+  _globals['_RDMAREGION']._serialized_start=1517
+  _globals['_RDMAREGION']._serialized_end=1628
+  _globals['_RDMAENDPOINT']._serialized_start=1631
+  _globals['_RDMAENDPOINT']._serialized_end=1796
+  _globals['_KEEPALIVEREQUEST']._serialized_start=1798
+  _globals['_KEEPALIVEREQUEST']._serialized_end=1836
+  _globals['_KEEPALIVERESPONSE']._serialized_start=1838
+  _globals['_KEEPALIVERESPONSE']._serialized_end=1880
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1882
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1923
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1925
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1947
+  _globals['_TABLESERVICE']._serialized_start=1950
+  _globals['_TABLESERVICE']._serialized_end=2303
 # @@protoc_insertion_point(module_scope)

@@ -40,20 +40,22 @@ class TableInfo(_message.Message):
     def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., rows: _Optional[int] = ..., row_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., layer: _Optional[int] = ..., version: _Optional[int] = ..., checksum: _Optional[str] = ..., nbytes: _Optional[int] = ..., total_rows: _Optional[int] = ..., row_lo: _Optional[int] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "hostname", "host_id", "transports", "max_rows_per_request", "node_id")
+    __slots__ = ("version", "hostname", "host_id", "transports", "max_rows_per_request", "node_id", "instance_id")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     MAX_ROWS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     version: str
     hostname: str
     host_id: str
     transports: _containers.RepeatedScalarFieldContainer[str]
     max_rows_per_request: int
     node_id: str
-    def __init__(self, version: _Optional[str] = ..., hostname: _Optional[str] = ..., host_id: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., max_rows_per_request: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, version: _Optional[str] = ..., hostname: _Optional[str] = ..., host_id: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., max_rows_per_request: _Optional[int] = ..., node_id: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class Catalog(_message.Message):
     __slots__ = ("tables", "server")
@@ -64,34 +66,40 @@ class Catalog(_message.Message):
     def __init__(self, tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., server: _Optional[_Union[ServerInfo, _Mapping]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("client_name", "hostname", "host_id", "pid", "transports", "rdma")
+    __slots__ = ("client_name", "hostname", "host_id", "pid", "transports", "owner_session_id", "owner_proof", "rdma")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_PROOF_FIELD_NUMBER: _ClassVar[int]
     RDMA_FIELD_NUMBER: _ClassVar[int]
     client_name: str
     hostname: str
     host_id: str
     pid: int
     transports: _containers.RepeatedScalarFieldContainer[str]
+    owner_session_id: bytes
+    owner_proof: bytes
     rdma: RdmaClientParams
-    def __init__(self, client_name: _Optional[str] = ..., hostname: _Optional[str] = ..., host_id: _Optional[str] = ..., pid: _Optional[int] = ..., transports: _Optional[_Iterable[str]] = ..., rdma: _Optional[_Union[RdmaClientParams, _Mapping]] = ...) -> None: ...
+    def __init__(self, client_name: _Optional[str] = ..., hostname: _Optional[str] = ..., host_id: _Optional[str] = ..., pid: _Optional[int] = ..., transports: _Optional[_Iterable[str]] = ..., owner_session_id: _Optional[bytes] = ..., owner_proof: _Optional[bytes] = ..., rdma: _Optional[_Union[RdmaClientParams, _Mapping]] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "secret", "lease_seconds", "offers", "max_rows_per_request")
+    __slots__ = ("session_id", "secret", "lease_seconds", "offers", "max_rows_per_request", "server")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SECRET_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     OFFERS_FIELD_NUMBER: _ClassVar[int]
     MAX_ROWS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    SERVER_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     secret: bytes
     lease_seconds: float
     offers: _containers.RepeatedCompositeFieldContainer[TransportOffer]
     max_rows_per_request: int
-    def __init__(self, session_id: _Optional[bytes] = ..., secret: _Optional[bytes] = ..., lease_seconds: _Optional[float] = ..., offers: _Optional[_Iterable[_Union[TransportOffer, _Mapping]]] = ..., max_rows_per_request: _Optional[int] = ...) -> None: ...
+    server: ServerInfo
+    def __init__(self, session_id: _Optional[bytes] = ..., secret: _Optional[bytes] = ..., lease_seconds: _Optional[float] = ..., offers: _Optional[_Iterable[_Union[TransportOffer, _Mapping]]] = ..., max_rows_per_request: _Optional[int] = ..., server: _Optional[_Union[ServerInfo, _Mapping]] = ...) -> None: ...
 
 class TransportOffer(_message.Message):
     __slots__ = ("name", "tcp", "shm", "rdma")
