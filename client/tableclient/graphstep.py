@@ -149,7 +149,8 @@ class GraphStep:
                  policy: str = "fail", fallback=None, device=None, timeout: float = 5.0, stream_ops=None,
                  pin: bool | None = None, side_stream: bool = True, register: bool = True,
                  poller: str = "auto", realtime: bool = False, budgets: dict | None = None, agree=None,
-                 results_check: bool = False, dead_id: int | None = None, poller_cpus: list | None = None):  # fmt: skip
+                 results_check: bool = False, dead_id: int | None = None, poller_cpus: list | None = None,
+                 tables: dict | None = None):  # fmt: skip
         import torch
 
         self.torch = torch
@@ -162,10 +163,17 @@ class GraphStep:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         cuda = self.device.type == "cuda"
         pin = cuda if pin is None else pin
-        # device layers: the table registered for the graph's own kernel, or (one line why) the host path
+        # device layers: the table registered for the graph's own kernel, or (one line why) the host path;
+        # ``tables`` (table name -> DeviceTable): registered by the caller already (the ranks agreed on them at
+        # start-up), used as they are and left to the caller to close
         self.device_tables: dict[int, DeviceTable] = {}
+        self._borrowed = set()
         for p in plans:
             if self.modes[p.layer] != "device":
+                continue
+            if (tables or {}).get(p.table) is not None:
+                self.device_tables[p.layer] = tables[p.table]
+                self._borrowed.add(p.layer)
                 continue
             try:
                 if policy == "fallback":
@@ -797,8 +805,9 @@ class GraphStep:
             self._native.close()
         for t in self._threads:
             t.join(timeout=5)
-        for table in self.device_tables.values():
-            table.close()
+        for layer, table in self.device_tables.items():
+            if layer not in self._borrowed:
+                table.close()
         for step in (self.pre, self.post):
             if step is not None:
                 step.abandon()

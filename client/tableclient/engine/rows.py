@@ -215,14 +215,18 @@ class EngramRows:
 
     def graph_steps(self, max_tokens: int, device, side_stream: bool = True, agree=None,
                     results_check: bool = False, modes: tuple = ("before_replay", "in_graph", "device"),
-                    rows_per_token: int = 24) -> dict:  # fmt: skip
+                    rows_per_token: int = 24, tables: dict | None = None, poller: str = "auto",
+                    placements=None) -> dict:  # fmt: skip
         """placement -> the GraphStep of its before_replay, in_graph and device layers (eager_break layers
         fetch when they run): every buffer a decode graph of up to ``max_tokens`` tokens touches, allocated
-        now, before capture. A device layer whose table cannot be registered takes before_replay (the
-        GraphStep logs why): its ServedLayer says so from then on. ``agree`` and ``results_check``: as
-        GraphStep takes them (the ranks' agreement on each step's rows; the check where results are read).
-        ``modes``: only the layers in these graph modes; ``rows_per_token``: the ids a token has here (a
-        tensor-parallel rank's share of the 24 hash columns under vLLM)."""
+        now, before capture. ``tables`` (table name -> DeviceTable): the device layers' tables as the ranks
+        agreed on them (:func:`tableclient.engine.ranks.register_tables`); a device layer whose table is not
+        there is registered by its GraphStep, or takes before_replay where it cannot be (the GraphStep logs
+        why): its ServedLayer says so from then on. ``agree`` and ``results_check``: as GraphStep takes them (the
+        ranks' agreement on each step's rows; the check where results are read). ``modes``: only the layers in
+        these graph modes; ``rows_per_token``: the ids a token has here (a tensor-parallel rank's share of the 24
+        hash columns under vLLM); ``poller``: who serves the in_graph layers (GraphStep's); ``placements``: only
+        these placements' GraphSteps (default every one)."""
         from tableclient.graphstep import GraphStep
         from tableclient.step import LayerPlan
 
@@ -230,6 +234,8 @@ class EngramRows:
         out = {}
         with self._lock:
             for placement in sorted({s.placement for s in self.layers.values()}):
+                if placements is not None and placement not in placements:
+                    continue
                 layers = [s for s in self.layers.values() if s.placement == placement and s.graph_mode in modes]
                 if not layers:
                     continue
@@ -250,6 +256,8 @@ class EngramRows:
                     budgets={s.layer: c.gather_budget for s in layers} if c.gather_budget else None,
                     agree=agree,
                     results_check=results_check,
+                    tables=tables,
+                    poller=poller,
                 )
                 for s in layers:
                     s.graph_mode = out[placement].modes[s.layer]
