@@ -141,8 +141,9 @@ def make_vllm_config(path: str, **engram):
     )
 
 
-def init_parallel(cfg, world_size: int = 1, rank: int = 0, port: int | None = None, tp: int = 1) -> None:
-    """vLLM's process groups over gloo (what its workers set up with NCCL on GPUs)."""
+def init_parallel(cfg, world_size: int = 1, rank: int = 0, port: int | None = None, tp: int = 1, pp: int = 1) -> None:
+    """vLLM's process groups over gloo (what its workers set up with NCCL on GPUs): ``tp`` tensor-parallel ranks,
+    ``pp`` pipeline stages. Again after :func:`close_model_parallel`: only the model-parallel groups anew."""
     import socket
 
     from vllm.config import set_current_vllm_config
@@ -154,7 +155,14 @@ def init_parallel(cfg, world_size: int = 1, rank: int = 0, port: int | None = No
             port = s.getsockname()[1]
     with set_current_vllm_config(cfg):
         init_distributed_environment(world_size, rank, f"tcp://127.0.0.1:{port}", rank, backend="gloo")
-        initialize_model_parallel(tp, 1)
+        initialize_model_parallel(tp, pp)
+
+
+def close_model_parallel() -> None:
+    """vLLM's model-parallel groups destroyed, its distributed environment kept (another layout follows)."""
+    from vllm.distributed.parallel_state import destroy_model_parallel
+
+    destroy_model_parallel()
 
 
 def close_parallel() -> None:
@@ -252,14 +260,15 @@ def step(engrams, hashes, x, token_mask):
     return [e(x, hashes[:, e.layer_hash_index], token_mask) for e in engrams]
 
 
-def worker_step(engrams, hashes, x, mask, output=None, outs=None):
+def worker_step(engrams, hashes, x, mask, output=None, outs=None, forward: bool = True):
     """One step as vLLM's worker runs it: its own ``Worker.execute_model`` (hooked: the plugin's check before
     every step and the in_graph layers' arming, the host code of the plugin a FULL graph's replay runs), whose
     model runner (here: what DeepseekV4Model.forward does with the step) hashes and runs the layers, then its
     own ``Worker.sample_tokens`` (hooked: where the step's results are read, its outcome checked), returning
     ``output`` (default: a ModelRunnerOutput, its tokens on the host). Returns the layers' outputs (also
-    appended to ``outs``), with the Worker's result where it is not ``output``; raises before the forward (a
-    device layer's table under policy fail) or where the result is read (an in_graph layer's)."""
+    appended to ``outs``; None without ``forward``: a model runner that returns without running the layers), with
+    the Worker's result where it is not ``output``; raises before the forward (a step that cannot be armed) or
+    where the result is read (a step whose rows were not served)."""
     from tableclient.vllm import hooks
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.worker.gpu_worker import Worker
@@ -271,12 +280,38 @@ def worker_step(engrams, hashes, x, mask, output=None, outs=None):
     worker._pp_send_work, worker.profiler, worker.use_v2_model_runner = [], None, False
     output = ModelRunnerOutput(req_ids=[], req_id_to_index={}) if output is None else output
     worker.model_runner = types.SimpleNamespace(
-        execute_model=lambda scheduler_output, intermediate: outs.append(step(engrams, hashes, x, mask)),
+        execute_model=lambda scheduler_output, intermediate: outs.append(
+            step(engrams, hashes, x, mask) if forward else None
+        ),
         sample_tokens=lambda grammar_output: output,
     )
     assert Worker.execute_model(worker, types.SimpleNamespace(total_num_scheduled_tokens=len(hashes))) is None
     result = Worker.sample_tokens(worker, None)
     return outs[-1] if result is output else (outs[-1], result)
+
+
+def dummy_step(engrams, hasher, forward: bool = True):
+    """vLLM's own ``Worker.execute_dummy_batch`` (hooked), as a data-parallel replica with nothing to run joins its
+    peers' step: its model runner's dummy run steps the layers over vLLM's dummy hashes (every id dead), as a FULL
+    replay of the dummy does, or (``forward`` False) hashes nothing and runs no Engram layer, as vLLM's dummy run
+    does outside FULL replays (no attention metadata). Returns the layers' outputs (None without ``forward``)."""
+    from tableclient.vllm import hooks
+    from vllm.v1.worker.gpu_worker import Worker
+
+    assert hooks.hooked(Worker.execute_dummy_batch, hooks._execute_dummy_batch)
+    dummy, keep = hasher.dummy_hashes(torch.zeros(4, dtype=torch.int32))
+    x = torch.zeros((4, HC, HIDDEN), dtype=torch.bfloat16)
+    outs = []
+    worker = object.__new__(Worker)
+    worker.parallel_config = types.SimpleNamespace(data_parallel_size=2)  # a DP replica, as vLLM runs them
+    worker.model_runner = types.SimpleNamespace(
+        uniform_decode_query_len=1,
+        _dummy_run=torch.inference_mode()(  # as vLLM's own GPUModelRunner._dummy_run
+            lambda *a, **k: outs.append(step(engrams, dummy, x, keep) if forward else None)
+        ),
+    )
+    Worker.execute_dummy_batch(worker)
+    return outs[0]
 
 
 def conversation(seed: int = 0):

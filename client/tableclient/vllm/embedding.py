@@ -11,10 +11,10 @@ as it does for a local table. Every data-parallel replica gathers its own tokens
 loader drops what it is handed (the plugin's hooks keep the checkpoint's table tensors from being read
 at all where the load format allows: ``hooks``).
 
-A ``node`` layer in graph mode ``device`` also gets :class:`DeviceRows` (``device_rows``): its table, the
-node's mapping registered with CUDA (:class:`~tableclient.devicetable.DeviceTable`), and persistent
-device buffers that a kernel launched at step start gathers this rank's columns into, inside vLLM's
-captured graphs; the layer dequantizes them with the same arithmetic as the host path.
+In graph modes ``device`` and ``in_graph`` (``graph_mode``, set by the hooks) the layer's rows come from the
+plugin's :class:`~tableclient.graphstep.GraphStep` (a kernel's gather from the node's registered mapping, or
+the host's, waited for inside vLLM's graphs); the layer dequantizes them with the same arithmetic as the
+host path (:meth:`RemoteEngramEmbedding.dequantize_into`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import logging
 import torch
 from torch import nn
 
-from tableclient.devicetable import gather
 from tableclient.engine.rows import FP8_BLOCK, dequantize
 
 log = logging.getLogger("tableclient.vllm")
@@ -35,8 +34,7 @@ class RemoteEngramEmbedding(nn.Module):
 
     cpu_offload = False  # vLLM's Engram then keeps no prefetch stream for it: its rows come from the plugin
     peer_rows = 0
-    device_rows: DeviceRows | None = None  # graph mode device: the GPU gathers the rows (set by the hooks)
-    in_graph = False  # graph mode in_graph: the host gathers the rows, the graph waits for them (the hooks)
+    graph_mode = "eager_break"  # device | in_graph (its GraphStep's rows) | eager_break, as the hooks decided
 
     def __init__(
         self,
@@ -95,41 +93,6 @@ class RemoteEngramEmbedding(nn.Module):
             packed = packed.to(out.device, non_blocking=True)
         out.copy_(dequantize(packed, self.dim, exponent_scales=True))
 
-    def launch(self, hash_ids) -> None:
-        """Graph mode device, step start (capturable: no host sync, nothing kept on the host): this rank's
-        columns of ``hash_ids`` into the persistent ids on the current stream, then, forked onto the side
-        stream, the kernel gathering their packed rows from the registered table, and the layer's event."""
-        d = self.device_rows
-        tokens = hash_ids.shape[0]
-        if tokens > d.max_tokens:
-            raise ValueError(f"{tokens} tokens in a step, the layer's device rows hold {d.max_tokens}")
-        n = tokens * self.part_n_hash_cols
-        ids = d.ids[:n].view(tokens, self.part_n_hash_cols)
-        owned = self.head_end - self.head_start
-        ids[:, :owned].copy_(hash_ids[:, self.head_start : self.head_end])
-        if owned < self.part_n_hash_cols:
-            ids[:, owned:].fill_(self.rows.dead_id)  # padding columns: zero rows, as vLLM's
-        if d.stream is None:
-            gather(d.table, d.ids[:n], d.rows)
-            return
-        d.stream.wait_stream(torch.cuda.current_stream(d.rows.device))
-        with torch.cuda.stream(d.stream):
-            gather(d.table, d.ids[:n], d.rows)
-            d.gathered.record(d.stream)
-
-    def join(self) -> None:
-        """Graph mode device, where the layer runs: the current stream waits for this layer's gather."""
-        d = self.device_rows
-        if d.stream is not None:
-            torch.cuda.current_stream(d.rows.device).wait_event(d.gathered)
-
-    def dequantize_gathered(self, out) -> None:
-        """Graph mode device: the gathered packed rows of ``out.shape[0]`` tokens dequantized into ``out``
-        (after :meth:`join`), with the arithmetic of :meth:`dequantize_into`."""
-        tokens = out.shape[0]
-        packed = self.device_rows.rows[: tokens * self.part_n_hash_cols]
-        self.dequantize_into(packed.view(tokens, self.part_n_hash_cols, -1), out)
-
     # ------------------------------------------------------------------ ParallelEngramEmbedding's interface
     def lookup(self, indices, out, background: bool = False) -> None:
         """Like vLLM's: this rank's columns of ``indices`` into ``out`` (bf16 ``[T, part, dim]`` or packed
@@ -156,20 +119,3 @@ class RemoteEngramEmbedding(nn.Module):
             f"layer={self.layer}, num_embeddings={self.num_embeddings}, dim={self.dim}, "
             f"columns={self.head_start}..{self.head_end - 1} of {self.n_hash_cols} (from a tableserver)"
         )
-
-
-class DeviceRows:
-    """A ``device`` layer's side of the GPU gather: ``table`` (a registered
-    :class:`~tableclient.devicetable.DeviceTable`, shared by every layer reading it), persistent ids
-    ``[max_tokens * columns]`` int64 and packed rows ``[max_tokens * columns, row_bytes]`` uint8 on the
-    table's device (fixed addresses: vLLM's graphs bake them in), the side ``stream`` the gathers run on
-    (shared by the layers, so they run in issue order, layer 1 first) and this layer's ``gathered`` event;
-    no stream or event on the CPU (the kernel runs inline, in Triton's interpreter)."""
-
-    def __init__(self, table, max_tokens: int, columns: int, stream=None):
-        self.table, self.max_tokens, self.stream = table, max_tokens, stream
-        device = table.device
-        self.ids = torch.full((max_tokens * columns,), -1, dtype=torch.int64, device=device)
-        self.rows = torch.zeros((max_tokens * columns, table.row_bytes), dtype=torch.uint8, device=device)
-        self.gathered = torch.cuda.Event() if stream is not None else None
-        self.unreadable: str | None = None  # why the table is not readable now (logged once per outage)

@@ -15,23 +15,20 @@ What a layer placed ``remote`` or ``node`` gets (graph modes ``device``, ``in_gr
   ``staged_rows``; vLLM's own ``Engram.embed`` then joins the ranks' columns, tensor and sequence
   parallelism, as it does for a local table). Between them, one of two paths:
 
-  - graph mode ``device`` (a ``node`` layer's default): the node's table, mapped in this process, is
-    registered with CUDA (``DeviceTable``) and a kernel gathers this rank's columns from it into
-    persistent device buffers, on a side stream forked right after the hasher (vLLM's own Engram
-    prefetch stream where it has one), one event per layer that the layer waits on: as vLLM does for its
-    ``cpu_offload`` tables, and in every vLLM graph mode (captured in FULL graphs; in breakable piecewise
-    graphs the launch and the wait are eager breaks, as vLLM's own, since a fork cannot span segments).
-    No host work at a replay: before every step, ``Worker.execute_model`` (which runs even when the step
-    replays a FULL graph) re-registers a table mapped anew (its daemon restarted) and rewrites the
-    device-side pointer without recapture, or applies the failure policy while none is mapped (``zeros``:
-    the kernel writes zero rows; ``fail``: the step is not run);
-  - graph mode ``in_graph`` (``remote`` layers, and ``node`` layers whose table the GPU cannot read here,
-    where vLLM captures FULL graphs, whose replays run no Python): the engine-neutral graph step of SGLang's
-    decode graphs (:class:`~tableclient.graphstep.GraphStep`): ``prepare_embeddings`` copies this rank's
-    columns into persistent ids and publishes them to the host (ids, then a flag), ``_ready_rows`` waits for
-    the layer's rows flag, copies the staged rows and dequantizes them; ``Worker.execute_model`` arms each
-    step for its real tokens (``execute_dummy_batch``, a data-parallel dummy: 0) and the native poller
-    gathers the live ids meanwhile (policy ``fail`` is checked after the forward is launched);
+  - graph modes ``device`` and ``in_graph``: the engine-neutral graph step of SGLang's decode graphs
+    (:class:`~tableclient.graphstep.GraphStep`, one per placement): ``prepare_embeddings`` copies this rank's
+    columns into persistent ids (padding columns dead) and hands them to it, ``_ready_rows`` takes the layer's
+    rows from it and dequantizes them; captured in FULL graphs, eager breaks in breakable piecewise ones (a fork
+    cannot span segments), run inline otherwise. ``device`` (a ``node`` layer's default): the node's table,
+    mapped in this process, is registered with CUDA (``DeviceTable``) and a kernel gathers this rank's columns
+    from it on a side stream, one event per layer that the layer waits on, as vLLM does for its ``cpu_offload``
+    tables. ``in_graph`` (``remote`` layers, and ``node`` layers whose table the GPU cannot read on some rank,
+    where vLLM captures FULL graphs, whose replays run no Python): the ids go to the host (ids, then a flag),
+    the poller (the native one where every rank can run it) gathers the live ids, the layer waits for its rows
+    flag. ``Worker.execute_model`` (which
+    runs even when the step replays a FULL graph) arms each step for its real tokens: a device table mapped
+    anew (its daemon restarted) is registered again and its device-side pointer rewritten without recapture,
+    and a table not mapped reads as zero rows;
   - otherwise (``eager_break``): this rank's
     columns copied to the host, the gather issued (``EngramRows.issue``), then waited for, copied to the
     device and dequantized (``EngramRows.collect``), both in functions decorated with vLLM's
@@ -50,6 +47,17 @@ freed host memory goes unused (no ``--kv-offloading-size``) one warning names th
 and where ``--kv-offloading-size`` asks more than this host has once the plugin's staging is allocated (vLLM
 itself checks none: it pins what it is told), one warning says so before vLLM allocates it.
 
+Ranks (tensor parallelism) agree: each layer's graph mode and the poller are decided once at start-up over the
+tensor-parallel group (:mod:`tableclient.engine.ranks`: a device table that one rank cannot register puts the layer
+on the host path on every rank), and each step every served layer's rows-ok is reduced inside the step with vLLM's
+all-reduce, the rows masked by it (all ranks serve the table's rows, or all the policy's); the outcome is checked
+where vLLM reads the step's results (``Worker.sample_tokens``, or its async output's ``get_output``), so policy
+``fail`` raises on every rank at the same step. An ``arm()`` that fails fails that step only (every GraphStep
+reset). Refused at start-up with one line: pipeline parallelism (a stage holding a layer returns no results to
+check its rows by). A data-parallel dummy batch (``execute_dummy_batch``) is armed for 0 tokens and every
+GraphStep reset after it: its graph may or may not publish ids (vLLM's dummy run skips the hasher outside FULL
+replays).
+
 The plugin sets no attribute of its own on vLLM's objects: the wrappers it put on vLLM are in
 ``_wrappers``, and which layer an ``Engram`` was built as, and whether it is served, in the process's
 :class:`~tableclient.engine.plugin.PluginState` (weakly held).
@@ -65,6 +73,7 @@ import weakref
 from tableclient.engine import memory
 from tableclient.engine.config import PluginConfig
 from tableclient.engine.plugin import PluginError, PluginState, check_layout, check_placement, check_release
+from tableclient.engine.ranks import Ranks, agree_pollers, describe, register_tables
 from tableclient.hostmem import GIB, Parallel, process_bytes, staging_bytes, table_bytes, vllm_private_bytes
 
 log = logging.getLogger("tableclient.vllm")
@@ -86,15 +95,15 @@ GRAPH_MODES = ("device", "in_graph", "eager_break")
 OFFLOAD_FLAG = "--kv-offloading-size G --kv-offloading-backend native"
 
 _state = PluginState("vllm", dead_id=DEAD_ID)
-_eager: dict = {}  # issue / collect / launch / join / publish / rows in vLLM's eager_break_during_capture (patch)
+_eager: dict = {}  # issue / collect / publish / rows in vLLM's eager_break_during_capture (patch)
 _wrappers: dict = {}  # each wrapper patch() put on vLLM -> (its hook, vLLM's function under it)
-# graph mode device, this configuration's: table name -> DeviceTable (one registration per table), the
-# embeddings gathered by the GPU (refreshed before every step), device -> the side stream where vLLM has none
-_device: dict = {"tables": {}, "layers": weakref.WeakSet(), "streams": {}}
-# graph mode in_graph (remote layers under FULL graphs): placement -> GraphStep (built at the first forward,
-# vLLM's profile run, before any capture), layer -> its persistent device ids, and whether a forward runs
-# inside a step Worker armed (its flags live) rather than a start-up warm-up (copies only); the steps run
-# whose outcome is still to check where their results are read ((placement, step number), oldest first)
+# graph mode device, this configuration's: table name -> DeviceTable (one registration per table, agreed by the
+# ranks when the layer is built; its GraphStep reads it, this configuration closes it)
+_device: dict = {"tables": {}}
+# graph modes device and in_graph: placement -> GraphStep (built at the first forward, vLLM's profile run, before
+# any capture), layer -> its persistent device ids, and whether a forward runs inside a step Worker armed (its
+# flags live) rather than a start-up warm-up (copies only); the layers served through them; the steps run whose
+# outcome is still to check where their results are read ((placement, step number), oldest first)
 _graph: dict = {"steps": None, "ids": {}, "in_step": False, "pending": None, "layers": weakref.WeakSet(),
                 "armed": [], "replayed": []}  # fmt: skip
 
@@ -109,22 +118,26 @@ def rows():
 
 def configure(cfg: PluginConfig, client_factory=None):
     """Makes ``cfg`` this process's configuration (layers built from now on follow it)."""
+    close_graphs()  # first: they read the device tables
+    _graph["layers"].clear()
     for table in _device["tables"].values():  # unregistered before the clients that map them close
         table.close()
     _device["tables"].clear()
-    _device["layers"].clear()
-    close_graphs()
-    _graph["layers"].clear()
     return _state.configure(cfg, client_factory)
 
 
 def graph_steps() -> dict | None:
-    """placement -> the GraphStep of the in_graph layers (None until the first forward reaches one)."""
+    """placement -> the GraphStep of the device and in_graph layers (None until the first forward reaches one)."""
     return _graph["steps"]
 
 
+def device_tables() -> dict:
+    """table name -> the DeviceTable its device layers read (registered where every rank could register it)."""
+    return dict(_device["tables"])
+
+
 def close_graphs() -> None:
-    """The in_graph layers' GraphSteps closed (a graph replayed after this waits for nobody)."""
+    """The device and in_graph layers' GraphSteps closed (a graph replayed after this waits for nobody)."""
     steps, _graph["steps"] = _graph["steps"], None
     _graph["ids"].clear()
     _graph["armed"], _graph["replayed"] = [], []
@@ -232,9 +245,7 @@ def patch() -> None:
         engram.EngramBatch.create = staticmethod(_as_function(_batch_create, engram.EngramBatch.create))
     _eager["issue"] = eager(_issue)
     _eager["collect"] = eager(_collect)
-    _eager["launch"] = eager(_launch)
-    _eager["join"] = eager(_join)
-    _eager["publish"] = eager(_publish)  # in_graph: captured in FULL graphs, between segments in breakable ones
+    _eager["publish"] = eager(_publish)  # device, in_graph: captured in FULL graphs, between segments in breakable
     _eager["rows"] = eager(_graph_rows)
     _state.hooks_in_place = True
 
@@ -266,6 +277,7 @@ def _create_embedding(original, self, layout, layer_hash_index):
 
     from tableclient.vllm.embedding import RemoteEngramEmbedding
 
+    check_parallel()
     cfg = config()
     placement = cfg.placement(layer)
     device = placement == "node" and cfg.graph_mode(layer) == "device"
@@ -285,10 +297,12 @@ def _create_embedding(original, self, layout, layer_hash_index):
     )
     # the table must be this layer's (rows, row size) before anything else is built: EngramRowsError if not
     served_layer = rows().add_layer(layer, placement, num_embeddings, layout.head_dim, columns=embed.part_n_hash_cols)
-    if device:
-        why = _device_rows(self, embed, served_layer)
+    if device:  # registered with CUDA here, where every rank of the tensor-parallel group can (one MIN over them)
+        why = register_tables(
+            tp_ranks(), rows().client("node"), {layer: served_layer.table}, embed.weight.device, _device["tables"]
+        ).get(layer)
         if why is not None:  # inside FULL graphs on the host then, else the eager break and its graph modes
-            in_graph = _takes_in_graph(cfg, layer, explicit=False)
+            device, in_graph = False, _takes_in_graph(cfg, layer, explicit=False)
             log.warning(
                 "tableserver plugin: Engram layer %d: graph mode 'device' unavailable (%s): falls back to %s",
                 layer,
@@ -297,10 +311,9 @@ def _create_embedding(original, self, layout, layer_hash_index):
             )
             if not in_graph:
                 _check_graphs(layer, placement, why)
-    embed.in_graph = in_graph
-    if in_graph:
+    embed.graph_mode = served_layer.graph_mode = "device" if device else "in_graph" if in_graph else "eager_break"
+    if embed.graph_mode != "eager_break":
         _graph["layers"].add(embed)
-    served_layer.graph_mode = "in_graph" if in_graph else "device" if embed.device_rows is not None else "eager_break"
     _state.built(self, layer, served=True)
     _state.table_not_allocated(_vllm_table(layer, placement, sum(heads[embed.head_start : embed.head_end]), layout))
     log.info(
@@ -312,7 +325,7 @@ def _create_embedding(original, self, layout, layer_hash_index):
         embed.head_start,
         embed.head_end - 1,
         "gathered by the GPU in vLLM's graphs (device)"
-        if embed.device_rows is not None
+        if device
         else "gathered on the host, waited for inside vLLM's graphs (in_graph)"
         if in_graph
         else "gathered on the host in vLLM's eager break",
@@ -320,38 +333,35 @@ def _create_embedding(original, self, layout, layer_hash_index):
     return embed
 
 
-def _device_rows(engram, embed, served) -> str | None:
-    """Graph mode device for ``embed``: its table registered with CUDA (once per table), its persistent
-    device buffers (vLLM's tokens per step, this rank's columns) and the side stream. Returns None, or
-    why the GPU cannot read the table here (logged in one line; the layer then takes the eager break)."""
-    import torch
-    from vllm.config import get_current_vllm_config
+def tp_ranks() -> Ranks:
+    """vLLM's tensor-parallel group, for the decisions its ranks take alike at start-up (its CPU group: gloo); one
+    rank where there are no process groups (layers built outside vLLM's workers)."""
+    try:
+        from vllm.distributed import get_tp_group
 
-    from tableclient.devicetable import DeviceTable
-    from tableclient.streamops import GraphStepError
-    from tableclient.vllm.embedding import DeviceRows
+        group = get_tp_group()
+    except (ImportError, AssertionError):
+        return Ranks()
+    return Ranks(group.world_size, group.rank_in_group, group.cpu_group)
 
-    device = embed.weight.device  # where vLLM builds the model
-    table = _device["tables"].get(served.table)
-    if table is None:
-        try:
-            table = DeviceTable(rows().client("node"), served.table, device)
-        except GraphStepError as e:  # DeviceTableUnavailable, or no CUDA driver bindings
-            return str(e)
-        _device["tables"][served.table] = table
-    stream = None
-    if device.type == "cuda":  # vLLM's Engram prefetch stream (cpu_offload), else one of ours per device
-        # vLLM 0.33.0 (pinned, checked at start-up) keeps its Engram prefetch stream there and has no public
-        # name for it: sharing it orders our kernels with its own prefetches, as its cpu_offload does
-        stream = getattr(engram, "_prefetch_stream", None)
-        if stream is None:
-            stream = _device["streams"].get(device)
-            if stream is None:
-                stream = _device["streams"][device] = torch.cuda.Stream(device=device)
-    max_tokens = get_current_vllm_config().scheduler_config.max_num_batched_tokens  # vLLM's staged_rows
-    embed.device_rows = DeviceRows(table, max_tokens, embed.part_n_hash_cols, stream)
-    _device["layers"].add(embed)
-    return None
+
+def check_parallel() -> None:
+    """PluginError (one line, the flag) for a parallel layout whose steps the plugin cannot check: pipeline
+    parallelism. The stage holding a served layer returns intermediate tensors, not the results where a step's
+    outcome is checked, and the last stage, which returns them, holds no layer's outcome: a step served the
+    policy's rows would be read."""
+    try:
+        from vllm.distributed import get_pp_group
+
+        stages = get_pp_group().world_size
+    except (ImportError, AssertionError):  # no process groups (layers built outside vLLM's workers)
+        return
+    if stages > 1:
+        raise PluginError(
+            f"tableserver plugin: served Engram layers do not handle pipeline parallelism ({stages} stages: the stage "
+            "holding a layer returns no results to check its rows by): launch vLLM with --pipeline-parallel-size 1 "
+            "(--tensor-parallel-size instead), or place every Engram layer 'local'"
+        )
 
 
 def _vllm_table(layer: int, placement: str, rows_here: int, layout) -> memory.FreedTable:
@@ -445,12 +455,10 @@ def _prepare_embeddings(original, self, hash_ids):
     if layer is None:
         return original(self, hash_ids)
     assert self.staged_rows.shape[0] >= hash_ids.shape[0], "engram staging buffer too small"
-    if self.embed_tokens.device_rows is not None:
-        _eager["launch"](self.embed_tokens, hash_ids)
-    elif self.embed_tokens.in_graph:
-        _eager["publish"](self, hash_ids)
-    else:
+    if self.embed_tokens.graph_mode == "eager_break":
         _eager["issue"](self, hash_ids)
+    else:
+        _eager["publish"](self, hash_ids)
     return None
 
 
@@ -459,32 +467,40 @@ def _ready_rows(original, self, num_tokens):
     if layer is None:
         return original(self, num_tokens)
     rows_out = self.staged_rows[:num_tokens]
-    embed = self.embed_tokens
-    if embed.device_rows is not None:
-        _eager["join"](embed)
-        embed.dequantize_gathered(rows_out)  # captured with the layer, after the wait
-    elif embed.in_graph:
-        _eager["rows"](self, rows_out)
-    else:
+    if self.embed_tokens.graph_mode == "eager_break":
         _eager["collect"](self, rows_out)
+    else:
+        _eager["rows"](self, rows_out)
     return rows_out
 
 
-# ---------------------------------------------------------------------- graph mode in_graph
+# ---------------------------------------------------------------------- graph modes device and in_graph
 def _graph_step(engram):
-    """The GraphStep of the layer's placement: every in_graph layer's, built at the first forward that
-    reaches one (vLLM's profile run, before it captures anything), sized by vLLM's staged rows."""
+    """The GraphStep of the layer's placement: every device and in_graph layer's, built at the first forward that
+    reaches one (vLLM's profile run, before it captures anything, on every rank), sized by vLLM's staged rows; the
+    same poller on every rank (:func:`~tableclient.engine.ranks.agree_pollers`), the decision logged once."""
     steps = _graph["steps"]
     if steps is None:
+        import torch
+
         staged = engram.staged_rows
         agree, ranks = tp_agreement()
-        steps = _graph["steps"] = rows().graph_steps(
-            staged.shape[0], staged.device, side_stream=False, modes=("in_graph",),
-            rows_per_token=engram.embed_tokens.part_n_hash_cols, agree=agree,
-            results_check=rows().config.policy == "fail" or agree is not None,
-        )  # fmt: skip
+
+        def build(placements=None, poller="auto"):
+            with torch.inference_mode(False):  # the host updates them between steps, outside vLLM's inference mode
+                return rows().graph_steps(
+                    staged.shape[0], staged.device, modes=("in_graph", "device"), tables=_device["tables"],
+                    rows_per_token=engram.embed_tokens.part_n_hash_cols, agree=agree,
+                    results_check=rows().config.policy == "fail" or agree is not None, poller=poller,
+                    placements=placements,
+                )  # fmt: skip
+
+        group = tp_ranks()
+        steps = _graph["steps"] = agree_pollers(group, build(), lambda redo: build(redo, poller="python"))
+        if group.first:
+            log.info("tableserver plugin: served layers in vLLM's graphs: %s", describe(steps, group))
         if agree is not None:
-            log.info("tableserver plugin: the %d tensor-parallel ranks agree each step on whether every in_graph "
+            log.info("tableserver plugin: the %d tensor-parallel ranks agree each step on whether every served "
                      "layer's rows are the table's (else all serve the policy's)", ranks)  # fmt: skip
         tokens, _graph["pending"] = _graph["pending"], None
         if tokens is not None:  # built inside a step Worker runs (no profile run before it): armed now
@@ -519,16 +535,18 @@ def _live(t) -> bool:
 
 def _publish(engram, hash_ids) -> None:
     """Step start, in the forward (captured in FULL graphs): this rank's columns into the layer's persistent
-    device ids (padding columns dead), then published to the host for the poller (ids, then its flag)."""
+    device ids (padding columns dead), then to its GraphStep: a device layer's kernel launched on the side stream,
+    an in_graph layer's ids published to the host for the poller (ids, then its flag)."""
     import torch
 
     embed, step = engram.embed_tokens, _graph_step(engram)
     tokens, part = hash_ids.shape[0], embed.part_n_hash_cols
     buf = _graph["ids"].get(embed.layer)
     if buf is None:
-        buf = _graph["ids"][embed.layer] = torch.full(
-            (engram.staged_rows.shape[0], part), DEAD_ID, dtype=torch.int64, device=hash_ids.device
-        )
+        with torch.inference_mode(False):  # a normal tensor: any forward writes it, in vLLM's inference mode or not
+            buf = _graph["ids"][embed.layer] = torch.full(
+                (engram.staged_rows.shape[0], part), DEAD_ID, dtype=torch.int64, device=hash_ids.device
+            )
     ids = buf[:tokens]
     owned = embed.head_end - embed.head_start
     ids[:, :owned].copy_(hash_ids[:, embed.head_start : embed.head_end])
@@ -536,30 +554,19 @@ def _publish(engram, hash_ids) -> None:
 
 
 def _graph_rows(engram, out) -> None:
-    """The layer runs (captured in FULL graphs): waits for its rows flag, then dequantizes the staged rows."""
+    """The layer runs (captured in FULL graphs): its rows from its GraphStep (a device layer's gather joined, an
+    in_graph layer's rows flag waited for; the ranks' agreement on them reduced), dequantized."""
     embed, step = engram.embed_tokens, _graph_step(engram)
     tokens = out.shape[0]
     packed = step.rows(embed.layer, tokens, graph=_live(out))
     embed.dequantize_into(packed.view(tokens, embed.part_n_hash_cols, -1), out)
 
 
-def _launch(embed, hash_ids) -> None:
-    """Graph mode device, step start: the layer's gather launched on the side stream (captured in FULL
-    graphs; between segments in breakable ones). No host sync, and nothing kept for a replay to need."""
-    embed.launch(hash_ids)
-
-
-def _join(embed) -> None:
-    """Graph mode device, the layer runs: the current stream waits for its gather's event."""
-    embed.join()
-
-
 def _execute_model(original, self, scheduler_output):
-    """vLLM's Worker, every step (the host runs it whether the step replays a graph or not): the device layers'
-    tables checked, the in_graph layers armed for the step's real tokens, the forward. Their outcome (policy
-    fail, the ranks' agreement) is checked where the step's results are read: :func:`_sample_tokens`."""
+    """vLLM's Worker, every step (the host runs it whether the step replays a graph or not): the served layers'
+    GraphSteps armed for the step's real tokens (device tables checked), the forward. Their outcome (policy fail,
+    the ranks' agreement) is checked where the step's results are read: :func:`_sample_tokens`."""
     tokens = scheduler_output.total_num_scheduled_tokens
-    before_step(tokens)
     return _checked(_armed(original, tokens, False, self, scheduler_output))
 
 
@@ -569,10 +576,10 @@ def _sample_tokens(original, self, grammar_output):
 
 
 def _checked(out):
-    """A step's output, once it is one (``execute_model`` returns None before ``sample_tokens``): the in_graph
-    steps it ran are checked as its results are read: at once for a ModelRunnerOutput (its tokens are on
-    the host), in ``get_output()`` for an AsyncModelRunnerOutput (vLLM's async scheduling, which reads it a
-    step later). Policy fail: PluginError naming the layer; the output is never read."""
+    """A step's output, once it is one (``execute_model`` returns None before ``sample_tokens``): the steps it
+    ran are checked as its results are read: at once for a ModelRunnerOutput (its tokens are on the host), in
+    ``get_output()`` for an AsyncModelRunnerOutput (vLLM's async scheduling, which reads it a step later).
+    Policy fail: PluginError naming the layer; the output is never read."""
     import importlib
 
     if out is None or not _graph["replayed"]:
@@ -621,28 +628,45 @@ def _checked_output_class():
 
 
 def _execute_dummy_batch(original, self):
-    """A data-parallel replica with nothing to run joins its peers' step with a dummy batch: its graph
-    publishes ids nobody needs, armed for 0 tokens (released at once, no row read)."""
-    return _armed(original, 0, True, self)
+    """A data-parallel replica with nothing to run joins its peers' step with a dummy batch, armed for 0 tokens
+    (released at once, no row read). vLLM's dummy run hashes nothing outside FULL replays: its graph may never
+    publish the ids it was armed for, so every GraphStep is reset after it (the device's work done, no step
+    left armed; the next real step's arm starts clean)."""
+    try:
+        return _armed(original, 0, True, self)
+    finally:
+        _reset_steps()
+
+
+def _reset_steps() -> None:
+    """Every GraphStep back to no step armed, flags clear, its outcome count that of the steps armed."""
+    for step in (_graph["steps"] or {}).values():
+        step.reset()
 
 
 def _armed(original, tokens: int, dummy: bool, *args):
-    """``original(*args)`` as a step of ``tokens`` tokens for the in_graph layers (a dummy batch: 0 tokens;
-    a step of none runs no forward)."""
+    """``original(*args)`` as a step of ``tokens`` tokens for the device and in_graph layers (a dummy batch: 0
+    tokens; a step of none runs no forward). An ``arm()`` that fails fails this step only: PluginError before the
+    forward, every GraphStep reset (the next step is armed afresh, its outcome where the check looks for it)."""
     if not _graph["layers"] or (tokens <= 0 and not dummy):
         return original(*args)
     from tableclient.streamops import GraphStepError
 
     steps = _graph["steps"]
     if steps is None:
-        _graph["pending"] = tokens  # the GraphSteps are built at this step's first in_graph layer, then armed
-    _graph["armed"] = [(placement, step.arm(tokens)) for placement, step in (steps or {}).items()]
+        _graph["pending"] = tokens  # the GraphSteps are built at this step's first served layer, then armed
+    try:
+        _graph["armed"] = [(placement, step.arm(tokens)) for placement, step in (steps or {}).items()]
+    except Exception as e:  # a GraphStepError (the last step never consumed, the step closed), or the tokens
+        _reset_steps()
+        _graph["armed"] = []
+        raise PluginError(f"tableserver plugin: this step could not be armed ({e}): it is not run") from None
     _graph["in_step"] = True
     try:
         out = original(*args)
     except BaseException:
-        for step in (_graph["steps"] or {}).values():
-            step.reset()  # armed, maybe never replayed: no flag may stay set for the next step
+        _graph["armed"] = []
+        _reset_steps()  # armed, maybe never replayed: no flag may stay set for the next step
         raise
     finally:
         _graph["in_step"], _graph["pending"] = False, None
@@ -659,49 +683,6 @@ def _armed(original, tokens: int, dummy: bool, *args):
         # a step's outcome is held for OUTCOMES - 1 launches: older unread ones are nobody's results
         _graph["replayed"] = (_graph["replayed"] + armed)[-len(armed) * (OUTCOMES - 1) :]
     return out
-
-
-def before_step(tokens: int) -> None:
-    """Before a step of ``tokens`` tokens, on the host: each device layer's table, as mapped now, is what its
-    kernel reads (mapped anew: registered again and the device-side pointer rewritten, no recapture). A
-    table not mapped now (its node down, or restarted on other data) reads as zero rows (pointer 0) and
-    gets the policy: ``zeros`` counts them (``tableserver_client_zero_rows_served_total``, logged once per
-    outage), ``fail`` raises PluginError so the step is not run."""
-    layers = sorted(_device["layers"], key=lambda e: e.layer)
-    if not layers or tokens <= 0:
-        return
-    from tableclient.metrics import metrics
-
-    policy = config().policy
-    readable: dict[int, bool] = {}
-    failed = None
-    for embed in layers:
-        d = embed.device_rows
-        table = d.table
-        if id(table) not in readable:
-            readable[id(table)] = table.refresh()
-        if readable[id(table)]:
-            if d.unreadable is not None:
-                d.unreadable = None
-                log.warning("tableserver plugin: Engram layer %d: table %r readable again", embed.layer, table.name)
-            continue
-        if d.unreadable is None:
-            d.unreadable = table.error
-            log.warning(
-                "tableserver plugin: Engram layer %d: table %r is %s: %s",
-                embed.layer,
-                table.name,
-                table.error,
-                "its steps are not run (policy fail)"
-                if policy == "fail"
-                else "zero rows until it is back (policy zeros)",
-            )
-        if policy == "fail":
-            failed = failed or f"Engram layer {embed.layer}: table {table.name!r} is {table.error}"
-        else:
-            metrics().zero_rows.labels(str(embed.layer)).inc()  # steps, as every path counts
-    if failed is not None:
-        raise PluginError(f"tableserver plugin: {failed}: the step is not run (policy fail)")
 
 
 def _issue(engram, hash_ids) -> None:

@@ -4,8 +4,9 @@
 ``node`` layers in graph mode ``device``: gathered by the plugin's Triton kernel (Triton's interpreter here)
 from the node daemon's mapping, as a GPU reads it once registered; vLLM's ``Worker.execute_model`` (hooked)
 checks their tables before every step, as it does under FULL graphs, where nothing else of the plugin runs on
-the host. ``remote`` layers in graph mode ``in_graph`` (vLLM's FULL graphs): the forward publishes their ids
-and waits for their rows flag (the host stands in for the stream), ``Worker.execute_model`` arms each step.
+the host (the table's refusal under policy fail where vLLM reads the step's results). ``remote`` layers in graph
+mode ``in_graph`` (vLLM's FULL graphs): the forward publishes their ids and waits for their rows flag (the host
+stands in for the stream), ``Worker.execute_model`` arms each step.
 Every graph mode of vLLM against every placement; the failure policies on both host paths.
 """
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import types
 
 import numpy as np
 import pytest
@@ -105,25 +105,6 @@ def graph_mode(vllm_config, mode: str, breakable: bool = True):
             os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = env
 
 
-def dummy_batch(engrams, hasher):
-    """vLLM's own ``Worker.execute_dummy_batch`` (hooked), its model runner's dummy run stepping the layers
-    over vLLM's dummy hashes (every id dead)."""
-    from vllm.v1.worker.gpu_worker import Worker
-
-    assert hooks.hooked(Worker.execute_dummy_batch, hooks._execute_dummy_batch)
-    dummy, keep = hasher.dummy_hashes(torch.zeros(4, dtype=torch.int32))
-    x = torch.zeros((4, HC, HIDDEN), dtype=torch.bfloat16)
-    outs = []
-    worker = object.__new__(Worker)
-    worker.parallel_config = types.SimpleNamespace(data_parallel_size=2)  # a DP replica, as vLLM runs them
-    worker.model_runner = types.SimpleNamespace(
-        uniform_decode_query_len=1,
-        _dummy_run=lambda *a, **k: outs.append(vllm_cpu.step(engrams, dummy, x, keep)),
-    )
-    Worker.execute_dummy_batch(worker)
-    return outs[0]
-
-
 def _in_graph_waits(layer: int) -> float:
     from prometheus_client import REGISTRY
 
@@ -146,7 +127,7 @@ def test_node_layers_are_bit_identical_gathered_by_the_kernel_or_through_the_eag
     node = build(vllm_config, engram_tables, placement={1: "node", 14: "node"}, node_address=memnode.address, **graphs)
     assert hooks.rows().client("node").transport == "shm"
     assert [hooks.rows().layers[layer].graph_mode for layer in LAYERS] == [graph, graph]
-    assert all((e.embed_tokens.device_rows is not None) == (graph == "device") for e in node)
+    assert all(e.embed_tokens.graph_mode == graph for e in node)
     before = shm_rows()
     assert_bit_identical(run(node, hasher), want)
     for hash_ids, x, mask in with_dead_ids(hasher):
@@ -155,7 +136,8 @@ def test_node_layers_are_bit_identical_gathered_by_the_kernel_or_through_the_eag
     gathered = {t: n - before[t] for t, n in shm_rows().items()}
     if graph == "device":
         assert gathered == {t: 0 for t in TABLES}, gathered  # every row came through the kernel
-        assert all(e.embed_tokens.device_rows.table.pointer.item() != 0 for e in node)
+        assert sorted(hooks.graph_steps()["node"].device_tables) == list(LAYERS)
+        assert all(t.pointer.item() != 0 for t in hooks.device_tables().values())
     else:
         assert all(n > 0 for n in gathered.values()), gathered
 
@@ -166,7 +148,8 @@ def test_a_node_restart_is_registered_anew_and_a_node_on_other_data_is_never_rea
 ):
     """Device layers across node daemon restarts, each step through vLLM's Worker.execute_model. The node
     killed: its table is unreadable, the kernel's pointer is 0 and the policy applies (zeros: the layers
-    compute what vLLM's own do over zero tables, counted per row; fail: the step is not run). Restarted on
+    compute what vLLM's own do over zero tables, counted per step; fail: the step's result is refused where vLLM
+    reads it, naming the layer, nothing raised before). Restarted on
     the same data: mapped anew, registered again, the pointer rewritten, bit-identical again, the same
     device buffers (nothing to capture again). Restarted on other data (same names and sizes): refused by
     the client's pinned checksum, never mapped, never read: the policy again."""
@@ -191,10 +174,7 @@ def test_a_node_restart_is_registered_anew_and_a_node_on_other_data_is_never_rea
             timeout=30.0,
         )
         client = hooks.rows().client("node")
-        tables = [e.embed_tokens.device_rows.table for e in served]
-        buffers = [
-            (e.embed_tokens.device_rows.ids.data_ptr(), e.embed_tokens.device_rows.rows.data_ptr()) for e in served
-        ]
+        tables = [hooks.device_tables()[t] for t in TABLES]
         steps = iter(vllm_cpu.decode_steps())
         rng = np.random.default_rng(4)
 
@@ -212,7 +192,7 @@ def test_a_node_restart_is_registered_anew_and_a_node_on_other_data_is_never_rea
             hashes, x, mask = step(served)
             zeros = [zero_rows_served(layer) for layer in LAYERS]
             if policy == "fail":
-                with pytest.raises(hooks.PluginError, match="is not mapped in this process.*the step is not run"):
+                with pytest.raises(hooks.PluginError, match=r"layer 1: step \d+'s rows were not served here"):
                     worker_step(served, hashes, x, mask)
             else:
                 assert_same(worker_step(served, hashes, x, mask), vllm_cpu.step(zero, hashes, x, mask))
@@ -221,6 +201,7 @@ def test_a_node_restart_is_registered_anew_and_a_node_on_other_data_is_never_rea
 
         hashes, x, mask = step(served)
         assert_same(worker_step(served, hashes, x, mask), vllm_cpu.step(local, hashes, x, mask))
+        buffers = hooks.graph_steps()["node"].buffers()
         first = [(t.generation, t.pointer.item()) for t in tables]
         assert all(p == client.reader(t.name).local().ctypes.data for t, (_, p) in zip(tables, first))
 
@@ -234,9 +215,7 @@ def test_a_node_restart_is_registered_anew_and_a_node_on_other_data_is_never_rea
         assert_same(worker_step(served, hashes, x, mask), vllm_cpu.step(local, hashes, x, mask))
         for t, (generation, _) in zip(tables, first):  # registered again (the address itself may be reused)
             assert t.generation > generation + 1 and t.pointer.item() == client.reader(t.name).local().ctypes.data
-        assert [
-            (e.embed_tokens.device_rows.ids.data_ptr(), e.embed_tokens.device_rows.rows.data_ptr()) for e in served
-        ] == buffers
+        assert hooks.graph_steps()["node"].buffers() == buffers
 
         daemons[-1].stop(signal.SIGKILL)
         daemons.append(node("a3", other_tables))  # same names and sizes, other rows
@@ -271,7 +250,7 @@ def test_a_node_table_the_gpu_cannot_read_falls_back_to_the_eager_break_saying_w
         for layer, line in zip(LAYERS, lines):
             assert "\n" not in line and line.startswith(f"tableserver plugin: Engram layer {layer}: ")
             assert "not mapped in this process" in line and line.endswith("falls back to the eager break")
-        assert all(e.embed_tokens.device_rows is None for e in engrams)
+        assert [e.embed_tokens.graph_mode for e in engrams] == ["eager_break", "eager_break"]
         assert [hooks.rows().layers[layer].graph_mode for layer in LAYERS] == ["eager_break", "eager_break"]
         assert_bit_identical(run(engrams, hasher), want)
         assert all(hooks.rows().summary()[layer]["prefetched"] == len(want) for layer in LAYERS)
@@ -302,18 +281,19 @@ def test_every_graph_mode_takes_node_layers_gathered_by_the_gpu_and_remote_ones_
     for breakable in (True, False):
         with graph_mode(vllm_config, mode, breakable):
             engrams = build(vllm_config, engram_tables, **node)
-            assert all(e.embed_tokens.device_rows is not None for e in engrams)
+            assert all(e.embed_tokens.graph_mode == "device" for e in engrams)
             assert [hooks.rows().layers[layer].graph_mode for layer in LAYERS] == ["device", "device"]
             if mode == "PIECEWISE" and breakable:
                 assert build(vllm_config, engram_tables, address=memnode.address)[1].embed_tokens.rows is hooks.rows()
-                assert all(e.embed_tokens.device_rows is None for e in build(vllm_config, engram_tables, **eager_node))
+                eager = build(vllm_config, engram_tables, **eager_node)
+                assert all(e.embed_tokens.graph_mode == "eager_break" for e in eager)
                 continue
             refused = [eager_node]
             if mode == "PIECEWISE":
                 refused.append({"address": memnode.address})
             else:
                 remote = build(vllm_config, engram_tables, address=memnode.address)
-                assert all(e.embed_tokens.in_graph for e in remote)
+                assert all(e.embed_tokens.graph_mode == "in_graph" for e in remote)
                 assert [hooks.rows().layers[layer].graph_mode for layer in LAYERS] == ["in_graph", "in_graph"]
             refusal = "VLLM_USE_BREAKABLE_CUDAGRAPH=1" if mode == "PIECEWISE" else "FULL graphs do not take .*PIECEWISE"
             for options in refused:
@@ -362,7 +342,7 @@ def test_remote_layers_in_full_graphs_wait_for_their_rows_inside_the_graph_bit_i
             live = sum(int((h[:, i] != DEAD_ID).sum()) for h, _ in want)
             assert server_rows(memnode, t) - served[t] == live, t
         served = {t: server_rows(memnode, t) for t in TABLES}
-        assert len(dummy_batch(remote, hasher)) == len(LAYERS)
+        assert len(vllm_cpu.dummy_step(remote, hasher)) == len(LAYERS)
         assert {t: server_rows(memnode, t) for t in TABLES} == served
         for s in steps.values():
             s.account()
@@ -372,16 +352,15 @@ def test_remote_layers_in_full_graphs_wait_for_their_rows_inside_the_graph_bit_i
 
 
 def test_gathers_run_in_vllms_eager_break(plugin):
-    """The host path's issue and wait, and the device path's launch and join, are wrapped by vLLM's
-    eager_break_during_capture, as vLLM's own prefetch: breakable piecewise graphs run them between captured
-    segments at every replay (a side stream's fork cannot span segments); FULL graphs capture them inline."""
+    """The host path's issue and wait, and the graph step's publish and rows (the device path's launch and join),
+    are wrapped by vLLM's eager_break_during_capture, as vLLM's own prefetch: breakable piecewise graphs run them
+    between captured segments at every replay (a side stream's fork cannot span segments); FULL graphs capture them
+    inline."""
     from vllm.compilation.breakable_cudagraph import eager_break_during_capture
 
     for name, fn in (
         ("issue", hooks._issue),
         ("collect", hooks._collect),
-        ("launch", hooks._launch),
-        ("join", hooks._join),
         ("publish", hooks._publish),
         ("rows", hooks._graph_rows),
     ):
@@ -420,7 +399,7 @@ def test_failure_policy_when_the_memory_node_dies(vllm_config, hasher, engram_ta
                 timeout=30.0,
                 **extra,
             )
-        assert remote[1].embed_tokens.in_graph == (graph == "in_graph")
+        assert remote[1].embed_tokens.graph_mode == ("in_graph" if graph == "in_graph" else "eager_break")
         steps = vllm_cpu.decode_steps()
         _, hashes, mask = vllm_cpu.hash_batch(hasher, steps[0])
         x = torch.ones((len(hashes), HC, HIDDEN), dtype=torch.bfloat16)
