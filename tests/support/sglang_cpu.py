@@ -41,8 +41,8 @@ def make_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
-@pytest.fixture(scope="module")
-def model_config():
+def make_model_config():
+    """(SGLang's DeepseekV41Config of the small model, its tokenizer)."""
     tokenizer = make_tokenizer()
     _, compressed = build_compressed_token_map(tokenizer)
     engram = dict(
@@ -60,6 +60,11 @@ def model_config():
         text_config=dict(engram, hidden_size=HIDDEN, hc_mult=HC, rms_norm_eps=1e-6, num_hidden_layers=16)
     )
     return cfg, tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_config():
+    return make_model_config()
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +104,9 @@ def plugin(memnode):
     configure(PluginConfig())  # closes the clients; every layer local again
 
 
-def build(model_config, engram_tables, *, placement=None, address=None, tp=(1, 0), **plugin_options):
-    """SGLang's hasher and Engram layers, loaded the way SGLang loads them; plugin placement or none."""
+def build(model_config, engram_tables, *, placement=None, address=None, tp=(1, 0), parallel=None, **plugin_options):
+    """SGLang's hasher and Engram layers, loaded the way SGLang loads them; plugin placement or none. Built as
+    tensor-parallel rank ``tp`` (size, rank), or under ``parallel`` (SGLang's parallel fields, overridden)."""
     cfg, tokenizer = model_config
     # A memory node is another host: tcp (auto would pick shm, the daemon being on this host).
     plugin_options.setdefault("transport", "tcp")
@@ -113,7 +119,7 @@ def build(model_config, engram_tables, *, placement=None, address=None, tp=(1, 0
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # as SGLang's model loader builds modules
     try:
-        with get_parallel().override(tp_size=tp[0], tp_rank=tp[1]):
+        with get_parallel().override(**(parallel if parallel is not None else {"tp_size": tp[0], "tp_rank": tp[1]})):
             hasher = EngramHasher(layout, tokenizer, cfg.engram_pad_token_id, cfg.engram_compressed_vocab_size)
             engrams = [Engram(cfg, layer, layout, prefix=f"model.layers.{layer}.engram") for layer in LAYERS]
     finally:
@@ -131,6 +137,35 @@ def build(model_config, engram_tables, *, placement=None, address=None, tp=(1, 0
                 p = params[name]
                 p.weight_loader(p, part.contiguous().view(p.dtype))
     return hasher, engrams
+
+
+class DecodeModel(torch.nn.Module):
+    """What ModelRunner.model is to SGLang's decode graph runner: the module tree holding the hasher and the
+    Engram layers."""
+
+    def __init__(self, hasher, engrams):
+        super().__init__()
+        self.hasher, self.engrams = hasher, torch.nn.ModuleList(engrams)
+
+
+def decode_runner(model, backend=None, max_bs: int = 8, **flags):
+    """SGLang's DecodeCudaGraphRunner, without the __init__ that would capture on a GPU: the attributes the plugin
+    reads, as __init__ sets them (``backend``: SGLang's backend class, FullCudaGraphBackend by default)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+    from sglang.srt.model_executor.runner_backend.full_cuda_graph_backend import FullCudaGraphBackend
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    backend = backend or FullCudaGraphBackend
+    runner = DecodeCudaGraphRunner.__new__(DecodeCudaGraphRunner)
+    runner.model_runner = SimpleNamespace(model=DecodeModel(*model))
+    runner.backend = backend.__new__(backend)
+    runner.max_bs, runner.captured_req_width = max_bs, 1
+    runner.speculative_algorithm = flags.get("speculative_algorithm", SpeculativeAlgorithm.NONE)
+    runner.enable_two_batch_overlap = flags.get("enable_two_batch_overlap", False)
+    runner.enable_pdmux = flags.get("enable_pdmux", False)
+    return runner
 
 
 def table_bytes(engram) -> int:

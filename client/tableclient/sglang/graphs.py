@@ -21,6 +21,13 @@ then ``backend.replay``). The plugin therefore works in two places:
   ``--cuda-graph-backend-decode breakable``) run between captured segments, as SGLang's own breakable
   prefill runs its Engram lookup.
 
+Ranks (tensor parallelism, DP attention's ranks included) agree: each layer's graph mode and the poller are decided
+once, before capture, over the tensor-parallel group (:mod:`tableclient.engine.ranks`: a device table one rank cannot
+register puts the layer before_replay on every rank), and each replay reduces every layer's rows-ok inside the graph,
+its rows masked by it; the outcome is checked where the scheduler processes the batch's result. A replay of no real
+tokens (an idle batch of DP attention, which replays the graph beside its peers' decode) gathers nothing and its
+before_replay layers' rows count as the table's: an idle rank never masks its peers' rows by an earlier step's outcome.
+
 Refused at start-up: speculative decoding (its verify graphs hash blocks and commit after accept),
 two-batch overlap and PDMux (several graph sets per step, one staging).
 
@@ -35,6 +42,7 @@ import logging
 import weakref
 
 from tableclient.engine.plugin import PluginError
+from tableclient.engine.ranks import Ranks, agree_pollers, describe, register_tables
 from tableclient.engine.rows import EngramRowsError, dequantize, to_device
 
 log = logging.getLogger("tableclient.sglang")
@@ -46,10 +54,12 @@ class _Session:
     """The decode graphs of one runner: what they touch, and where a capture or a replay stands. ``rows``:
     the process's :class:`~tableclient.engine.rows.EngramRows` they were prepared with."""
 
-    def __init__(self, runner, hasher, rows, steps: dict, layers: dict, breakable: bool, max_tokens: int):
+    def __init__(self, runner, hasher, rows, steps: dict, layers: dict, breakable: bool, max_tokens: int,
+                 tables: dict | None = None):  # fmt: skip
         import torch
 
         self.runner, self.hasher, self.rows, self.steps, self.layers = runner, hasher, rows, steps, layers
+        self.tables = tables or {}  # the device layers' tables (name -> DeviceTable), closed with the session
         self.breakable, self.max_tokens = breakable, max_tokens
         self.capturing = False  # inside DecodeCudaGraphRunner.capture (warm-ups and captures)
         self.peeking = False  # the hasher runs for the ids before a replay: no eager prefetch of its own
@@ -160,17 +170,24 @@ def prepare(runner, rows) -> _Session | None:
         )
     tokens = int(runner.max_bs) * int(getattr(runner, "captured_req_width", 1))
     device = hashers[0].history.device
+    device = device if device.type == "cuda" else torch.device("cpu")
     breakable = type(runner.backend).__name__ == "BreakableCudaGraphBackend"
+    group = tp_ranks()
+    tables = _device_tables(group, rows, device)
     # a breakable graph is several graphs: a device layer's kernel stays on the capturing stream there
     agree, ranks = tp_agreement()
-    steps = rows.graph_steps(
-        tokens, device if device.type == "cuda" else torch.device("cpu"), side_stream=not breakable, agree=agree,
-        results_check=rows.config.policy == "fail" or agree is not None,
-    )  # fmt: skip
+
+    def build(placements=None, poller="auto"):
+        return rows.graph_steps(
+            tokens, device, side_stream=not breakable, agree=agree, tables=tables, poller=poller,
+            results_check=rows.config.policy == "fail" or agree is not None, placements=placements,
+        )  # fmt: skip
+
+    steps = agree_pollers(group, build(), lambda redo: build(redo, poller="python"))
     if agree is not None:
         log.info("tableserver plugin: the %d tensor-parallel ranks agree each step on whether every served "
                  "layer's rows are the table's (else all serve the policy's)", ranks)  # fmt: skip
-    s = _Session(runner, hashers[0], rows, steps, dict(rows.layers), breakable, tokens)
+    s = _Session(runner, hashers[0], rows, steps, dict(rows.layers), breakable, tokens, tables)
     _session["active"] = s
     interval = rows.config.switch_interval
     if interval and any(sl.graph_mode == "in_graph" for sl in rows.layers.values()):
@@ -183,28 +200,56 @@ def prepare(runner, rows) -> _Session | None:
             interval,
         )
         sys.setswitchinterval(interval)
-    log.info(
-        "tableserver plugin: decode CUDA graphs of up to %d tokens: %s",
-        tokens,
-        ", ".join(f"layer {layer} {s.mode(layer)}" for layer in sorted(rows.layers)),
-    )
+    if group.first:
+        eager = [f"layer {layer} eager_break" for layer in sorted(rows.layers) if s.mode(layer) == "eager_break"]
+        log.info(
+            "tableserver plugin: decode CUDA graphs of up to %d tokens: %s",
+            tokens,
+            "; ".join(x for x in (describe(steps, group), ", ".join(eager)) if x),
+        )
     return s
+
+
+def _device_tables(group: Ranks, rows, device) -> dict:
+    """The device layers' tables registered with CUDA where every rank of ``group`` can register them (name ->
+    DeviceTable); a layer refused on any rank is gathered before_replay on every one, each rank saying why."""
+    wanted = {layer: sl.table for layer, sl in rows.layers.items() if sl.graph_mode == "device"}
+    tables: dict = {}
+    if not wanted:  # the same on every rank: the configuration places the device layers
+        return tables
+    for layer, why in register_tables(group, rows.client("node"), wanted, device, tables).items():
+        log.warning("tableserver plugin: Engram layer %d: graph mode 'device' unavailable (%s): its rows are gathered "
+                    "before_replay", layer, why)  # fmt: skip
+        rows.layers[layer].graph_mode = "before_replay"
+    return tables
+
+
+def tp_ranks() -> Ranks:
+    """SGLang's tensor-parallel group, for the decisions its ranks take alike at start-up (its CPU group: gloo); one
+    rank where there are no process groups (a runner built outside SGLang's launcher)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        group = get_parallel().tp_group
+    except (RuntimeError, ValueError):  # not written in this process: no groups built
+        return Ranks()
+    if group is None:
+        return Ranks()
+    return Ranks(group.world_size, group.rank_in_group, group.cpu_group)
 
 
 def tp_agreement():
     """(agree, ranks): over SGLang's tensor-parallel group, with its own capturable all-reduce, where it has
-    more than one rank (the ranks' rows of a layer meet in its collectives); (None, 1) otherwise."""
+    more than one rank (the ranks' rows of a layer meet in its collectives); (None, 1) otherwise. (SGLang
+    0.5.23's ``sglang.srt.distributed`` does not export its world-size getter: the group says it.)"""
     from tableclient.graphstep import min_from_sum
 
-    try:
-        from sglang.srt.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
+    group = tp_ranks()
+    if group.size <= 1:
+        return None, 1
+    from sglang.srt.distributed import tensor_model_parallel_all_reduce
 
-        ranks = get_tensor_model_parallel_world_size()
-    except (ImportError, AssertionError):  # no process groups (a runner built outside SGLang's launcher)
-        return None, 1
-    if ranks <= 1:
-        return None, 1
-    return min_from_sum(tensor_model_parallel_all_reduce, ranks), ranks
+    return min_from_sum(tensor_model_parallel_all_reduce, group.size), group.size
 
 
 # ---------------------------------------------------------------------- every step (host)
@@ -230,13 +275,19 @@ def peek_hash_ids(hasher, scratch, input_ids, forward_batch):
 def before_replay(s: _Session, forward_batch, tokens: int) -> None:
     """The host's part of a step, once SGLang has loaded the batch into the graph's buffers and before it
     replays the graph: ``tokens`` real tokens (the padded bucket's rows are never fetched)."""
+    import numpy as np
+
     s.tokens = tokens
     pre = {layer: sl for layer, sl in s.layers.items() if sl.graph_mode == "before_replay"}
-    if pre and tokens:
-        ids = peek_hash_ids(s.hasher, s.scratch, forward_batch.input_ids[:tokens], forward_batch).to("cpu")
+    if pre:  # no real token (an idle batch): nothing gathered, the rows' outcome the table's all the same
+        ids = None
+        if tokens:
+            ids = peek_hash_ids(s.hasher, s.scratch, forward_batch.input_ids[:tokens], forward_batch).to("cpu")
         by_placement: dict = {}
         for layer, sl in pre.items():
-            by_placement.setdefault(sl.placement, {})[layer] = ids[:, sl.hash_index].numpy()
+            by_placement.setdefault(sl.placement, {})[layer] = (
+                ids[:, sl.hash_index].numpy() if ids is not None else np.zeros((0, 24), dtype=np.int64)
+            )
         for placement, row_ids in sorted(by_placement.items(), key=lambda kv: min(s.layers[k].window_s for k in kv[1])):
             s.steps[placement].before_replay(row_ids)
     s.armed = {placement: step.arm(tokens) for placement, step in s.steps.items()}
@@ -382,3 +433,5 @@ def close() -> None:
     if s is not None:
         for step in s.steps.values():
             step.close()
+        for table in s.tables.values():  # after the GraphSteps that read them
+            table.close()

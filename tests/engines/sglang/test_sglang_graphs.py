@@ -32,6 +32,7 @@ from sglang_cpu import (  # noqa: E402,F401  (fixtures: one memory node and SGLa
     build,
     conversation,
     decode_batch,
+    decode_runner,
     engram_tables,
     forward,
     memnode,
@@ -42,29 +43,8 @@ from sglang_cpu import (  # noqa: E402,F401  (fixtures: one memory node and SGLa
 from tableclient.sglang import graphs, hooks, rows  # noqa: E402
 
 
-class _Model(torch.nn.Module):
-    """What ModelRunner.model is to the runner: the module tree holding the hasher and the Engram layers."""
-
-    def __init__(self, hasher, engrams):
-        super().__init__()
-        self.hasher, self.engrams = hasher, torch.nn.ModuleList(engrams)
-
-
 def runner_for(model, backend=FullCudaGraphBackend, max_bs: int = 8, **flags):
-    """SGLang's DecodeCudaGraphRunner, without the __init__ that would capture on a GPU: the attributes
-    the plugin reads, as __init__ sets them."""
-    from types import SimpleNamespace
-
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
-    runner = DecodeCudaGraphRunner.__new__(DecodeCudaGraphRunner)
-    runner.model_runner = SimpleNamespace(model=_Model(*model))
-    runner.backend = backend.__new__(backend)
-    runner.max_bs, runner.captured_req_width = max_bs, 1
-    runner.speculative_algorithm = flags.get("speculative_algorithm", SpeculativeAlgorithm.NONE)
-    runner.enable_two_batch_overlap = flags.get("enable_two_batch_overlap", False)
-    runner.enable_pdmux = flags.get("enable_pdmux", False)
-    return runner
+    return decode_runner(model, backend, max_bs, **flags)
 
 
 def capture(runner, model):

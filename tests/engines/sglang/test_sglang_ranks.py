@@ -1,0 +1,130 @@
+"""Tensor-parallel ranks in the released SGLang (0.5.23, pinned): two ranks in two processes over gloo
+(tests/support/sglang_ranks.py), each with SGLang's own process groups, plugin loading, hasher, Engram layers and
+decode graph runner class. Every test reads the one run of the rank processes: ranks agree, or all stop together
+(issue 50, items 13-16)."""
+
+from __future__ import annotations
+
+import pytest
+import torchvision_cpu  # noqa: F401  (before sglang: torchvision on a CPU torch)
+
+pytest.importorskip("torch")
+pytest.importorskip("sglang.srt.layers.engram")
+
+from rank_report import TABLE_ROWS, assert_agreed, by_case  # noqa: E402
+from sglang_cpu import engram_tables, memnode, model_config  # noqa: E402,F401  (fixtures)
+
+KILL_AT = 2
+POLICIES = ("fail", "zeros")
+
+
+@pytest.fixture(scope="module")
+def ranks(engram_tables, memnode, tmp_path_factory):
+    """Each rank's JSON lines, by case: each rank with its own node per policy; rank 1's nodes of the modes case
+    one that maps nothing (it serves from disk) and one that seals its tcp payloads."""
+    import json
+
+    from conftest import start_daemon
+    from tests_helpers import free_port_block, run_ranks
+
+    tmp = tmp_path_factory.mktemp("sglang-ranks")
+    nodes = {
+        (policy, rank): start_daemon(str(tmp / f"{policy}{rank}"), "--tables", engram_tables)
+        for policy in POLICIES
+        for rank in range(2)
+    }
+    disk = start_daemon(str(tmp / "disk"), "--tables", engram_tables, "--disk-tables", "all")
+    sealed = start_daemon(str(tmp / "sealed"), "--tables", engram_tables, "--data-encryption", "on")
+
+    def plan(rank: int) -> str:
+        return json.dumps({
+            "memnode": memnode.address,
+            "kill_at": KILL_AT,
+            "runs": [{"policy": p, "address": nodes[(p, rank)].address, "pid": nodes[(p, rank)].proc.pid}
+                     for p in POLICIES],
+            "node": disk.address if rank == 1 else memnode.address,
+            "remote": sealed.address if rank == 1 else memnode.address,
+            "restart_port": free_port_block(),
+            "workdir": str(tmp),
+        })  # fmt: skip
+
+    try:
+        lines = run_ranks("sglang_ranks.py", [memnode, memnode], lambda rank, _: [engram_tables, plan(rank)])
+    finally:
+        for d in (*nodes.values(), disk, sealed):
+            d.stop()
+    return by_case(lines)
+
+
+@pytest.mark.slow
+def test_one_graph_mode_per_layer_and_one_poller_for_every_rank(ranks):
+    """Layer 1 placed node (graph mode device), layer 14 remote in_graph. Rank 1's GPU cannot register its node's
+    table (the node serves from disk: nothing mapped) and its remote node seals its tcp payloads (which the native
+    poller does not read); rank 0 could do both. Decided once, before capture, with a MIN over SGLang's
+    tensor-parallel CPU group: both ranks gather layer 1 before_replay and serve layer 14 with the Python poller.
+    Each rank says why in one line, the decision is logged once (rank 0), every decode step bit-identical to
+    SGLang's own tables on both ranks."""
+    reports = [cases["modes"][0] for cases in ranks]
+    for rank, report in enumerate(reports):
+        assert report["modes"] == {"1": "before_replay", "14": "in_graph"}, (rank, report)
+        assert report["pollers"] == {"node": None, "remote": "python"}, (rank, report)
+        why = "not mapped in this process" if rank == 1 else "another tensor-parallel rank cannot register its table"
+        fallback = [line for line in report["lines"] if "graph mode 'device' unavailable" in line]
+        assert len(fallback) == 1 and why in fallback[0] and "\n" not in fallback[0], (rank, fallback)
+        steps = ranks[rank]["modes_step"]
+        assert steps and all((s["rows"], s["check"]) == (TABLE_ROWS, "ok") for s in steps), (rank, steps)
+    assert any("the Python poller (" in line and "seals its tcp payloads" in line for line in reports[1]["lines"])
+    decided = [line for report in reports for line in report["lines"] if "decode CUDA graphs of up to" in line]
+    assert decided == [
+        "INFO tableserver plugin: decode CUDA graphs of up to 8 tokens: layer 1 before_replay, layer 14 in_graph; "
+        "in_graph layers served by the python poller (agreed by the 2 tensor-parallel ranks)"
+    ], decided
+
+
+@pytest.mark.slow
+def test_device_layers_outcomes_are_agreed_and_fail_raises_on_every_rank_at_the_same_step(ranks):
+    """Both layers placed node (graph mode device), each rank with its own node; rank 1's node lost first. Each
+    layer's ok is reduced inside the graph over SGLang's tensor-parallel group (before, SGLang's world size was
+    read from a name SGLang 0.5.23 does not export, so no rank ever agreed): from then on both ranks serve zero
+    rows (zeros), or both refuse that step where the scheduler processes its result (fail), naming the layer and
+    the rank it failed on."""
+    assert_agreed([cases["agreement"] for cases in ranks], KILL_AT, POLICIES)
+
+
+@pytest.mark.slow
+def test_a_failed_arm_fails_that_step_only(ranks):
+    """Decode step KILL_AT is armed and its graph never runs: its result is refused (no outcome was written), the
+    next step's arm fails (inside SGLang's execute, which runs the plugin's host part in load_batch: the plugin
+    resets every GraphStep) and that step is refused on both ranks; every step after it is served and checked."""
+    for rank, cases in enumerate(ranks):
+        steps = cases["failed_arm"]
+        assert len(steps) > KILL_AT + 2
+        for s in steps:
+            if s["step"] == KILL_AT:
+                assert "outcome is not held" in s["check"] and "rows" not in s, (rank, s)
+            elif s["step"] == KILL_AT + 1:
+                assert "was not released and consumed" in s["check"] and "rows" not in s, (rank, s)
+            else:
+                assert (s["rows"], s["check"]) == (TABLE_ROWS, "ok"), (rank, s)
+
+
+@pytest.mark.slow
+def test_dp_attentions_idle_batches_never_mask_their_peers_rows(ranks):
+    """DP attention (two attention-DP ranks): rank 1's node dies before decode step KILL_AT (both ranks serve
+    zeros that step: agreed), comes back, and rank 1 then runs idle batches (replays of no real token, beside rank
+    0's decode, the agreement's collectives alike). An idle replay gathers nothing and its before_replay layers'
+    rows count as the table's: rank 0's rows are the table's again (before, the idle rank kept the failed step's
+    outcome and masked its peer's rows with zeros for as long as it stayed idle)."""
+    for rank, cases in enumerate(ranks):
+        steps = cases["idle"]
+        assert len(steps) > KILL_AT + 2
+        for s in steps:
+            assert s["check"] == "ok", (rank, s)
+            if s["step"] < KILL_AT:
+                assert s["rows"] == TABLE_ROWS, (rank, s)
+            elif s["step"] == KILL_AT:
+                assert s["rows"] == {"1": "zeros", "14": "zeros"}, (rank, s)
+            elif rank == 1:
+                assert s["did"] == "idle" and "rows" not in s, (rank, s)
+            else:
+                assert s["rows"] == TABLE_ROWS, (rank, s)
