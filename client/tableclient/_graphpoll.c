@@ -507,8 +507,9 @@ static void serve_ids(Poller *p, int i)
     int source = s->source;
     void *ep = s->ep;
     s->timed_out = 0;
-    if (source == SRC_HOST) { /* Python's to read and release (or the policy here at the deadline) */
-        hand_off(p, s, seen, deadline);
+    if (tokens == 0) { /* a step of no real token (a DP rank's idle batch): nothing to read, its rows are right */
+        release_slot(p, s, 1);
+        event(p, i, HOW_ROWS, seen, 0);
         pthread_mutex_unlock(&p->lock);
         return;
     }
@@ -528,7 +529,17 @@ static void serve_ids(Poller *p, int i)
         ids = s->live;
         n = m;
     }
-    if (source == SRC_SHM) {
+    if (n == 0) { /* every id dead (padding): zero rows, and they are the step's rows, whatever the source */
+        ok = 1;
+    } else if (source == SRC_HOST) { /* Python's to read and release (or the policy here at the deadline) */
+        pthread_mutex_lock(&p->lock);
+        if (s->step == step && s->state == GATHERING)
+            hand_off(p, s, seen, deadline);
+        else
+            pthread_cond_broadcast(&p->changed); /* reset meanwhile */
+        pthread_mutex_unlock(&p->lock);
+        return;
+    } else if (source == SRC_SHM) {
         ptrdiff_t bad = first_bad(ids, (ptrdiff_t)n, s->table_rows);
         if (bad >= 0)
             snprintf(s->error, ERROR_CHARS, "row id %lld at %td is outside the table's %llu rows", (long long)ids[bad],

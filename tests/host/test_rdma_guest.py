@@ -20,7 +20,7 @@ from conftest import ROOT, summary_line
 sys.path.insert(0, os.path.join(ROOT, "tests", "rdma"))
 import vm  # noqa: E402
 
-MIN_TESTS = 30
+MIN_TESTS = 32
 #: The suite takes 6-16 minutes in the guest (TCG); a host busy with other tests can make it several times
 #: slower, and every wait in it is bounded by conftest.EVENT_TIMEOUT. This bound only catches a hung guest.
 GUEST_TIMEOUT_S = 3600

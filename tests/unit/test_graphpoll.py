@@ -312,3 +312,21 @@ def test_a_handoff_nobody_takes_gets_the_policy_at_its_deadline():
     finally:
         p.close()
     assert p.take_handoff(1.0) is None
+
+
+def test_a_step_of_no_live_id_is_the_tables_rows_whatever_the_source():
+    """A step of no real token (a data-parallel rank's idle batch) or of padding only reads nothing: released at
+    once, ok 1, as the Python poller does, even with no source (a node down): an idle rank's outcome never
+    masks its tensor-parallel peers' rows. Before, the native poller released it ok 0 with no source."""
+    s = Slot(4, 2, 8)
+    s.staging[:] = 7
+    p = s.poller(dead_id=-1)
+    try:
+        for set_source in (p.set_none, p.set_host):
+            set_source(0)
+            s.step(p, np.zeros((0, 2), np.int64))
+            assert s.ok == 1
+            rows = s.step(p, np.full((2, 2), -1))
+            assert s.ok == 1 and not rows.any()
+    finally:
+        p.close()

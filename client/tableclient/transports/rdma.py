@@ -299,6 +299,7 @@ class RdmaTransport(ClientTransport):
         self._closed = False
         self._buffers: list[RegisteredBuffer] = []
         self._tables: dict[int, _TableState] = {}
+        self.packed_only: set[int] = set()  # tables this node registered no memory of (see _connect)
         try:
             self._connect(offer.rdma, catalog, deadline)
         except (VerbsError, v.Error, TransportError) as e:  # this client cannot use the offer: the next one
@@ -334,6 +335,10 @@ class RdmaTransport(ClientTransport):
                 np.array([r.addr for r in regions], np.uint64),
                 rkeys,
             )
+        #: whether this node serves a table it registered no memory of (its disk tier): such a table's reads
+        #: go packed whatever the mode asked (a table read when the node served it from memory, and served from
+        #: disk since it restarted), so a read request must fit a pack request too
+        self.packed_only = {i for i, t in self._tables.items() if not len(t.starts)}
         if self.pack_max_rows:
             self._setup_pack()
         self._probe(deadline)
@@ -414,12 +419,15 @@ class RdmaTransport(ClientTransport):
 
     # ----------------------------------------------------------------- gather
     def request_rows(self, mode: str = "read") -> int:
-        return self.pack_max_rows if mode == "pack" else self.ring_rows * len(self._qps)
+        if mode == "pack":
+            return self.pack_max_rows
+        reads = self.ring_rows * len(self._qps)
+        return min(reads, self.pack_max_rows) if self.packed_only and self.pack_max_rows else reads
 
     def gather(self, table_index, ids, out, sync=False, mode="read", expand=None, hedge_after=None) -> Pending:
         if self._error is not None:
             raise self._error
-        if mode == "pack":
+        if mode == "pack" or table_index in self.packed_only:  # no memory of it to READ here: packed
             return self._gather_pack(table_index, ids, out, expand)
         t = self._table(table_index)
         rb = t.info.row_bytes
