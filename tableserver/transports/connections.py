@@ -16,7 +16,9 @@ Every limit is written here once, for every transport:
   itself out while a real client, which answers the challenge in
   microseconds, gets in.
 * **idle timeout** (off by default: a session's lease already bounds how long
-  its connections live) and a **send timeout**: a response not wholly sent
+  its connections live; it closes only a connection with no request in any
+  stage: read, queued unread, served by a worker, parked on a disk read, or
+  being sent) and a **send timeout**: a response not wholly sent
   within ``send_timeout`` of when its sending began drops the connection (a
   peer that reads a byte now and then cannot hold it and its buffers).
   A Protocol marks a response in flight with ``conn.send_since``.
@@ -112,7 +114,9 @@ class Limits:
 class Connection:
     """One accepted socket and its protocol state (``state``, owned by the Protocol)."""
 
-    __slots__ = ("sock", "fd", "peer", "session", "opened", "last_active", "state", "evicted", "send_since", "parked")
+    __slots__ = (
+        "sock", "fd", "peer", "session", "opened", "last_active", "state", "evicted", "send_since", "parked", "busy",
+    )  # fmt: skip
 
     def __init__(self, sock: socket.socket, peer: str):
         self.sock = sock
@@ -124,6 +128,7 @@ class Connection:
         self.evicted = False
         self.send_since = 0.0  # monotonic time the response being sent began sending (0: none)
         self.parked = False  # waiting on the protocol's work, watched for a hang-up (under the loop's lock)
+        self.busy = False  # a worker has it (between its event and its re-arm): never idle meanwhile
 
     def shutdown(self) -> None:
         """Wakes whichever worker owns or will get this connection; it drops it (only a worker closes)."""
@@ -294,6 +299,7 @@ class ConnectionLoop:
         conn = self._conns.get(fd)
         if conn is None:
             return
+        conn.busy = True  # until re-armed: a request being served is no idle connection
         try:
             want = self.protocol.ready(conn, events)
         except (OSError, ConnectionError):
@@ -357,6 +363,7 @@ class ConnectionLoop:
             self._drop(conn)
             return
         conn.last_active = time.monotonic()
+        conn.busy = False
         try:
             self._ep.modify(conn.fd, _EVENTS[want])
         except (OSError, ValueError):
@@ -539,6 +546,7 @@ class ConnectionLoop:
                         conn.session is not None
                         and limits.idle_timeout
                         and now - conn.last_active > limits.idle_timeout
+                        and _idle(conn)
                     ):
                         expired.append(conn)
             for conn in expired:
@@ -556,6 +564,20 @@ class ConnectionLoop:
                     conn,
                 )
                 conn.shutdown()
+
+
+def _idle(conn: Connection) -> bool:
+    """Whether ``conn`` is idle: no worker has it, no work of its protocol is pending (parked), no response is
+    being sent (a slow reader is the send timeout's), and no request waits unread in its socket (all workers
+    busy elsewhere). Only such a connection is closed for --idle-timeout: a request in any stage is served."""
+    if conn.busy or conn.parked or conn.send_since:
+        return False
+    try:
+        return not conn.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)  # b"": the peer left, idle too
+    except (BlockingIOError, InterruptedError):
+        return True
+    except OSError:
+        return True  # broken: closing it is right
 
 
 def bind_unix(path: str, kind: int, gid: int, what: str) -> socket.socket:

@@ -150,3 +150,41 @@ def test_a_node_gone_while_its_connection_was_idle_still_fails_over(tmp_path, de
     finally:
         for n in nodes:
             n.stop()
+
+
+def test_the_idle_timeout_never_closes_a_connection_with_a_response_in_flight(tmp_path, demo_file, demo_local):
+    """The server's side: --idle-timeout closes only a connection with no request in any stage. A client asks
+    for 60,000 rows (15 MiB, far more than the sockets buffer) and reads none of them for several idle
+    timeouts; then it reads them all: every row there, bit-exact (a slow reader is the send timeout's).
+    Before, the housekeeper measured idleness from the last bytes the server managed to send, and closed the
+    connection mid-response after the idle timeout."""
+    import socket
+    import time
+
+    from tests_helpers import open_raw_session, tcp_hello
+
+    from tableserver.common.wire import HEADER, HEADER_BYTES, FrameType, recv_exact, request_header
+
+    d = start_daemon(str(tmp_path / "d"), "--tables", demo_file, "--transports", "tcp", "--idle-timeout", "0.05",
+                     "--send-timeout", str(EVENT_TIMEOUT))  # fmt: skip
+    try:
+        resp = open_raw_session(d.address)
+        host, port = d.ready["tcp"].rsplit(":", 1)
+        table = demo_local["engram.layer1"]
+        with TableClient(d.address, transport="tcp") as c:
+            index = c.tables["engram.layer1"].index
+        ids = np.random.default_rng(9).integers(0, table.shape[0], 60_000).astype("<i8")
+        with socket.create_connection((host, int(port)), timeout=EVENT_TIMEOUT) as s:
+            status, _ = tcp_hello(s, resp.session_id, resp.secret)
+            assert status == 0
+            s.sendall(request_header(FrameType.GATHER, 1, index, ids.size) + ids.tobytes())
+            time.sleep(1.0)  # twenty idle timeouts with a response owed: the server must keep it
+            head = bytearray(HEADER_BYTES)
+            assert recv_exact(s, memoryview(head)), "the server closed the connection mid-response"
+            _magic, _type, status, request_id, row_bytes, count = HEADER.unpack(head)
+            assert (status, request_id, count, row_bytes) == (0, 1, ids.size, table.shape[1])
+            rows = bytearray(count * row_bytes)
+            assert recv_exact(s, memoryview(rows)), "the server closed the connection mid-response"
+        np.testing.assert_array_equal(np.frombuffer(rows, np.uint8).reshape(count, row_bytes), table[ids])
+    finally:
+        d.stop()
