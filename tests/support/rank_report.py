@@ -22,6 +22,14 @@ class Lines(logging.Handler):
         self.lines.append(f"{record.levelname} {record.getMessage()}")
 
 
+def zero_rows(layers) -> dict:
+    """This process's ``tableserver_client_zero_rows_served_total`` per layer (its steps served zero rows so far)."""
+    from prometheus_client import REGISTRY
+
+    name = "tableserver_client_zero_rows_served_total"
+    return {str(layer): REGISTRY.get_sample_value(name, {"layer": str(layer)}) or 0.0 for layer in layers}
+
+
 def by_case(ranks: list) -> list[dict]:
     """Each rank's printed JSON lines (``tests_helpers.run_ranks``), grouped by their ``case``: {case: [lines]}."""
     return [

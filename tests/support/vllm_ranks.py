@@ -23,6 +23,9 @@ JSON lines, each naming its ``case``:
   steps, one whose dummy run hashes nothing (as vLLM's outside FULL replays) and one that runs the layers: a line
   a step as for ``agreement``.
 * ``pipeline``: the same two processes as two pipeline stages (TP 1): what building a served layer says.
+* ``eager`` (alone, where ``PLAN`` has ``eager``: the seconds a rank may run): remote layers in graph mode
+  eager_break, no CUDA graphs; per run (``runs``) this rank's own node, rank 1's killed before step ``kill_at``: a
+  line a step as for ``agreement``, and ``eager_zero_rows``: each layer's zero-rows count over the run.
 * ``columns`` (first, printed last): vLLM's own layers built three times over the same tables (vLLM's own head-sharded tables,
   every layer served remote over tcp, every layer served node: graph mode device), without and with sequence
   parallelism, the same steps through all three: per mode and placement whether every output was bit-identical
@@ -41,7 +44,7 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]  # tests/support, tests (conftest)
 
 import vllm_cpu  # noqa: E402  (before vllm)
 from graph_ranks import dead  # noqa: E402
-from rank_report import plugin_lines  # noqa: E402
+from rank_report import plugin_lines, zero_rows  # noqa: E402
 
 TABLES = tuple(f"engram.layer{layer}" for layer in vllm_cpu.LAYERS)
 #: every GraphStep's deadline: far longer than a busy machine takes for a step, and the wait of an arm that fails
@@ -63,6 +66,13 @@ def main(rank: int, world: int, port: int, model_dir: str, table_file: str, plan
     vllm_cpu.init_parallel(cfg, world_size=world, rank=rank, port=port, tp=world)
     tables = local_tables(table_file)
     hasher = vllm_cpu.make_hasher(cfg)
+    if "eager" in plan:  # that case alone, in processes of its own
+        try:
+            eager(rank, cfg, hasher, tables, plan)
+        finally:
+            hooks.configure(PluginConfig())
+            vllm_cpu.close_parallel()
+        return {"case": "done", "rank": rank}
     report = {"case": "columns", "rank": rank}
     placements = {
         "local": PluginConfig(transport="tcp"),
@@ -210,6 +220,36 @@ def agreement(rank: int, cfg, hasher, tables, plan: dict) -> None:
                     client = hooks.rows().client("node")
                     wait_for(lambda: client.replicas()[address]["state"] == "down", "the client to see it down")
             steps(served, requests, case="agreement", placement=placement, policy=policy, step=i)
+
+
+def eager(rank: int, cfg, hasher, tables, plan: dict) -> None:
+    """Remote layers in graph mode eager_break (vLLM without CUDA graphs, as --enforce-eager: its eager break runs
+    inline; between segments in breakable piecewise graphs), each run on this rank's own node, rank 1's killed before
+    step ``kill_at``: a line a step as for ``agreement``, then each layer's zero-rows count of the run. A rank that
+    waits in a collective its peer never joins is ended (its stacks on stderr) after ``plan["eager"]`` seconds."""
+    import faulthandler
+
+    from conftest import wait_for
+    from tableclient.vllm import hooks
+    from vllm.config import CUDAGraphMode
+
+    faulthandler.dump_traceback_later(plan["eager"], exit=True)
+    cfg.compilation_config.cudagraph_mode = CUDAGraphMode.NONE
+    steps = Steps(cfg, hasher, tables)
+    for run in plan["runs"]:
+        policy, address, pid = run["policy"], run["address"], run["pid"]
+        graph = {layer: "eager_break" for layer in vllm_cpu.LAYERS}
+        served = build(cfg, tables, served_config(policy=policy, address=address, transport="tcp", graph=graph))
+        assert [hooks.rows().layers[layer].graph_mode for layer in vllm_cpu.LAYERS] == ["eager_break"] * 2
+        before = zero_rows(vllm_cpu.LAYERS)
+        for i, requests in enumerate(vllm_cpu.decode_steps()):
+            if i == plan["kill_at"] and rank == 1:
+                os.kill(pid, signal.SIGKILL)
+                wait_for(lambda: dead(pid), "the node to die")  # its sockets closed
+            steps(served, requests, case="eager", policy=policy, step=i)
+        counted = {layer: n - before[layer] for layer, n in zero_rows(vllm_cpu.LAYERS).items()}
+        print(json.dumps({"case": "eager_zero_rows", "policy": policy, "counted": counted}), flush=True)
+    faulthandler.cancel_dump_traceback_later()
 
 
 def modes(cfg, hasher, tables, refuse: str) -> None:

@@ -406,6 +406,12 @@ class EngramRows:
             self.served[layer]["fetched"] += 1
         return rows
 
+    def zeros_served(self, layer: int) -> int:
+        """Waits and gathers of ``layer`` whose rows the failure policy served as zeros so far, over every step of
+        this process that holds the layer (what tells a step served the policy's rows from one served the table's)."""
+        with self._lock:
+            return sum(step.stats[layer].zeros_served for step in self._steps.values() if layer in step.stats)
+
     def fence(self, channel: str, copy) -> None:
         """``copy`` (anything with ``synchronize()``, e.g. a CUDA event) still reads ``channel``'s staging:
         the next prefetch on that channel waits for it before overwriting the buffers."""

@@ -34,7 +34,11 @@ What a layer placed ``remote`` or ``node`` gets (graph modes ``device``, ``in_gr
     device and dequantized (``EngramRows.collect``), both in functions decorated with vLLM's
     ``eager_break_during_capture``: in vLLM's breakable (piecewise) graphs they run eagerly between
     captured segments at every replay, on the same persistent buffers. Graph modes that would capture
-    them (FULL, or piecewise without breakable graphs) are refused with the flag to use.
+    them (FULL, or piecewise without breakable graphs) are refused with the flag to use. With tensor parallelism
+    each layer's rows are agreed in ``collect`` before vLLM's all-gather joins them, one MIN over vLLM's CPU group
+    (gloo: the rows and the decision are the host's, so no GPU stream is waited for): every rank serves the table's
+    rows, or every rank zeros (counted where a rank's own rows were masked), or under policy ``fail`` every rank
+    raises at that layer of that step, naming where it failed.
 
 Loading: the checkpoint's tensors of a served table are skipped before they are read by vLLM's
 safetensors iterator (``weight_utils.should_skip_weight``), shards holding nothing else are not opened
@@ -49,10 +53,11 @@ itself checks none: it pins what it is told), one warning says so before vLLM al
 
 Ranks (tensor parallelism) agree: each layer's graph mode and the poller are decided once at start-up over the
 tensor-parallel group (:mod:`tableclient.engine.ranks`: a device table that one rank cannot register puts the layer
-on the host path on every rank), and each step every served layer's rows-ok is reduced inside the step with vLLM's
-all-reduce, the rows masked by it (all ranks serve the table's rows, or all the policy's); the outcome is checked
-where vLLM reads the step's results (``Worker.sample_tokens``, or its async output's ``get_output``), so policy
-``fail`` raises on every rank at the same step. An ``arm()`` that fails fails that step only (every GraphStep
+on the host path on every rank), and each step every device and in_graph layer's rows-ok is reduced inside the step
+with vLLM's all-reduce, the rows masked by it (all ranks serve the table's rows, or all the policy's); the outcome is
+checked where vLLM reads the step's results (``Worker.sample_tokens``, or its async output's ``get_output``), so
+policy ``fail`` raises on every rank at the same step. An eager_break layer's rows are agreed in its eager break
+(above), ``fail`` raised there on every rank. An ``arm()`` that fails fails that step only (every GraphStep
 reset). Refused at start-up with one line: pipeline parallelism (a stage holding a layer returns no results to
 check its rows by). A data-parallel dummy batch (``execute_dummy_batch``) is armed for 0 tokens and every
 GraphStep reset after it: its graph may or may not publish ids (vLLM's dummy run skips the hasher outside FULL
@@ -73,7 +78,7 @@ import weakref
 from tableclient.engine import memory
 from tableclient.engine.config import PluginConfig
 from tableclient.engine.plugin import PluginError, PluginState, check_layout, check_placement, check_release
-from tableclient.engine.ranks import Ranks, agree_pollers, describe, register_tables
+from tableclient.engine.ranks import Ranks, agree_pollers, describe, register_tables, served_alike
 from tableclient.hostmem import GIB, Parallel, process_bytes, staging_bytes, table_bytes, vllm_private_bytes
 
 log = logging.getLogger("tableclient.vllm")
@@ -693,12 +698,18 @@ def _issue(engram, hash_ids) -> None:
 
 
 def _collect(engram, out) -> None:
-    """The layer runs (eager): its rows waited for, dequantized into ``out`` (its persistent staged rows)."""
+    """The layer runs (eager): its rows waited for, dequantized into ``out`` (its persistent staged rows). With
+    tensor parallelism the ranks agree on them first (:func:`~tableclient.engine.ranks.served_alike`: one MIN over
+    vLLM's tensor-parallel CPU group, before the layer's all-gather): every rank the table's rows, or every rank
+    zeros, or every rank raises PluginError at this layer of this step (policy fail), never one rank alone."""
     import torch
 
     _refuse_capture(engram, out)
     embed = engram.embed_tokens
-    packed = rows().collect(embed.layer, key=out.shape[0])
+    packed = served_alike(tp_ranks(), rows(), embed.layer, lambda: rows().collect(embed.layer, key=out.shape[0]))
+    if packed is None:  # a rank served the policy's rows: every rank serves zeros
+        out.zero_()
+        return
     embed.dequantize_into(packed, out)
     if out.is_cuda:
         copied = torch.cuda.Event()

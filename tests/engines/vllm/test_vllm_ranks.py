@@ -58,6 +58,42 @@ def ranks(model_dir, engram_tables, memnode, tmp_path_factory):
     return by_case(lines)
 
 
+def eager_run(policy: str, engram_tables, memnode, model_dir, tmp_path_factory) -> list[dict]:
+    """The eager case of tests/support/vllm_ranks.py under ``policy``, in two rank processes of its own (each rank
+    its own node, rank 1's killed before step KILL_AT; a rank left waiting in a collective ends itself, its stacks
+    on stderr, before the test's own bound), by case."""
+    import json
+
+    from conftest import EVENT_TIMEOUT, start_daemon
+    from tests_helpers import run_ranks
+
+    tmp = tmp_path_factory.mktemp(f"eager-{policy}")
+    nodes = [start_daemon(str(tmp / f"node{rank}"), "--tables", engram_tables) for rank in range(2)]
+
+    def plan(rank: int) -> str:
+        run = {"policy": policy, "address": nodes[rank].address, "pid": nodes[rank].proc.pid}
+        return json.dumps({"memnode": memnode.address, "kill_at": KILL_AT, "runs": [run], "eager": EVENT_TIMEOUT * 0.9})
+
+    try:
+        lines = run_ranks(
+            "vllm_ranks.py", [memnode, memnode], lambda rank, _: [model_dir[0], engram_tables, plan(rank)]
+        )
+    finally:
+        for d in nodes:
+            d.stop()
+    return by_case(lines)
+
+
+@pytest.fixture(scope="module")
+def eager_zeros(model_dir, engram_tables, memnode, tmp_path_factory):
+    return eager_run("zeros", engram_tables, memnode, model_dir, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def eager_fail(model_dir, engram_tables, memnode, tmp_path_factory):
+    return eager_run("fail", engram_tables, memnode, model_dir, tmp_path_factory)
+
+
 @pytest.mark.slow
 def test_tensor_and_sequence_parallel_ranks_gather_their_columns(ranks):
     """TP=2 in two processes over gloo: each rank's served layers gather only its hash columns (12 of 24), and
@@ -164,3 +200,41 @@ def test_pipeline_parallelism_is_refused_at_start_up_with_one_line(ranks):
         (said,) = [c["said"] for c in cases["pipeline"]]
         assert said.startswith("PluginError: tableserver plugin: served Engram layers do not handle pipeline "), said
         assert "--pipeline-parallel-size 1" in said and "\n" not in said, (rank, said)
+
+
+@pytest.mark.slow
+def test_eager_break_layers_serve_zeros_on_every_rank_from_the_step_one_rank_fails(eager_zeros):
+    """Remote layers in graph mode eager_break (vLLM's eager break: rows gathered on the host, collected when the
+    layer runs, outside any graph), policy zeros, rank 1's node lost before step KILL_AT. Each layer's outcome is
+    reduced in its eager break, one MIN over vLLM's tensor-parallel CPU group, before vLLM's all-gather joins the
+    ranks' columns: from that step on both ranks' layers run on zero rows (before, rank 0 served its table's rows
+    and rank 1 zeros, which the all-gather blended), and the step is counted as zero rows on both ranks (rank 1
+    failed, rank 0's own rows masked)."""
+    for rank, cases in enumerate(eager_zeros):
+        steps = cases["eager"]
+        assert len(steps) > KILL_AT + 1, (rank, steps)
+        for s in steps:
+            want = TABLE_ROWS if s["step"] < KILL_AT else {"1": "zeros", "14": "zeros"}
+            assert (s.get("rows"), s["check"]) == (want, "ok"), (rank, s)
+        (counted,) = cases["eager_zero_rows"]
+        assert counted["counted"] == {"1": len(steps) - KILL_AT, "14": len(steps) - KILL_AT}, (rank, counted)
+
+
+@pytest.mark.slow
+def test_eager_break_layers_fail_on_every_rank_at_the_same_step(eager_fail):
+    """As above under policy fail: from rank 1's node's loss on, both ranks raise at layer 1 of every such step, in
+    its eager break, in one line naming the layer, the step (the same on both) and where it failed (here on rank 1,
+    on another rank on rank 0). Before, rank 1 alone raised inside its forward while rank 0 waited in the layer's
+    all-gather: the instance hung (here, the rank processes ended by their bound)."""
+    raised = [[s for s in cases["eager"] if s["step"] >= KILL_AT] for cases in eager_fail]
+    for rank, cases in enumerate(eager_fail):
+        steps = cases["eager"]
+        assert len(steps) > KILL_AT + 1, (rank, steps)
+        for s in steps:
+            if s["step"] < KILL_AT:
+                assert (s["rows"], s["check"]) == (TABLE_ROWS, "ok"), (rank, s)
+                continue
+            where = "here" if rank == 1 else "on another rank"
+            said = f"tableserver plugin: layer 1: step {s['step'] + 1}'s rows were not served {where} (policy fail: "
+            assert s["rows"] == {} and s["check"].startswith(said) and "\n" not in s["check"], (rank, s)
+    assert [s["step"] for s in raised[0]] == [s["step"] for s in raised[1]]
