@@ -23,6 +23,12 @@ Prints JSON lines, each naming its ``case``:
 * ``idle``: DP attention (two attention-DP ranks, attention TP 1), both layers remote before_replay, policy zeros,
   each rank its own node; rank 1's node dies before decode step ``kill_at`` and is back (restarted) after it, and
   from then on rank 1's batches are idle (a replay of no real token) while rank 0 decodes.
+* ``eager`` (alone, where ``PLAN`` has ``eager``: the seconds a rank may run; ``runs`` then name a ``mode`` each):
+  both layers remote, outside SGLang's decode graphs: "eager" (decode graphs disabled: every decode step an eager
+  forward) or "eager_break" (the eager breaks of a breakable decode graph); rank 1's node killed before decode step
+  ``kill_at``: a line a decode step as for ``agreement``, and ``eager_zero_rows``: each layer's zero-rows count over
+  the run. Then ``eager_idle``: DP attention, decode graphs disabled, the shared node, policy fail; from decode step
+  ``kill_at`` on rank 1's batches are idle (no token) while rank 0 decodes.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # tests/support, tests (conftest)
 
 import torchvision_cpu  # noqa: E402,F401  (before sglang: torchvision on a CPU torch)
-from rank_report import plugin_lines  # noqa: E402
+from rank_report import plugin_lines, zero_rows  # noqa: E402
 
 #: every GraphStep's deadline: far longer than a busy machine takes for a step, and the wait of an arm that fails
 TIMEOUT = 30.0
@@ -66,6 +72,12 @@ def main(rank: int, world: int, port: int, table_file: str, plan: dict) -> None:
     model_config = make_model_config()
     refs = References(model_config, table_file)  # whole tables, built before the process groups: no collective
     init_distributed_environment(world, rank, f"tcp://127.0.0.1:{port}", rank, backend="gloo")
+    if "eager" in plan:  # that case alone, in processes of its own
+        try:
+            eager(rank, world, port, refs, plan)
+        finally:
+            configure(PluginConfig())
+        return
     layout(rank, world, 1)
     try:
         modes(refs, plan)
@@ -108,16 +120,17 @@ class Decode:
         self.model_config, self.table_file = refs.model_config, refs.table_file
         self.own, self.zero = refs.fresh()
 
-    def serve(self, **plugin_options):
+    def serve(self, backend=None, **plugin_options):
         """SGLang's layers served as configured, and its decode graph runner's capture (every buffer allocated,
-        the ranks' decisions taken): (model, runner)."""
+        the ranks' decisions taken; ``backend``: the runner's backend class, SGLang's full graphs by default):
+        (model, runner)."""
         import torch
         from sglang_cpu import HC, HIDDEN, build, decode_batch, decode_runner, forward
         from tableclient.sglang import graphs, hooks
 
         plugin_options.setdefault("timeout", TIMEOUT)
         model = build(self.model_config, self.table_file, parallel={}, **plugin_options)
-        runner = decode_runner(model)
+        runner = decode_runner(model, backend)
         s = graphs.prepare(runner, hooks.rows())
         s.capturing = True
         try:  # what a capture's warm-up runs: the forward once per bucket, dummy tokens
@@ -130,7 +143,9 @@ class Decode:
 
     def run(self, model, runner, case: str, at=None, **fields) -> None:
         """The conversation; before decode step ``i`` ``at(i)`` may say what this rank does: "decode" (default),
-        "armed" (armed, the graph never runs) or "idle" (a replay of no real token, as DP attention's idle batch)."""
+        "armed" (armed, the graph never runs) or "idle" (a replay of no real token, as DP attention's idle batch).
+        Without a ``runner`` (SGLang's decode graphs disabled) each decode step is an eager forward, "idle" one of
+        DP attention's idle batches (no token)."""
         import numpy as np
         import torch
         from sglang_cpu import HC, HIDDEN, conversation, decode_batch, forward
@@ -145,20 +160,47 @@ class Decode:
                 continue
             what = at(step) if at is not None else "decode"
             line = {"case": case, "step": step, "did": what, **fields}
-            if what == "idle":  # the bucket's padded tokens, in request slots nobody uses
+            if runner is None:
+                line.update(self.eager(model, ids, batch, x, idle=what == "idle"))
+            elif what == "idle":  # the bucket's padded tokens, in request slots nobody uses
                 pad, pad_batch = decode_batch([0] * len(ids), [5] * len(ids), [6, 7][: len(ids)])
                 line.update(self.replay(model, runner, pad, pad_batch, torch.zeros_like(x), 0))
             else:
                 line.update(self.replay(model, runner, ids, batch, x, len(ids), run=what == "decode"))
-                if "outs" in line:
-                    want, zero = forward(self.own, ids, batch, x)[1], forward(self.zero, ids, batch, x)[1]
-                    line["rows"] = {
-                        str(layer): "table" if same(got, a) else "zeros" if same(got, b) else "neither"
-                        for layer, got, a, b in zip((1, 14), line["outs"], want, zero)
-                    }
+            if "outs" in line and what != "idle":
+                want, zero = forward(self.own, ids, batch, x)[1], forward(self.zero, ids, batch, x)[1]
+                line["rows"] = {
+                    str(layer): "table" if same(got, a) else "zeros" if same(got, b) else "neither"
+                    for layer, got, a, b in zip((1, 14), line["outs"], want, zero)
+                }
             line.pop("outs", None)
             print(json.dumps(line), flush=True)
             step += 1
+
+    @staticmethod
+    def eager(model, ids, batch, x, idle: bool = False) -> dict:
+        """One eager forward (``idle``: DP attention's idle batch, no token): {"outs": the layers' outputs (where it
+        ran through), "check": "ok" or the error}."""
+        import torch
+        from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+        from sglang_cpu import forward
+
+        if idle:
+            none = torch.empty(0, dtype=torch.int64)
+            ids, x = none, x[:0]
+            batch = ForwardBatch(
+                forward_mode=ForwardMode.IDLE, batch_size=0, input_ids=none, req_pool_indices=none, seq_lens=none,
+                out_cache_loc=none, seq_lens_sum=0, positions=none,
+            )  # fmt: skip
+        got = {}
+        try:
+            outs = forward(model, ids, batch, x)[1]
+            if not idle:
+                got["outs"] = outs
+            got["check"] = "ok"
+        except Exception as e:  # what SGLang's scheduler would raise: its message
+            got["check"] = str(e)
+        return got
 
     @staticmethod
     def replay(model, runner, ids, batch, x, tokens: int, run: bool = True) -> dict:
@@ -242,6 +284,56 @@ def agreement(rank: int, refs: References, plan: dict) -> None:
 
         decode.run(model, runner, "agreement", at, policy=policy)
         graphs.close()
+
+
+def eager(rank: int, world: int, port: int, refs: References, plan: dict) -> None:
+    """The layers' rows outside SGLang's decode graphs: per run of ``plan["runs"]`` (its ``mode``: "eager", decode
+    graphs disabled, every step an eager forward; "eager_break", both layers in the eager breaks of a breakable
+    decode graph) both layers remote on this rank's own node, rank 1's killed before decode step ``kill_at``: a line
+    a decode step, then each layer's zero-rows count of the run. Then DP attention (two attention-DP ranks, decode
+    graphs disabled) on the shared node: from decode step ``kill_at`` on rank 1's batches are idle (no token) beside
+    rank 0's decode. A rank that waits in a collective its peer never joins is ended (its stacks on stderr) after
+    ``plan["eager"]`` seconds."""
+    import faulthandler
+
+    from conftest import wait_for
+    from graph_ranks import dead
+    from sglang.srt.distributed.parallel_state import destroy_model_parallel, init_distributed_environment
+    from sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend import BreakableCudaGraphBackend
+    from sglang_cpu import build
+    from tableclient.sglang import graphs
+
+    faulthandler.dump_traceback_later(plan["eager"], exit=True)
+    layout(rank, world, 1)
+    for run in plan["runs"]:
+        mode, policy, address, pid = run["mode"], run["policy"], run["address"], run["pid"]
+        decode = Decode(refs)
+        options = {"address": address, "policy": policy, "timeout": TIMEOUT}
+        if mode == "eager_break":
+            model, runner = decode.serve(
+                BreakableCudaGraphBackend, graph={1: "eager_break", 14: "eager_break"}, **options
+            )
+        else:
+            model, runner = build(refs.model_config, refs.table_file, parallel={}, **options), None
+
+        def at(step, pid=pid):
+            if step == plan["kill_at"] and rank == 1:
+                os.kill(pid, signal.SIGKILL)
+                wait_for(lambda: dead(pid), "the node to die")
+            return "decode"
+
+        before = zero_rows((1, 14))
+        decode.run(model, runner, "eager", at, mode=mode, policy=policy)
+        counted = {layer: n - before[layer] for layer, n in zero_rows((1, 14)).items()}
+        print(json.dumps({"case": "eager_zero_rows", "mode": mode, "policy": policy, "counted": counted}), flush=True)
+        graphs.close()
+    destroy_model_parallel()  # which forgets every published name, the WORLD group's too: published again
+    init_distributed_environment(world, rank, f"tcp://127.0.0.1:{port}", rank, backend="gloo")
+    layout(rank, world, 2)
+    decode = Decode(refs)
+    model = build(refs.model_config, refs.table_file, parallel={}, address=plan["memnode"], policy="fail")
+    decode.run(model, None, "eager_idle", lambda step: "idle" if rank == 1 and step >= plan["kill_at"] else "decode")
+    faulthandler.cancel_dump_traceback_later()
 
 
 def failed_arm(refs: References, plan: dict) -> None:

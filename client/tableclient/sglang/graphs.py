@@ -27,6 +27,8 @@ register puts the layer before_replay on every rank), and each replay reduces ev
 its rows masked by it; the outcome is checked where the scheduler processes the batch's result. A replay of no real
 tokens (an idle batch of DP attention, which replays the graph beside its peers' decode) gathers nothing and its
 before_replay layers' rows count as the table's: an idle rank never masks its peers' rows by an earlier step's outcome.
+An eager_break layer's rows are agreed in the eager break, by the host (:func:`served_alike`: one MIN over the CPU
+group per layer and replay), as the hooks agree the rows of every forward outside a decode graph.
 
 Refused at start-up: speculative decoding (its verify graphs hash blocks and commit after accept),
 two-batch overlap and PDMux (several graph sets per step, one staging).
@@ -43,6 +45,7 @@ import weakref
 
 from tableclient.engine.plugin import PluginError
 from tableclient.engine.ranks import Ranks, agree_pollers, describe, register_tables
+from tableclient.engine.ranks import served_alike as ranks_served_alike
 from tableclient.engine.rows import EngramRowsError, dequantize, to_device
 
 log = logging.getLogger("tableclient.sglang")
@@ -238,6 +241,13 @@ def tp_ranks() -> Ranks:
     return Ranks(group.world_size, group.rank_in_group, group.cpu_group)
 
 
+def served_alike(rows, layer: int, fetch):
+    """A served layer's rows of one eager step (outside any captured graph), agreed over SGLang's tensor-parallel
+    group (:func:`tableclient.engine.ranks.served_alike`): ``fetch()``'s result, or None where every rank serves
+    zeros; PluginError on every rank where one's fetch raised. One rank: ``fetch()``, no collective."""
+    return ranks_served_alike(tp_ranks(), rows, layer, fetch)
+
+
 def tp_agreement():
     """(agree, ranks): over SGLang's tensor-parallel group, with its own capturable all-reduce, where it has
     more than one rank (the ranks' rows of a layer meet in its collectives); (None, 1) otherwise. (SGLang
@@ -396,6 +406,9 @@ def _eager_rows(embed, layer: int, indices, out) -> None:
 
 
 def _fill_rows(embed, layer: int, indices, out) -> None:
+    """The eager break itself. With tensor parallelism the ranks agree on the rows first (:func:`served_alike`),
+    every rank at every replay, a replay of no real token (DP attention's idle batch) included: every rank the
+    table's rows, or every rank zeros, or every rank raises (policy fail)."""
     s = session()
     if s is None:  # closed (the plugin configured again): the rows it was prepared with are gone
         raise PluginError(
@@ -404,11 +417,13 @@ def _fill_rows(embed, layer: int, indices, out) -> None:
         )
     tokens = min(indices.shape[0] if s.capturing else s.tokens, indices.shape[0])
     out.zero_()
-    if tokens == 0:
+    packed = served_alike(
+        s.rows, layer, lambda: s.rows.fetch(layer, indices[:tokens], channel="forward") if tokens else None
+    )
+    if packed is None:  # no real token, or a rank served the policy's rows (every rank serves zeros)
         return
     import torch
 
-    packed = s.rows.fetch(layer, indices[:tokens], channel="forward")
     if not indices.is_cuda:
         out[:tokens].copy_(dequantize(packed, embed.dim))
         return

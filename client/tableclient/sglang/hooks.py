@@ -14,6 +14,13 @@ placed ``remote`` or ``node`` (a ``local`` layer passes through untouched):
   this rank's own tokens, with no TP/DP/CP collective (every rank gets whole
   rows, as SGLang's peer-shard path does), dequantized with SGLang's
   arithmetic (on the GPU with its own ``dequant_staged`` kernel path).
+* ``Engram.embed_rows`` (every forward outside a decode graph reaches it once per
+  layer, on every rank, idle batches of DP attention and scheduler-staged
+  batches included): with tensor parallelism the ranks agree on the layer's
+  rows, one MIN over SGLang's tensor-parallel CPU group: every rank serves
+  the table's rows, or every rank zeros, or (policy ``fail``) every rank
+  raises PluginError at that layer of that step, naming where it failed;
+  never one rank alone before the collectives that follow the layer.
 * ``EngramRowStager.from_model`` / ``.stage``: the scheduler-side staging of
   extend batches gathers served layers from the tableserver (issued before
   SGLang's own gathers of local layers), and checks at start-up that every
@@ -116,6 +123,7 @@ def check_sglang() -> str:
         engram.EngramHasher.init_history: ["self", "num_req_slots", "device"],  # graphs read its history
         engram.EngramEmbedding.__init__: ["self", "num_embeddings", "dim", "layer_id", "column_bounds"],
         engram.EngramEmbedding.forward: ["self", "indices", "forward_batch", "cp_all_tokens"],
+        engram.Engram.embed_rows: ["self", "hash_ids", "forward_batch", "cp_all_tokens"],  # every forward's rows
         engram.EngramEmbedding.dequant_staged: ["self", "rows", "scales", "copied", "hash_shape"],
         engram.EngramHasher.forward: ["self", "input_ids", "forward_batch"],
         engram_staging.EngramRowStager.stage: ["self", "batch"],
@@ -135,6 +143,7 @@ def register_hooks() -> None:
     hooks = [
         (f"{ENGRAM}.EngramEmbedding.__init__", _embedding_init, around),
         (f"{ENGRAM}.EngramEmbedding.forward", _embedding_forward, around),
+        (f"{ENGRAM}.Engram.embed_rows", _embed_rows, around),
         (f"{ENGRAM}.Engram.__init__", _engram_init, after),
         (f"{ENGRAM}.EngramHasher.forward", _hasher_forward, after),
         (f"{RUNNER}.DecodeCudaGraphRunner.capture", _runner_capture, around),
@@ -267,6 +276,21 @@ def _embedding_forward(original, self, indices, *args, **kwargs):
     if graphs.in_capture(session, forward_batch, indices):  # a decode graph's capture (warm-ups included)
         return graphs.captured_rows(session, self, layer, indices)
     return served_rows(self, layer, indices)
+
+
+def _embed_rows(original, self, hash_ids, *args, **kwargs):
+    """A served layer's rows in a forward that is not a decode graph's (eager decode, extend, an idle batch of DP
+    attention, a breakable prefill graph's eager break): whatever SGLang reads them from (the plugin's forward, or
+    the rows the scheduler staged), agreed by the tensor-parallel ranks (:func:`graphs.served_alike`), which every
+    rank reaches once per layer and forward whatever its batch."""
+    layer = _state.served_layer(self.embed)
+    if layer is None:
+        return original(self, hash_ids, *args, **kwargs)
+    forward_batch = kwargs.get("forward_batch", args[0] if args else None)
+    if graphs.in_capture(graphs.session(), forward_batch, hash_ids) or _capturing(hash_ids):
+        return original(self, hash_ids, *args, **kwargs)  # a decode graph's (agreed in it), or refused
+    got = graphs.served_alike(rows(), layer, lambda: original(self, hash_ids, *args, **kwargs))
+    return self.embed.new_rows(hash_ids).zero_() if got is None else got
 
 
 def served_rows(embed, layer: int, indices):

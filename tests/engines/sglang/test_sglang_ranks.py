@@ -56,6 +56,109 @@ def ranks(engram_tables, memnode, tmp_path_factory):
     return by_case(lines)
 
 
+EAGER_MODES = ("eager", "eager_break")
+
+
+@pytest.fixture(scope="module")
+def eager_ranks(engram_tables, memnode, tmp_path_factory):
+    """The eager case of tests/support/sglang_ranks.py, in two rank processes of its own: per mode and policy each
+    rank its own node (rank 1's killed before decode step KILL_AT), then DP attention's idle batches on the shared
+    node; a rank left waiting in a collective ends itself, its stacks on stderr, before the test's own bound."""
+    import json
+
+    from conftest import EVENT_TIMEOUT, start_daemon
+    from tests_helpers import run_ranks
+
+    tmp = tmp_path_factory.mktemp("sglang-eager")
+    nodes = {
+        (mode, policy, rank): start_daemon(str(tmp / f"{mode}-{policy}{rank}"), "--tables", engram_tables)
+        for mode in EAGER_MODES
+        for policy in ("zeros", "fail")
+        for rank in range(2)
+    }
+
+    def plan(rank: int) -> str:
+        runs = [
+            {"mode": mode, "policy": policy, "address": d.address, "pid": d.proc.pid}
+            for (mode, policy, r), d in nodes.items()
+            if r == rank
+        ]
+        return json.dumps({"memnode": memnode.address, "kill_at": KILL_AT, "runs": runs, "eager": EVENT_TIMEOUT * 0.9})
+
+    try:
+        lines = run_ranks("sglang_ranks.py", [memnode, memnode], lambda rank, _: [engram_tables, plan(rank)])
+    finally:
+        for d in nodes.values():
+            d.stop()
+    return by_case(lines)
+
+
+def assert_eager_agreed(eager_ranks, mode: str) -> None:
+    """The runs of ``mode``, rank 1's node lost before decode step KILL_AT: before it the table's rows on both ranks;
+    from it on under zeros both ranks' layers run on zero rows, each step counted as zero rows on both ranks (rank 1
+    failed, rank 0's own rows masked); under fail both ranks raise at layer 1 of each such step, in one line naming
+    the step (the same on both ranks) and where it failed (here on rank 1, on another rank on rank 0)."""
+    import re
+
+    said = []
+    for rank, cases in enumerate(eager_ranks):
+        steps = [s for s in cases["eager"] if s["mode"] == mode]
+        for policy in ("zeros", "fail"):
+            run = [s for s in steps if s["policy"] == policy]
+            assert len(run) > KILL_AT + 1, (rank, policy, run)
+            for s in run:
+                if s["step"] < KILL_AT:
+                    assert (s.get("rows"), s["check"]) == (TABLE_ROWS, "ok"), (rank, s)
+                elif policy == "zeros":
+                    assert (s.get("rows"), s["check"]) == ({"1": "zeros", "14": "zeros"}, "ok"), (rank, s)
+            (counted,) = [c["counted"] for c in cases["eager_zero_rows"] if (c["mode"], c["policy"]) == (mode, policy)]
+            assert counted == ({"1": len(run) - KILL_AT, "14": len(run) - KILL_AT} if policy == "zeros" else
+                               {"1": 0, "14": 0}), (rank, policy, counted)  # fmt: skip
+        where = "here" if rank == 1 else "on another rank"
+        failed = [s for s in steps if s["policy"] == "fail" and s["step"] >= KILL_AT]
+        pattern = re.compile(
+            rf"tableserver plugin: layer 1: step (\d+)'s rows were not served {where} \(policy fail: every "
+            r"tensor-parallel rank stops the step"
+        )
+        matched = [pattern.match(s["check"]) for s in failed]
+        assert all(matched) and all("rows" not in s and "\n" not in s["check"] for s in failed), (rank, failed)
+        said.append([int(m.group(1)) for m in matched])
+    assert said[0] == said[1] and said[0] == list(range(said[0][0], said[0][0] + len(said[0]))), said
+
+
+@pytest.mark.slow
+def test_eager_decode_ranks_serve_zeros_together_or_all_fail_at_the_same_step(eager_ranks):
+    """SGLang's decode CUDA graphs disabled: every decode step an eager forward, each served layer's rows gathered on
+    the host (prefetched at step start). Each layer's outcome is reduced where SGLang's Engram reads its rows
+    (``Engram.embed_rows``), one MIN over SGLang's tensor-parallel CPU group. Before, rank 1 alone served zeros (or
+    raised inside its forward, before the collectives after the layer that its peers then wait in) while rank 0
+    served its table's rows. See :func:`assert_eager_agreed`."""
+    assert_eager_agreed(eager_ranks, "eager")
+
+
+@pytest.mark.slow
+def test_eager_break_layers_in_breakable_decode_graphs_agree_per_step(eager_ranks):
+    """Both layers graph mode eager_break (``--cuda-graph-backend-decode breakable``: their rows fetched in the graph's
+    eager breaks at every replay): each break reduces its layer's outcome over the CPU group before it writes the rows.
+    See :func:`assert_eager_agreed`."""
+    assert_eager_agreed(eager_ranks, "eager_break")
+
+
+@pytest.mark.slow
+def test_dp_attentions_idle_batches_join_every_eager_agreement(eager_ranks):
+    """DP attention, decode graphs disabled: from decode step KILL_AT on rank 1's batches are idle (no token) while
+    rank 0 decodes. SGLang runs every Engram layer on an idle batch too, so the idle rank joins each layer's reduction
+    (it gathers nothing: the table's rows): rank 0's steps are its table's rows and checked, never a hang."""
+    for rank, cases in enumerate(eager_ranks):
+        steps = cases["eager_idle"]
+        assert len(steps) > KILL_AT + 1, (rank, steps)
+        for s in steps:
+            if rank == 1 and s["step"] >= KILL_AT:
+                assert (s["did"], s["check"]) == ("idle", "ok") and "rows" not in s, (rank, s)
+            else:
+                assert (s.get("rows"), s["check"]) == (TABLE_ROWS, "ok"), (rank, s)
+
+
 @pytest.mark.slow
 def test_one_graph_mode_per_layer_and_one_poller_for_every_rank(ranks):
     """Layer 1 placed node (graph mode device), layer 14 remote in_graph. Rank 1's GPU cannot register its node's
