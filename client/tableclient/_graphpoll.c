@@ -772,6 +772,8 @@ static void stop(Poller *p)
         return;
     p->stopping = 1;
     PyObject *endpoints[MAX_SLOTS];
+    Py_buffer tables[MAX_SLOTS];
+    int had_table[MAX_SLOTS];
     int n = p->nslots;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&p->lock);
@@ -789,12 +791,18 @@ static void stop(Poller *p)
         store(p, s->rows_flag, 1); /* a graph replayed after this waits for nobody */
         drop_source(s);
         endpoints[i] = take_endpoint(s); /* the thread is gone: nothing gathers through it */
+        had_table[i] = take_table(s, &tables[i]); /* nor copies from it: the mapping is let go now, not when
+                                                     the Poller is freed (a node's memory, unmapped) */
+        s->source = SRC_NONE;
     }
     pthread_cond_broadcast(&p->changed); /* take_handoff's waiters: closed */
     pthread_mutex_unlock(&p->lock);
     Py_END_ALLOW_THREADS
-    for (int i = 0; i < n; i++)
+    for (int i = 0; i < n; i++) {
         Py_XDECREF(endpoints[i]);
+        if (had_table[i])
+            PyBuffer_Release(&tables[i]);
+    }
     p->started = 0;
 }
 

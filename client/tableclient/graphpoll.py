@@ -616,3 +616,4 @@ class _Keeper:
             self._cond.notify()
         if self._thread.is_alive():
             self._thread.join(timeout=30)
+        self._connect = self._check = None  # no cycle back to the poller: it is freed with its GraphStep

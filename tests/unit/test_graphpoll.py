@@ -330,3 +330,20 @@ def test_a_step_of_no_live_id_is_the_tables_rows_whatever_the_source():
             assert s.ok == 1 and not rows.any()
     finally:
         p.close()
+
+
+def test_close_lets_go_of_the_mapped_table_at_once():
+    """close() releases the table a slot copied from (shm: a node's memory, mapped here) then, not when the
+    Poller is freed: a closed GraphStep kept alive a while (a reference cycle, a traceback) must not keep a dead
+    node's tables mapped. An mmap refuses to close while a buffer of it is held."""
+    import mmap
+
+    s = Slot(4, 2, 8)
+    table = mmap.mmap(-1, 100 * 8)
+    p = s.poller()
+    p.set_shm(0, table, 100)
+    with pytest.raises(BufferError):
+        table.close()  # the slot holds it
+    p.close()
+    table.close()  # let go of
+
