@@ -346,4 +346,3 @@ def test_close_lets_go_of_the_mapped_table_at_once():
         table.close()  # the slot holds it
     p.close()
     table.close()  # let go of
-
