@@ -1077,23 +1077,19 @@ static PyObject *Poller_set_budget(Poller *p, PyObject *args)
     Py_RETURN_NONE;
 }
 
-static PyObject *Poller_set_host(Poller *p, PyObject *slot_o)
+/* a source that holds nothing: SRC_HOST (Python reads the slot's steps) or SRC_NONE (the policy) */
+static PyObject *set_bare(Poller *p, PyObject *slot_o, int source)
 {
     int i;
-    Source next = {.source = SRC_HOST, .fd = -1};
+    Source next = {.source = source, .fd = -1};
     if (check_slot(p, slot_o, &i) < 0)
         return NULL;
     return swap_source(p, i, &next);
 }
 
-static PyObject *Poller_set_none(Poller *p, PyObject *slot_o)
-{
-    int i;
-    Source next = {.source = SRC_NONE, .fd = -1};
-    if (check_slot(p, slot_o, &i) < 0)
-        return NULL;
-    return swap_source(p, i, &next);
-}
+static PyObject *Poller_set_host(Poller *p, PyObject *slot_o) { return set_bare(p, slot_o, SRC_HOST); }
+
+static PyObject *Poller_set_none(Poller *p, PyObject *slot_o) { return set_bare(p, slot_o, SRC_NONE); }
 
 static int is_busy(Poller *p)
 {

@@ -55,6 +55,8 @@ class ClientOptions:
             ("dns_refresh", r.dns_refresh),
         ):
             check_timeout(name, value)
+        if not t.idle_check >= 0:  # nan too; inf: never look first (a request sent into a closed one is re-sent)
+            raise ValueError(f"idle_check must be seconds >= 0 (inf: never look before sending), got {t.idle_check!r}")
         if not 0 <= t.busy_poll <= MAX_BUSY_POLL_S:
             raise ValueError(
                 f"busy_poll must be 0..{MAX_BUSY_POLL_S:g} seconds (a core spins this long per wait), got {t.busy_poll!r}"

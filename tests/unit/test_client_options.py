@@ -93,6 +93,8 @@ def test_an_unknown_argument_is_a_type_error():
         (dict(request_timeout=0), "request_timeout must be seconds above 0"),
         (dict(keepalive_interval=-1.0), "keepalive_interval must be seconds above 0"),
         (dict(busy_poll=0.5), "busy_poll must be"),
+        (dict(idle_check=-1.0), "idle_check must be seconds >= 0"),
+        (dict(idle_check=float("nan")), "idle_check must be seconds >= 0"),
         (dict(hedge_fraction=0.0), "hedge_fraction"),
         (dict(hedge_after=0.0), "hedge_after"),
         (dict(backoff_min=0.0), "backoff_min must be > 0"),
