@@ -228,10 +228,15 @@ class NativePoller:
         try:
             self._refresh(i)
         except Exception as e:  # noqa: BLE001  (no source change may raise out of arm(): the step runs)
-            log.error("layer %d: the native poller could not take its table's source (%s): the policy until it "
-                      "can", self.layers[i], e)  # fmt: skip
             with self._lock:
-                self._set(i, ("none", None))
+                if self._said[i] != ("error", str(e)):
+                    self._said[i] = ("error", str(e))
+                    log.error("layer %d: the native poller could not take its table's source (%s): the policy "
+                              "until it can", self.layers[i], e)  # fmt: skip
+                try:
+                    self._set(i, ("none", None))
+                except Exception:  # noqa: BLE001  (closed meanwhile: its steps wait for nobody)
+                    self._reads[i] = None
 
     def _refresh(self, i: int) -> None:
         route = self._readers[i].route()

@@ -246,8 +246,10 @@ def test_a_connection_the_server_closed_while_idle_never_costs_a_step(tmp_path, 
                 g.account()
                 assert counter("tableserver_client_zero_rows_served_total", 14) == zeros
                 assert c.replicas()[d.address]["state"] == "up"
-                if found_by == "the step":  # each step after a gap: sent again through the client's transport
-                    assert counter("tableserver_client_graph_handoffs_total", 14) >= handed + 3
+                if found_by == "the step":  # a step that found its connection closed: sent again through the client's
+                    # transport (after the first gap and the last; after the second the keeper may have connected anew
+                    # between the arm and the ids, and that step is the thread's own)
+                    assert counter("tableserver_client_graph_handoffs_total", 14) >= handed + 2
             finally:
                 g.close()
     finally:
