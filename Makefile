@@ -11,7 +11,8 @@ TORCH ?= torch==2.13.0
 	observe proto clean
 
 $(BASE): setup.cfg pyproject.toml setup.py tableserver/common/_take.c tableserver/common/bufcheck.h \
-		tableserver/common/rowcopy.h tableserver/common/spin.h client/tableclient/_flags.c client/tableclient/_graphpoll.c \
+		tableserver/common/rowcopy.h tableserver/common/spin.h client/tableclient/graph/_flags.c \
+		$(wildcard client/tableclient/graph/poller/_native_c/*.c client/tableclient/graph/poller/_native_c/*.h) \
 		$(wildcard tableserver/disk/_diskio_c/*.c tableserver/disk/_diskio_c/*.h)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -e .
@@ -95,5 +96,5 @@ proto: $(DEV)
 		proto/tableserver/v1/tableserver.proto
 
 clean:
-	rm -rf $(VENV) build *.egg-info tableserver/common/_take*.so client/tableclient/_flags*.so \
-		client/tableclient/_graphpoll*.so tableserver/disk/_diskio*.so
+	rm -rf $(VENV) build *.egg-info tableserver/common/_take*.so client/tableclient/graph/_flags*.so \
+		client/tableclient/graph/poller/_native*.so client/tableclient/graph/poller/_verbs*.so tableserver/disk/_diskio*.so

@@ -1,7 +1,7 @@
 """Metadata lives in setup.cfg; this adds the optional C extensions: the row gather (tableserver/common/take.py
-says why), the flag wait of graph-safe steps (client/tableclient/_flags.c says why) and the disk tier's read
+says why), the flag wait of graph-safe steps (client/tableclient/graph/_flags.c says why) and the disk tier's read
 engine (tableserver/disk/_diskio_c/module.c says why; its C files, by concept, as CPython's Modules/_io/); where
-libibverbs' headers are, the in_graph poller's rdma source (client/tableclient/_graphverbs.c).
+libibverbs' headers are, the in_graph poller's rdma source (client/tableclient/graph/poller/_native_c/verbs.c).
 
 ``optional=True``: without a C compiler or Python's headers the package installs all the same and
 ``tableserver.common.take`` runs numpy's gather (``tableserver.common.take.NATIVE`` is then False), and
@@ -31,7 +31,10 @@ optional = os.environ.get("TABLESERVER_REQUIRE_NATIVE") != "1"
 # sdist (and rebuilds an extension when one changes).
 COMMON = "tableserver/common"
 DISKIO = "tableserver/disk/_diskio_c"  # not _diskio/: with no .so built, that folder imports as the module
-GRAPHVERBS_H = "client/tableclient/graphverbs.h"  # what _graphverbs hands _graphpoll (a capsule of functions)
+GRAPH = "client/tableclient/graph"
+POLLER = (
+    f"{GRAPH}/poller/_native_c"  # the native poller's C, by concept; verbs.h: what _verbs hands _native (a capsule)
+)
 native = [
     Extension(
         "tableserver.common._take",
@@ -42,19 +45,19 @@ native = [
         extra_compile_args=["-O2"],
     ),
     Extension(
-        "tableclient._flags",
-        ["client/tableclient/_flags.c"],
+        "tableclient.graph._flags",
+        [f"{GRAPH}/_flags.c"],
         include_dirs=[COMMON],
         depends=[f"{COMMON}/spin.h"],
         optional=optional,
         extra_compile_args=["-O2"],
     ),
-    # the in_graph poller and watchdog: one native thread per GraphStep (client/tableclient/_graphpoll.c says why)
+    # the in_graph poller and watchdog: one native thread per GraphStep (its poller.c says why)
     Extension(
-        "tableclient._graphpoll",
-        ["client/tableclient/_graphpoll.c"],
+        "tableclient.graph.poller._native",
+        [f"{POLLER}/poller.c"],
         include_dirs=[COMMON],
-        depends=[f"{COMMON}/bufcheck.h", f"{COMMON}/rowcopy.h", f"{COMMON}/spin.h", GRAPHVERBS_H],
+        depends=[f"{COMMON}/bufcheck.h", f"{COMMON}/rowcopy.h", f"{COMMON}/spin.h", f"{POLLER}/verbs.h"],
         optional=optional,
         extra_compile_args=["-O2"],
     ),
@@ -67,15 +70,15 @@ native = [
         extra_compile_args=["-O2"],
     ),
 ]
-# the in_graph poller's rdma source (client/tableclient/_graphverbs.c says why it is a module of its own): only
+# the in_graph poller's rdma source (its verbs.c says why it is a module of its own): only
 # where libibverbs' headers are (Debian: libibverbs-dev), so that a client without RDMA builds and imports all the same
 if has_header("infiniband/verbs.h"):
     native.append(
         Extension(
-            "tableclient._graphverbs",
-            ["client/tableclient/_graphverbs.c"],
+            "tableclient.graph.poller._verbs",
+            [f"{POLLER}/verbs.c"],
             include_dirs=[COMMON],
-            depends=[f"{COMMON}/bufcheck.h", f"{COMMON}/rowcopy.h", f"{COMMON}/spin.h", GRAPHVERBS_H],
+            depends=[f"{COMMON}/bufcheck.h", f"{COMMON}/rowcopy.h", f"{COMMON}/spin.h", f"{POLLER}/verbs.h"],
             libraries=["ibverbs"],
             optional=optional,
             extra_compile_args=["-O2"],

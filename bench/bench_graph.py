@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Served layers inside captured decode graphs (tableclient.graphstep), the modes side by side.
+"""Served layers inside captured decode graphs (tableclient.graph.step), the modes side by side.
 
     python bench/bench_graph.py [--steps 200] [--buckets 1,8,64] [--transports shm,tcp] [--out bench/out]
     python bench/bench_graph.py --device cpu --steps 20     (the same steps, eagerly, flags on the host)
@@ -8,7 +8,7 @@
         --steps 100 --condition-s 40"                  (the wake stage over rdma, in the Soft-RoCE guest)
 
 Stages (all by default): ``probe``, the start-up probe of stream memory operations
-(tableclient.streamops: a write and a wait captured, replayed, released from a host thread);
+(tableclient.graph.streams: a write and a wait captured, replayed, released from a host thread);
 ``node``, both layers in graph mode ``device`` over this host's daemon at buckets 1/64/512
 (``--node-buckets``): the graph's own kernel gathers the rows from the registered mapping, and the GPU
 time from the step's start to layer 1's rows (against its window) and layer 14's wait are reported;
@@ -65,8 +65,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from tableclient import TableClient  # noqa: E402
-from tableclient.graphstep import GraphStep, HostStreamOps  # noqa: E402
-from tableclient.pollercpu import parse_cpus  # noqa: E402
+from tableclient.graph.poller.cpu import parse_cpus  # noqa: E402
+from tableclient.graph.step import GraphStep, HostStreamOps  # noqa: E402
 from tableclient.step import LayerPlan  # noqa: E402
 
 from tableserver.common.model import ROWS_PER_TOKEN, WINDOWS_S  # noqa: E402
@@ -344,7 +344,7 @@ def header(lines: list) -> None:
 
 def stage_probe(torch, device, lines: list) -> bool:
     """The start-up probe of stream memory operations (what GraphStep runs before in_graph layers)."""
-    from tableclient.streamops import DRIVER_NAMES, GraphStepError, driver_symbols, probe_device
+    from tableclient.graph.streams import DRIVER_NAMES, GraphStepError, driver_symbols, probe_device
 
     try:
         driver_symbols()
@@ -610,10 +610,13 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
     import ctypes
     import threading
 
-    from tableclient import graphpoll
+    from tableclient.graph.poller import native
 
-    if not graphpoll.BUILT:
-        say(lines, "wake: tableclient._graphpoll is not built here (no native stand-in, no native poller): skipped")
+    if not native.BUILT:
+        say(
+            lines,
+            "wake: tableclient.graph.poller._native is not built here (no native stand-in, no native poller): skipped",
+        )
         return True
     tokens, table_rows = 64, local["engram.layer14"].shape[0]
     plan = [PLANS[1]]
@@ -691,7 +694,7 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                         kept = witness.kept_off() if witness is not None else None
                         g.arm(tokens)
                         g.publish_ids(14, torch.from_numpy(ids), graph=False)  # the copy only
-                        seen = graphpoll.stand_in(g.flags.host, ids_flag, rows_flag, 30.0)
+                        seen = native.stand_in(g.flags.host, ids_flag, rows_flag, 30.0)
                         got = g.rows(14, tokens).numpy().reshape(tokens, ROWS_PER_TOKEN, -1)
                         # the release itself: a GPU would see it at once, the stand-in sees it when this
                         # crowded machine runs it again
@@ -771,7 +774,7 @@ def stage_wake(torch, path: str, tmp: str, local: dict, transports: list, steps:
                         g.publish_ids(14, torch.from_numpy(ids), graph=False)
                         published = time.monotonic()
                         go.set()  # the holder takes the GIL as this thread lets it go in the stand-in
-                        seen = graphpoll.stand_in(g.flags.host, g.flags.index(0, 0), g.flags.index(0, 1), 30.0)
+                        seen = native.stand_in(g.flags.host, g.flags.index(0, 0), g.flags.index(0, 1), 30.0)
                         holder.join()
                         zeros = not g.rows(14, tokens).numpy().any()  # policy zeros: the watchdog's, not rows
                         dt = None if seen is None else g.released_at(14) - seen[0]

@@ -27,7 +27,7 @@ from tableserver.common.model import ROW_BYTES, TABLE_ROWS
 from tableserver.errors import ConfigError, TableServerError
 
 COMMANDS = ("serve", "gen-demo", "pack", "inspect", "stripe", "demo", "dashboard", "doctor", "plan")
-log = logging.getLogger("tableserver")
+log = logging.getLogger(__name__)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -34,7 +34,7 @@ from tableserver.transports import KNOWN
 from tableserver.v1 import tableserver_pb2 as pb
 from tableserver.v1 import tableserver_pb2_grpc as pb_grpc
 
-log = logging.getLogger("tableserver.control")
+log = logging.getLogger(__name__)
 
 SERVICE_NAME = "tableserver.v1.TableService"
 #: what one peer may ask of the control plane: bounded so no request costs more than a few microseconds

@@ -37,7 +37,7 @@ from tableserver.tables.progress import human_bytes
 from tableserver.tables.stripe import check_unit, parse_stripes
 from tableserver.transports import AUTO, KNOWN, open_transport
 
-log = logging.getLogger("tableserver.server")
+log = logging.getLogger(__name__)
 
 
 class LoadCancelled(TableServerError):

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from tableserver.common.wire import SECRET_BYTES, SESSION_ID_BYTES, owner_proof
 
-log = logging.getLogger("tableserver.sessions")
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)

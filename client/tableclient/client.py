@@ -28,7 +28,7 @@ from tableclient.options import ClientOptions, client_options
 from tableclient.routing import Router, TableReader
 from tableclient.table import GatherHandle, RemoteTable, TableInfo
 
-log = logging.getLogger("tableclient")
+log = logging.getLogger(__name__)
 
 #: most ids per request while no session is up to say (a session's own limit replaces it)
 DEFAULT_ROWS_PER_REQUEST = 65536

@@ -42,7 +42,7 @@ MAX_LEASE_S = 86400.0
 #: offers of one session looked at (a server offers one per transport asked for)
 MAX_OFFERS = 16
 
-log = logging.getLogger("tableclient")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -354,7 +354,7 @@ class NodeSession:
 
     def open_qp_session(self, qp: QpInfo, device: str, max_rd_atomic: int, timeout: float) -> QpSession:
         """A session of its own with this node offering one RC QP (in INIT) and asking for rdma alone, for a
-        reader that drives that QP itself (a GraphStep's native poller, client/tableclient/_graphverbs.c), opened
+        reader that drives that QP itself (a GraphStep's native poller, client/tableclient/graph/poller/_native_c/verbs.c), opened
         within ``timeout`` seconds: the server connects a QP of its own to it and answers with the regions its
         rkeys read (:class:`QpSession`).
 

@@ -44,7 +44,7 @@ from tableclient.errors import TableClientError
 from tableclient.metrics import metrics
 from tableserver.common.buffers import pinned_rows_buffer, rows_buffer
 
-log = logging.getLogger("tableclient.step")
+log = logging.getLogger(__name__)
 
 POLICIES = ("fail", "zeros", "fallback")
 #: the earliest a layer's gather is hedged after step start, however short its window

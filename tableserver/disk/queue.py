@@ -52,7 +52,7 @@ from tableserver.common.wire import Refused, Status
 from tableserver.disk.reader import DiskReadError, DiskTable
 from tableserver.logs import RateLimitedLog
 
-log = logging.getLogger("tableserver.diskqueue")
+log = logging.getLogger(__name__)
 
 #: jobs one disk table's queue holds before refusing more (BUSY)
 MAX_QUEUED = 4096

@@ -105,7 +105,7 @@ except ImportError as e:  # built without a C compiler (setup.py): the Python en
 else:
     _NATIVE_MISSING = ""
 
-log = logging.getLogger("tableserver.diskio")
+log = logging.getLogger(__name__)
 
 
 #: pool pages per queue slot by default: a batch of only ``queue_depth`` pages would drain the drive's

@@ -29,7 +29,7 @@ from tableserver.tables.progress import Progress, human_bytes
 from tableserver.tables.sources import TableFileSource, open_sources, unverified
 from tableserver.tables.tablefile import TableSpec
 
-log = logging.getLogger("tableserver.loader")
+log = logging.getLogger(__name__)
 
 
 @dataclass

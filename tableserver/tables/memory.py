@@ -28,7 +28,7 @@ import numpy as np
 
 from tableserver.errors import MemoryLimitError
 
-log = logging.getLogger("tableserver.memory")
+log = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
 HUGE_2M = 2 << 20

@@ -29,7 +29,7 @@ from tableserver.tables.tablefile import (
     rows_per_page,
 )
 
-log = logging.getLogger("tableserver.pack")
+log = logging.getLogger(__name__)
 _BLOCK_ROWS = 1 << 16
 
 

@@ -40,7 +40,7 @@ from tableserver.tables.tablefile import (
     read_header,
 )
 
-log = logging.getLogger("tableserver.sources")
+log = logging.getLogger(__name__)
 
 Progress = Callable[[int], None]
 

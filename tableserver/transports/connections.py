@@ -61,7 +61,7 @@ from tableserver.config import option
 from tableserver.errors import ListenError
 from tableserver.logs import RateLimitedLog
 
-log = logging.getLogger("tableserver.connections")
+log = logging.getLogger(__name__)
 
 READ, WRITE, CLOSE, PARK = "read", "write", "close", "park"
 

@@ -60,7 +60,7 @@ from tableserver.sessions import Session
 from tableserver.transports.base import ServerTransport
 from tableserver.v1 import tableserver_pb2 as pb
 
-log = logging.getLogger("tableserver.common.verbs")
+log = logging.getLogger(__name__)
 
 RECV_DEPTH = 16  # pack requests a QP can have queued at the server
 SEND_DEPTH = 64

@@ -63,7 +63,7 @@ from tableserver.transports.limits import connection_limits
 from tableserver.transports.tcp import UnixRowsPort
 from tableserver.v1 import tableserver_pb2 as pb
 
-log = logging.getLogger("tableserver.shm")
+log = logging.getLogger(__name__)
 
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE
 

@@ -83,7 +83,7 @@ from tableserver.transports.connections import (
 from tableserver.transports.limits import connection_limits
 from tableserver.v1 import tableserver_pb2 as pb
 
-log = logging.getLogger("tableserver.tcp")
+log = logging.getLogger(__name__)
 
 #: rows are gathered and sent in chunks of at most this many bytes
 CHUNK_BYTES = 512 << 10

@@ -1,5 +1,5 @@
 """Graph mode ``device`` on the CPU: a node table (a real daemon's sealed memfd, mapped over shm) read by the
-graph's own kernel (tableclient.rowkernel, run by Triton's interpreter on CPU tensors), through GraphStep
+graph's own kernel (tableclient.graph.device.kernel, run by Triton's interpreter on CPU tensors), through GraphStep
 and DeviceTable. Every row is checked bit-exact against the table file; a daemon restarted on the same
 data is mapped and pointed at anew, one restarted on other data is never read, and a table the GPU cannot
 read here takes before_replay with one line saying why.
@@ -20,8 +20,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from tableclient import TableClient  # noqa: E402
-from tableclient.devicetable import DeviceTable, DeviceTableUnavailable, gather, memlock_refusal  # noqa: E402
-from tableclient.graphstep import GraphStep, GraphStepError, HostStreamOps  # noqa: E402
+from tableclient.graph.device.table import DeviceTable, DeviceTableUnavailable, gather, memlock_refusal  # noqa: E402
+from tableclient.graph.step import GraphStep, GraphStepError, HostStreamOps  # noqa: E402
 from tableclient.metrics import metrics  # noqa: E402
 from tableclient.step import LayerPlan  # noqa: E402
 
@@ -200,7 +200,7 @@ def test_a_table_the_gpu_cannot_read_here_takes_before_replay_with_one_line(daem
     """Over tcp nothing is mapped in this process: the device layer falls back to before_replay, saying why
     in one line, and its rows are still bit-exact."""
     local = local_tables(demo_file)
-    with caplog.at_level(logging.WARNING, logger="tableclient.graphstep"):
+    with caplog.at_level(logging.WARNING, logger="tableclient.graph"):
         with TableClient(daemon.address, transport="tcp") as c:
             with pytest.raises(DeviceTableUnavailable, match="not mapped in this process"):
                 DeviceTable(c, "engram.layer1", "cpu")

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from conftest import EVENT_TIMEOUT
 
-from tableserver.disk import reader as diskio
+from tableserver.disk import reader
 from tableserver.disk.plan import MAX_RUN_PAGES
 from tableserver.disk.reader import DiskReadError, DiskTable
 
@@ -37,12 +37,12 @@ def engine_missing(io: str) -> str | None:
     """Why engine ``io`` cannot run here, or None."""
     if io == "python":
         return None
-    if diskio._diskio is None:
-        return diskio._NATIVE_MISSING
+    if reader._diskio is None:
+        return reader._NATIVE_MISSING
     try:
-        diskio._diskio.Engine(io, 1, bytearray(PAGE)).close()
+        reader._diskio.Engine(io, 1, bytearray(PAGE)).close()
     except OSError as e:
-        return diskio._uring_unavailable(e) if io == "io_uring" else str(e)
+        return reader._uring_unavailable(e) if io == "io_uring" else str(e)
     return None
 
 
@@ -321,7 +321,7 @@ def test_timeout_poisons_the_pool_until_the_reads_are_back(tmp_path, monkeypatch
         release = fault_reads(t, monkeypatch, held_at, HOLD)
         with pytest.raises(DiskReadError, match="took over"):
             t.gather([row_on_held])
-        with caplog.at_level(logging.WARNING, "tableserver.diskio"):
+        with caplog.at_level(logging.WARNING, "tableserver.disk"):
             t.close()
         assert any("left mapped" in r.getMessage() for r in caplog.records)
     finally:
@@ -440,7 +440,7 @@ def test_direct_and_close(tmp_path, io):
 def test_engine_choice(tmp_path, caplog):
     path = tmp_path / "a.bin"
     write_table(path, 100)
-    with caplog.at_level(logging.INFO, "tableserver.diskio"):
+    with caplog.at_level(logging.INFO, "tableserver.disk"):
         with DiskTable(path, 0, 100, ROW_BYTES) as t:
             expected = next(e for e in ENGINES if engine_missing(e) is None)
             assert t.engine == expected and t.engine_reason and "\n" not in t.engine_reason
@@ -461,16 +461,16 @@ def test_engine_fallbacks(tmp_path, monkeypatch):
     path = tmp_path / "f.bin"
     table = write_table(path, 500)
     ids = np.arange(0, 500, 3)
-    if diskio._diskio is not None and engine_missing("threads") is None:
-        real = diskio._diskio.Engine
+    if reader._diskio is not None and engine_missing("threads") is None:
+        real = reader._diskio.Engine
 
         def refuse_uring(mode, depth, pool):
             if mode == "io_uring":
                 raise OSError(errno.EPERM, "Operation not permitted", "io_uring_setup")
             return real(mode, depth, pool)
 
-        monkeypatch.setattr(diskio._diskio, "Engine", refuse_uring)
-        monkeypatch.setattr(diskio, "_sysctl", lambda name: "2" if name == "kernel.io_uring_disabled" else None)
+        monkeypatch.setattr(reader._diskio, "Engine", refuse_uring)
+        monkeypatch.setattr(reader, "_sysctl", lambda name: "2" if name == "kernel.io_uring_disabled" else None)
         with DiskTable(path, 0, 500, ROW_BYTES, queue_depth=4) as t:
             assert t.engine == "threads"
             assert t.engine_reason == "io_uring unavailable: EPERM (kernel.io_uring_disabled=2); 4 threads over preadv"
@@ -479,11 +479,11 @@ def test_engine_fallbacks(tmp_path, monkeypatch):
             DiskReadError, match=r"io='io_uring' cannot run here: io_uring unavailable: EPERM.*io='threads'"
         ):
             DiskTable(path, 0, 500, ROW_BYTES, io="io_uring")
-        monkeypatch.setattr(diskio, "_sysctl", lambda name: "0")
-        assert "seccomp" in diskio._uring_unavailable(OSError(errno.EPERM, "Operation not permitted"))
-        assert "ENOSYS" in diskio._uring_unavailable(OSError(errno.ENOSYS, "Function not implemented"))
-    monkeypatch.setattr(diskio, "_diskio", None)
-    monkeypatch.setattr(diskio, "_NATIVE_MISSING", "tableserver.disk._diskio not built (No module named x)")
+        monkeypatch.setattr(reader, "_sysctl", lambda name: "0")
+        assert "seccomp" in reader._uring_unavailable(OSError(errno.EPERM, "Operation not permitted"))
+        assert "ENOSYS" in reader._uring_unavailable(OSError(errno.ENOSYS, "Function not implemented"))
+    monkeypatch.setattr(reader, "_diskio", None)
+    monkeypatch.setattr(reader, "_NATIVE_MISSING", "tableserver.disk._diskio not built (No module named x)")
     with DiskTable(path, 0, 500, ROW_BYTES) as t:
         assert t.engine == "python" and t.engine_reason.startswith("tableserver.disk._diskio not built")
         assert np.array_equal(t.gather(ids), table[ids])
@@ -564,7 +564,7 @@ def test_native_engine_interface(mode):
         f.write(data.tobytes())
         f.flush()
         fd = f.fileno()
-        eng = diskio._diskio.Engine(mode, 4, pool)
+        eng = reader._diskio.Engine(mode, 4, pool)
         assert eng.mode == mode and eng.depth == 4 and eng.queued == 0 and eng.inflight == 0
 
         def batch(pages, slot0):
@@ -573,14 +573,14 @@ def test_native_engine_interface(mode):
             at = np.asarray(pages, np.int64) * PAGE
             return np.full(n, fd, np.int64), at, (slot0 + np.arange(n, dtype=np.int64)) * PAGE, length, length
 
-        assert eng.submit(*batch([3, 9, 60], 0), 1.0) == diskio._diskio.OK
-        assert eng.submit(*batch([1, 2], 8), 1.0) == diskio._diskio.OK
+        assert eng.submit(*batch([3, 9, 60], 0), 1.0) == reader._diskio.OK
+        assert eng.submit(*batch([1, 2], 8), 1.0) == reader._diskio.OK
         with pytest.raises(RuntimeError, match="full"):
             eng.submit(*batch([5], 12), 1.0)
         with pytest.raises(RuntimeError, match="empty queue"):
             eng.read(*batch([5], 12), 1.0)
-        assert eng.wait(5.0) == (diskio._diskio.OK, -1, 0, 3 * PAGE, 3)
-        assert eng.wait(5.0) == (diskio._diskio.OK, -1, 0, 2 * PAGE, 2)
+        assert eng.wait(5.0) == (reader._diskio.OK, -1, 0, 3 * PAGE, 3)
+        assert eng.wait(5.0) == (reader._diskio.OK, -1, 0, 2 * PAGE, 2)
         with pytest.raises(RuntimeError, match="no batch"):
             eng.wait(1.0)
         buf = np.frombuffer(pool, np.uint8).reshape(16, PAGE)
@@ -595,10 +595,10 @@ def test_native_engine_interface(mode):
         with pytest.raises(TypeError, match="int64"):
             eng.read(fds.astype(np.int32), at, dst, length, need, 1.0)
         st, run, got, *_ = eng.read(fds, np.array([64 * PAGE - 100]), dst, length, need, 1.0)  # past the end
-        assert (st, run, got) == (diskio._diskio.SHORT, 0, 100)
-        assert eng.submit(*batch([4, 5], 0), 1.0) == diskio._diskio.OK
+        assert (st, run, got) == (reader._diskio.SHORT, 0, 100)
+        assert eng.submit(*batch([4, 5], 0), 1.0) == reader._diskio.OK
         assert eng.drain(5.0) == 0 and eng.queued == 0
-        assert eng.read(*batch([7], 0), 1.0)[0] == diskio._diskio.OK
+        assert eng.read(*batch([7], 0), 1.0)[0] == reader._diskio.OK
         assert eng.close(1.0) is True and eng.close() is True and eng.mode == "closed"
         with pytest.raises(ValueError, match="closed"):
             eng.read(*batch([7], 0), 1.0)
@@ -615,7 +615,7 @@ def test_engine_limit_caps_the_reads_in_flight(mode):
     why = engine_missing(mode)
     if why:
         pytest.skip(f"{mode}: {why}")
-    E = diskio._diskio
+    E = reader._diskio
     pool = mmap.mmap(-1, 8 * PAGE)
     with tempfile.TemporaryFile() as f:
         data = np.random.default_rng(5).integers(0, 256, 8 * PAGE, dtype=np.uint8)
@@ -668,7 +668,7 @@ def test_native_engine_getters_and_calls_during_and_after_close(mode):
     why = engine_missing(mode)
     if why:
         pytest.skip(f"{mode}: {why}")
-    E = diskio._diskio
+    E = reader._diskio
     getters = ("mode", "depth", "limit", "fixed", "ext_arg", "note", "inflight", "queued", "closed", "leaked")
     # what every getter of a closed (and not leaked) engine says, from the moment close() starts
     CLOSED_STATE = {"mode": "closed", "depth": 0, "limit": 0, "fixed": False, "ext_arg": False, "inflight": 0,

@@ -1,5 +1,5 @@
 """A GraphStep whose native poller turns out unable to serve its layers once made (a node that seals its tcp
-payloads; over rdma, where tableclient._graphverbs is missing: tests/rdma/test_graphpoll_rdma.py) keeps the
+payloads; over rdma, where tableclient.graph.poller._verbs is missing: tests/rdma/test_graphpoll_rdma.py) keeps the
 Python poller, which serves from the first step.
 
 Before: the native poller, closed on the way out, left every rows flag released ("a replay after close waits
@@ -16,21 +16,22 @@ from conftest import EVENT_TIMEOUT, local_tables, start_daemon
 
 torch = pytest.importorskip("torch")
 
-from tableclient import TableClient, graphpoll  # noqa: E402
-from tableclient.graphstep import GraphStep, HostStreamOps  # noqa: E402
+from tableclient import TableClient  # noqa: E402
+from tableclient.graph.poller import native  # noqa: E402
+from tableclient.graph.step import GraphStep, HostStreamOps  # noqa: E402
 from tableclient.step import LayerPlan  # noqa: E402
 
 PLANS = [LayerPlan(14, "engram.layer14", 9.3e-3)]
 
 
 def test_a_native_poller_refused_after_it_was_made_leaves_the_python_poller_clean_flags(tmp_path, demo_file, caplog):
-    if not graphpoll.BUILT:
-        pytest.skip("tableclient._graphpoll is not built here")
+    if not native.BUILT:
+        pytest.skip("tableclient.graph.poller._native is not built here")
     local = local_tables(demo_file)["engram.layer14"]
     d = start_daemon(str(tmp_path / "d"), "--tables", demo_file, "--transports", "tcp", "--data-encryption", "on")
     try:
         with TableClient(d.address, transport="tcp") as c:
-            with caplog.at_level(logging.INFO, logger="tableclient.graphstep"):
+            with caplog.at_level(logging.INFO, logger="tableclient.graph"):
                 g = GraphStep(c, PLANS, {14: "in_graph"}, 8, stream_ops=HostStreamOps(EVENT_TIMEOUT), timeout=2.0,
                               budgets={14: EVENT_TIMEOUT})  # fmt: skip
             try:

@@ -22,15 +22,16 @@ from tests_helpers import free_port_block, stream_step
 
 torch = pytest.importorskip("torch")
 
-from tableclient import TableClient, graphpoll  # noqa: E402
-from tableclient.graphstep import GraphStep, HostStreamOps  # noqa: E402
+from tableclient import TableClient  # noqa: E402
+from tableclient.graph.poller import native  # noqa: E402
+from tableclient.graph.step import GraphStep, HostStreamOps  # noqa: E402
 from tableclient.metrics import metrics  # noqa: E402
 from tableclient.step import LayerPlan  # noqa: E402
 
 PLANS = [LayerPlan(1, "engram.layer1", 0.3e-3), LayerPlan(14, "engram.layer14", 9.3e-3)]
 
-if not graphpoll.BUILT:
-    pytest.skip("tableclient._graphpoll is not built here", allow_module_level=True)
+if not native.BUILT:
+    pytest.skip("tableclient.graph.poller._native is not built here", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def local(demo_file):
     return local_tables(demo_file)
 
 
-def native(client, plans=PLANS, **kw) -> GraphStep:
+def native_step(client, plans=PLANS, **kw) -> GraphStep:
     kw.setdefault("timeout", 30.0)
     kw.setdefault("policy", "zeros")
     kw.setdefault("budgets", {p.layer: EVENT_TIMEOUT for p in plans})  # a busy machine's gather is not late
@@ -76,7 +77,7 @@ def steps_across_a_restart(
     d = start_daemon(str(tmp_path / "a"), *flags)
     try:
         with TableClient(d.address, transport=transport) as c:
-            g = native(c)
+            g = native_step(c)
             try:
                 rng = np.random.default_rng(1)
                 assert_rows(g, local, *step(g, local, rng))
@@ -84,7 +85,7 @@ def steps_across_a_restart(
                 d.stop()
                 d = start_daemon(str(tmp_path / "b"), *flags, *again)
                 wait_for(lambda: c.replicas()[d.address]["state"] == "up", "the client to reconnect")
-                with caplog.at_level(logging.WARNING, logger="tableclient.graphstep"):
+                with caplog.at_level(logging.WARNING, logger="tableclient.graph"):
                     for tokens in (4, 16, 1, 8):
                         assert_rows(g, local, *step(g, local, rng, tokens))
                 return [r.getMessage() for r in caplog.records], counter(
@@ -136,7 +137,7 @@ def test_a_data_port_that_accepts_and_never_answers_never_stalls_arm(tmp_path):
     rows = table_rows()
     plans = [LayerPlan(1, "t", 0.3e-3)]
     with ScriptedServer("honest", str(tmp_path)) as srv, TableClient(srv.address, transport="tcp") as c:
-        g = native(c, plans, timeout=3600.0, budgets={1: 0.5})
+        g = native_step(c, plans, timeout=3600.0, budgets={1: 0.5})
         try:
             rng = np.random.default_rng(3)
             ids, out = step(g, {"t": rows}, rng)
@@ -181,7 +182,7 @@ def test_another_replica_changing_state_reconnects_nothing(tmp_path, demo_file, 
     b = start_daemon(str(tmp_path / "b"), "--tables", demo_file, "--transports", "tcp")
     try:
         with TableClient(f"{a.address},{b.address}", transport="tcp", client_id="replicas") as c:
-            g = native(c)
+            g = native_step(c)
             try:
                 rng = np.random.default_rng(4)
                 assert_rows(g, local, *step(g, local, rng))
@@ -222,17 +223,17 @@ def test_a_connection_the_server_closed_while_idle_never_costs_a_step(tmp_path, 
     idempotent). Either way: rows, bit-exact, no policy step, the node never marked down. Before, the first
     step after every idle gap got the policy (zeros)."""
     if found_by == "the step":
-        monkeypatch.setattr(graphpoll, "CHECK_S", 3600.0)
+        monkeypatch.setattr(native, "CHECK_S", 3600.0)
     d = start_daemon(str(tmp_path / "d"), "--tables", demo_file, "--transports", "tcp", "--idle-timeout", "0.2")
     try:  # a busy machine's late keepalive answer fails no node here: the session stays the one the keeper knows
         with TableClient(d.address, transport="tcp", liveness_timeout=EVENT_TIMEOUT) as c:
-            g = native(c, PLANS[1:])
+            g = native_step(c, PLANS[1:])
             try:
                 rng = np.random.default_rng(5)
                 port = int(d.ready["tcp"].rsplit(":", 1)[1])
                 zeros = counter("tableserver_client_zero_rows_served_total", 14)
                 handed = counter("tableserver_client_graph_handoffs_total", 14)
-                with caplog.at_level(logging.INFO, logger="tableclient.graphstep"):
+                with caplog.at_level(logging.INFO, logger="tableclient.graph"):
                     for _ in range(3):
                         assert_rows(g, local, *step(g, local, rng))
                         if found_by == "the keeper":

@@ -1,4 +1,4 @@
-"""The graph-safe step (tableclient.graphstep) on the CPU: real daemons, real clients, and a thread standing
+"""The graph-safe step (tableclient.graph.step) on the CPU: real daemons, real clients, and a thread standing
 in for the CUDA stream -- it runs the graph's side of the flag protocol (publish the ids, wait for the rows,
 copy them) exactly where a captured graph would, through HostStreamOps. Every step's rows are checked
 bit-exact against the table file; faults (a dead server, a frozen one, a step whose ids never come) end in
@@ -23,7 +23,7 @@ from tests_helpers import freeze, stream_step
 torch = pytest.importorskip("torch")
 
 from tableclient import TableClient  # noqa: E402
-from tableclient.graphstep import OUTCOMES, GraphStep, GraphStepError, HostStreamOps  # noqa: E402
+from tableclient.graph.step import OUTCOMES, GraphStep, GraphStepError, HostStreamOps  # noqa: E402
 from tableclient.metrics import metrics  # noqa: E402
 from tableclient.step import LayerPlan  # noqa: E402
 
@@ -122,7 +122,7 @@ def test_the_next_step_armed_while_the_last_still_runs(daemon, local, modes):
 def answered_again(g: GraphStep, d, rng, local, tokens: int) -> tuple:
     """Resumes a frozen daemon whose node went silent for layer 14 (a step's rows did not come after its ids):
     steps get the policy at once and probe the node until a probe is answered (not the next keepalive:
-    tableclient.silence); the step after that reads the table again. That step's (ids, rows)."""
+    tableclient.graph.poller.silence); the step after that reads the table again. That step's (ids, rows)."""
     os.kill(d.proc.pid, signal.SIGCONT)
     g.reset()  # a step the frozen node left unconsumed: start clean
     silence = g.silence(14)
@@ -360,36 +360,36 @@ def test_modes_and_timeouts_are_checked(daemon):
 
 
 def test_the_flag_wait_is_native_where_required_and_checks_its_arguments():
-    """The poller waits for the graph's flag without the GIL (client/tableclient/_flags.c): built in CI
+    """The poller waits for the graph's flag without the GIL (client/tableclient/graph/_flags.c): built in CI
     (TABLESERVER_REQUIRE_NATIVE=1), and refusing what it cannot read."""
 
-    from tableclient import streamops as graphstep
+    from tableclient.graph import streams
 
     if os.environ.get("TABLESERVER_REQUIRE_NATIVE") == "1":
-        assert graphstep._native_wait is not None, "tableclient._flags did not build: install gcc and python3-dev"
+        assert streams._native_wait is not None, "tableclient.graph._flags did not build: install gcc and python3-dev"
     flags = np.zeros(32, np.uint32)
-    assert not graphstep.wait_flag(flags, 16, 1, 0.01)
+    assert not streams.wait_flag(flags, 16, 1, 0.01)
     threading.Timer(0.05, lambda: flags.__setitem__(16, 1)).start()
     t0 = time.monotonic()
-    assert graphstep.wait_flag(flags, 16, 1, EVENT_TIMEOUT) and time.monotonic() - t0 < EVENT_TIMEOUT
-    if graphstep._native_wait is not None:
+    assert streams.wait_flag(flags, 16, 1, EVENT_TIMEOUT) and time.monotonic() - t0 < EVENT_TIMEOUT
+    if streams._native_wait is not None:
         with pytest.raises(ValueError, match="index outside the flags"):
-            graphstep._native_wait(flags, 32, 1, 0.0)
+            streams._native_wait(flags, 32, 1, 0.0)
         with pytest.raises(TypeError, match="native uint32"):
-            graphstep._native_wait(np.zeros(4, np.int64), 0, 1, 0.0)
+            streams._native_wait(np.zeros(4, np.int64), 0, 1, 0.0)
         misaligned = np.frombuffer(bytearray(17), np.uint32, 4, 1)  # an atomic load there may tear
         with pytest.raises(TypeError, match="4-byte aligned"):
-            graphstep._native_wait(misaligned, 0, 1, 0.0)
+            streams._native_wait(misaligned, 0, 1, 0.0)
 
 
 def test_in_graph_layers_get_the_native_poller_where_it_is_built(daemon, poller):
     """shm and plain tcp are the native poller's; policy fallback stays with Python's (it re-reads through
     another client), and says so."""
-    from tableclient import graphpoll
+    from tableclient.graph.poller import native
 
-    if not graphpoll.BUILT:
-        assert os.environ.get("TABLESERVER_REQUIRE_NATIVE") != "1", "tableclient._graphpoll did not build"
-        pytest.skip("tableclient._graphpoll is not built here")
+    if not native.BUILT:
+        assert os.environ.get("TABLESERVER_REQUIRE_NATIVE") != "1", "tableclient.graph.poller._native did not build"
+        pytest.skip("tableclient.graph.poller._native is not built here")
     for transport in ("shm", "tcp"):
         with TableClient(daemon.address, transport=transport) as c:
             g = make(c, {14: "in_graph"})
@@ -471,10 +471,10 @@ def test_the_native_poller_connects_again_after_its_node_restarts(tmp_path, demo
 def test_the_native_poller_runs_at_real_time_priority_where_permitted_and_stays_bit_exact(daemon, local, poller):
     """realtime=True: SCHED_FIFO 1 exactly where this process may have a real-time thread (tried on a
     throwaway thread), the steps as bit-exact as ever; the plugins' poller_priority is checked."""
-    from tableclient import graphpoll
     from tableclient.engine import ConfigError, PluginConfig
+    from tableclient.graph.poller import native
 
-    if poller != "auto" or not graphpoll.BUILT:
+    if poller != "auto" or not native.BUILT:
         pytest.skip("the native poller's priority (built, and asked for)")
     allowed = []
 
@@ -525,9 +525,9 @@ def test_the_native_poller_is_pinned_to_a_cpu_of_poller_cpus_no_other_poller_hol
     """poller_cpus: the thread runs on one CPU of the list (the kernel's affinity says so), a second
     GraphStep takes the next CPU, a third with none left runs unpinned, a closed one's CPU is free again;
     steps stay bit-exact. The CPUs are this process's last two, so no other test's poller holds them."""
-    from tableclient import graphpoll
+    from tableclient.graph.poller import native
 
-    if poller != "auto" or not graphpoll.BUILT:
+    if poller != "auto" or not native.BUILT:
         pytest.skip("the native poller's CPU (built, and asked for)")
     cpus = sorted(os.sched_getaffinity(0))[-2:]
     with TableClient(daemon.address, transport="shm") as c:
@@ -577,14 +577,14 @@ def test_a_frozen_node_stalls_one_step_by_its_budget_and_the_next_get_the_policy
             g = make(c, {14: "in_graph"}, policy="zeros", timeout=20.0, budgets={14: 0.3})
             try:
                 if poller == "auto" and g.poller != "native":
-                    pytest.skip("tableclient._graphpoll is not built here (the python run covers Python's)")
+                    pytest.skip("tableclient.graph.poller._native is not built here (the python run covers Python's)")
                 rng = np.random.default_rng(15)
                 one_step(g, rng, local, 4)
                 freeze(d.proc.pid)
                 released = watchdog_releases(14)
                 out = {}
                 caplog.clear()
-                with caplog.at_level(logging.WARNING, logger="tableclient.graphstep"):
+                with caplog.at_level(logging.WARNING, logger="tableclient.graph"):
                     for k in range(3):  # as an engine steps: each arm folds the step before's events
                         ids = rng.integers(0, local["engram.layer14"].shape[0], (4, 24))
                         g.arm(4)

@@ -24,7 +24,7 @@ TABLES = [DemoTable("engram.layer14", 200_003, 264, 14)]
 
 
 def test_the_probe_passes_and_a_second_call_is_cached():
-    from tableclient.streamops import probe_device
+    from tableclient.graph.streams import probe_device
 
     probe_device(torch, 0)
     assert probe_device(torch, 0) == 0.0
@@ -32,7 +32,7 @@ def test_the_probe_passes_and_a_second_call_is_cached():
 
 def test_a_captured_graph_gathers_the_registered_mapping_and_follows_a_restart_without_recapture(tmp_path):
     from tableclient import TableClient
-    from tableclient.devicetable import DeviceTable, gather
+    from tableclient.graph.device.table import DeviceTable, gather
 
     path = write_demo_file(str(tmp_path / "t.bin"), TABLES, seed=5)
     table = local_tables(path)["engram.layer14"]

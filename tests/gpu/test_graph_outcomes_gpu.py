@@ -24,7 +24,7 @@ TOKENS = 8
 
 def test_a_captured_graph_keeps_each_steps_outcome_for_the_check_where_results_are_read(tmp_path, demo_file):
     from tableclient import TableClient
-    from tableclient.graphstep import GraphStep, GraphStepError
+    from tableclient.graph.step import GraphStep, GraphStepError
     from tableclient.step import LayerPlan
 
     plans = [LayerPlan(1, "engram.layer1", 0.3e-3), LayerPlan(14, "engram.layer14", 9.3e-3)]

@@ -66,8 +66,8 @@ def test_device_rows_are_gathered_inside_a_captured_graph_bit_exact_at_every_rep
     import types
 
     from tableclient import TableClient
-    from tableclient.devicetable import DeviceTable
-    from tableclient.graphstep import GraphStep
+    from tableclient.graph.device.table import DeviceTable
+    from tableclient.graph.step import GraphStep
     from tableclient.step import LayerPlan
     from tableclient.vllm.embedding import RemoteEngramEmbedding
 

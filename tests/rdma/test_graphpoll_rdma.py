@@ -1,4 +1,4 @@
-"""The native in_graph poller over rdma (client/tableclient/_graphverbs.c) on a real verbs stack: Soft-RoCE in the
+"""The native in_graph poller over rdma (client/tableclient/graph/poller/_native_c/verbs.c) on a real verbs stack: Soft-RoCE in the
 QEMU guest (tests/host/test_rdma_guest.py boots it).
 
 A GraphStep's in_graph layers with ``poller="native"`` and a thread standing in for the CUDA stream
@@ -28,8 +28,8 @@ from tableserver.common.verbs import Device
 
 torch = pytest.importorskip("torch")
 
-from tableclient import graphpoll  # noqa: E402
-from tableclient.graphstep import GraphStep, HostStreamOps  # noqa: E402
+from tableclient.graph.poller import native  # noqa: E402
+from tableclient.graph.step import GraphStep, HostStreamOps  # noqa: E402
 from tableclient.metrics import metrics  # noqa: E402
 from tableclient.step import LayerPlan  # noqa: E402
 
@@ -61,7 +61,7 @@ def rdma_daemon(demo_file, tmp_path_factory):
 @pytest.fixture(autouse=True)
 def built():
     """The guest runs the host's build: the rdma source must be there (CI installs libibverbs-dev)."""
-    assert graphpoll.RDMA, f"the native poller cannot read over rdma here: {graphpoll.RDMA_MISSING}"
+    assert native.RDMA, f"the native poller cannot read over rdma here: {native.RDMA_MISSING}"
 
 
 def make(client, modes, **kw) -> GraphStep:
@@ -136,14 +136,14 @@ def test_in_graph_layers_read_over_rdma_by_the_native_poller_bit_exact(rdma_daem
 def test_without_its_rdma_source_the_python_poller_serves_and_the_start_up_log_says_why(
     rdma_daemon, demo_local, monkeypatch, caplog
 ):
-    """Where tableclient._graphverbs is not built (no libibverbs headers at install) or cannot load, an in_graph
+    """Where tableclient.graph.poller._verbs is not built (no libibverbs headers at install) or cannot load, an in_graph
     layer read over rdma keeps today's Python poller (bit-exact), and the GraphStep's start-up line says why;
     ``poller="native"`` refuses with that reason."""
-    why = "tableclient._graphverbs is not built (no libibverbs headers at install: Debian's libibverbs-dev)"
-    monkeypatch.setattr(graphpoll, "RDMA", False)
-    monkeypatch.setattr(graphpoll, "RDMA_MISSING", why)
+    why = "tableclient.graph.poller._verbs is not built (no libibverbs headers at install: Debian's libibverbs-dev)"
+    monkeypatch.setattr(native, "RDMA", False)
+    monkeypatch.setattr(native, "RDMA_MISSING", why)
     with TableClient(rdma_daemon.address, transport="rdma", **SLOW_CLIENT) as c:
-        with caplog.at_level(logging.INFO, logger="tableclient.graphstep"):
+        with caplog.at_level(logging.INFO, logger="tableclient.graph"):
             g = GraphStep(c, PLANS, {14: "in_graph"}, MAX_TOKENS, stream_ops=HostStreamOps(EVENT_TIMEOUT),
                           timeout=EVENT_TIMEOUT, budgets={14: EVENT_TIMEOUT})  # fmt: skip
         try:
@@ -158,7 +158,7 @@ def test_without_its_rdma_source_the_python_poller_serves_and_the_start_up_log_s
                 np.testing.assert_array_equal(out[p.layer], demo_local[p.table][ids[p.layer]])
         finally:
             g.close()
-        with pytest.raises(graphpoll.NativeUnavailable, match="is read over rdma and tableclient._graphverbs"):
+        with pytest.raises(native.NativeUnavailable, match="is read over rdma and tableclient.graph.poller._verbs"):
             make(c, {14: "in_graph"})
 
 
@@ -225,12 +225,12 @@ def test_the_cancel_barrier_with_reads_in_flight():
     good (the next gather fails at once, saying why). The barrier waits for the READs' flush 2 ms at most
     (DRAIN_NS), so the GPU is not held for it: under the guest's emulation it may not drain in that time,
     and the endpoint then says so."""
-    from tableclient import _graphverbs
+    from tableclient.graph.poller import _verbs
 
     with Device("rxe_lo") as dev:
         name, port, gid_index = dev.name, dev.port, dev.gid_index
     rows, row_bytes = 4096, 264
-    ep = _graphverbs.Endpoint(name, port, gid_index, 64, row_bytes)
+    ep = _verbs.Endpoint(name, port, gid_index, 64, row_bytes)
     try:
         ep.connect(NO_SUCH_QP, 1, ep.gid, ep.mtu, 16, rows, [(0, 1 << 20, 1, rows * row_bytes)])
         out = np.full((64, row_bytes), 0xA5, np.uint8)

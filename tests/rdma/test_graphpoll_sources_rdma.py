@@ -18,8 +18,8 @@ from tests_helpers import free_port_block, stream_step
 
 torch = pytest.importorskip("torch")
 
-from tableclient import graphpoll  # noqa: E402
-from tableclient.graphstep import GraphStep, HostStreamOps  # noqa: E402
+from tableclient.graph.poller import native  # noqa: E402
+from tableclient.graph.step import GraphStep, HostStreamOps  # noqa: E402
 from tableclient.metrics import metrics  # noqa: E402
 from tableclient.step import LayerPlan  # noqa: E402
 
@@ -61,7 +61,7 @@ def test_a_table_held_across_a_restart_onto_the_disk_tier_is_read_packed(tmp_pat
 def test_a_node_back_serving_a_table_packed_only_is_read_through_the_clients_transport(
     tmp_path, demo_file, demo_local, caplog
 ):
-    assert graphpoll.RDMA, f"the native poller cannot read over rdma here: {graphpoll.RDMA_MISSING}"
+    assert native.RDMA, f"the native poller cannot read over rdma here: {native.RDMA_MISSING}"
     port = free_port_block()
     flags = ("--tables", demo_file, *FLAGS, "--listen", f"127.0.0.1:{port}")
     d = guest_daemon(str(tmp_path / "a"), *flags)
@@ -86,7 +86,7 @@ def test_a_node_back_serving_a_table_packed_only_is_read_through_the_clients_tra
                 d = guest_daemon(str(tmp_path / "b"), *flags, "--disk-tables", "engram.layer14")
                 wait_for(lambda: c.replicas()[d.address]["state"] == "up", "the client to reconnect")
                 handed = handoffs(14)
-                with caplog.at_level(logging.WARNING, logger="tableclient.graphstep"):
+                with caplog.at_level(logging.WARNING, logger="tableclient.graph"):
                     for tokens in (4, 8, 1):
                         step(tokens)
                     wait_for(lambda: "cannot read table 'engram.layer14'" in caplog.text, "the reason, once")

@@ -214,8 +214,8 @@ def test_a_graph_step_behind_a_shared_address_never_gets_another_daemons_rows(da
     the table: its steps get the client's node's rows (read another way) or the policy's zeros, never the other
     node's rows; or the native poller is not used at all, saying why."""
     import torch  # noqa: F401  (the GraphStep's staging)
-    from tableclient.graphpoll import NativeUnavailable
-    from tableclient.graphstep import GraphStep, HostStreamOps
+    from tableclient.graph.poller.native import NativeUnavailable
+    from tableclient.graph.step import GraphStep, HostStreamOps
     from tableclient.step import LayerPlan
 
     started, other_local = daemons

@@ -51,10 +51,10 @@ UNIT_TESTS = (
 EXTENSIONS = (
     "tableserver/disk/_diskio",
     "tableserver/common/_take",
-    "client/tableclient/_flags",
-    "client/tableclient/_graphpoll",
+    "client/tableclient/graph/_flags",
+    "client/tableclient/graph/poller/_native",
 ) + (  # the poller's rdma source, built where libibverbs' headers are (CI installs them: libibverbs-dev)
-    ("client/tableclient/_graphverbs",) if Path("/usr/include/infiniband/verbs.h").exists() else ()
+    ("client/tableclient/graph/poller/_verbs",) if Path("/usr/include/infiniband/verbs.h").exists() else ()
 )
 REPORT = re.compile(
     r"ERROR: (AddressSanitizer|LeakSanitizer)|runtime error:|UndefinedBehaviorSanitizer|SUMMARY: \w+Sanitizer"

@@ -14,9 +14,9 @@ instrumented). What it does, each part seeded (``--seed``) and bounded by ``--it
   negative, extreme), buffers it must refuse (dtype, shape, contiguity, alignment, overlap, read-only),
   each result checked against numpy; and big gathers (GIL released) while another thread rewrites the
   ids under them (each id is clamped at use: never a read outside the table).
-* ``tableclient._flags.wait_u32``: waiters on random flags while other threads set them, and the
+* ``tableclient.graph._flags.wait_u32``: waiters on random flags while other threads set them, and the
   arguments it must refuse (index, value, timeout, dtype, alignment, read-only, empty).
-* ``tableclient._graphpoll.Poller``: steps armed, published, released and checked against the table, with
+* ``tableclient.graph.poller._native.Poller``: steps armed, published, released and checked against the table, with
   resets, sources swapped and closes from other threads while its thread gathers; replays nobody armed;
   ids outside the table; the arguments it must refuse.
 
@@ -59,12 +59,17 @@ def fail(what: str) -> None:
 def check_imports(expect_dir: str | None) -> None:
     """Every extension imported from the sanitized build, and instrumented (RuntimeError otherwise): else a
     clean run proves nothing."""
-    import tableclient._flags
-    import tableclient._graphpoll
+    import tableclient.graph._flags
+    import tableclient.graph.poller._native
     import tableserver.common._take
     import tableserver.disk._diskio
 
-    for mod in (tableserver.disk._diskio, tableserver.common._take, tableclient._flags, tableclient._graphpoll):
+    for mod in (
+        tableserver.disk._diskio,
+        tableserver.common._take,
+        tableclient.graph._flags,
+        tableclient.graph.poller._native,
+    ):
         path = os.path.realpath(mod.__file__)
         if expect_dir is not None and not path.startswith(os.path.realpath(expect_dir) + os.sep):
             raise RuntimeError(f"{mod.__name__} imported from {path}, not from the sanitized build in {expect_dir}")
@@ -408,7 +413,7 @@ def stress_take(iterations: int, seed: int) -> None:
 
 
 def stress_flags(iterations: int, seed: int) -> None:
-    from tableclient._flags import wait_u32
+    from tableclient.graph._flags import wait_u32
 
     t0 = time.monotonic()
     flags = np.zeros(64, np.uint32)
@@ -473,7 +478,7 @@ def stress_flags(iterations: int, seed: int) -> None:
 
 
 def stress_graphpoll(iterations: int, seed: int) -> None:
-    from tableclient._graphpoll import Poller
+    from tableclient.graph.poller._native import Poller
 
     t0 = time.monotonic()
     r = np.random.default_rng(seed)
@@ -621,7 +626,7 @@ def stress_graphpoll_sources(iterations: int, seed: int) -> None:
     """The poller's tcp reader against peers that close at random (steps handed to Python then), steps handed
     over (set_host) and taken or left to the watchdog, sources changed at random, close() racing a thread
     that arms and sets sources: rows bit-exact or the policy, never a fd closed twice or leaked."""
-    from tableclient._graphpoll import Poller
+    from tableclient.graph.poller._native import Poller
 
     t0 = time.monotonic()
     r = np.random.default_rng(seed + 1)

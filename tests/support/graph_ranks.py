@@ -28,7 +28,7 @@ from prometheus_client import REGISTRY
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 from conftest import EVENT_TIMEOUT, local_tables, wait_for  # noqa: E402
 from tableclient import TableClient  # noqa: E402
-from tableclient.graphstep import GraphStep, GraphStepError, HostStreamOps, min_from_sum  # noqa: E402
+from tableclient.graph.step import GraphStep, GraphStepError, HostStreamOps, min_from_sum  # noqa: E402
 from tableclient.step import LayerPlan  # noqa: E402
 
 PLANS = [LayerPlan(1, "engram.layer1", 0.3e-3), LayerPlan(14, "engram.layer14", 9.3e-3)]

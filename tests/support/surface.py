@@ -101,7 +101,7 @@ def surface() -> dict:
         "plugin_config": _fields(plugin_config.PluginConfig),
         "client_options": _fields(ClientOptions),
         "entry_points": {k: v.strip() for k, v in cfg["options.entry_points"].items()},
-        "tableclient_names": sorted(n for n in dir(tableclient) if not n.startswith("_")),
+        "tableclient_names": sorted(tableclient.__all__),
     }
 
 

@@ -1,4 +1,4 @@
-"""The native poller (client/tableclient/_graphpoll.c) driven directly, with no daemon: its size checks, its
+"""The native poller (client/tableclient/graph/poller/_native_c/poller.c) driven directly, with no daemon: its size checks, its
 deadlines, ``close()`` racing ``arm()`` and the set_* calls on other threads, its tcp reader against a scripted
 peer that speaks the wire's frames (tableserver.common.wire), and steps handed to Python (``set_host``, a
 connection the server had closed). The flag protocol is a graph's: ids into the ids buffer, the ids flag set;
@@ -17,14 +17,14 @@ import time
 import numpy as np
 import pytest
 from conftest import EVENT_TIMEOUT, wait_for
-from tableclient import graphpoll
+from tableclient.graph.poller import native
 
 from tableserver.common.wire import HEADER, HEADER_BYTES, FrameType, Status, response_header
 
-if not graphpoll.BUILT:
-    pytest.skip("tableclient._graphpoll is not built here", allow_module_level=True)
+if not native.BUILT:
+    pytest.skip("tableclient.graph.poller._native is not built here", allow_module_level=True)
 
-from tableclient import _graphpoll  # noqa: E402
+from tableclient.graph.poller import _native  # noqa: E402
 
 IDS_FLAG, ROWS_FLAG, OK_FLAG = 0, 16, 32
 
@@ -40,7 +40,7 @@ class Slot:
 
     def poller(self, fail: bool = False, **kw):
         spec = (IDS_FLAG, ROWS_FLAG, OK_FLAG, self.ids, self.staging, self.row_bytes, self.columns)
-        return _graphpoll.Poller(self.flags, [spec], fail, **kw)
+        return _native.Poller(self.flags, [spec], fail, **kw)
 
     def step(self, p, ids: np.ndarray, timeout: float = EVENT_TIMEOUT, publish: bool = True) -> np.ndarray:
         """One step of ``ids`` ([tokens, columns]) as a graph runs it: armed, ids published, rows awaited and
@@ -66,7 +66,7 @@ def test_sizes_whose_products_wrap_are_refused():
     flags = np.zeros(64, np.uint32)
     ids, staging = np.zeros(4, np.int64), np.zeros(8, np.uint8)
     with pytest.raises(ValueError, match="staging is smaller"):
-        _graphpoll.Poller(flags, [(0, 16, -1, ids, staging, 1 << 62, 1)], False)
+        _native.Poller(flags, [(0, 16, -1, ids, staging, 1 << 62, 1)], False)
     s = Slot(2, 1, 4)
     p = s.poller()
     try:
@@ -243,7 +243,7 @@ def test_large_requests_on_small_buffers_never_wedge_both_ends():
 
 
 def take_and_serve(p, s: Slot, table: np.ndarray, results: list) -> threading.Thread:
-    """Python's side of a handoff, as graphpoll.NativePoller runs it: takes the step and gathers its rows from
+    """Python's side of a handoff, as native.NativePoller runs it: takes the step and gathers its rows from
     ``table`` into the staging itself."""
 
     def serve():
@@ -291,7 +291,7 @@ def test_a_connection_the_server_closed_hands_the_step_to_python_and_says_why_on
             if found_by == "the step":
                 assert "closed the connection" in p.broken(0)
             assert p.broken(0) is None  # said once
-            assert [e[2] for e in p.take_events()] == [graphpoll.ROWS, graphpoll.ROWS]
+            assert [e[2] for e in p.take_events()] == [native.ROWS, native.ROWS]
         finally:
             p.close()
             peer.close()
@@ -308,7 +308,7 @@ def test_a_handoff_nobody_takes_gets_the_policy_at_its_deadline():
         rows = s.step(p, np.array([[1, 2]]), timeout=0.05)
         assert s.ok == 0 and not rows.any()
         (event,) = p.take_events()
-        assert event[2] == graphpoll.LATE and event[3] == 2
+        assert event[2] == native.LATE and event[3] == 2
     finally:
         p.close()
     assert p.take_handoff(1.0) is None

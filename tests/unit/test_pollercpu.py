@@ -1,4 +1,4 @@
-"""tableclient.pollercpu: the CPU list's form, one claim per CPU across processes (real flock, a real
+"""tableclient.graph.poller.cpu: the CPU list's form, one claim per CPU across processes (real flock, a real
 second process), and claims that trust nothing another user made (real files of another uid: the tests run
 as root and make them as ``nobody``)."""
 
@@ -11,7 +11,7 @@ import tempfile
 
 import pytest
 from tableclient.engine import ConfigError, PluginConfig
-from tableclient.pollercpu import claim, claim_dir, claim_or_reason, parse_cpus
+from tableclient.graph.poller.cpu import claim, claim_dir, claim_or_reason, parse_cpus
 
 OTHER = 65534  # nobody: the other user of the host
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="makes another user's files: needs root")
@@ -56,7 +56,7 @@ def test_a_claimed_cpu_is_nobody_elses_until_closed(tmp_path):
 def test_a_process_holds_its_claim_until_it_ends(tmp_path):
     d = str(tmp_path)
     held = subprocess.Popen(
-        [sys.executable, "-c", f"from tableclient.pollercpu import claim; c = claim([7], {d!r}); "
+        [sys.executable, "-c", f"from tableclient.graph.poller.cpu import claim; c = claim([7], {d!r}); "
                                "print(c.cpu, flush=True); input()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip

@@ -1,4 +1,4 @@
-"""A layer's silence (client/tableclient/silence.py), pure logic: a table whose gathers are scripted handles.
+"""A layer's silence (client/tableclient/graph/poller/silence.py), pure logic: a table whose gathers are scripted handles.
 
 One late step makes a node silent only where the node itself did not answer (a remote source: the pollers
 pass None for a table this process maps, which is never silent); each step of a silent layer issues at most
@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from tableclient.errors import ConnectError, GatherTimeout
-from tableclient.silence import PROBE_ROWS, Silence
+from tableclient.graph.poller.silence import PROBE_ROWS, Silence
 
 
 class Probe:

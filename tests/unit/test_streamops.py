@@ -8,7 +8,9 @@ from __future__ import annotations
 import types
 
 import pytest
-from tableclient.streamops import DRIVER_NAMES, CudaStreamOps, GraphStepError, driver_symbols
+from tableclient.graph.cuda import DRIVER_NAMES, driver_symbols
+from tableclient.graph.errors import GraphStepError
+from tableclient.graph.streams import CudaStreamOps
 
 driver = pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings is in the dev extras")
 

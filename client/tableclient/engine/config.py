@@ -42,7 +42,7 @@ on this host, over shm: one copy of the table per node) and ``local``
 (the engine's own table for that layer, as without the plugin). ``make replay``
 writes the ``[layers]`` and ``[graph]`` tables it recommends from measured read times.
 
-Graph modes (decode CUDA graphs on; client/tableclient/graphstep.py): ``device`` (the default for a
+Graph modes (decode CUDA graphs on; client/tableclient/graph/step.py): ``device`` (the default for a
 ``node`` layer: its table, mapped here, is registered with CUDA and the captured graph gathers it with
 a kernel on a side stream; no host work at replay), ``before_replay`` (the default otherwise: rows
 gathered on the host before each replay, for any layer), ``in_graph`` (the graph publishes its ids and
@@ -61,9 +61,9 @@ from dataclasses import dataclass, field, fields
 
 from tableclient.bounds import MAX_TIMEOUT_S, timeout_error
 from tableclient.errors import TableClientError
+from tableclient.graph.poller.cpu import parse_cpus
 from tableclient.hostmem import STAGING_TOKENS
 from tableclient.model import WINDOWS_S
-from tableclient.pollercpu import parse_cpus
 
 PLACEMENTS = ("remote", "node", "local")
 GRAPH_MODES = ("before_replay", "in_graph", "eager_break", "device")

@@ -20,12 +20,12 @@ from __future__ import annotations
 import logging
 import weakref
 
-from tableclient.devicetable import DeviceTable
 from tableclient.engine.plugin import PluginError
+from tableclient.graph.device.table import DeviceTable
+from tableclient.graph.errors import GraphStepError
 from tableclient.metrics import metrics
-from tableclient.streamops import GraphStepError
 
-log = logging.getLogger("tableclient.engine")
+log = logging.getLogger(__name__)
 
 #: why a layer whose table this rank registered takes another path all the same
 PEER_REFUSED = "another tensor-parallel rank cannot register its table"

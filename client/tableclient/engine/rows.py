@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 from tableclient.engine.config import PluginConfig
 from tableclient.errors import TableClientError
+from tableclient.graph.poller.cpu import parse_cpus
 from tableclient.model import ROWS_PER_TOKEN
-from tableclient.pollercpu import parse_cpus
 
 FP8_BLOCK = 32
 
@@ -227,7 +227,7 @@ class EngramRows:
         these graph modes; ``rows_per_token``: the ids a token has here (a tensor-parallel rank's share of the 24
         hash columns under vLLM); ``poller``: who serves the in_graph layers (GraphStep's); ``placements``: only
         these placements' GraphSteps (default every one)."""
-        from tableclient.graphstep import GraphStep
+        from tableclient.graph.step import GraphStep
         from tableclient.step import LayerPlan
 
         c = self.config

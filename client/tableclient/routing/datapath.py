@@ -19,7 +19,7 @@ from tableclient.routing.sessions import Sessions
 from tableclient.routing.shardmap import holds, local_ids
 from tableserver.common.buffers import rows_buffer
 
-log = logging.getLogger("tableclient.routing")
+log = logging.getLogger(__name__)
 
 #: a refusal another replica may not share (its own drive): the gather moves on, the node stays up
 IO_ERROR = "IO_ERROR"

@@ -18,7 +18,7 @@ from tableclient.routing.options import BACKOFF_DOUBLINGS, RoutingOptions
 from tableclient.routing.replica import Replica
 from tableclient.table import TableInfo
 
-log = logging.getLogger("tableclient.routing")
+log = logging.getLogger(__name__)
 
 
 class Membership:

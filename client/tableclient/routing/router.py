@@ -21,7 +21,7 @@ from tableclient.routing.shardmap import Shard
 from tableclient.transports.base import ClientTransport, Pending
 from tableserver.common.model import NO_LIMIT
 
-log = logging.getLogger("tableclient.routing")
+log = logging.getLogger(__name__)
 
 
 class Router(ClientTransport):

@@ -17,7 +17,7 @@ from tableclient.routing.options import TICK_S
 from tableclient.routing.replica import Replica
 from tableclient.routing.shardmap import Shard
 
-log = logging.getLogger("tableclient.routing")
+log = logging.getLogger(__name__)
 
 
 class Sessions:

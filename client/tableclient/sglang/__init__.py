@@ -22,7 +22,7 @@ from tableclient.engine import ConfigError, EngramRows, EngramRowsError, PluginC
 from tableclient.engine.plugin import PluginError, start
 from tableclient.sglang.hooks import configure, rows
 
-log = logging.getLogger("tableclient.sglang")
+log = logging.getLogger(__name__)
 
 __all__ = [
     "register",

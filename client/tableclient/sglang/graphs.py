@@ -5,7 +5,7 @@ lookups -- and at replay runs no model Python: only ``DecodeCudaGraphRunner.exec
 then ``backend.replay``). The plugin therefore works in two places:
 
 * around ``DecodeCudaGraphRunner.capture``: before anything is captured, every buffer a graph will touch
-  is allocated (:class:`~tableclient.graphstep.GraphStep` per placement: staging, device rows, ids,
+  is allocated (:class:`~tableclient.graph.step.GraphStep` per placement: staging, device rows, ids,
   flags, events), the configuration is checked against the runner (what is not handled is refused,
   naming the flag), and while the capture runs the served layers' forward records, instead of a
   lookup, the copy of their staged rows to the device and SGLang's own dequantization of them;
@@ -48,7 +48,7 @@ from tableclient.engine.ranks import Ranks, agree_pollers, describe, register_ta
 from tableclient.engine.ranks import served_alike as ranks_served_alike
 from tableclient.engine.rows import EngramRowsError, dequantize, to_device
 
-log = logging.getLogger("tableclient.sglang")
+log = logging.getLogger(__name__)
 
 GRAPH_MODES = ("before_replay", "in_graph", "eager_break", "device")
 
@@ -252,7 +252,7 @@ def tp_agreement():
     """(agree, ranks): over SGLang's tensor-parallel group, with its own capturable all-reduce, where it has
     more than one rank (the ranks' rows of a layer meet in its collectives); (None, 1) otherwise. (SGLang
     0.5.23's ``sglang.srt.distributed`` does not export its world-size getter: the group says it.)"""
-    from tableclient.graphstep import min_from_sum
+    from tableclient.graph.step import min_from_sum
 
     group = tp_ranks()
     if group.size <= 1:

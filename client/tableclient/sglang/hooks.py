@@ -64,7 +64,7 @@ from tableclient.engine.rows import EngramRows, dequantize, to_device
 from tableclient.hostmem import Parallel, process_bytes, staging_bytes, table_bytes
 from tableclient.sglang import graphs
 
-log = logging.getLogger("tableclient.sglang")
+log = logging.getLogger(__name__)
 
 SUPPORTED_SGLANG = "0.5.23"
 ENGRAM = "sglang.srt.layers.engram"

@@ -64,7 +64,7 @@ from tableserver.common.verbs import (
 from tableserver.common.wire import PACK_REPLY_BYTES, PACK_REQUEST, PACK_REQUEST_MAGIC, ROW_ID_BYTES, parse_pack_error
 from tableserver.v1 import tableserver_pb2 as pb
 
-log = logging.getLogger("tableclient.rdma")
+log = logging.getLogger(__name__)
 
 RECV_DEPTH = 16  # pack replies (WRITE_WITH_IMM / error SEND) each QP can take
 SEND_SLOTS = 8  # pack requests in flight

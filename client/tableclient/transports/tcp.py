@@ -74,7 +74,7 @@ from tableserver.common.wire import (
     server_proof,
 )
 
-log = logging.getLogger("tableclient.tcp")
+log = logging.getLogger(__name__)
 
 
 #: how long cancelling a response that is being received waits for its last bytes before the

@@ -19,7 +19,7 @@ import logging
 from tableclient.engine import ConfigError, EngramRowsError, PluginConfig, PluginError
 from tableclient.engine.plugin import start
 
-log = logging.getLogger("tableclient.vllm")
+log = logging.getLogger(__name__)
 
 __all__ = ["register", "PluginConfig", "ConfigError", "PluginError", "EngramRowsError"]
 

@@ -12,7 +12,7 @@ loader drops what it is handed (the plugin's hooks keep the checkpoint's table t
 at all where the load format allows: ``hooks``).
 
 In graph modes ``device`` and ``in_graph`` (``graph_mode``, set by the hooks) the layer's rows come from the
-plugin's :class:`~tableclient.graphstep.GraphStep` (a kernel's gather from the node's registered mapping, or
+plugin's :class:`~tableclient.graph.step.GraphStep` (a kernel's gather from the node's registered mapping, or
 the host's, waited for inside vLLM's graphs); the layer dequantizes them with the same arithmetic as the
 host path (:meth:`RemoteEngramEmbedding.dequantize_into`).
 """
@@ -26,7 +26,7 @@ from torch import nn
 
 from tableclient.engine.rows import FP8_BLOCK, dequantize
 
-log = logging.getLogger("tableclient.vllm")
+log = logging.getLogger(__name__)
 
 
 class RemoteEngramEmbedding(nn.Module):

@@ -16,7 +16,7 @@ What a layer placed ``remote`` or ``node`` gets (graph modes ``device``, ``in_gr
   parallelism, as it does for a local table). Between them, one of two paths:
 
   - graph modes ``device`` and ``in_graph``: the engine-neutral graph step of SGLang's decode graphs
-    (:class:`~tableclient.graphstep.GraphStep`, one per placement): ``prepare_embeddings`` copies this rank's
+    (:class:`~tableclient.graph.step.GraphStep`, one per placement): ``prepare_embeddings`` copies this rank's
     columns into persistent ids (padding columns dead) and hands them to it, ``_ready_rows`` takes the layer's
     rows from it and dequantizes them; captured in FULL graphs, eager breaks in breakable piecewise ones (a fork
     cannot span segments), run inline otherwise. ``device`` (a ``node`` layer's default): the node's table,
@@ -81,7 +81,7 @@ from tableclient.engine.plugin import PluginError, PluginState, check_layout, ch
 from tableclient.engine.ranks import Ranks, agree_pollers, describe, register_tables, served_alike
 from tableclient.hostmem import GIB, Parallel, process_bytes, staging_bytes, table_bytes, vllm_private_bytes
 
-log = logging.getLogger("tableclient.vllm")
+log = logging.getLogger(__name__)
 
 SUPPORTED_VLLM = "0.33.0"
 ENGRAM = "vllm.models.deepseek_v41.common.engram"
@@ -517,7 +517,7 @@ def tp_agreement():
     """(agree, ranks): over vLLM's tensor-parallel group, with its own all-reduce (captured in FULL graphs as
     the model's own are), where it has more than one rank (the ranks' columns of a layer meet in its
     collectives); (None, 1) otherwise."""
-    from tableclient.graphstep import min_from_sum
+    from tableclient.graph.step import min_from_sum
 
     try:
         from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
@@ -597,7 +597,7 @@ def _checked(out):
 
 
 def _check_steps(replayed) -> None:
-    from tableclient.streamops import GraphStepError
+    from tableclient.graph.streams import GraphStepError
 
     steps = _graph["steps"] or {}
     try:
@@ -655,7 +655,7 @@ def _armed(original, tokens: int, dummy: bool, *args):
     forward, every GraphStep reset (the next step is armed afresh, its outcome where the check looks for it)."""
     if not _graph["layers"] or (tokens <= 0 and not dummy):
         return original(*args)
-    from tableclient.streamops import GraphStepError
+    from tableclient.graph.streams import GraphStepError
 
     steps = _graph["steps"]
     if steps is None:
@@ -683,7 +683,7 @@ def _armed(original, tokens: int, dummy: bool, *args):
     except GraphStepError as e:
         raise PluginError(f"tableserver plugin: {e}") from None
     if not dummy and any(step.results_check for step in (_graph["steps"] or {}).values()):
-        from tableclient.graphstep import OUTCOMES
+        from tableclient.graph.step import OUTCOMES
 
         # a step's outcome is held for OUTCOMES - 1 launches: older unread ones are nobody's results
         _graph["replayed"] = (_graph["replayed"] + armed)[-len(armed) * (OUTCOMES - 1) :]

@@ -246,7 +246,7 @@ def test_a_node_table_the_gpu_cannot_read_takes_before_replay_with_one_line(
     want = _local_outputs(model_config, engram_tables)
     d = start_daemon(str(tmp_path / "disk"), "--tables", engram_tables, "--disk-tables", "all")
     try:
-        with caplog.at_level(logging.WARNING, logger="tableclient.graphstep"):
+        with caplog.at_level(logging.WARNING, logger="tableclient.graph"):
             model = build(model_config, engram_tables, placement={1: "node", 14: "node"}, node_address=d.address)
             runner = runner_for(model)
             capture(runner, model)
@@ -295,7 +295,7 @@ def test_policy_fail_is_checked_where_the_scheduler_reads_the_result(plugin, mod
     path, the graph is never left waiting), and the step's result is refused where SGLang's scheduler
     processes it, naming the layer; the steps before it are bit-identical."""
     from conftest import start_daemon
-    from tableclient.graphstep import GraphStepError
+    from tableclient.graph.step import GraphStepError
 
     want = _local_outputs(model_config, engram_tables)
     d = start_daemon(str(tmp_path / "node"), "--tables", engram_tables)

@@ -1,5 +1,5 @@
-/* tableclient._graphpoll: the in_graph layers' poller and watchdog in one native thread per GraphStep
- * (see client/tableclient/graphstep.py for the flag protocol; docs/DESIGN.md for why).
+/* tableclient.graph.poller._native: the in_graph layers' poller and watchdog in one native thread per GraphStep
+ * (see client/tableclient/graph/step.py for the flag protocol; docs/DESIGN.md for why).
  *
  * Poller(flags, slots, fail, realtime=False, dead_id=None, cpu=-1)
  *   flags: the GraphStep's pinned uint32 flags (writable, 4-byte aligned)
@@ -24,7 +24,7 @@
  *                               speaking the tcp wire protocol (tableserver/common/wire.py); the poller dups
  *                               it and owns the dup
  * set_rdma(slot, endpoint)      the slot's rows are RDMA READs through ``endpoint``, a connected
- *                               tableclient._graphverbs.Endpoint of its own (one RC QP reading the slot's
+ *                               tableclient.graph.poller._verbs.Endpoint of its own (one RC QP reading the slot's
  *                               table, rows of its row_bytes, max_tokens x columns of them per step; the
  *                               poller keeps a reference until the slot's source changes). That module, built
  *                               only where libibverbs is, hands its functions over in a capsule
@@ -109,7 +109,7 @@
 #include <unistd.h>
 
 #include "bufcheck.h"
-#include "graphverbs.h"
+#include "verbs.h"
 #include "rowcopy.h"
 #include "spin.h"
 
@@ -138,7 +138,7 @@ typedef struct {
     int64_t *pos;
     Py_buffer ids, staging, table;
     int have_table;
-    PyObject *endpoint; /* SRC_RDMA: a tableclient._graphverbs.Endpoint (kept until the source changes) */
+    PyObject *endpoint; /* SRC_RDMA: a tableclient.graph.poller._verbs.Endpoint (kept until the source changes) */
     void *ep;
     size_t row_bytes, columns, max_tokens;
     /* state, under the poller's lock */
@@ -172,7 +172,7 @@ typedef struct {
     int nevents;
 } Poller;
 
-/* tableclient._graphverbs' functions (the rdma source), taken at the first set_rdma */
+/* tableclient.graph.poller._verbs' functions (the rdma source), taken at the first set_rdma */
 static const GraphVerbsAPI *verbs_api;
 
 
@@ -1037,7 +1037,7 @@ static PyObject *Poller_set_rdma(Poller *p, PyObject *args)
         if (!api)
             return NULL;
         if (api->version != GRAPHVERBS_API_VERSION) {
-            PyErr_Format(PyExc_ImportError, "tableclient._graphverbs speaks version %d, this poller %d: rebuild both",
+            PyErr_Format(PyExc_ImportError, "tableclient.graph.poller._verbs speaks version %d, this poller %d: rebuild both",
                          api->version, GRAPHVERBS_API_VERSION);
             return NULL;
         }
@@ -1427,7 +1427,7 @@ static PyMethodDef Poller_methods[] = {
     {"set_tcp", (PyCFunction)Poller_set_tcp, METH_VARARGS,
      "set_tcp(slot, fd, table_index, max_rows): rows over an authenticated, unsealed data connection (dup'd)"},
     {"set_rdma", (PyCFunction)Poller_set_rdma, METH_VARARGS,
-     "set_rdma(slot, endpoint): rows READ through a connected tableclient._graphverbs.Endpoint (kept)"},
+     "set_rdma(slot, endpoint): rows READ through a connected tableclient.graph.poller._verbs.Endpoint (kept)"},
     {"set_host", (PyCFunction)Poller_set_host, METH_O,
      "set_host(slot): its steps handed to Python (take_handoff), read by the client's own transport"},
     {"set_none", (PyCFunction)Poller_set_none, METH_O, "set_none(slot): no source; its steps get the policy"},
@@ -1485,7 +1485,7 @@ static PyGetSetDef Poller_getset[] = {
 };
 
 static PyTypeObject PollerType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tableclient._graphpoll.Poller",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tableclient.graph.poller._native.Poller",
     .tp_basicsize = sizeof(Poller),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "The in_graph layers' poller and watchdog: one native thread (see the module's docstring).",
@@ -1496,11 +1496,11 @@ static PyTypeObject PollerType = {
     .tp_getset = Poller_getset,
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "tableclient._graphpoll",
-                                    "The in_graph layers' poller and watchdog without the GIL (client/tableclient/graphstep.py).",
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "tableclient.graph.poller._native",
+                                    "The in_graph layers' poller and watchdog without the GIL (client/tableclient/graph/step.py).",
                                     -1, module_methods};
 
-PyMODINIT_FUNC PyInit__graphpoll(void)
+PyMODINIT_FUNC PyInit__native(void)
 {
     if (PyType_Ready(&PollerType) < 0)
         return NULL;

@@ -10,7 +10,7 @@ answers with the server's QP and the table's regions), and applies the policy at
 itself, all without the GIL; with ``realtime`` at real-time priority (SCHED_FIFO 1) where the process may,
 so that a busy machine's scheduler does not park it for a slice mid-step (opt-in: a real-time spinner takes
 its core from every normal thread while a step is armed); with ``cpus`` pinned to one of the CPUs an
-operator set aside for pollers (``tableclient.pollercpu``: no migration, no engine thread's slice).
+operator set aside for pollers (``tableclient.graph.poller.cpu``: no migration, no engine thread's slice).
 :meth:`NativePoller.refresh` runs before every arm (after the steps before were accounted) and never waits
 on the network: a node replaced (another session; not another replica's change of state), or a connection
 the thread dropped (it never reads a broken one again), gets a new connection from a keeper thread in the
@@ -19,7 +19,7 @@ that seals its tcp payloads, a table served from the node's disk tier or packed 
 shards), the layer's steps are handed to a Python thread that reads them through the client's own
 transport (bit-exact; a GIL wake-up later). A step whose connection the server had closed while idle is
 sent again that way: reads are idempotent. With no node up, and while the layer's node is silent (a step's
-rows did not come after its ids: :mod:`tableclient.silence`), the steps get the policy at once. Where this
+rows did not come after its ids: :mod:`tableclient.graph.poller.silence`), the steps get the policy at once. Where this
 cannot serve a GraphStep when it is built (the extension not built, policy ``fallback``, any layer read
 through the client's transport then), :class:`NativeUnavailable` says why (the GraphStep's start-up log
 line) and the GraphStep keeps its Python poller.
@@ -33,34 +33,36 @@ import time
 
 import numpy as np
 
-from tableclient import pollercpu
 from tableclient.errors import ConnectError, GatherTimeout, TableClientError
+from tableclient.graph.errors import GraphStepError
+from tableclient.graph.poller.cpu import claim_or_reason
+from tableclient.graph.poller.silence import Silence
 from tableclient.metrics import metrics
-from tableclient.silence import Silence
-from tableclient.streamops import GraphStepError
 from tableserver.common.verbs import QpInfo
 
 try:
-    from tableclient import _graphpoll
+    from tableclient.graph.poller import _native as _graphpoll
 except ImportError:  # built without a C compiler
     _graphpoll = None
 try:
-    from tableclient import _graphverbs
+    from tableclient.graph.poller import _verbs as _graphverbs
 
     #: why the native poller cannot read layers over rdma here ("" where it can)
     RDMA_MISSING = ""
 except ModuleNotFoundError:  # built without libibverbs' headers
     _graphverbs = None
-    RDMA_MISSING = "tableclient._graphverbs is not built (no libibverbs headers at install: Debian's libibverbs-dev)"
+    RDMA_MISSING = (
+        "tableclient.graph.poller._verbs is not built (no libibverbs headers at install: Debian's libibverbs-dev)"
+    )
 except ImportError as e:  # built, but this host has no libibverbs
     _graphverbs = None
-    RDMA_MISSING = f"tableclient._graphverbs cannot load ({e})"
+    RDMA_MISSING = f"tableclient.graph.poller._verbs cannot load ({e})"
 
-log = logging.getLogger("tableclient.graphstep")
+log = logging.getLogger(__name__)
 
 #: whether the native poller is built here (a C compiler at install)
 BUILT = _graphpoll is not None
-#: whether it reads layers over rdma itself (tableclient._graphverbs: libibverbs' headers at install, libibverbs here)
+#: whether it reads layers over rdma itself (tableclient.graph.poller._verbs: libibverbs' headers at install, libibverbs here)
 RDMA = BUILT and _graphverbs is not None
 
 
@@ -69,11 +71,11 @@ def stand_in(flags, ids_flag: int, rows_flag: int, timeout: float):
     where there is none: bench/bench_graph.py): sets ``flags[ids_flag]``, waits for ``flags[rows_flag]``;
     ``(published, seconds until it saw the release)`` on time.monotonic()'s clock, None past ``timeout``."""
     if _graphpoll is None:
-        raise NativeUnavailable("tableclient._graphpoll is not built (no C compiler at install)")
+        raise NativeUnavailable("tableclient.graph.poller._native is not built (no C compiler at install)")
     return _graphpoll.stand_in(flags, ids_flag, rows_flag, timeout)
 
 
-#: what both pollers say once when a layer's node goes silent (tableclient.silence)
+#: what both pollers say once when a layer's node goes silent (tableclient.graph.poller.silence)
 SILENT = "layer %d: its node has not answered since a step ran out of time: the policy at once until it answers a probe"
 
 #: how ``take_events`` says a step was released: its rows; the policy after an error; the deadline before the
@@ -104,7 +106,7 @@ class NativePoller:
     def __init__(self, client, slots: list, flags, policy: str, connect_timeout: float = 5.0, realtime: bool = False,
                  budgets: list | None = None, dead_id: int | None = None, cpus: list | None = None):  # fmt: skip
         if _graphpoll is None:
-            raise NativeUnavailable("tableclient._graphpoll is not built (no C compiler at install)")
+            raise NativeUnavailable("tableclient.graph.poller._native is not built (no C compiler at install)")
         if policy == "fallback":
             raise NativeUnavailable("policy 'fallback' re-reads through another client in Python")
         self._client = client
@@ -129,7 +131,7 @@ class NativePoller:
         self._host_nodes: dict = {}  # id(node) -> (node, why): nodes whose tables the thread cannot read itself
         self._closed = False
         # cpus: the CPUs set aside for pollers; this one claims one no other poller on the host holds
-        self._claim, unclaimed = pollercpu.claim_or_reason(cpus) if cpus else (None, None)
+        self._claim, unclaimed = claim_or_reason(cpus) if cpus else (None, None)
         try:
             self._poller = _graphpoll.Poller(
                 flags,

@@ -1,5 +1,5 @@
-/* client/tableclient/graphverbs.h: what tableclient._graphverbs (the rdma source of the in_graph poller, built
- * only where libibverbs' headers are) hands tableclient._graphpoll through a capsule, so that _graphpoll itself
+/* client/tableclient/graph/poller/_native_c/verbs.h: what tableclient.graph.poller._verbs (the rdma source of the in_graph poller, built
+ * only where libibverbs' headers are) hands tableclient.graph.poller._native through a capsule, so that _graphpoll itself
  * neither includes nor links libibverbs and imports where it is absent. See _graphverbs.c for the design. */
 #ifndef TABLECLIENT_GRAPHVERBS_H
 #define TABLECLIENT_GRAPHVERBS_H
@@ -7,7 +7,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define GRAPHVERBS_CAPSULE "tableclient._graphverbs._C_API"
+#define GRAPHVERBS_CAPSULE "tableclient.graph.poller._verbs._C_API"
 #define GRAPHVERBS_API_VERSION 1
 
 typedef struct {

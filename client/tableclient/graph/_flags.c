@@ -1,4 +1,4 @@
-/* tableclient._flags: waiting for a host-visible flag without the GIL (see client/tableclient/graphstep.py).
+/* tableclient.graph._flags: waiting for a host-visible flag without the GIL (see client/tableclient/graph/step.py).
  *
  * wait_u32(flags, index, value, timeout_s) -> bool
  *   flags: a writable C-contiguous buffer of native uint32 (pinned host memory a GPU stream writes with
@@ -87,8 +87,8 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "tableclient._flags",
-                                    "Waiting for host-visible flags without the GIL (see client/tableclient/graphstep.py).",
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "tableclient.graph._flags",
+                                    "Waiting for host-visible flags without the GIL (see client/tableclient/graph/step.py).",
                                     -1, methods};
 
 PyMODINIT_FUNC PyInit__flags(void) { return PyModule_Create(&module); }

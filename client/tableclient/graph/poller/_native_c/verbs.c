@@ -1,9 +1,9 @@
-/* tableclient._graphverbs: the rdma source of the in_graph poller (client/tableclient/_graphpoll.c): verbs
+/* tableclient.graph.poller._verbs: the rdma source of the in_graph poller (client/tableclient/graph/poller/_native_c/poller.c): verbs
  * resources of its own per in_graph layer, driven by the poller's native thread without the GIL. Built only
  * where libibverbs' headers are (setup.py), linked to libibverbs; _graphpoll neither includes nor links it and
  * takes this module's functions through a capsule (graphverbs.h) when a layer is first pointed at rdma, so it
  * imports where libibverbs is absent. Where this module is missing, in_graph layers read over rdma keep the
- * Python poller (client/tableclient/graphpoll.py says why in the start-up log).
+ * Python poller (client/tableclient/graph/poller/native.py says why in the start-up log).
  *
  * Endpoint(device, port, gid_index, max_rows, row_bytes)
  *   opens ``device`` (the name the client's rdma transport uses) on ``port``, a PD, one CQ, one RC QP in INIT,
@@ -48,7 +48,7 @@
 #include <sys/random.h>
 
 #include "bufcheck.h"
-#include "graphverbs.h"
+#include "verbs.h"
 #include "rowcopy.h"
 #include "spin.h"
 
@@ -570,7 +570,7 @@ out:
 static void *as_endpoint(PyObject *o)
 {
     if (!PyObject_TypeCheck(o, &EndpointType)) {
-        PyErr_SetString(PyExc_TypeError, "not a tableclient._graphverbs.Endpoint");
+        PyErr_SetString(PyExc_TypeError, "not a tableclient.graph.poller._verbs.Endpoint");
         return NULL;
     }
     Endpoint *e = (Endpoint *)o;
@@ -712,7 +712,7 @@ static PyMethodDef Endpoint_methods[] = {
 };
 
 static PyTypeObject EndpointType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tableclient._graphverbs.Endpoint",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "tableclient.graph.poller._verbs.Endpoint",
     .tp_basicsize = sizeof(Endpoint),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "One in_graph layer's verbs resources over rdma: an RC QP reading one table (see the module).",
@@ -723,11 +723,11 @@ static PyTypeObject EndpointType = {
     .tp_getset = Endpoint_getset,
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "tableclient._graphverbs",
-                                    "The rdma source of the in_graph poller (client/tableclient/_graphverbs.c).", -1,
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "tableclient.graph.poller._verbs",
+                                    "The rdma source of the in_graph poller (client/tableclient/graph/poller/_native_c/verbs.c).", -1,
                                     NULL};
 
-PyMODINIT_FUNC PyInit__graphverbs(void)
+PyMODINIT_FUNC PyInit__verbs(void)
 {
     if (PyType_Ready(&EndpointType) < 0)
         return NULL;

@@ -27,9 +27,10 @@ import os
 import resource
 import threading
 
-from tableclient.streamops import GraphStepError, check, device_attribute, device_handle, device_index, driver_symbols
+from tableclient.graph.cuda import check, device_attribute, device_handle, device_index, driver_symbols
+from tableclient.graph.errors import GraphStepError
 
-log = logging.getLogger("tableclient.graphstep")
+log = logging.getLogger(__name__)
 
 #: rows a kernel program gathers
 BLOCK_ROWS = 16
@@ -194,7 +195,7 @@ def gather(table: DeviceTable, ids, out) -> None:
     words = table.row_bytes // size
     block_w = 1 << (words - 1).bit_length()
     grid = ((n + BLOCK_ROWS - 1) // BLOCK_ROWS,)
-    from tableclient import rowkernel
+    from tableclient.graph.device import kernel as rowkernel
 
     kernel = rowkernel.compiled if out.is_cuda else rowkernel.interpreted
     kernel[grid](table.pointer, flat, out.view(word), n, table.rows, WORDS=words, BLOCK_R=BLOCK_ROWS, BLOCK_W=block_w)
