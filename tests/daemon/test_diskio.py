@@ -23,26 +23,26 @@ import numpy as np
 import pytest
 from conftest import EVENT_TIMEOUT
 
-from tableserver.disk import reader
+from tableserver.disk import engines
 from tableserver.disk.plan import MAX_RUN_PAGES
 from tableserver.disk.reader import DiskReadError, DiskTable
 
 ROW_BYTES = 264
 PAGE = 4096
 ENGINES = ("io_uring", "threads", "python")
-HOLD = -1
+HOLD = engines.HOLD
 
 
 def engine_missing(io: str) -> str | None:
     """Why engine ``io`` cannot run here, or None."""
     if io == "python":
         return None
-    if reader._diskio is None:
-        return reader._NATIVE_MISSING
+    if engines.native is None:
+        return engines.NATIVE_MISSING
     try:
-        reader._diskio.Engine(io, 1, bytearray(PAGE)).close()
+        engines.native.Engine(io, 1, bytearray(PAGE)).close()
     except OSError as e:
-        return reader._uring_unavailable(e) if io == "io_uring" else str(e)
+        return engines.uring_unavailable(e) if io == "io_uring" else str(e)
     return None
 
 
@@ -55,30 +55,12 @@ def io(request):
     return request.param
 
 
-def fault_reads(t: DiskTable, monkeypatch, at: int, code: int):
+def fault_reads(t: DiskTable, at: int, code: int):
     """Reads covering file byte ``at`` fail with errno ``code`` (HOLD: stay in flight) until the returned
-    function is called: the native engines' test hook, or a patched os.preadv for the Python engine."""
-    if t._engine is not None:
-        eng = t._engine
-        eng._fault(at, code)
-        return lambda: eng._fault(0, 0)
-    real = os.preadv
-    release = threading.Event()
-
-    def preadv(fd, bufs, where):
-        if not release.is_set() and where <= at < where + sum(len(b) for b in bufs):
-            if code != HOLD:
-                raise OSError(code, os.strerror(code))
-            release.wait()
-        return real(fd, bufs, where)
-
-    monkeypatch.setattr(os, "preadv", preadv)
-
-    def clear():
-        release.set()
-        monkeypatch.setattr(os, "preadv", real)
-
-    return clear
+    function is called: the engine's fault hook (every engine has it)."""
+    eng = t.io_engine
+    eng.inject(at, code)
+    return lambda: eng.inject(0, 0)
 
 
 def write_table(path, rows: int, offset: int = 0, seed: int = 0, tail: int = 0) -> np.ndarray:
@@ -186,11 +168,11 @@ def test_pool_bound_batches(tmp_path, io):
     table = write_table(path, rows)
     with DiskTable(path, 0, rows, ROW_BYTES, queue_depth=3, pool_pages=5, io=io) as t:
         assert t.pool_pages == 6  # 5 pages of first pages, one more for a straddling row's second page
-        pool = len(t._pool)
+        pool = t.pool_bytes
         ids = np.random.default_rng(7).permutation(rows)[:6000]
         ids = np.concatenate((ids, ids[:50]))
         assert np.array_equal(t.gather(ids), table[ids])
-        assert len(t._pool) == pool == 6 * PAGE
+        assert t.pool_bytes == pool == 6 * PAGE  # the pool never grows
         npages = len(np.unique(np.concatenate((ids * ROW_BYTES // PAGE, (ids * ROW_BYTES + ROW_BYTES - 1) // PAGE))))
         assert npages > 20 * t.pool_pages
         assert t.pages_read == npages  # no page read twice across batches here
@@ -254,7 +236,7 @@ POOLS = pytest.mark.parametrize("pool_pages", [None, 8], ids=["one_batch", "batc
 
 
 @POOLS
-def test_read_error_fails_that_gather_only(tmp_path, monkeypatch, io, pool_pages):
+def test_read_error_fails_that_gather_only(tmp_path, io, pool_pages):
     """EIO on one page: that gather raises (naming the file and the failing run's first byte), the next
     are exact. ``batches``: the failing page is in a later batch of a pipelined gather."""
     rows = 4000
@@ -262,7 +244,7 @@ def test_read_error_fails_that_gather_only(tmp_path, monkeypatch, io, pool_pages
     table = write_table(path, rows)
     bad_at = 40 * PAGE
     with DiskTable(path, 0, rows, ROW_BYTES, queue_depth=4, pool_pages=pool_pages, io=io) as t:
-        clear = fault_reads(t, monkeypatch, bad_at, errno.EIO)
+        clear = fault_reads(t, bad_at, errno.EIO)
         row_on_bad = bad_at // ROW_BYTES + 1
         for _ in range(2):
             with pytest.raises(DiskReadError, match="read error") as e:
@@ -294,7 +276,7 @@ def gather_once_back(t, ids):
 
 
 @POOLS
-def test_timeout_poisons_the_pool_until_the_reads_are_back(tmp_path, monkeypatch, caplog, io, pool_pages):
+def test_timeout_poisons_the_pool_until_the_reads_are_back(tmp_path, caplog, io, pool_pages):
     """A read held in flight past ``timeout``: that gather fails (ETIMEDOUT), the next ones refuse the pool
     until the read is back, then read exactly; close with a read still in flight leaves the pool mapped.
     ``batches``: the held read is in a later batch of a pipelined gather, batches queued behind it."""
@@ -307,7 +289,7 @@ def test_timeout_poisons_the_pool_until_the_reads_are_back(tmp_path, monkeypatch
     before = np.arange(0, row_on_held, 9)  # pages before the held one: in batches ahead of it
     t = DiskTable(path, 0, rows, ROW_BYTES, queue_depth=4, timeout=0.2, pool_pages=pool_pages, io=io)
     try:
-        release = fault_reads(t, monkeypatch, held_at, HOLD)
+        release = fault_reads(t, held_at, HOLD)
         with pytest.raises(DiskReadError, match=r"took over 0.2 s.*raise timeout") as e:
             t.gather(np.concatenate((before, [row_on_held], ok)))
         assert e.value.errno == errno.ETIMEDOUT
@@ -318,7 +300,7 @@ def test_timeout_poisons_the_pool_until_the_reads_are_back(tmp_path, monkeypatch
         assert np.array_equal(gather_once_back(t, ok), table[ok])  # the held read comes back: exact rows
         ids = np.concatenate((before, [row_on_held], ok))
         assert np.array_equal(t.gather(ids), table[ids])
-        release = fault_reads(t, monkeypatch, held_at, HOLD)
+        release = fault_reads(t, held_at, HOLD)
         with pytest.raises(DiskReadError, match="took over"):
             t.gather([row_on_held])
         with caplog.at_level(logging.WARNING, "tableserver.disk"):
@@ -383,7 +365,7 @@ def test_concurrent_gathers(tmp_path, io):
     table = write_table(path, rows)
     errors = []
     with DiskTable(path, 0, rows, ROW_BYTES, queue_depth=8, pool_pages=40, io=io) as t:
-        engine = t._engine
+        engine = t.io_engine
 
         def run(seed):
             rng = np.random.default_rng(seed)
@@ -400,7 +382,7 @@ def test_concurrent_gathers(tmp_path, io):
         for th in threads:
             th.join()
         assert not errors, errors
-        assert t._engine is engine and t.gathers == 80  # one engine for the table's life
+        assert t.io_engine is engine and t.gathers == 80  # one engine for the table's life
 
 
 def test_buffered_fallback_when_direct_refused(tmp_path, monkeypatch, caplog, io):
@@ -428,13 +410,19 @@ def test_direct_and_close(tmp_path, io):
     write_table(path, rows)
     t = DiskTable(path, 0, rows, ROW_BYTES, direct=False, io=io)
     assert not t.direct and t.io_mode.startswith("buffered")
+    assert t.pool_bytes == t.pool_pages * PAGE and t.read_limit == t.queue_depth
     t.close()
     t.close()  # idempotent
+    assert t.pool_bytes == 0 and t.read_limit == 0  # unmapped: nothing was in flight
     with pytest.raises(ValueError, match="closed"):
         t.gather([0])
     with DiskTable(path, 0, rows, ROW_BYTES, io=io) as t:  # ext4/xfs take O_DIRECT; tmpfs/9p fall back
         assert t.io_mode == ("O_DIRECT" if t.direct else t.io_mode)
         assert "DiskTable(" in repr(t)
+        assert t.io_engine.name == t.engine
+        for bad in (-2, 4096):  # the fault hook takes an errno, HOLD or 0, on every engine
+            with pytest.raises(ValueError, match=r"code: an errno, -1 \(hold\) or 0 \(clear\)"):
+                t.io_engine.inject(0, bad)
 
 
 def test_engine_choice(tmp_path, caplog):
@@ -446,7 +434,7 @@ def test_engine_choice(tmp_path, caplog):
             assert t.engine == expected and t.engine_reason and "\n" not in t.engine_reason
             if t.engine == "io_uring":
                 assert t.engine_reason.startswith("auto: ring of 32, page pool ")
-                assert ("registered (READ_FIXED)" in t.engine_reason) == t._engine.fixed
+                assert ("registered (READ_FIXED)" in t.engine_reason) == t.io_engine.fixed
             assert t.engine in repr(t)
     assert sum(f"by the {expected} engine" in r.getMessage() for r in caplog.records) == 1  # logged once, at open
     with pytest.raises(ValueError, match="io='uring': pass one of auto, io_uring, threads, python"):
@@ -461,16 +449,16 @@ def test_engine_fallbacks(tmp_path, monkeypatch):
     path = tmp_path / "f.bin"
     table = write_table(path, 500)
     ids = np.arange(0, 500, 3)
-    if reader._diskio is not None and engine_missing("threads") is None:
-        real = reader._diskio.Engine
+    if engines.native is not None and engine_missing("threads") is None:
+        real = engines.native.Engine
 
         def refuse_uring(mode, depth, pool):
             if mode == "io_uring":
                 raise OSError(errno.EPERM, "Operation not permitted", "io_uring_setup")
             return real(mode, depth, pool)
 
-        monkeypatch.setattr(reader._diskio, "Engine", refuse_uring)
-        monkeypatch.setattr(reader, "_sysctl", lambda name: "2" if name == "kernel.io_uring_disabled" else None)
+        monkeypatch.setattr(engines.native, "Engine", refuse_uring)
+        monkeypatch.setattr(engines, "sysctl", lambda name: "2" if name == "kernel.io_uring_disabled" else None)
         with DiskTable(path, 0, 500, ROW_BYTES, queue_depth=4) as t:
             assert t.engine == "threads"
             assert t.engine_reason == "io_uring unavailable: EPERM (kernel.io_uring_disabled=2); 4 threads over preadv"
@@ -479,11 +467,11 @@ def test_engine_fallbacks(tmp_path, monkeypatch):
             DiskReadError, match=r"io='io_uring' cannot run here: io_uring unavailable: EPERM.*io='threads'"
         ):
             DiskTable(path, 0, 500, ROW_BYTES, io="io_uring")
-        monkeypatch.setattr(reader, "_sysctl", lambda name: "0")
-        assert "seccomp" in reader._uring_unavailable(OSError(errno.EPERM, "Operation not permitted"))
-        assert "ENOSYS" in reader._uring_unavailable(OSError(errno.ENOSYS, "Function not implemented"))
-    monkeypatch.setattr(reader, "_diskio", None)
-    monkeypatch.setattr(reader, "_NATIVE_MISSING", "tableserver.disk._diskio not built (No module named x)")
+        monkeypatch.setattr(engines, "sysctl", lambda name: "0")
+        assert "seccomp" in engines.uring_unavailable(OSError(errno.EPERM, "Operation not permitted"))
+        assert "ENOSYS" in engines.uring_unavailable(OSError(errno.ENOSYS, "Function not implemented"))
+    monkeypatch.setattr(engines, "native", None)
+    monkeypatch.setattr(engines, "NATIVE_MISSING", "tableserver.disk._diskio not built (No module named x)")
     with DiskTable(path, 0, 500, ROW_BYTES) as t:
         assert t.engine == "python" and t.engine_reason.startswith("tableserver.disk._diskio not built")
         assert np.array_equal(t.gather(ids), table[ids])
@@ -510,7 +498,7 @@ def test_io_uring_without_a_registered_pool(tmp_path):
         "with DiskTable(sys.argv[1], 0, 5000, 264, io='io_uring', pool_pages=256) as t:\n"
         "    ids = np.random.default_rng(0).integers(0, 5000, 3000)\n"
         "    assert np.array_equal(t.gather(ids), rows[ids])\n"
-        "    print(t._engine.fixed, t.engine_reason)\n"
+        "    print(t.io_engine.fixed, t.engine_reason)\n"
     )
     cmd = ["setpriv", "--bounding-set=-ipc_lock", "--inh-caps=-ipc_lock", "prlimit", "--memlock=65536:65536"]
     res = subprocess.run([*cmd, sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
@@ -535,13 +523,13 @@ def test_io_uring_waits_of_older_kernels(tmp_path):
         "with DiskTable(sys.argv[1], 0, 6000, 264, io='io_uring', queue_depth=8, pool_pages=16, timeout=0.3) as t:\n"
         "    ids = np.random.default_rng(0).integers(0, 6000, 3000)\n"
         "    assert np.array_equal(t.gather(ids), rows[ids])\n"
-        "    t._engine._fault(40 * 4096, -1)\n"
+        "    t.io_engine.inject(40 * 4096, -1)\n"
         "    try:\n"
         "        t.gather(np.append(ids, 40 * 4096 // 264 + 1))\n"
         "        raise AssertionError('no timeout')\n"
         "    except DiskReadError as e:\n"
         "        assert e.errno == errno.ETIMEDOUT, e\n"
-        "    t._engine._fault(0, 0)\n"
+        "    t.io_engine.inject(0, 0)\n"
         "    assert np.array_equal(t.gather(ids), rows[ids])\n"
         "    print(t.engine_reason)\n"
     )
@@ -564,7 +552,7 @@ def test_native_engine_interface(mode):
         f.write(data.tobytes())
         f.flush()
         fd = f.fileno()
-        eng = reader._diskio.Engine(mode, 4, pool)
+        eng = engines.native.Engine(mode, 4, pool)
         assert eng.mode == mode and eng.depth == 4 and eng.queued == 0 and eng.inflight == 0
 
         def batch(pages, slot0):
@@ -573,14 +561,14 @@ def test_native_engine_interface(mode):
             at = np.asarray(pages, np.int64) * PAGE
             return np.full(n, fd, np.int64), at, (slot0 + np.arange(n, dtype=np.int64)) * PAGE, length, length
 
-        assert eng.submit(*batch([3, 9, 60], 0), 1.0) == reader._diskio.OK
-        assert eng.submit(*batch([1, 2], 8), 1.0) == reader._diskio.OK
+        assert eng.submit(*batch([3, 9, 60], 0), 1.0) == engines.native.OK
+        assert eng.submit(*batch([1, 2], 8), 1.0) == engines.native.OK
         with pytest.raises(RuntimeError, match="full"):
             eng.submit(*batch([5], 12), 1.0)
         with pytest.raises(RuntimeError, match="empty queue"):
             eng.read(*batch([5], 12), 1.0)
-        assert eng.wait(5.0) == (reader._diskio.OK, -1, 0, 3 * PAGE, 3)
-        assert eng.wait(5.0) == (reader._diskio.OK, -1, 0, 2 * PAGE, 2)
+        assert eng.wait(5.0) == (engines.native.OK, -1, 0, 3 * PAGE, 3)
+        assert eng.wait(5.0) == (engines.native.OK, -1, 0, 2 * PAGE, 2)
         with pytest.raises(RuntimeError, match="no batch"):
             eng.wait(1.0)
         buf = np.frombuffer(pool, np.uint8).reshape(16, PAGE)
@@ -595,10 +583,10 @@ def test_native_engine_interface(mode):
         with pytest.raises(TypeError, match="int64"):
             eng.read(fds.astype(np.int32), at, dst, length, need, 1.0)
         st, run, got, *_ = eng.read(fds, np.array([64 * PAGE - 100]), dst, length, need, 1.0)  # past the end
-        assert (st, run, got) == (reader._diskio.SHORT, 0, 100)
-        assert eng.submit(*batch([4, 5], 0), 1.0) == reader._diskio.OK
+        assert (st, run, got) == (engines.native.SHORT, 0, 100)
+        assert eng.submit(*batch([4, 5], 0), 1.0) == engines.native.OK
         assert eng.drain(5.0) == 0 and eng.queued == 0
-        assert eng.read(*batch([7], 0), 1.0)[0] == reader._diskio.OK
+        assert eng.read(*batch([7], 0), 1.0)[0] == engines.native.OK
         assert eng.close(1.0) is True and eng.close() is True and eng.mode == "closed"
         with pytest.raises(ValueError, match="closed"):
             eng.read(*batch([7], 0), 1.0)
@@ -615,7 +603,7 @@ def test_engine_limit_caps_the_reads_in_flight(mode):
     why = engine_missing(mode)
     if why:
         pytest.skip(f"{mode}: {why}")
-    E = reader._diskio
+    E = engines.native
     pool = mmap.mmap(-1, 8 * PAGE)
     with tempfile.TemporaryFile() as f:
         data = np.random.default_rng(5).integers(0, 256, 8 * PAGE, dtype=np.uint8)
@@ -628,7 +616,7 @@ def test_engine_limit_caps_the_reads_in_flight(mode):
                 eng.limit = bad
         eng.limit = 2
         assert eng.limit == 2
-        eng._fault(0, HOLD)  # every read covering byte 0 is held in flight
+        engines.native_fault(eng, 0, HOLD)  # every read covering byte 0 is held in flight
         n = 8
         length = np.full(n, PAGE, np.int64)
         assert eng.submit(np.full(n, f.fileno(), np.int64), np.zeros(n, np.int64),
@@ -646,7 +634,7 @@ def test_engine_limit_caps_the_reads_in_flight(mode):
         eng.limit = 5
         assert settle(5) == 5
         eng.limit = 1  # lowered under five held reads: they stay, no new one starts
-        eng._fault(0, 0)
+        engines.native_fault(eng, 0, 0)
         assert eng.wait(10.0) == (E.OK, -1, 0, n * PAGE, n)
         assert np.array_equal(np.frombuffer(pool, np.uint8).reshape(n, PAGE), np.tile(data[:PAGE], (n, 1)))
         assert eng.close(5.0) is True and eng.limit == 0
@@ -659,7 +647,7 @@ def test_engine_limit_caps_the_reads_in_flight(mode):
 def test_native_engine_getters_and_calls_during_and_after_close(mode):
     """The engine's close() against other threads (the use-after-free of issue 34: a getter read the core
     close() was freeing with the GIL released). Six threads read every getter and call submit, read, wait,
-    drain, _fault and close while the main thread closes the engine: nothing crashes, every refusal is
+    drain, the fault hook and close while the main thread closes the engine: nothing crashes, every refusal is
     ValueError "closed" or RuntimeError (in use, queue), and a second close() waits for the first one's
     outcome. After close(): mode "closed", depth 0, fixed and ext_arg False, queued and inflight 0, every
     call ValueError; a leaked engine's inflight still counts its held read, and its fault can be cleared."""
@@ -668,7 +656,7 @@ def test_native_engine_getters_and_calls_during_and_after_close(mode):
     why = engine_missing(mode)
     if why:
         pytest.skip(f"{mode}: {why}")
-    E = reader._diskio
+    E = engines.native
     getters = ("mode", "depth", "limit", "fixed", "ext_arg", "note", "inflight", "queued", "closed", "leaked")
     # what every getter of a closed (and not leaked) engine says, from the moment close() starts
     CLOSED_STATE = {"mode": "closed", "depth": 0, "limit": 0, "fixed": False, "ext_arg": False, "inflight": 0,
@@ -689,7 +677,7 @@ def test_native_engine_getters_and_calls_during_and_after_close(mode):
                 lambda: eng.submit(*batch(k), 0.5),
                 lambda: eng.wait(0.01),
                 lambda: eng.drain(0.01),
-                lambda: eng._fault(3 * PAGE, errno.EIO if k % 2 else 0),
+                lambda: engines.native_fault(eng, 3 * PAGE, errno.EIO if k % 2 else 0),
                 lambda: setattr(eng, "limit", 1),
             )
 
@@ -744,7 +732,7 @@ def test_native_engine_getters_and_calls_during_and_after_close(mode):
         # a read held in flight: close() leaks the engine, whose getters stay safe and say so
         pool = mmap.mmap(-1, 16 * PAGE)
         eng = E.Engine(mode, 2, pool)
-        eng._fault(0, HOLD)
+        engines.native_fault(eng, 0, HOLD)
         assert eng.submit(*batch(0), 1.0) == E.OK
         deadline = time.monotonic() + 30
         while not eng.inflight and time.monotonic() < deadline:  # the held read started
@@ -761,7 +749,7 @@ def test_native_engine_getters_and_calls_during_and_after_close(mode):
         assert eng.inflight >= 1
         with pytest.raises(ValueError, match="closed"):
             eng.read(*batch(0), 1.0)
-        eng._fault(0, 0)  # the held read goes on, into the pool it still holds
+        engines.native_fault(eng, 0, 0)  # the held read goes on, into the pool it still holds
         while eng.inflight and time.monotonic() < deadline:
             time.sleep(0.01)
         assert eng.inflight == 0

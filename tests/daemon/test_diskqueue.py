@@ -13,6 +13,7 @@ import pytest
 from conftest import EVENT_TIMEOUT
 
 from tableserver.common.wire import Refused
+from tableserver.disk.engines import HOLD
 from tableserver.disk.queue import EXPRESS_SHARE, DiskBudget, DiskQueue
 from tableserver.disk.reader import DiskTable
 
@@ -211,8 +212,8 @@ def test_close_waits_for_the_gather_running_on_the_reader(table_file):
     that gather ended, and the gather gets its rows bit-exact (nothing is freed under it)."""
     path, data = table_file
     reader = _reader(path, io="threads", timeout=20.0, pool_pages=64)
-    engine = reader._engine  # the native engine's test hook holds the reads covering one byte
-    engine._fault(40 * 4096, -1)
+    engine = reader.io_engine  # its fault hook holds the reads covering one byte
+    engine.inject(40 * 4096, HOLD)
     ids = np.arange(0, ROWS, 7)
     got: dict = {}
 
@@ -230,7 +231,7 @@ def test_close_waits_for_the_gather_running_on_the_reader(table_file):
     c = threading.Thread(target=lambda: (reader.close(), closed.setdefault("at", time.monotonic())))
     c.start()
     time.sleep(0.3)
-    engine._fault(0, 0)
+    engine.inject(0, 0)
     g.join(EVENT_TIMEOUT)
     c.join(EVENT_TIMEOUT)
     assert "error" not in got, got.get("error")

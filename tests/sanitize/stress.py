@@ -62,10 +62,13 @@ def check_imports(expect_dir: str | None) -> None:
     import tableclient.graph._flags
     import tableclient.graph.poller._native
     import tableserver.common._take
-    import tableserver.disk._diskio
 
+    from tableserver.disk import engines
+
+    if engines.native is None:
+        raise RuntimeError(engines.NATIVE_MISSING)
     for mod in (
-        tableserver.disk._diskio,
+        engines.native,
         tableserver.common._take,
         tableclient.graph._flags,
         tableclient.graph.poller._native,
@@ -86,12 +89,12 @@ def check_imports(expect_dir: str | None) -> None:
 
 
 def engine_modes() -> list[str]:
-    from tableserver.disk import _diskio
+    from tableserver.disk import engines
 
     modes = []
     for mode in ("io_uring", "threads"):
         try:
-            _diskio.Engine(mode, 1, bytearray(PAGE)).close()
+            engines.native.Engine(mode, 1, bytearray(PAGE)).close()
             modes.append(mode)
         except OSError as e:
             print(f"diskio: {mode} cannot run here ({e}): skipped", flush=True)
@@ -107,12 +110,12 @@ def read_getters(eng) -> None:
 
 
 def engine_iteration(mode: str, fd: int, data: np.ndarray, rng: random.Random) -> None:
-    from tableserver.disk import _diskio
+    from tableserver.disk import engines
 
     slots = 4  # pool pages per thread: each thread reads into its own, so its OK reads can be checked
     pool = mmap.mmap(-1, (THREADS + 1) * slots * PAGE)
     view = np.frombuffer(pool, np.uint8)
-    eng = _diskio.Engine(mode, rng.randint(1, 8), pool)
+    eng = engines.native.Engine(mode, rng.randint(1, 8), pool)
     stop = threading.Event()
     closes: list[bool] = []
     start = threading.Barrier(THREADS + 1)
@@ -150,7 +153,7 @@ def engine_iteration(mode: str, fd: int, data: np.ndarray, rng: random.Random) -
                     pages, b = batch(r, k, r.random() < 0.1)
                     res = eng.read(*b, r.choice((0.0, 0.01, 1.0)))
                     count(f"read {res[0]}")
-                    if res[0] == _diskio.OK:
+                    if res[0] == engines.native.OK:
                         got = view[k * slots * PAGE : (k * slots + len(pages)) * PAGE].reshape(-1, PAGE)
                         want = np.stack([data[p * PAGE : (p + 1) * PAGE] for p in pages])
                         if not np.array_equal(got, want):
@@ -166,10 +169,10 @@ def engine_iteration(mode: str, fd: int, data: np.ndarray, rng: random.Random) -
                     count("limit set")
                 elif op < 0.60:
                     code = r.choice((errno.EIO, errno.EIO, 0, 0, -1))
-                    eng._fault(r.randrange(FILE_PAGES) * PAGE, code)
+                    engines.native_fault(eng, r.randrange(FILE_PAGES) * PAGE, code)
                     if code == -1:
                         time.sleep(0.001)
-                        eng._fault(0, 0)
+                        engines.native_fault(eng, 0, 0)
                 elif op < 0.602:
                     closes.append(eng.close(r.choice((0.0, 0.01))))
                 else:
@@ -194,7 +197,7 @@ def engine_iteration(mode: str, fd: int, data: np.ndarray, rng: random.Random) -
             fail(f"diskio {mode}: a thread still in a call 60 s after close")
             return
     try:
-        eng._fault(0, 0)  # a held read of a leaked engine goes on (and its thread ends)
+        engines.native_fault(eng, 0, 0)  # a held read of a leaked engine goes on (and its thread ends)
     except ValueError:
         pass
     if not eng.closed or eng.mode != "closed":
