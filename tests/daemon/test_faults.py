@@ -445,7 +445,7 @@ def test_sync_wait_with_no_time_left_takes_rows_already_here(daemon, demo_local)
             out = np.empty((1, 264), np.uint8)
             pending = transport.gather(table.info.index, ids, out, sync=True)
             poller = select_module.poll()
-            poller.register(transport._sock, select_module.POLLIN)
+            poller.register(transport, select_module.POLLIN)
             assert poller.poll(EVENT_TIMEOUT * 1000)  # the answer is here
             pending.wait(0.0)  # no GatherTimeout: the reader takes it without waiting
             np.testing.assert_array_equal(out, demo_local[table.name][ids])

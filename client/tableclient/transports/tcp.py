@@ -289,6 +289,12 @@ class TcpTransport(ClientTransport):
         except OSError:  # reset, or this transport closed
             return True
 
+    def fileno(self) -> int:
+        """The descriptor of the connection now (a re-opened one has another), to wait until a response is
+        here to read (``select``/``poll`` take the transport itself); reading or writing it is the transport's
+        alone."""
+        return self._sock.fileno()
+
     def gather(self, table_index, ids, out, sync=False, mode="read", expand=None, hedge_after=None) -> Pending:
         now = time.perf_counter()
         if not self._pending and now - self._last_io >= self.idle_check:  # a hint, looked at unlocked
