@@ -83,7 +83,7 @@ def substitute(expr: str, rate_interval: str = "1m") -> str:
 
 
 class Prometheus:
-    """A small client of the Prometheus HTTP API (``/api/v1/query``, ``query_range``)."""
+    """A small client of the Prometheus HTTP API (``/api/v1/query``, ``query_range``, ``rules``)."""
 
     def __init__(self, url: str, timeout: float = 10.0):
         self.url = url.rstrip("/")
@@ -105,6 +105,10 @@ class Prometheus:
 
     def query_range(self, expr: str, start: float, end: float, step: float) -> dict:
         return self._get("/api/v1/query_range", query=expr, start=f"{start:.3f}", end=f"{end:.3f}", step=f"{step:g}")
+
+    def rules(self) -> list:
+        """The rule groups Prometheus loaded (``/api/v1/rules``), each rule with its health and last evaluation."""
+        return self._get("/api/v1/rules")["groups"]
 
     def ready(self) -> bool:
         try:

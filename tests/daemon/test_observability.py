@@ -494,7 +494,7 @@ def test_deploy_configs_are_valid():
 def _wait_rules_evaluated(prom, timeout: float = EVENT_TIMEOUT) -> list:
     deadline = time.monotonic() + timeout
     while True:
-        groups = prom.api._get("/api/v1/rules")["groups"]
+        groups = prom.api.rules()
         rules = [r for g in groups for r in g["rules"]]
         if (rules and all(r.get("lastEvaluation", "").startswith("20") for r in rules)) or time.monotonic() > deadline:
             return rules
