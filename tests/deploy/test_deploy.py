@@ -53,29 +53,35 @@ def test_readyz_and_livez(fresh_daemon):
 
 
 def test_probe_answers_follow_the_server_state():
-    """What /readyz and /livez answer for each state (pure mapping; the daemon's states are tested above and
-    in test_connections, where a port that cannot accept turns health NOT_SERVING)."""
+    """What /readyz and /livez answer for each state, on a metrics endpoint of its own bound to stand-in state (the
+    daemon's states are tested above and in test_connections, where a port that cannot accept turns health
+    NOT_SERVING)."""
     import time
     from types import SimpleNamespace
 
     from tableserver.metrics import LIVENESS_S, ServerMetrics
 
     m = ServerMetrics()
-    m.bind(
-        SimpleNamespace(
-            state=SimpleNamespace(ready=False, unready_reason="tables are still loading"), heartbeat=time.monotonic()
+    base = f"http://127.0.0.1:{m.serve('127.0.0.1', 0)}"
+    try:
+        m.bind(
+            SimpleNamespace(
+                state=SimpleNamespace(ready=False, unready_reason="tables are still loading"),
+                heartbeat=time.monotonic(),
+            )
         )
-    )
-    assert m._ready() == (False, "NOT_SERVING: tables are still loading")
-    assert m._live() == (True, "alive")
-    m.bind(
-        SimpleNamespace(
-            state=SimpleNamespace(ready=True, unready_reason=""), heartbeat=time.monotonic() - LIVENESS_S - 5
+        assert _get(base + "/readyz") == (503, "NOT_SERVING: tables are still loading\n")
+        assert _get(base + "/livez") == (200, "alive\n")
+        m.bind(
+            SimpleNamespace(
+                state=SimpleNamespace(ready=True, unready_reason=""), heartbeat=time.monotonic() - LIVENESS_S - 5
+            )
         )
-    )
-    assert m._ready() == (True, "SERVING")
-    ok, text = m._live()
-    assert not ok and "has not run for" in text
+        assert _get(base + "/readyz") == (200, "SERVING\n")
+        status, text = _get(base + "/livez")
+        assert status == 503 and "has not run for" in text
+    finally:
+        m.close()
 
 
 def _memory_cgroup(tmp_name: str):
