@@ -177,6 +177,17 @@ class EngramStep:
         """``time.perf_counter()`` when the current step's gathers were issued (0.0 before the first)."""
         return self._t0
 
+    @property
+    def copy_stream(self):
+        """The side stream the copies to the device run on (``wait_to_device``); None without ``device=``."""
+        return self._stream
+
+    def copy_queued(self, layer: int) -> bool:
+        """Whether this step's copy of ``layer``'s rows to the device is queued already: ``begin_step`` queues it
+        for a layer it copied itself (the shortest window's, mapped here over shm), ``wait_to_device`` for the
+        others."""
+        return self._copied.get(layer, False)
+
     # ---------------------------------------------------------------- a step
     def begin_step(self, row_ids: dict) -> None:
         """Issues every layer's gather now, shortest window first. ``row_ids[layer]`` is ``[T, 24]``.

@@ -211,7 +211,7 @@ def test_device_copies_wait_for_readers_and_staging_waits_for_copies(daemon, dem
         rng = np.random.default_rng(4)
         a, b, cc = _ids(rng), _ids(rng), _ids(rng)
         step.begin_step(a)
-        assert step._copied.get(1, False) == (transport == "shm"), step._copied
+        assert step.copy_queued(1) == (transport == "shm")
         dev, event = step.wait_to_device(1)
         step.wait(14)
         torch.cuda.current_stream().wait_event(event)
@@ -251,7 +251,7 @@ def test_a_late_layers_copy_does_not_wait_for_the_steps_earlier_layers(daemon, d
         end.record()
         step.wait_to_device(1)
         dev, _ = step.wait_to_device(14)
-        copied.record(step._stream)
+        copied.record(step.copy_stream)
         torch.cuda.synchronize()
         assert start.elapsed_time(copied) < start.elapsed_time(end), "layer 14's copy waited for the kernel"
         np.testing.assert_array_equal(dev.cpu().numpy(), demo_local["engram.layer14"][ids[14]])
