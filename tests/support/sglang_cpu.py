@@ -89,7 +89,6 @@ def memnode(engram_tables, tmp_path_factory):
 @pytest.fixture(scope="module")
 def plugin(memnode):
     """SGLang's own plugin loading, with the plugin's entry point enabled by TABLESERVER_ADDRESS."""
-    from sglang.srt.layers.engram import EngramEmbedding
     from sglang.srt.plugins import load_plugins
 
     os.environ["TABLESERVER_ADDRESS"] = memnode.address
@@ -98,8 +97,8 @@ def plugin(memnode):
         load_plugins()
     finally:
         del os.environ["TABLESERVER_ADDRESS"]
-    assert hooks._state.hooks_in_place, "the plugin's register() did not complete (see SGLang's log)"
-    assert hooks._wraps(EngramEmbedding.forward, hooks._embedding_forward), "load_plugins did not apply the hooks"
+    assert hooks.hooks_in_place(), "the plugin's register() did not complete (see SGLang's log)"
+    assert hooks.applied(f"{hooks.ENGRAM}.EngramEmbedding.forward"), "load_plugins did not apply the hooks"
     yield
     configure(PluginConfig())  # closes the clients; every layer local again
 

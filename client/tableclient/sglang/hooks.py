@@ -133,43 +133,62 @@ def check_sglang() -> str:
     return version
 
 
+def _hooks() -> list:
+    """(target, hook, kind) of every hook the plugin registers with SGLang; ``kind`` is "around" or "after"."""
+    return [
+        (f"{ENGRAM}.EngramEmbedding.__init__", _embedding_init, "around"),
+        (f"{ENGRAM}.EngramEmbedding.forward", _embedding_forward, "around"),
+        (f"{ENGRAM}.Engram.embed_rows", _embed_rows, "around"),
+        (f"{ENGRAM}.Engram.__init__", _engram_init, "after"),
+        (f"{ENGRAM}.EngramHasher.forward", _hasher_forward, "after"),
+        (f"{RUNNER}.DecodeCudaGraphRunner.capture", _runner_capture, "around"),
+        (f"{RUNNER}.DecodeCudaGraphRunner.load_batch", _runner_load_batch, "after"),
+        (f"{RUNNER}.DecodeCudaGraphRunner.execute", _runner_execute, "around"),
+        (f"{SCHEDULER}.Scheduler.run_batch", _scheduler_run_batch, "around"),
+        (f"{SCHEDULER}.Scheduler.process_batch_result", _scheduler_process_result, "around"),
+        (f"{STAGING}.EngramRowStager.from_model", _stager_from_model, "around"),
+        (f"{STAGING}.EngramRowStager.stage", _stager_stage, "around"),
+        (f"{WEIGHTS}.safetensors_weights_iterator", _skip_served_tables, "around"),
+        (f"{WEIGHTS}.buffered_multi_thread_safetensors_weights_iterator", _skip_served_tables, "around"),
+        ("sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM.load_weights", _load_weights, "around"),
+        (f"{HOST_POOLS}._deepseek_v4_num_host_pages", _host_pages, "after"),
+    ]
+
+
 def register_hooks() -> None:
     """Registers every hook with SGLang's HookRegistry and applies them now (once per process)."""
     if _state.hooks_in_place:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    around, after = HookType.AROUND, HookType.AFTER
-    hooks = [
-        (f"{ENGRAM}.EngramEmbedding.__init__", _embedding_init, around),
-        (f"{ENGRAM}.EngramEmbedding.forward", _embedding_forward, around),
-        (f"{ENGRAM}.Engram.embed_rows", _embed_rows, around),
-        (f"{ENGRAM}.Engram.__init__", _engram_init, after),
-        (f"{ENGRAM}.EngramHasher.forward", _hasher_forward, after),
-        (f"{RUNNER}.DecodeCudaGraphRunner.capture", _runner_capture, around),
-        (f"{RUNNER}.DecodeCudaGraphRunner.load_batch", _runner_load_batch, after),
-        (f"{RUNNER}.DecodeCudaGraphRunner.execute", _runner_execute, around),
-        (f"{SCHEDULER}.Scheduler.run_batch", _scheduler_run_batch, around),
-        (f"{SCHEDULER}.Scheduler.process_batch_result", _scheduler_process_result, around),
-        (f"{STAGING}.EngramRowStager.from_model", _stager_from_model, around),
-        (f"{STAGING}.EngramRowStager.stage", _stager_stage, around),
-        (f"{WEIGHTS}.safetensors_weights_iterator", _skip_served_tables, around),
-        (f"{WEIGHTS}.buffered_multi_thread_safetensors_weights_iterator", _skip_served_tables, around),
-        ("sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM.load_weights", _load_weights, around),
-        (f"{HOST_POOLS}._deepseek_v4_num_host_pages", _host_pages, after),
-    ]
+    kinds = {"around": HookType.AROUND, "after": HookType.AFTER}
+    hooks = _hooks()
     for target, fn, kind in hooks:
-        HookRegistry.register(target, fn, kind)
+        HookRegistry.register(target, fn, kinds[kind])
     HookRegistry.apply_hooks()  # SGLang's load_plugins applies them too; doing it here lets us check
-    import pkgutil
-
-    for target, fn, _ in hooks:
-        owner, attr = target.rsplit(".", 1)
-        if not _wraps(getattr(pkgutil.resolve_name(owner), attr), fn):
+    for target, _fn, _kind in hooks:
+        if not applied(target):
             raise PluginError(
                 f"tableserver plugin: SGLang did not apply the hook on {target} (see its log): the plugin cannot engage"
             )
     _state.hooks_in_place = True
+
+
+def hooks_in_place() -> bool:
+    """Whether ``register_hooks`` completed in this process: SGLang applied every hook, and each was checked."""
+    return _state.hooks_in_place
+
+
+def applied(target: str) -> bool:
+    """Whether SGLang applied the plugin's hook on ``target``, one of the dotted names the plugin hooks (e.g.
+    ``sglang.srt.layers.engram.EngramEmbedding.forward``): the wrapper chain SGLang put there calls it."""
+    import pkgutil
+
+    hook = next((fn for t, fn, _kind in _hooks() if t == target), None)
+    if hook is None:
+        raise ValueError(f"the plugin hooks no {target!r}")
+    owner, attr = target.rsplit(".", 1)
+    return _wraps(getattr(pkgutil.resolve_name(owner), attr), hook)
 
 
 def _wraps(fn, hook) -> bool:
@@ -489,7 +508,8 @@ def _host_pages(result, *args, **kwargs):
 
 
 # ---------------------------------------------------------------------- checkpoint loading
-def _served_key(name: str) -> bool:
+def served_key(name: str) -> bool:
+    """Whether ``name``, a checkpoint tensor's, is a served layer's table (its weight or scale): never read."""
     m = TABLE_KEY.search(name)
     return m is not None and served(int(m.group(1)))
 
@@ -505,7 +525,7 @@ def _skip_served_tables(original, hf_weights_files, *args, **kwargs):
     run = []
     for path in hf_weights_files:
         with safetensors.safe_open(path, framework="pt", device="cpu") as f:
-            skip = [k for k in f.keys() if _served_key(k)]
+            skip = [k for k in f.keys() if served_key(k)]
         if not skip:
             run.append(path)
             continue
@@ -523,4 +543,4 @@ def _skip_served_tables(original, hf_weights_files, *args, **kwargs):
 
 def _load_weights(original, self, weights, *args, **kwargs):
     """Whatever iterator SGLang uses: a served layer's table tensors never reach a parameter."""
-    return original(self, ((name, w) for name, w in weights if not _served_key(name)), *args, **kwargs)
+    return original(self, ((name, w) for name, w in weights if not served_key(name)), *args, **kwargs)

@@ -240,7 +240,6 @@ def test_checkpoint_tensors_of_served_tables_are_never_read(plugin, memnode, tmp
 
     from safetensors.torch import save_file
     from sglang.srt.model_loader import weight_utils
-    from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
 
     rows = 600_000  # 154 MB of table per layer: far more than the readahead around what is read (8+ MB)
     g = torch.Generator().manual_seed(0)
@@ -280,11 +279,11 @@ def test_checkpoint_tensors_of_served_tables_are_never_read(plugin, memnode, tmp
     # never read: at most the kernel's readahead next to what was read (the 4.8 MB scales may be all of it)
     assert resident_share(path, *spans["layers.14.engram.embed.weight"]) < 0.25
     # whatever iterator a load format uses, load_weights itself drops served tables' tensors too
-    assert hooks._wraps(DeepseekV4ForCausalLM.load_weights, hooks._load_weights)
+    assert hooks.applied("sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM.load_weights")
     configure(PluginConfig(address=memnode.address, layers={1: "local"}))
     try:
         assert [
-            hooks._served_key(k)
+            hooks.served_key(k)
             for k in (
                 "layers.14.engram.embed.weight",
                 "model.layers.14.engram.embed.scale",
