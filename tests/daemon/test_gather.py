@@ -110,7 +110,8 @@ def test_an_async_gather_another_thread_read_leaves_the_receiver_its_count(daemo
 
     from tableclient.transports import tcp
 
-    hand_over = tcp.TcpTransport._hand_over
+    # The race is between two steps inside one gather (its send, its hand-over): no public seam can hold it there.
+    hand_over = tcp.TcpTransport._hand_over  # private: the step the patch below holds
     paused, go = threading.Event(), threading.Event()
 
     def slow_hand_over(self, p):
@@ -119,7 +120,7 @@ def test_an_async_gather_another_thread_read_leaves_the_receiver_its_count(daemo
             go.wait(EVENT_TIMEOUT)
         return hand_over(self, p)
 
-    monkeypatch.setattr(tcp.TcpTransport, "_hand_over", slow_hand_over)
+    monkeypatch.setattr(tcp.TcpTransport, "_hand_over", slow_hand_over)  # private: holds a gather there
     with TableClient(daemon.address, transport="tcp", liveness_timeout=600.0) as c:
         table = c.table("engram.layer1")
         expect = demo_local[table.name]
