@@ -7,7 +7,7 @@ built-in (ConnectionError, TimeoutError) so generic handlers work. ``errno``
 carries the OS error number when one caused the failure (a verbs call's).
 The engine layer's errors derive from it too, each with its built-in:
 ``tableclient.engine``'s ``ConfigError`` (ValueError), ``PluginError`` and
-``EngramRowsError`` (RuntimeError), and ``tableclient.graph.step``'s
+``EngramRowsError`` (RuntimeError), and the graph wing's (``tableclient.graph``)
 ``GraphStepError``.
 
 Errors of the layers below (the shared verbs plumbing's ``VerbsError``, the

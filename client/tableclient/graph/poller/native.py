@@ -34,9 +34,9 @@ import time
 import numpy as np
 
 from tableclient.errors import ConnectError, GatherTimeout, TableClientError
-from tableclient.graph.errors import GraphStepError
+from tableclient.graph.errors import CLOSED, GraphStepError
 from tableclient.graph.poller.cpu import claim_or_reason
-from tableclient.graph.poller.silence import Silence
+from tableclient.graph.poller.silence import SILENT, Silence
 from tableclient.metrics import metrics
 from tableserver.common.verbs import QpInfo
 
@@ -74,9 +74,6 @@ def stand_in(flags, ids_flag: int, rows_flag: int, timeout: float):
         raise NativeUnavailable("tableclient.graph.poller._native is not built (no C compiler at install)")
     return _graphpoll.stand_in(flags, ids_flag, rows_flag, timeout)
 
-
-#: what both pollers say once when a layer's node goes silent (tableclient.graph.poller.silence)
-SILENT = "layer %d: its node has not answered since a step ran out of time: the policy at once until it answers a probe"
 
 #: how ``take_events`` says a step was released: its rows; the policy after an error; the deadline before the
 #: graph's ids came (watchdog); a replay nobody armed; the deadline after its ids came (a remote source late)
@@ -465,13 +462,28 @@ class NativePoller:
             flat[live] = into
         return True, "", False
 
-    # ------------------------------------------------------------------ steps
+    # ------------------------------------------------------------------ steps (the contract: graph/poller/__init__.py)
+    kind = "native"
+
     def busy(self) -> bool:
         return self._poller.busy()
 
     def arm(self, tokens: int, timeout: float) -> None:
-        """The next step of ``tokens`` tokens: each layer's source refreshed (never waiting on a connect), then
-        armed with its ids due ``timeout`` seconds from now (after whatever the refresh did)."""
+        """The next step of ``tokens`` tokens, once the last one was released and consumed (bounded by
+        ``timeout``): each layer's source refreshed (never waiting on a connect), then armed with its ids due
+        ``timeout`` seconds from now (after whatever the refresh did)."""
+        end = time.monotonic() + timeout
+        while self._poller.busy():
+            if self._closed:
+                raise GraphStepError(CLOSED)
+            if time.monotonic() >= end:
+                raise GraphStepError(
+                    f"layers {sorted(self.layers)}: the last step was not released and consumed within "
+                    f"{timeout:g} s: a replay was armed and never launched (call reset() after a failed replay)"
+                )
+            time.sleep(0.0002)  # the GPU's consumption notifies nobody: poll
+        if self._closed:
+            raise GraphStepError(CLOSED)
         self.account()  # first: a step before that ran out of time marks its node silent for refresh, which
         for i in range(len(self.layers)):  # then serves the policy at once instead of waiting on a node
             self.refresh(i)  # that does not answer
@@ -483,8 +495,17 @@ class NativePoller:
         errors = self._poller.wait_released(timeout)
         return None if errors is None else [(self.layers[i], message) for i, message in errors]
 
+    def after_replay(self, timeout: float) -> None:
+        errors = self.wait_released(timeout + 1.0)
+        if errors is None:
+            raise GraphStepError("in_graph layers not released by their deadline: the native poller is stuck")
+        if errors:
+            layer, message = errors[0]
+            raise GraphStepError(f"layer {layer}: {message} (policy fail: the step's output must not be read)")
+
     def reset(self) -> None:
-        self._poller.reset()
+        if not self._closed:
+            self._poller.reset()
 
     def released_at(self, layer: int) -> float:
         return self._poller.released_at(self.layers.index(layer))

@@ -20,6 +20,8 @@ import numpy as np
 
 from tableclient.errors import TableClientError
 
+#: what both pollers say once when a layer's node goes silent
+SILENT = "layer %d: its node has not answered since a step ran out of time: the policy at once until it answers a probe"
 #: rows of a probe: one token's ids (the rows are the table's first; what matters is an answer)
 PROBE_ROWS = 24
 #: the bound on finishing a probe whose answer came (its rows' copy; a routed gather finishes on wait)
