@@ -52,12 +52,14 @@ native = [
         optional=optional,
         extra_compile_args=["-O2"],
     ),
-    # the in_graph poller and watchdog: one native thread per GraphStep (its poller.c says why)
+    # the in_graph poller and watchdog: one native thread per GraphStep (its module.c and loop.c say why; what its
+    # files share: poller.h; the wire's constants: wire.h)
     Extension(
         "tableclient.graph.poller._native",
-        [f"{POLLER}/poller.c"],
+        [f"{POLLER}/{name}.c" for name in ("module", "source", "loop", "tcp")],
         include_dirs=[COMMON],
-        depends=[f"{COMMON}/bufcheck.h", f"{COMMON}/rowcopy.h", f"{COMMON}/spin.h", f"{POLLER}/verbs.h"],
+        depends=[f"{COMMON}/{h}.h" for h in ("bufcheck", "rowcopy", "spin")]
+        + [f"{POLLER}/{h}.h" for h in ("poller", "wire", "verbs")],
         optional=optional,
         extra_compile_args=["-O2"],
     ),
