@@ -366,20 +366,20 @@ def test_the_flag_wait_is_native_where_required_and_checks_its_arguments():
     from tableclient.graph import streams
 
     if os.environ.get("TABLESERVER_REQUIRE_NATIVE") == "1":
-        assert streams._native_wait is not None, "tableclient.graph._flags did not build: install gcc and python3-dev"
+        assert streams.native_wait is not None, "tableclient.graph._flags did not build: install gcc and python3-dev"
     flags = np.zeros(32, np.uint32)
     assert not streams.wait_flag(flags, 16, 1, 0.01)
     threading.Timer(0.05, lambda: flags.__setitem__(16, 1)).start()
     t0 = time.monotonic()
     assert streams.wait_flag(flags, 16, 1, EVENT_TIMEOUT) and time.monotonic() - t0 < EVENT_TIMEOUT
-    if streams._native_wait is not None:
+    if streams.native_wait is not None:
         with pytest.raises(ValueError, match="index outside the flags"):
-            streams._native_wait(flags, 32, 1, 0.0)
+            streams.native_wait(flags, 32, 1, 0.0)
         with pytest.raises(TypeError, match="native uint32"):
-            streams._native_wait(np.zeros(4, np.int64), 0, 1, 0.0)
+            streams.native_wait(np.zeros(4, np.int64), 0, 1, 0.0)
         misaligned = np.frombuffer(bytearray(17), np.uint32, 4, 1)  # an atomic load there may tear
         with pytest.raises(TypeError, match="4-byte aligned"):
-            streams._native_wait(misaligned, 0, 1, 0.0)
+            streams.native_wait(misaligned, 0, 1, 0.0)
 
 
 def test_in_graph_layers_get_the_native_poller_where_it_is_built(daemon, poller):

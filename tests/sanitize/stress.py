@@ -59,20 +59,14 @@ def fail(what: str) -> None:
 def check_imports(expect_dir: str | None) -> None:
     """Every extension imported from the sanitized build, and instrumented (RuntimeError otherwise): else a
     clean run proves nothing."""
-    import tableclient.graph._flags
-    import tableclient.graph.poller._native
-    import tableserver.common._take
+    import importlib
 
     from tableserver.disk import engines
 
     if engines.native is None:
         raise RuntimeError(engines.NATIVE_MISSING)
-    for mod in (
-        engines.native,
-        tableserver.common._take,
-        tableclient.graph._flags,
-        tableclient.graph.poller._native,
-    ):
+    names = ("tableserver.common._take", "tableclient.graph._flags", "tableclient.graph.poller._native")
+    for mod in (engines.native, *map(importlib.import_module, names)):
         path = os.path.realpath(mod.__file__)
         if expect_dir is not None and not path.startswith(os.path.realpath(expect_dir) + os.sep):
             raise RuntimeError(f"{mod.__name__} imported from {path}, not from the sanitized build in {expect_dir}")

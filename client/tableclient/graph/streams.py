@@ -31,17 +31,18 @@ FLAG_STRIDE = 16
 #: how long the start-up probe waits for its tiny graph (seconds)
 PROBE_TIMEOUT_S = 5.0
 
+#: the flag wait without the GIL (tableclient.graph._flags.wait_u32); None where it is not built
 try:
-    from tableclient.graph._flags import wait_u32 as _native_wait
+    from tableclient.graph._flags import wait_u32 as native_wait
 except ImportError:  # built without a C compiler
-    _native_wait = None
+    native_wait = None
 
 
 def wait_flag(flags: np.ndarray, index: int, value: int, timeout: float) -> bool:
     """Whether ``flags[index]`` became ``value`` within ``timeout`` seconds; waited for without the GIL
     where the native module is built (a Python loop of 20 us sleeps otherwise)."""
-    if _native_wait is not None:
-        return _native_wait(flags, index, value, max(timeout, 0.0))
+    if native_wait is not None:
+        return native_wait(flags, index, value, max(timeout, 0.0))
     end = time.monotonic() + timeout
     while int(flags[index]) != value:
         if time.monotonic() >= end:

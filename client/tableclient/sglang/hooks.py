@@ -179,16 +179,23 @@ def hooks_in_place() -> bool:
     return _state.hooks_in_place
 
 
+def hook(target: str):
+    """The plugin's hook on ``target``, one of the dotted names the plugin hooks (e.g.
+    ``sglang.srt.layers.engram.EngramEmbedding.forward``), as SGLang's HookRegistry calls it: ``(original, self,
+    ...)`` for an "around" hook, ``(result, self, ...)`` for an "after" one."""
+    found = next((fn for t, fn, _kind in _hooks() if t == target), None)
+    if found is None:
+        raise ValueError(f"the plugin hooks no {target!r}")
+    return found
+
+
 def applied(target: str) -> bool:
-    """Whether SGLang applied the plugin's hook on ``target``, one of the dotted names the plugin hooks (e.g.
-    ``sglang.srt.layers.engram.EngramEmbedding.forward``): the wrapper chain SGLang put there calls it."""
+    """Whether SGLang applied the plugin's hook on ``target`` (see :func:`hook`): the wrapper chain SGLang put
+    there calls it."""
     import pkgutil
 
-    hook = next((fn for t, fn, _kind in _hooks() if t == target), None)
-    if hook is None:
-        raise ValueError(f"the plugin hooks no {target!r}")
     owner, attr = target.rsplit(".", 1)
-    return _wraps(getattr(pkgutil.resolve_name(owner), attr), hook)
+    return _wraps(getattr(pkgutil.resolve_name(owner), attr), hook(target))
 
 
 def _wraps(fn, hook) -> bool:

@@ -20,7 +20,6 @@ import torchvision_cpu  # noqa: F401  (before sglang: torchvision on a CPU torch
 torch = pytest.importorskip("torch")
 pytest.importorskip("sglang.srt.layers.engram")
 
-from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner  # noqa: E402
 from sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend import (  # noqa: E402
     BreakableCudaGraphBackend,
 )
@@ -42,6 +41,12 @@ from sglang_cpu import (  # noqa: E402,F401  (fixtures: one memory node and SGLa
 )
 from tableclient.sglang import graphs, hooks, rows  # noqa: E402
 
+# the plugin's hooks on SGLang's decode runner and scheduler (hooks.hook(target): called as SGLang calls them)
+CAPTURE, LOAD_BATCH, EXECUTE = (
+    f"{hooks.RUNNER}.DecodeCudaGraphRunner.{m}" for m in ("capture", "load_batch", "execute")
+)
+RUN_BATCH, PROCESS_RESULT = (f"{hooks.SCHEDULER}.Scheduler.{m}" for m in ("run_batch", "process_batch_result"))
+
 
 def runner_for(model, backend=FullCudaGraphBackend, max_bs: int = 8, **flags):
     return decode_runner(model, backend, max_bs, **flags)
@@ -56,7 +61,7 @@ def capture(runner, model):
             ids, batch = decode_batch([0] * bs, [5] * bs, list(range(bs)))
             forward(model, ids, batch, torch.zeros((bs, HC, HIDDEN), dtype=torch.bfloat16))
 
-    hooks._runner_capture(record, runner)
+    hooks.hook(CAPTURE)(record, runner)
 
 
 def replay_step(runner, model, ids, batch, x):
@@ -64,7 +69,7 @@ def replay_step(runner, model, ids, batch, x):
     replay -- the captured forward, its flag operations on the host."""
     s = graphs.session()
     runner.raw_num_token = len(ids)
-    hooks._runner_load_batch(None, runner, batch)
+    hooks.hook(LOAD_BATCH)(None, runner, batch)
 
     def replay(self, forward_batch):
         s.capturing = s.replay_on_host = True
@@ -73,7 +78,7 @@ def replay_step(runner, model, ids, batch, x):
         finally:
             s.capturing = s.replay_on_host = False
 
-    return hooks._runner_execute(replay, runner, batch)
+    return hooks.hook(EXECUTE)(replay, runner, batch)
 
 
 def run_graphs(model, runner, seed=0):
@@ -90,16 +95,8 @@ def run_graphs(model, runner, seed=0):
 
 
 def test_the_hooks_are_on_sglangs_decode_runner(plugin):
-    for name, fn in (
-        ("capture", hooks._runner_capture),
-        ("load_batch", hooks._runner_load_batch),
-        ("execute", hooks._runner_execute),
-    ):
-        assert hooks._wraps(getattr(DecodeCudaGraphRunner, name), fn), name
-    from sglang.srt.managers.scheduler import Scheduler
-
-    assert hooks._wraps(Scheduler.run_batch, hooks._scheduler_run_batch)
-    assert hooks._wraps(Scheduler.process_batch_result, hooks._scheduler_process_result)
+    for target in (CAPTURE, LOAD_BATCH, EXECUTE, RUN_BATCH, PROCESS_RESULT):
+        assert hooks.applied(target), target
     assert hooks.check_sglang() == hooks.SUPPORTED_SGLANG  # signatures checked, incl. the runner's
 
 
@@ -286,8 +283,8 @@ def scheduler_step(runner, model, ids, batch, x):
         out["y"] = replay_step(runner, model, ids, b, x)
         return GenerationBatchResult()
 
-    result = hooks._scheduler_run_batch(run_batch, None, batch)
-    return hooks._scheduler_process_result(lambda self, b, r: out["y"], None, batch, result)
+    result = hooks.hook(RUN_BATCH)(run_batch, None, batch)
+    return hooks.hook(PROCESS_RESULT)(lambda self, b, r: out["y"], None, batch, result)
 
 
 def test_policy_fail_is_checked_where_the_scheduler_reads_the_result(plugin, model_config, engram_tables, tmp_path):
