@@ -40,7 +40,7 @@ GIB = 1 << 30
 #: tokens per forward the plugins' staging holds (``max_tokens``, tableclient/engine/config.py)
 STAGING_TOKENS = 8192
 #: pinned staging buffers per served layer and rank: SGLang's forward prefetch, its scheduler's staging of
-#: the next batch and its decode graphs' GraphStep (tableclient/engine/rows.py, graphstep.py); vLLM's one
+#: the next batch and its decode graphs' GraphStep (tableclient/engine/rows.py, tableclient/graph/); vLLM's one
 #: step per layer (tableclient/vllm/hooks.py)
 STAGING_CHANNELS = {"sglang": 3, "vllm": 1}
 

@@ -1,5 +1,5 @@
 /* tableserver/common/rowcopy.h: the row gather itself, shared by the extensions that copy rows
- * (tableserver/common/_take.c, client/tableclient/graph/poller/_native_c/poller.c): the id check and the prefetching copy.
+ * (tableserver/common/_take.c, client/tableclient/graph/poller/_native_c/loop.c): the id check and the prefetching copy.
  * Plain C (no Python): safe to call without the GIL.
  *
  * Why prefetch: a random gather is bound by memory latency; prefetching PREFETCH_ROWS rows ahead keeps

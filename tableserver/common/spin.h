@@ -1,5 +1,5 @@
 /* tableserver/common/spin.h: the clock and the spin hint of the extensions that wait for flags without the
- * GIL (client/tableclient/graph/_flags.c, client/tableclient/graph/poller/_native_c/poller.c). Plain C: safe without the GIL. */
+ * GIL (client/tableclient/graph/_flags.c, client/tableclient/graph/poller/_native_c/). Plain C: safe without the GIL. */
 #ifndef TABLESERVER_SPIN_H
 #define TABLESERVER_SPIN_H
 

@@ -1,4 +1,4 @@
-"""The native poller (client/tableclient/graph/poller/_native_c/poller.c) driven directly, with no daemon: its size checks, its
+"""The native poller (client/tableclient/graph/poller/_native_c/) driven directly, with no daemon: its size checks, its
 deadlines, ``close()`` racing ``arm()`` and the set_* calls on other threads, its tcp reader against a scripted
 peer that speaks the wire's frames (tableserver.common.wire), and steps handed to Python (``set_host``, a
 connection the server had closed). The flag protocol is a graph's: ids into the ids buffer, the ids flag set;

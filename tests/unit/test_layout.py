@@ -73,6 +73,10 @@ def test_the_tree_keeps_every_contract(tree):
             "import tableclient.sglang.hooks",
             "is not allowed to import tableclient.sglang.hooks",
         ),
+        ("tableclient/graph/step.py", "import tableclient.engine.rows", "is not allowed to import tableclient.engine"),
+        ("tableclient/graph/poller/python.py", "import sglang", "is not allowed to import sglang"),
+        ("tableclient/step.py", "import tableclient.graph.step", "is not allowed to import tableclient.graph"),
+        ("tableclient/graph/streams.py", "import tableclient.graph.poller.native", "tableclient.graph.streams ->"),
         (
             "tableserver/disk/reader.py",
             "import tableserver.tables.loader",
@@ -97,3 +101,13 @@ def test_a_forbidden_import_breaks_its_contract(tree, module, line, broken):
     res = _lint(str(tree))
     assert res.returncode != 0
     assert "BROKEN" in res.stdout and broken in res.stdout, res.stdout[-3000:]
+
+
+def test_the_old_graph_step_name_re_exports_the_wing():
+    """``tableclient.graphstep`` stays one release, the same objects as ``tableclient.graph``."""
+    import tableclient.graph
+    import tableclient.graphstep
+
+    for name in ("GraphStep", "GraphStepError", "HostStreamOps", "CudaStreamOps", "GraphFlags", "MODES", "OUTCOMES",
+                 "min_from_sum", "gather_budget", "wait_flag"):  # fmt: skip
+        assert getattr(tableclient.graphstep, name) is getattr(tableclient.graph, name), name

@@ -1,11 +1,11 @@
-"""The in_graph layers' native poller: the C extension's one thread per GraphStep (``_graphpoll.c``), and what
+"""The in_graph layers' native poller: the C extension's one thread per GraphStep (``_native_c/``), and what
 Python keeps doing for it off the hot path: pointing each layer at where its rows come from, again when
 that changes, and turning what the thread did into metrics.
 
 Per in_graph layer the thread copies the step's rows from the table this process maps (shm; the row copy
 of ``tableserver/common/rowcopy.h``), reads them over a data connection of its own to the node (tcp:
 authenticated by Python, handed over unused, never sealed), or READs them through an RC QP of its own
-(rdma: ``_graphverbs.c``; its QP offered to the node in a session of its own, ``node.QpSession``, which
+(rdma: ``_native_c/verbs.c``; its QP offered to the node in a session of its own, ``node.QpSession``, which
 answers with the server's QP and the table's regions), and applies the policy at the deadline
 itself, all without the GIL; with ``realtime`` at real-time priority (SCHED_FIFO 1) where the process may,
 so that a busy machine's scheduler does not park it for a slice mid-step (opt-in: a real-time spinner takes
@@ -41,38 +41,38 @@ from tableclient.metrics import metrics
 from tableserver.common.verbs import QpInfo
 
 try:
-    from tableclient.graph.poller import _native as _graphpoll
+    from tableclient.graph.poller import _native
 except ImportError:  # built without a C compiler
-    _graphpoll = None
+    _native = None
 try:
-    from tableclient.graph.poller import _verbs as _graphverbs
+    from tableclient.graph.poller import _verbs
 
     #: why the native poller cannot read layers over rdma here ("" where it can)
     RDMA_MISSING = ""
 except ModuleNotFoundError:  # built without libibverbs' headers
-    _graphverbs = None
+    _verbs = None
     RDMA_MISSING = (
         "tableclient.graph.poller._verbs is not built (no libibverbs headers at install: Debian's libibverbs-dev)"
     )
 except ImportError as e:  # built, but this host has no libibverbs
-    _graphverbs = None
+    _verbs = None
     RDMA_MISSING = f"tableclient.graph.poller._verbs cannot load ({e})"
 
 log = logging.getLogger(__name__)
 
 #: whether the native poller is built here (a C compiler at install)
-BUILT = _graphpoll is not None
+BUILT = _native is not None
 #: whether it reads layers over rdma itself (tableclient.graph.poller._verbs: libibverbs' headers at install, libibverbs here)
-RDMA = BUILT and _graphverbs is not None
+RDMA = BUILT and _verbs is not None
 
 
 def stand_in(flags, ids_flag: int, rows_flag: int, timeout: float):
     """What a replayed graph does at one in_graph layer, natively and without the GIL (a stand-in for the GPU
     where there is none: bench/bench_graph.py): sets ``flags[ids_flag]``, waits for ``flags[rows_flag]``;
     ``(published, seconds until it saw the release)`` on time.monotonic()'s clock, None past ``timeout``."""
-    if _graphpoll is None:
+    if _native is None:
         raise NativeUnavailable("tableclient.graph.poller._native is not built (no C compiler at install)")
-    return _graphpoll.stand_in(flags, ids_flag, rows_flag, timeout)
+    return _native.stand_in(flags, ids_flag, rows_flag, timeout)
 
 
 #: how ``take_events`` says a step was released: its rows; the policy after an error; the deadline before the
@@ -102,7 +102,7 @@ class NativePoller:
 
     def __init__(self, client, slots: list, flags, policy: str, connect_timeout: float = 5.0, realtime: bool = False,
                  budgets: list | None = None, dead_id: int | None = None, cpus: list | None = None):  # fmt: skip
-        if _graphpoll is None:
+        if _native is None:
             raise NativeUnavailable("tableclient.graph.poller._native is not built (no C compiler at install)")
         if policy == "fallback":
             raise NativeUnavailable("policy 'fallback' re-reads through another client in Python")
@@ -130,7 +130,7 @@ class NativePoller:
         # cpus: the CPUs set aside for pollers; this one claims one no other poller on the host holds
         self._claim, unclaimed = claim_or_reason(cpus) if cpus else (None, None)
         try:
-            self._poller = _graphpoll.Poller(
+            self._poller = _native.Poller(
                 flags,
                 [(ids_flag, rows_flag, ok_flag, ids.reshape(-1), staging.reshape(-1), staging.shape[-1], ids.shape[-1])
                  for _plan, ids_flag, rows_flag, ok_flag, ids, staging in slots],
@@ -334,7 +334,7 @@ class NativePoller:
         dev = route.transport.dev
         table = self.plans[i].table
         capacity, row_bytes = self._shapes[i]
-        ep = _graphverbs.Endpoint(dev.name, dev.port, dev.gid_index, capacity, row_bytes)
+        ep = _verbs.Endpoint(dev.name, dev.port, dev.gid_index, capacity, row_bytes)
         side = None
         try:
             qp = QpInfo(ep.qp_num, ep.psn, ep.gid, ep.mtu)

@@ -1,7 +1,7 @@
-/* tableclient.graph.poller._verbs: the rdma source of the in_graph poller (client/tableclient/graph/poller/_native_c/poller.c): verbs
+/* tableclient.graph.poller._verbs: the rdma source of the in_graph poller (client/tableclient/graph/poller/_native_c/): verbs
  * resources of its own per in_graph layer, driven by the poller's native thread without the GIL. Built only
- * where libibverbs' headers are (setup.py), linked to libibverbs; _graphpoll neither includes nor links it and
- * takes this module's functions through a capsule (graphverbs.h) when a layer is first pointed at rdma, so it
+ * where libibverbs' headers are (setup.py), linked to libibverbs; _native neither includes nor links it and
+ * takes this module's functions through a capsule (verbs.h) when a layer is first pointed at rdma, so it
  * imports where libibverbs is absent. Where this module is missing, in_graph layers read over rdma keep the
  * Python poller (client/tableclient/graph/poller/native.py says why in the start-up log).
  *

@@ -1,6 +1,6 @@
 /* client/tableclient/graph/poller/_native_c/verbs.h: what tableclient.graph.poller._verbs (the rdma source of the in_graph poller, built
- * only where libibverbs' headers are) hands tableclient.graph.poller._native through a capsule, so that _graphpoll itself
- * neither includes nor links libibverbs and imports where it is absent. See _graphverbs.c for the design. */
+ * only where libibverbs' headers are) hands tableclient.graph.poller._native through a capsule, so that _native itself
+ * neither includes nor links libibverbs and imports where it is absent. See verbs.c for the design. */
 #ifndef TABLECLIENT_GRAPHVERBS_H
 #define TABLECLIENT_GRAPHVERBS_H
 
