@@ -23,7 +23,7 @@ from tests_helpers import free_port_block, stream_step
 torch = pytest.importorskip("torch")
 
 from tableclient import TableClient  # noqa: E402
-from tableclient.graph.poller import native  # noqa: E402
+from tableclient.graph.poller import keeper, native  # noqa: E402
 from tableclient.graph.step import GraphStep, HostStreamOps  # noqa: E402
 from tableclient.metrics import metrics  # noqa: E402
 from tableclient.step import LayerPlan  # noqa: E402
@@ -223,7 +223,7 @@ def test_a_connection_the_server_closed_while_idle_never_costs_a_step(tmp_path, 
     idempotent). Either way: rows, bit-exact, no policy step, the node never marked down. Before, the first
     step after every idle gap got the policy (zeros)."""
     if found_by == "the step":
-        monkeypatch.setattr(native, "CHECK_S", 3600.0)
+        monkeypatch.setattr(keeper, "CHECK_S", 3600.0)
     d = start_daemon(str(tmp_path / "d"), "--tables", demo_file, "--transports", "tcp", "--idle-timeout", "0.2")
     try:  # a busy machine's late keepalive answer fails no node here: the session stays the one the keeper knows
         with TableClient(d.address, transport="tcp", liveness_timeout=EVENT_TIMEOUT) as c:

@@ -10,7 +10,8 @@ The map, a line a module (who owns what):
 * ``outcomes``        each step's outcome across tensor-parallel ranks (``agree``, ``check``), :func:`min_from_sum`
 * ``poller/``         who serves in_graph layers: one contract (``Poller``), two implementations -- ``native`` (a C
                       thread, ``_native_c/`` by concept, ``wire.h`` the wire's constants) and ``python`` (threads
-                      over the pure ``slots`` state machine); ``silence`` (a node that stopped answering), ``cpu``
+                      over the pure ``slots`` state machine); ``keeper`` (the native one's connections, with
+                      back-off), ``silence`` (a node that stopped answering), ``cpu``
                       (CPUs set aside for pollers)
 * ``device/``         device tables (``table``: a mapped table registered with CUDA) and their gather kernel
                       (``kernel``, Triton)
