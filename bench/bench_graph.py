@@ -344,7 +344,9 @@ def header(lines: list) -> None:
 
 def stage_probe(torch, device, lines: list) -> bool:
     """The start-up probe of stream memory operations (what GraphStep runs before in_graph layers)."""
-    from tableclient.graph.streams import DRIVER_NAMES, GraphStepError, driver_symbols, probe_device
+    from tableclient.graph.cuda import DRIVER_NAMES, driver_symbols
+    from tableclient.graph.errors import GraphStepError
+    from tableclient.graph.streams import probe_device
 
     try:
         driver_symbols()

@@ -112,8 +112,8 @@ for name in ("triton", "cuda.bindings", "numpy", "grpc", "google.protobuf", "cry
     except ImportError as e:
         print(name, "MISSING:", e)
 from tableserver.common import take
-import tableclient.graph.streams as so
-print("native modules: take", take.NATIVE, "flags", so._native_wait is not None)
+from tableclient.graph import streams
+print("native modules: take", take.NATIVE, "flags", streams.native_wait is not None)
 import tableserver.disk._diskio  # noqa: F401  (the disk engine: built, or this import fails)
 EOF
 }
