@@ -227,7 +227,7 @@ class EngramRows:
         these graph modes; ``rows_per_token``: the ids a token has here (a tensor-parallel rank's share of the 24
         hash columns under vLLM); ``poller``: who serves the in_graph layers (GraphStep's); ``placements``: only
         these placements' GraphSteps (default every one)."""
-        from tableclient.graph.step import GraphStep
+        from tableclient.graph import GraphStep
         from tableclient.step import LayerPlan
 
         c = self.config

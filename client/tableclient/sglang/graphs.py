@@ -252,7 +252,7 @@ def tp_agreement():
     """(agree, ranks): over SGLang's tensor-parallel group, with its own capturable all-reduce, where it has
     more than one rank (the ranks' rows of a layer meet in its collectives); (None, 1) otherwise. (SGLang
     0.5.23's ``sglang.srt.distributed`` does not export its world-size getter: the group says it.)"""
-    from tableclient.graph.step import min_from_sum
+    from tableclient.graph import min_from_sum
 
     group = tp_ranks()
     if group.size <= 1:
