@@ -269,12 +269,12 @@ def worker_step(engrams, hashes, x, mask, output=None, outs=None, forward: bool 
     appended to ``outs``; None without ``forward``: a model runner that returns without running the layers), with
     the Worker's result where it is not ``output``; raises before the forward (a step that cannot be armed) or
     where the result is read (a step whose rows were not served)."""
-    from tableclient.vllm import hooks
+    from tableclient.vllm import graphs, hooks
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.worker.gpu_worker import Worker
 
-    assert hooks.hooked(Worker.execute_model, hooks._execute_model)
-    assert hooks.hooked(Worker.sample_tokens, hooks._sample_tokens)
+    assert hooks.hooked(Worker.execute_model, graphs.execute_model)
+    assert hooks.hooked(Worker.sample_tokens, graphs.sample_tokens)
     outs = [] if outs is None else outs
     worker = object.__new__(Worker)
     worker._pp_send_work, worker.profiler, worker.use_v2_model_runner = [], None, False
@@ -295,10 +295,10 @@ def dummy_step(engrams, hasher, forward: bool = True):
     peers' step: its model runner's dummy run steps the layers over vLLM's dummy hashes (every id dead), as a FULL
     replay of the dummy does, or (``forward`` False) hashes nothing and runs no Engram layer, as vLLM's dummy run
     does outside FULL replays (no attention metadata). Returns the layers' outputs (None without ``forward``)."""
-    from tableclient.vllm import hooks
+    from tableclient.vllm import graphs, hooks
     from vllm.v1.worker.gpu_worker import Worker
 
-    assert hooks.hooked(Worker.execute_dummy_batch, hooks._execute_dummy_batch)
+    assert hooks.hooked(Worker.execute_dummy_batch, graphs.execute_dummy_batch)
     dummy, keep = hasher.dummy_hashes(torch.zeros(4, dtype=torch.int32))
     x = torch.zeros((4, HC, HIDDEN), dtype=torch.bfloat16)
     outs = []

@@ -10,6 +10,13 @@ so that each layer's rows come from where its configuration places it (``remote`
 
 Without configuration it does nothing. Enabled but unable to engage (another vLLM version, a bad
 configuration) it stops the start-up with one line saying why (``SystemExit``).
+
+Modules: ``hooks`` (what :func:`register` calls: the pin, the configuration, the wrappers put on vLLM), ``layers``
+(a served layer built, and its step start and run handed to its graph mode's path), ``graphs`` (graph modes
+``device`` and ``in_graph``: the GraphStep, each step armed and checked by vLLM's Worker), ``eager`` (graph mode
+``eager_break``), ``loading`` (checkpoint loading, the start-up check), ``memory`` (the table memory freed, the host
+KV cache checked), ``ranks`` (vLLM's process groups), ``state`` (the pin, vLLM's module names, the process's plugin
+state), ``embedding`` (the embedding a served layer gets in place of vLLM's).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ as it does for a local table. Every data-parallel replica gathers its own tokens
 
 ``weight`` and ``weight_scale_inv`` exist, so vLLM's loader finds them by name, but hold no rows; their
 loader drops what it is handed (the plugin's hooks keep the checkpoint's table tensors from being read
-at all where the load format allows: ``hooks``).
+at all where the load format allows: ``loading``).
 
 In graph modes ``device`` and ``in_graph`` (``graph_mode``, set by the hooks) the layer's rows come from the
 plugin's :class:`~tableclient.graph.step.GraphStep` (a kernel's gather from the node's registered mapping, or

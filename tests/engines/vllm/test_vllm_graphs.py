@@ -27,7 +27,10 @@ torch = pytest.importorskip("torch")
 vllm_cpu.require_vllm()
 
 from tableclient.engine import PluginConfig  # noqa: E402
+from tableclient.vllm import eager as vllm_eager  # noqa: E402
+from tableclient.vllm import graphs as vllm_graphs  # noqa: E402
 from tableclient.vllm import hooks  # noqa: E402
+from tableclient.vllm import layers as vllm_layers  # noqa: E402
 from test_vllm_plugin import (  # noqa: E402,F401  (fixtures: the model, its tables, one memory node, the plugin)
     assert_bit_identical,
     build,
@@ -225,7 +228,7 @@ def test_a_node_restart_is_registered_anew_and_a_node_on_other_data_is_never_rea
         )
         assert all(client.reader(t.name).local() is None for t in tables)
         unreadable_step()
-        assert hooks.hooked(Worker.execute_model, hooks._execute_model)
+        assert hooks.hooked(Worker.execute_model, vllm_graphs.execute_model)
     finally:
         hooks.configure(PluginConfig())
         for d in daemons:
@@ -359,12 +362,12 @@ def test_gathers_run_in_vllms_eager_break(plugin):
     from vllm.compilation.breakable_cudagraph import eager_break_during_capture
 
     for name, fn in (
-        ("issue", hooks._issue),
-        ("collect", hooks._collect),
-        ("publish", hooks._publish),
-        ("rows", hooks._graph_rows),
+        ("issue", vllm_eager.issue),
+        ("collect", vllm_eager.collect),
+        ("publish", vllm_graphs.publish),
+        ("rows", vllm_graphs.graph_rows),
     ):
-        wrapped = hooks._eager[name]
+        wrapped = vllm_layers.eager_breaks()[name]
         assert wrapped.__wrapped__ is fn
         assert wrapped.__code__ is eager_break_during_capture(fn).__code__
 

@@ -36,6 +36,8 @@ vllm_cpu.require_vllm()
 
 from tableclient.engine import PluginConfig  # noqa: E402
 from tableclient.vllm import hooks  # noqa: E402
+from tableclient.vllm import layers as vllm_layers  # noqa: E402
+from tableclient.vllm import loading as vllm_loading  # noqa: E402
 from vllm.models.deepseek_v41.common.engram import DEAD_ID, Engram, ParallelEngramEmbedding  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -79,7 +81,7 @@ def plugin(memnode):
         load_general_plugins()
     finally:
         del os.environ["TABLESERVER_ADDRESS"]
-    assert hooks.hooked(Engram.prepare_embeddings, hooks._prepare_embeddings), "load_general_plugins did not hook"
+    assert hooks.hooked(Engram.prepare_embeddings, vllm_layers.prepare_embeddings), "load_general_plugins did not hook"
     yield
     hooks.configure(PluginConfig())  # closes the clients; every layer local again
 
@@ -380,7 +382,7 @@ def test_checkpoint_tensors_of_served_tables_are_never_read(plugin, memnode, tmp
     assert resident_share(paths[0], *spans["layers.1.engram.embed.weight"]) > 0.5  # read
     # never read: at most the kernel's readahead next to what was read
     assert resident_share(paths[0], *spans["layers.14.engram.embed.weight"]) < 0.25
-    assert hooks.hooked(DeepseekV41ForCausalLM.load_weights, hooks._load_weights)
+    assert hooks.hooked(DeepseekV41ForCausalLM.load_weights, vllm_loading.load_weights)
     hooks.configure(PluginConfig(address=memnode.address, layers={1: "local"}))
     try:
         names = [
@@ -414,7 +416,7 @@ def test_load_weights_hook_drops_served_tensors_and_counts_their_parameters(
     empty parameters count as loaded (vLLM checks every parameter was), and the start-up check runs."""
     from vllm.models.deepseek_v41 import DeepseekV41ForCausalLM
 
-    assert hooks.hooked(DeepseekV41ForCausalLM.load_weights, hooks._load_weights)
+    assert hooks.hooked(DeepseekV41ForCausalLM.load_weights, vllm_loading.load_weights)
     engrams = build(vllm_config, engram_tables, address=memnode.address, placement={1: "local"})
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleList(torch.nn.Module() for _ in range(16))
@@ -428,7 +430,9 @@ def test_load_weights_hook_drops_served_tensors_and_counts_their_parameters(
 
     weights = [(f"layers.{layer}.engram.embed.{n}", torch.zeros(1)) for layer in LAYERS for n in ("weight", "scale")]
     with caplog.at_level("INFO", logger="tableclient.vllm"):
-        loaded = hooks._load_weights(vllms_load_weights, model, iter(weights + [("layers.14.engram.wkv.weight", 0)]))
+        loaded = vllm_loading.load_weights(
+            vllms_load_weights, model, iter(weights + [("layers.14.engram.wkv.weight", 0)])
+        )
     assert seen == ["layers.1.engram.embed.weight", "layers.1.engram.embed.scale", "layers.14.engram.wkv.weight"]
     assert {"layers.14.engram.embed_tokens.weight", "layers.14.engram.embed_tokens.weight_scale_inv"} <= loaded
     assert "engaged: layer 1 local (vLLM's own table), layer 14 remote" in caplog.text
