@@ -20,7 +20,7 @@ from guest import SLOW_CLIENT, guest_daemon, pack_reply_timeout
 from tableclient import ConnectError, GatherTimeout, RemoteError, TableClient, TransportError
 from tests_helpers import run_workers, scrape, value
 
-from tableserver.common.verbs import list_devices, verbs
+from tableserver.common.verbs import RegisteredBuffer, list_devices, verbs
 from tableserver.tables.demo import DemoRows, DemoTable
 from tableserver.tables.tablefile import TableFileWriter
 
@@ -54,11 +54,11 @@ def test_device_present():
 def test_handshake(rdma_daemon, demo_local):
     with TableClient(rdma_daemon.address, transport="rdma", rdma_qps=3, rdma_ring_rows=256, **SLOW_CLIENT) as c:
         t = c.node_transport()
-        assert len(t._qps) == 3 and t.device == "rxe_lo"
+        assert len(t.qps) == 3 and t.device == "rxe_lo"
         for info in c.tables.values():  # the regions tile every table exactly, on row boundaries
-            state = t._tables[info.index]
-            assert state.starts[0] == 0 and all(s % info.row_bytes == 0 for s in state.starts)
-        big = t._tables[c.tables["engram.layer14"].index]
+            regions = t.regions(info.index)
+            assert regions.starts[0] == 0 and all(s % info.row_bytes == 0 for s in regions.starts)
+        big = t.regions(c.tables["engram.layer14"].index)
         assert len(big.starts) > 1  # 18 MB over 3 MiB chunks
         assert c.table("tiny").gather([0]).tobytes() == demo_local["tiny"][0].tobytes()
     log = rdma_daemon.log()
@@ -160,15 +160,18 @@ def test_auto_prefers_rdma(rdma_daemon):
         assert c.transport == "rdma"
 
 
-def test_out_of_range_rejected_before_posting(client):
+def test_out_of_range_rejected_before_posting(client, demo_local, monkeypatch):
     t = client.table("engram.layer1")
     transport = client.node_transport()
-    before = next(transport._tokens)
+    asked = []
+    gather = transport.gather
+    monkeypatch.setattr(transport, "gather", lambda *args, **kwargs: asked.append(args) or gather(*args, **kwargs))
     for bad in ([t.rows], [-1], [0.5]):
         with pytest.raises(ValueError):
             t.gather(bad)
-    assert next(transport._tokens) == before + 1  # no request was built, let alone posted
-    assert not transport._inflight
+    assert asked == []  # the transport was asked for no request, let alone posted one
+    np.testing.assert_array_equal(t.gather([3], timeout=EVENT_TIMEOUT), demo_local[t.name][[3]])
+    assert len(asked) == 1  # a valid gather asks it: the spy is on the path the bad ids would have taken
 
 
 def test_pack_server_checks_ids_itself(rdma_daemon, demo_local):
@@ -184,9 +187,10 @@ def test_pack_server_checks_ids_itself(rdma_daemon, demo_local):
 
 def one_sided_wr(transport, opcode, wr_id: int, rkey: int, addr: int):
     """A signaled one-sided work request (``opcode``: RDMA READ or WRITE) of 264 bytes between a fresh
-    4 KiB buffer registered on ``transport`` and ``addr`` with ``rkey``: (work request, local buffer)."""
+    4 KiB buffer registered on ``transport``'s device and ``addr`` with ``rkey``: (work request, local buffer).
+    The buffer is deregistered with the device when the transport closes, if not before."""
     v = verbs()
-    local = transport._register(4096, v.e.IBV_ACCESS_LOCAL_WRITE)
+    local = RegisteredBuffer(transport.dev, 4096, v.e.IBV_ACCESS_LOCAL_WRITE)
     sge = v.wr.SGE(local.addr, 264, local.mr.lkey)
     wr = v.wr.SendWR(wr_id=wr_id, opcode=opcode, num_sge=1, sg=[sge], send_flags=v.e.IBV_SEND_SIGNALED)
     wr.set_wr_rdma(rkey, addr)
@@ -196,10 +200,10 @@ def one_sided_wr(transport, opcode, wr_id: int, rkey: int, addr: int):
 def post_remote_write(client, wr_id: int):
     """Posts an RDMA WRITE of 264 bytes of 0xAB into row 0 of engram.layer1 on the client's first QP."""
     t = client.node_transport()
-    state = t._tables[client.tables["engram.layer1"].index]
-    wr, local = one_sided_wr(t, verbs().e.IBV_WR_RDMA_WRITE, wr_id, int(state.rkeys[0, 0]), int(state.addrs[0]))
+    regions = t.regions(client.tables["engram.layer1"].index)
+    wr, local = one_sided_wr(t, verbs().e.IBV_WR_RDMA_WRITE, wr_id, int(regions.rkeys[0, 0]), int(regions.addrs[0]))
     local.array[:264] = 0xAB
-    t._qps[0].post_send(wr)
+    t.qps[0].post_send(wr)
     return t, local, wr  # keep them referenced while the WRITE is in flight (pyverbs keeps raw pointers)
 
 
@@ -212,7 +216,7 @@ def test_server_refuses_remote_write(rdma_daemon, demo_local):
         statuses = []
         with t.poll_lock:
             while not statuses and time.monotonic() < deadline:
-                n, wcs = t._cq.poll(4)
+                n, wcs = t.cq.poll(4)
                 statuses += [wc.status for wc in wcs[:n] if wc.wr_id == 77]
         # The server QP grants no remote write (rxe NAKs: invalid request) and the MR grants none either
         # (access error): either way the responder refused.
@@ -227,15 +231,18 @@ def test_server_refuses_remote_write(rdma_daemon, demo_local):
 def read_with(transport, rkey: int, addr: int, wr_id: int):
     """One RDMA READ of 264 bytes at ``addr`` with ``rkey`` on the transport's first QP: (status, bytes)."""
     wr, local = one_sided_wr(transport, verbs().e.IBV_WR_RDMA_READ, wr_id, rkey, addr)
-    with transport.poll_lock:
-        transport._qps[0].post_send(wr)
-        deadline = time.monotonic() + EVENT_TIMEOUT
-        while time.monotonic() < deadline:
-            n, wcs = transport._cq.poll(4)
-            for wc in wcs[:n]:
-                if wc.wr_id == wr_id:
-                    return wc.status, bytes(local.array[:264])
-    raise AssertionError("the READ never completed")
+    try:
+        with transport.poll_lock:
+            transport.qps[0].post_send(wr)
+            deadline = time.monotonic() + EVENT_TIMEOUT
+            while time.monotonic() < deadline:
+                n, wcs = transport.cq.poll(4)
+                for wc in wcs[:n]:
+                    if wc.wr_id == wr_id:
+                        return wc.status, bytes(local.array[:264])
+        raise AssertionError("the READ never completed")
+    finally:
+        local.close()
 
 
 def test_an_rkey_reads_only_on_its_own_sessions_qps(rdma_daemon, demo_local):
@@ -247,7 +254,7 @@ def test_an_rkey_reads_only_on_its_own_sessions_qps(rdma_daemon, demo_local):
     with TableClient(rdma_daemon.address, transport="rdma", rdma_qps=2, rdma_ring_rows=64, **SLOW_CLIENT) as a:
         ta = a.node_transport()
         index = a.tables["engram.layer1"].index
-        sa = ta._tables[index]
+        sa = ta.regions(index)
         addr = int(sa.addrs[0])
         assert sa.rkeys[0, 0] != sa.rkeys[0, 1]  # one window per QP
         status, row = read_with(ta, int(sa.rkeys[0, 0]), addr, 91)
@@ -255,7 +262,7 @@ def test_an_rkey_reads_only_on_its_own_sessions_qps(rdma_daemon, demo_local):
         old_rkeys = [int(k) for k in sa.rkeys[0]]
     with TableClient(rdma_daemon.address, transport="rdma", rdma_qps=1, rdma_ring_rows=64, **SLOW_CLIENT) as b:
         tb = b.node_transport()
-        assert int(tb._tables[index].rkeys[0, 0]) not in old_rkeys
+        assert int(tb.regions(index).rkeys[0, 0]) not in old_rkeys
         status, row = read_with(tb, old_rkeys[0], addr, 92)  # the ended session's rkey, on a live QP
         assert status == e.IBV_WC_REM_ACCESS_ERR and row != demo_local["engram.layer1"][0].tobytes()
     log = rdma_daemon.log()
@@ -289,7 +296,8 @@ def test_a_client_that_stops_taking_pack_replies_stalls_only_itself(demo_file, d
         pack = dict(transport="rdma", mode="pack", rdma_qps=1, rdma_ring_rows=64, **SLOW_CLIENT)
         with TableClient(d.address, client_name="stalls", **pack) as x, TableClient(d.address, **pack) as y:
             tx = x.node_transport()
-            tx._recv_wrs = [(Dropped(), wr) for _qp, wr in tx._recv_wrs]
+            # a client that never re-posts its receive buffers: a fault no public seam may offer to inject
+            tx._recv_wrs = [(Dropped(), wr) for _qp, wr in tx._recv_wrs]  # private: fault injection
             for i in range(16):  # each reply uses up one of its 16 receive buffers
                 np.testing.assert_array_equal(x.table("engram.layer1").gather([i], timeout=EVENT_TIMEOUT), rows[[i]])
             stuck = x.table("engram.layer1").gather_async([99])  # its reply finds no receive buffer: RNR
@@ -532,7 +540,7 @@ def test_a_qp_error_before_the_first_read_fails_over_to_a_replica(demo_file, dem
             t, _local, _wr = post_remote_write(c, 79)  # on node a's QP: the node this client reads first
 
             def qp_state():
-                return t._qps[0].query(e.IBV_QP_STATE)[0].qp_state
+                return t.qps[0].query(e.IBV_QP_STATE)[0].qp_state
 
             # the responder refused it: the QP is in the error state before the first READ is posted (its
             # failed completion still waits in the CQ, for that READ's wait to find)
@@ -540,7 +548,7 @@ def test_a_qp_error_before_the_first_read_fails_over_to_a_replica(demo_file, dem
             ids = np.arange(5, 70_001, 311)  # one request (225 rows)
             rows = c.table("engram.layer14").gather(ids, timeout=EVENT_TIMEOUT)
             np.testing.assert_array_equal(rows, demo_local["engram.layer14"][ids])
-            assert isinstance(t._error, TransportError) and t._closed  # a's transport failed and was dropped
+            assert isinstance(t.error, TransportError) and t.closed  # a's transport failed and was dropped
             assert REGISTRY.get_sample_value("tableserver_client_failovers_total") > failovers
             assert c.replicas()[b.address]["transport"] == "rdma"
     finally:

@@ -101,10 +101,10 @@ def test_the_client_rdma_transport_reports_verbs_errors_as_its_own():
     posting or polling) leaves it as a TableClientError, errno kept: routing fails over on it."""
     from tableclient.transports import rdma
 
-    used = rdma._failed("rdma staging of 4096 bytes on rxe0", verbs.RdmaError("Failed to register MR", errno=12))
+    used = rdma.verbs_failure("rdma staging of 4096 bytes on rxe0", verbs.RdmaError("Failed to register MR", errno=12))
     assert isinstance(used, TransportError) and isinstance(used, TableClientError) and isinstance(used, ConnectionError)
     assert used.errno == 12 and "rdma staging of 4096 bytes on rxe0: Failed to register MR" == str(used)
-    at_connect = rdma._failed("rdma to the server on rxe0", verbs.RdmaError("x"), TransportUnavailable)
+    at_connect = rdma.verbs_failure("rdma to the server on rxe0", verbs.RdmaError("x"), TransportUnavailable)
     assert isinstance(at_connect, TransportUnavailable) and at_connect.errno is None
 
 

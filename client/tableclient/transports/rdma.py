@@ -80,8 +80,9 @@ def probe_wait(deadline: float, now: float) -> float:
     return max(deadline - now, 0.0)
 
 
-def _failed(what: str, e: BaseException, kind=TransportError):
-    """A verbs failure (``VerbsError`` or pyverbs' own) as this client's error saying what failed."""
+def verbs_failure(what: str, e: BaseException, kind=TransportError):
+    """A verbs failure (``VerbsError`` or pyverbs' own) as this client's error saying what failed: ``kind``
+    (TransportError in use, TransportUnavailable while connecting), the failure's errno kept."""
     return kind(f"{what}: {e}", errno=error_errno(e))
 
 
@@ -174,6 +175,23 @@ class ReadRing:
         finally:
             if end < len(self.chain):
                 before.next_wr = self.chain[end]
+
+
+@dataclass(frozen=True)
+class RemoteRegions:
+    """Where one table's rows are on the server, as this session reads them (read-only arrays): each region's
+    (MR's) offset in the table, ascending, its address on the server, and its rkeys, ``rkeys[region, qp]``
+    (the session's own memory-window rkey per QP, or the region's one rkey on every QP)."""
+
+    starts: np.ndarray
+    addrs: np.ndarray
+    rkeys: np.ndarray
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    view = a.view()
+    view.flags.writeable = False
+    return view
 
 
 @dataclass
@@ -277,7 +295,7 @@ class RdmaTransport(ClientTransport):
             ]
         except (VerbsError, v.Error) as err:
             dev.close()
-            raise _failed("cannot create RDMA QPs", err, TransportUnavailable) from None
+            raise verbs_failure("cannot create RDMA QPs", err, TransportUnavailable) from None
         return RdmaPrepared(dev, cq, [m[0] for m in made], [m[1] for m in made], rows)
 
     def __init__(self, offer, session, catalog, connect_timeout=10.0, options=DEFAULT_OPTIONS, prepared=None):
@@ -304,7 +322,7 @@ class RdmaTransport(ClientTransport):
             self._connect(offer.rdma, catalog, deadline)
         except (VerbsError, v.Error, TransportError) as e:  # this client cannot use the offer: the next one
             self.close()
-            raise _failed(f"rdma to the server on {self.device}", e, TransportUnavailable) from None
+            raise verbs_failure(f"rdma to the server on {self.device}", e, TransportUnavailable) from None
         except BaseException:
             self.close()
             raise
@@ -343,6 +361,34 @@ class RdmaTransport(ClientTransport):
             self._setup_pack()
         self._probe(deadline)
 
+    # ------------------------------------------------------------------ views
+    # Read-only views of the session's verbs resources, for tools and tests below the transport (a READ of
+    # their own on the session's QPs, a QP's state): what is posted on them bypasses the transport's books.
+    @property
+    def qps(self) -> tuple:
+        """The session's RC QPs (pyverbs ``QP``), in the order the server paired them."""
+        return tuple(self._qps)
+
+    @property
+    def cq(self):
+        """The one completion queue of the session's QPs (pyverbs ``CQ``); poll it under ``poll_lock``."""
+        return self._cq
+
+    def regions(self, table_index: int) -> RemoteRegions:
+        """Where table ``table_index``'s rows are on the server, as this session reads them."""
+        t = self._tables[table_index]
+        return RemoteRegions(_read_only(t.starts), _read_only(t.addrs), _read_only(t.rkeys))
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the transport failed, once it has (every request then fails with it; ``close`` fails it too)."""
+        return self._error
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` ran (routing closes a node's transport once it failed and was dropped)."""
+        return self._closed
+
     # ------------------------------------------------------------------ setup
     def _table(self, index: int) -> _TableState:
         t = self._tables[index]
@@ -356,7 +402,7 @@ class RdmaTransport(ClientTransport):
                     try:
                         t.rings = [ReadRing(self._v, t.staging, q * rows, rows, rb) for q in range(len(self._qps))]
                     except self._v.Error as e:
-                        raise _failed(f"building the READ chains of table {t.info.name!r}", e) from None
+                        raise verbs_failure(f"building the READ chains of table {t.info.name!r}", e) from None
         return t
 
     def _raise_if_failed(self) -> None:
@@ -370,7 +416,7 @@ class RdmaTransport(ClientTransport):
         try:
             b = RegisteredBuffer(self.dev, nbytes, access)
         except (VerbsError, self._v.Error) as e:
-            raise _failed(f"rdma staging of {nbytes} bytes on {self.device}", e) from None
+            raise verbs_failure(f"rdma staging of {nbytes} bytes on {self.device}", e) from None
         self._buffers.append(b)
         return b
 
@@ -536,7 +582,7 @@ class RdmaTransport(ClientTransport):
             try:
                 n, wcs = self._cq.poll(32)
             except self._v.Error as e:
-                self._fail_all(_failed(f"polling the RDMA CQ on {self.device} failed", e))
+                self._fail_all(verbs_failure(f"polling the RDMA CQ on {self.device} failed", e))
                 return 0
             for wc in wcs[:n]:
                 self._dispatch(wc)
@@ -570,7 +616,7 @@ class RdmaTransport(ClientTransport):
             try:
                 qp.post_recv(wr)
             except self._v.Error as err:
-                self._fail_all(_failed(f"re-posting an RDMA receive on {self.device} failed", err))
+                self._fail_all(verbs_failure(f"re-posting an RDMA receive on {self.device} failed", err))
             return
         batch = self._inflight.get(wr_id >> 8)
         if batch is not None:
