@@ -132,13 +132,9 @@ class GraphStep:
     # ------------------------------------------------------------------ what a graph touches
     def buffers(self) -> dict:
         """name -> address of every buffer a captured graph reads or writes (fixed for this step's life)."""
-        out = {}
-        for mode in self._modes:
-            out |= {k: v for k, v in mode.buffers().items() if k.startswith("staging.")}
+        out = {name: address for mode in self._modes for name, address in mode.buffers().items()}  # staging, tables
         out |= {f"device.{layer}": t.data_ptr() for layer, t in self.device_rows.items()}
         out |= {f"ids.{layer}": t.data_ptr() for layer, t in self.ids.items()}
-        for mode in self._modes:
-            out |= {k: v for k, v in mode.buffers().items() if k.startswith("table.")}
         out["flags"] = self.flags.tensor.data_ptr()
         return out
 
