@@ -1,8 +1,9 @@
 """Shared fixtures: demo table files and real tableserver daemons on loopback.
 
-Every integration test talks to a real ``python -m tableserver`` subprocess
+Every integration test talks to a real ``python -m tableserver`` process
 over real sockets; expected rows always come from the table file itself
-(``np.memmap``), i.e. a local ``table[row_ids]``.
+(``np.memmap``), i.e. a local ``table[row_ids]``. The daemons fork from a
+process that imported the daemon once (``ZYGOTE``, tests/support/zygote.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -22,11 +24,16 @@ import pytest
 # The helpers every kind of test shares (daemon fixtures' helpers, the engines' CPU setups, scripted peers)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 
+import guest_alone  # noqa: E402
+from zygote import Zygote  # noqa: E402
+
 from tableserver.ops.demo_run import serve_command  # noqa: E402
 from tableserver.tables.demo import DemoTable, write_demo_file  # noqa: E402
 from tableserver.tables.tablefile import read_header  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: test daemons and CLI runs forked from one process that imported the daemon (tests/support/zygote.py)
+ZYGOTE = Zygote(ROOT)
 IN_GUEST = os.environ.get("TABLESERVER_IN_GUEST") == "1"
 # Without an NVIDIA GPU every Triton kernel here runs in Triton's interpreter, which Triton must be told
 # before anything imports it: the graph's row kernel (tests/daemon) and the engines' own kernels share a
@@ -68,6 +75,13 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("slow"):
             slow_files.add(item.path)
     items.sort(key=lambda item: item.path not in slow_files)
+    if IN_GUEST:
+        guest_alone.order(items)
+
+
+def pytest_runtest_logstart(nodeid, location):
+    if IN_GUEST:
+        guest_alone.starting(nodeid)
 
 
 #: The bound on any wait for an event (a log line, a metric, a socket state, a process exit). Generous on
@@ -145,7 +159,21 @@ class Daemon:
 
 
 def run_cli(*args, env=None, timeout: float = EVENT_TIMEOUT, preexec=None) -> subprocess.CompletedProcess:
-    """Runs ``python -m tableserver ARGS`` to completion."""
+    """Runs ``python -m tableserver ARGS`` to completion (forked from the zygote where it can be)."""
+    cmd = [sys.executable, "-m", "tableserver", *args]
+    if preexec is None and ZYGOTE.forkable(cmd, env):
+        with tempfile.TemporaryDirectory(prefix="cli-") as tmp:
+            out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+            open(err, "w").close()
+            proc = ZYGOTE.spawn(cmd, out, err, env, ROOT)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                raise
+            with open(out) as o, open(err) as e:
+                return subprocess.CompletedProcess(cmd, proc.returncode, o.read(), e.read())
     return subprocess.run([sys.executable, "-m", "tableserver", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, preexec_fn=preexec, cwd=ROOT)  # fmt: skip
 
@@ -164,7 +192,11 @@ def start_daemon(
         "--lease-seconds", TEST_LEASE, "--session-bind-timeout", TEST_BIND_TIMEOUT,
         *args, prefix=prefix,
     )  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    if ZYGOTE.forkable(cmd, env):
+        log.close()
+        proc = ZYGOTE.spawn(cmd, log.name, log.name, env, ROOT)
+    else:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     d = Daemon(proc, workdir)
     if not wait:
         return d

@@ -149,7 +149,11 @@ def three(tmp_path, v1):
 def test_clients_spread_by_rendezvous_and_only_a_dead_nodes_clients_move(three, v1):
     addresses = ",".join(d.address for d in three)
     primaries = {}
-    clients = [TableClient(addresses, transport="tcp", client_id=f"worker-{k}") for k in range(12)]
+    # a node is down only when it is: 12 clients' keepalives in one process on a busy machine run late, and a live
+    # node taken for frozen would move its clients (SIGKILL ends the victim's streams at once: no wait for that)
+    clients = [
+        TableClient(addresses, transport="tcp", client_id=f"worker-{k}", liveness_timeout=60.0) for k in range(12)
+    ]
     try:
         for k, c in enumerate(clients):
             primaries[k] = c.read_from("engram.layer1")
@@ -176,7 +180,7 @@ def test_kill_mid_stream_fails_over_bit_exact(three, v1):
 
     local = local_tables(v1)
     failovers = REGISTRY.get_sample_value("tableserver_client_failovers_total") or 0
-    with TableClient(",".join(d.address for d in three), transport="tcp", client_id="mid") as c:
+    with TableClient(",".join(d.address for d in three), transport="tcp", client_id="mid", liveness_timeout=60.0) as c:
         primary = c.read_from("engram.layer14")
         rng = np.random.default_rng(4)
         batches = [rng.integers(0, 40_001, 20_000) for _ in range(8)]
