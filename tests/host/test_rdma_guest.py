@@ -7,10 +7,10 @@ passed: none may be skipped. Where the guest cannot run (not root and the
 Debian packages missing) it skips with one line naming what is missing.
 
 The guest has two vCPUs and its suite is mostly one process at a time (a daemon's start, a client's imports),
-so it runs in two phases (phases()): first the tests that time a spinning thread against a tight deadline
-(ALONE), alone; then the rest as two pytest processes side by side, one per vCPU (SIDE and the rest). Each
-process writes a junit report of its own; this test adds them up. On a quiet host: 689 s in one process, 539 s
-so (docs/perf.md).
+so it runs as two pytest processes at once, one per vCPU (processes()): "side" runs its share (SIDE), then the
+tests that time a spinning thread against a tight deadline (ALONE) with the guest to itself, once "rest" (every
+other test) has ended. Each process writes a junit report of its own; this test adds them up. Their
+daemons fork from one process that imported the daemon (tests/support/zygote.py), as on the host.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 import xml.etree.ElementTree as ET
 
 import pytest
-from conftest import ROOT, summary_line
+from conftest import EVENT_TIMEOUT, ROOT, summary_line
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "rdma"))
 import vm  # noqa: E402
@@ -40,25 +40,27 @@ GUEST_TRACEBACK_AFTER_S = 900
 SHOWN_FAILURES = 5
 
 RDMA_DIR = os.path.join("tests", "rdma")
-#: Phase 1, alone in the guest: files whose tests bound how late a spinning thread is released after its deadline
-#: (tests/rdma/test_graphpoll_rdma.py's RELEASE_SLACK_S, 50 ms), which a second pytest process on the other vCPU
-#: would eat into. Less the tests SIDE takes from them.
+#: The tests of these files run last in the first pytest process ("side"), with the guest to themselves once the
+#: second ("rest") has ended (tests/support/guest_alone.py): they bound how late a spinning thread is released
+#: after its deadline (tests/rdma/test_graphpoll_rdma.py's RELEASE_SLACK_S, 50 ms), which a test process on the
+#: other vCPU would eat into. Less their tests SIDE names: those run in side beside the rest.
 ALONE = ("test_graphpoll_rdma.py",)
-#: Phase 2, two pytest processes side by side: "side" runs these (whole files, or single tests ``file::name``
-#: taken from a file another process runs), "rest" runs every other file, new files and tests included. Chosen to
-#: even out the two by the guest's timings of 2026-12-07 (CI, 1085 s in one process): the 4 GiB table (148 s),
-#: the two failovers to a replica (47 s, 37 s), the poller's node restart (85 s) and the packed-only sources
-#: (148 s, and torch's import) against test_rdma.py's other tests (~330 s), the QP sessions (~90 s) and the disk
-#: faults (~70 s); on a quiet host then, side 386 s beside rest 398 s. A name here that no longer exists fails at
-#: once (check_phases); its test would otherwise run in whatever process runs its file.
+#: What "side" runs beside the rest (whole files, or single tests ``file::name``); "rest" runs every other file, new
+#: files and tests included, less the single tests named here. The tests that import torch are all here (the
+#: GraphStep's staging: its import takes a guest's vCPU over a minute under TCG), so one process pays for it; the
+#: rest evens out the two by the guest's timings. A name here that no longer exists fails at once (check_phases);
+#: its test would otherwise run in whatever process runs its file.
 SIDE = (
     "test_rdma.py::test_table_with_offsets_over_4gib",
     "test_rdma.py::test_a_verbs_error_on_first_use_fails_over_to_a_replica",
-    "test_rdma.py::test_a_qp_error_before_the_first_read_fails_over_to_a_replica",
+    "test_graphpoll_rdma.py::test_in_graph_layers_read_over_rdma_by_the_native_poller_bit_exact",
+    "test_graphpoll_rdma.py::test_without_its_rdma_source_the_python_poller_serves_and_the_start_up_log_says_why",
     "test_graphpoll_rdma.py::test_the_native_poller_connects_again_after_its_node_restarts",
+    "test_qp_sessions.py::test_a_graph_step_behind_a_shared_address_never_gets_another_daemons_rows",
     "test_graphpoll_sources_rdma.py",
-    "test_cqevents.py",
 )
+#: the file that tells the side process the rest has ended (tests/support/guest_alone.py)
+REST_DONE = "rest-done"
 
 
 def _tests_in(path: str) -> list[str]:
@@ -67,8 +69,8 @@ def _tests_in(path: str) -> list[str]:
 
 
 def check_phases(rdma_dir: str = RDMA_DIR, alone=ALONE, side=SIDE) -> list[str]:
-    """Why the phases would not run every test of ``rdma_dir`` exactly once (empty when they do): a file or
-    test named in ``alone`` or ``side`` that is not there, or a single test whose name starts another test's
+    """Why the two processes would not run every test of ``rdma_dir`` exactly once (empty when they do): a file
+    or test named in ``alone`` or ``side`` that is not there, or a single test whose name starts another test's
     name in its file (pytest's --deselect takes a prefix: the other test would run nowhere)."""
     files = {os.path.basename(p) for p in glob.glob(os.path.join(ROOT, rdma_dir, "test_*.py"))}
     wrong = [f"{rdma_dir}/{name}: no such file" for name in alone if name not in files]
@@ -91,27 +93,33 @@ def check_phases(rdma_dir: str = RDMA_DIR, alone=ALONE, side=SIDE) -> list[str]:
     return wrong
 
 
-def phases(rdma_dir: str = RDMA_DIR, alone=ALONE, side=SIDE) -> list[list[tuple[str, list[str]]]]:
-    """pytest arguments per process, per phase: ``[[("alone", args)], [("side", args), ("rest", args)]]``."""
+def processes(rdma_dir: str = RDMA_DIR, alone=ALONE, side=SIDE) -> list[tuple[str, list[str]]]:
+    """pytest arguments per process: ``[("side", args), ("rest", args)]``."""
     files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, rdma_dir, "test_*.py")))
-    taken = [entry for entry in side if "::" in entry]  # single tests the side process runs
-    whole = {entry for entry in side if "::" not in entry}
-
-    def run(names: list[str]) -> list[str]:
-        deselect = [f"--deselect={rdma_dir}/{t}" for t in taken if t.partition("::")[0] in names]
-        return [f"{rdma_dir}/{name}" for name in names] + deselect
-
-    rest = [name for name in files if name not in alone and name not in whole]
-    return [
-        [("alone", run(list(alone)))],
-        [("side", [f"{rdma_dir}/{entry}" for entry in side]), ("rest", run(rest))],
+    whole = set(alone) | {entry for entry in side if "::" not in entry}
+    taken = [entry for entry in side if "::" in entry and entry.partition("::")[0] not in alone]
+    rest = [name for name in files if name not in whole]
+    side_args = [f"{rdma_dir}/{name}" for name in alone] + [
+        f"{rdma_dir}/{e}" for e in side if e.split("::")[0] not in alone
     ]
+    rest_args = [f"{rdma_dir}/{name}" for name in rest] + [f"--deselect={rdma_dir}/{t}" for t in taken]
+    return [("side", side_args), ("rest", rest_args)]
+
+
+def alone_env(results: str, alone=ALONE, side=SIDE) -> dict[str, str]:
+    """The side process's environment for tests/support/guest_alone.py."""
+    return {
+        "TABLESERVER_GUEST_ALONE": ",".join(alone),
+        "TABLESERVER_GUEST_NOT_ALONE": ",".join(e for e in side if "::" in e and e.split("::")[0] in alone),
+        "TABLESERVER_GUEST_REST_DONE": os.path.join(results, REST_DONE),
+    }
 
 
 def guest_script(results: str) -> str:
-    """The guest's shell script: each phase's pytest processes side by side (their console lines prefixed with
-    their name), one phase after another; exits non-zero when any of them did. Meanwhile it notes the guest's
-    lowest MemAvailable (read without a fork every 5 s) in ``mem-low``, for the summary."""
+    """The guest's shell script: the side and rest processes at once (their console lines prefixed with their
+    name), the side's alone tests let go once the rest has ended; exits non-zero when either did. It notes when the
+    rest ended (``rest-at``, seconds after the start) and the guest's lowest MemAvailable (read without a fork every
+    5 s) in ``mem-low``, for the summary."""
     pytest_cmd = (
         f"{shlex.quote(sys.executable)} -m pytest -p no:cacheprovider --color=no -v -rfEs --durations=10 "
         f"-o faulthandler_timeout={GUEST_TRACEBACK_AFTER_S} -o junit_family=xunit2"
@@ -122,23 +130,23 @@ def guest_script(results: str) -> str:
         f"R={shlex.quote(results)}",
         '(low=999999999; while :; do while read -r k v _; do if [ "$k" = MemAvailable: ] && [ "$v" -lt $low ]; '
         'then low=$v; echo $low > "$R/mem-low"; fi; done < /proc/meminfo; sleep 5; done) & sampler=$!',
+        "t0=$(date +%s)",
     ]
-    names = []
-    for phase in phases():
-        pids = []
-        for name, args in phase:
-            names.append(name)
-            argv = " ".join(shlex.quote(a) for a in args)
-            lines.append(
-                f'{{ {pytest_cmd} --basetemp=/run/tmp/pytest-{name} --junitxml="$R/junit-{name}.xml" {argv}; '
-                f'echo $? > "$R/rc-{name}"; }} 2>&1 | sed -u "s/^/{name}| /" & {name}=$!'
-            )
-            pids.append(f"${name}")
-        lines.append(f"wait {' '.join(pids)}")
+    (side, side_args), (rest, rest_args) = processes()
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in alone_env(results).items())
+    for name, args, prefix in ((side, side_args, f"env {env} "), (rest, rest_args, "")):
+        argv = " ".join(shlex.quote(a) for a in args)
+        lines.append(
+            f'{{ {prefix}{pytest_cmd} --basetemp=/run/tmp/pytest-{name} --junitxml="$R/junit-{name}.xml" {argv}; '
+            f'echo $? > "$R/rc-{name}"; }} 2>&1 | sed -u "s/^/{name}| /" & {name}=$!'
+        )
     lines += [
+        f"wait ${rest}",
+        f'echo $(( $(date +%s) - t0 )) > "$R/rest-at"; touch "$R/{REST_DONE}"',
+        f"wait ${side}",
         "kill $sampler",
         "rc=0",
-        f'for name in {" ".join(names)}; do [ "$(cat "$R/rc-$name" 2>/dev/null)" = 0 ] || rc=1; done',
+        f'for name in {side} {rest}; do [ "$(cat "$R/rc-$name" 2>/dev/null)" = 0 ] || rc=1; done',
         "exit $rc",
     ]
     return "\n".join(lines) + "\n"
@@ -172,14 +180,43 @@ def read_suite(path: str) -> ET.Element:
 def test_phases_run_every_rdma_test_once():
     """ALONE and SIDE name files and tests that are there, and no single test SIDE takes drags another along."""
     assert check_phases() == []
-    every = phases()
-    assert [name for phase in every for name, _ in phase] == ["alone", "side", "rest"]
+    every = processes()
+    assert [name for name, _ in every] == ["side", "rest"]
     files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, RDMA_DIR, "test_*.py")))
-    whole = [a for phase in every for _, args in phase for a in args if a.endswith(".py")]
+    whole = [a for _, args in every for a in args if a.endswith(".py")]
     assert sorted(os.path.basename(a) for a in whole) == files  # each file run whole by one process
-    singles = [a for phase in every for _, args in phase for a in args if "::" in a and "--deselect" not in a]
-    deselected = [a.split("=", 1)[1] for phase in every for _, args in phase for a in args if "--deselect" in a]
+    singles = [a for _, args in every for a in args if "::" in a and "--deselect" not in a]
+    deselected = [a.split("=", 1)[1] for _, args in every for a in args if "--deselect" in a]
     assert sorted(singles) == sorted(deselected)  # a single test taken is deselected where its file runs
+    env = alone_env("/r")
+    assert env["TABLESERVER_GUEST_ALONE"] == ",".join(ALONE) and env["TABLESERVER_GUEST_NOT_ALONE"]
+
+
+def test_the_alone_tests_go_last_and_wait_for_the_rest_to_end(tmp_path, monkeypatch):
+    """tests/support/guest_alone.py: in the side process its alone tests last (each file's order kept), the first
+    of them waiting until the rest process has ended; the others never wait."""
+    import threading
+    from types import SimpleNamespace
+
+    import guest_alone
+
+    for key, value in alone_env(str(tmp_path)).items():
+        monkeypatch.setenv(key, value)
+    shared = next(e for e in SIDE if e.startswith(ALONE[0] + "::")).split("::")[1]
+    ids = [f"{RDMA_DIR}/{ALONE[0]}::test_a[x]", f"{RDMA_DIR}/test_rdma.py::test_handshake",
+           f"{RDMA_DIR}/{ALONE[0]}::{shared}", f"{RDMA_DIR}/{ALONE[0]}::test_b"]  # fmt: skip
+    items = [SimpleNamespace(nodeid=i) for i in ids]
+    guest_alone.order(items)
+    assert [i.nodeid for i in items] == [ids[1], ids[2], ids[0], ids[3]]
+    guest_alone.starting(ids[1])  # not alone: no wait (the rest is running)
+    guest_alone.starting(ids[2])
+    started = threading.Event()
+    waiter = threading.Thread(target=lambda: (guest_alone.starting(ids[0]), started.set()))
+    waiter.start()
+    assert not started.wait(1.0)  # alone: waits for the rest
+    (tmp_path / REST_DONE).touch()
+    waiter.join(EVENT_TIMEOUT)
+    assert started.is_set()
 
 
 @pytest.mark.slow
@@ -207,7 +244,7 @@ def test_rdma_suite_in_softroce_guest(tmp_path):
             print(f.read())  # the whole console in the test's captured output: the last test named hung
         raise
     tail = f"--- guest console, last lines (all of it: {res.console_log}):\n{res.console[-4000:]}"
-    names = [name for phase in phases() for name, _ in phase]
+    names = [name for name, _ in processes()]
     missing = [name for name in names if not os.path.exists(os.path.join(results, f"junit-{name}.xml"))]
     if missing:
         print(res.console)  # the whole console in the test's captured output
@@ -217,6 +254,11 @@ def test_rdma_suite_in_softroce_guest(tmp_path):
     failed = guest_failures(suites)
     took = dict(zip(names, (float(s.get("time", 0) or 0) for s in suites)))
     try:
+        with open(os.path.join(results, "rest-at")) as f:
+            rest_at = f" (side's alone tests after the rest ended, at {int(f.read())} s)"
+    except (OSError, ValueError):
+        rest_at = ""
+    try:
         with open(os.path.join(results, "mem-low")) as f:
             memory = f", its lowest MemAvailable {int(f.read()) >> 10} MiB"
     except (OSError, ValueError):
@@ -225,8 +267,7 @@ def test_rdma_suite_in_softroce_guest(tmp_path):
         f"Soft-RoCE guest (kernel {vm.kernel_version()}): {counts['tests']} RDMA tests, {counts['failures']} "
         f"failed, {counts['errors']} errors, {counts['skipped']} skipped in {res.seconds:.0f} s"
         + "".join(f"\n  failed in the guest: {test}" for test, _ in failed)
-        + "\n  pytest processes: "
-        + ", then ".join(" beside ".join(f"{name} {took[name]:.0f} s" for name, _ in phase) for phase in phases())
+        + f"\n  pytest processes: side {took['side']:.0f} s, rest {took['rest']:.0f} s{rest_at}"
         + memory
         + "\n  slowest: "
         + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in slowest(suites, 5))
