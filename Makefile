@@ -28,27 +28,31 @@ demo: $(BASE)
 	$(BIN)/tableserver demo
 
 # Every check CI runs (.ci/run), spread over the CPUs: the Soft-RoCE guest suite (GUEST_TEST, the longest
-# single test) starts first, in a pytest of its own; lint and the sanitizer job run side by side; then the
-# rest of the suite on TEST_WORKERS pytest-xdist workers, a file per worker at a time, files with slow tests
-# first (tests/conftest.py), at a lower CPU priority than the guest (its emulated CPUs are the critical
-# path). The guest's output follows the rest's; the exit status is the first failure's. The project's sources
-# are byte-compiled first: an editable install is not (pip compiles what it installs), and every daemon, client
-# and engine process the tests start would compile its imports again, the guest's under TCG, on a read-only
-# root that keeps none (a stale .pyc is never used: Python checks each against its source).
+# single test) starts first, in a pytest of its own, and the sanitizer job beside it; lint, then the rest of
+# the suite on TEST_WORKERS pytest-xdist workers, a file per worker at a time, files with slow tests first
+# (tests/conftest.py), at a lower CPU priority than the guest (its emulated CPUs are the critical path). The
+# guest's and the sanitizer's output follow the rest's; the exit status is the first failure's. The project's
+# sources are byte-compiled first: an editable install is not (pip compiles what it installs), and every daemon,
+# client and engine process the tests start would compile its imports again, the guest's under TCG, on a
+# read-only root that keeps none (a stale .pyc is never used: Python checks each against its source).
 TEST_WORKERS ?= 3
 GUEST_TEST := tests/host/test_rdma_guest.py
 GUEST_LOG := build/guest-test.log
+SANITIZE_LOG := build/sanitize.log
 test: $(DEV)
 	@mkdir -p build; \
 	$(BIN)/python -m compileall -q -j 0 tableserver client tests bench >/dev/null || exit 1; \
 	$(BIN)/python -m pytest -p no:cacheprovider -q -rs $(GUEST_TEST) > $(GUEST_LOG) 2>&1 & guest=$$!; \
-	trap 'kill $$guest 2>/dev/null' INT TERM; \
-	nice -n 5 $(MAKE) --no-print-directory -j2 --output-sync=target lint sanitize \
+	nice -n 5 $(MAKE) --no-print-directory sanitize > $(SANITIZE_LOG) 2>&1 & sanitize=$$!; \
+	trap 'kill $$guest $$sanitize 2>/dev/null' INT TERM; \
+	nice -n 5 $(MAKE) --no-print-directory lint \
 	&& nice -n 5 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --ignore=$(GUEST_TEST) $(PYTEST_ARGS); \
 	rest=$$?; \
+	wait $$sanitize; sanitize_rc=$$?; \
+	echo "--- make sanitize (beside the rest):"; cat $(SANITIZE_LOG); \
 	wait $$guest; guest_rc=$$?; \
 	echo "--- $(GUEST_TEST) (started first, beside the rest):"; cat $(GUEST_LOG); \
-	exit $$(( rest != 0 ? rest : guest_rc ))
+	exit $$(( rest != 0 ? rest : sanitize_rc != 0 ? sanitize_rc : guest_rc ))
 
 # One kind of tests (tests/<kind>/, the marker of the same name): make test-unit, test-daemon, ...
 test-unit test-daemon test-engines test-host test-deploy test-gpu: $(DEV)
