@@ -26,6 +26,7 @@ import importlib.util
 import json
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -216,9 +217,12 @@ class Zygote:
         return Forked(argv, json.loads(answer)["pid"], status)
 
     def close(self) -> None:
+        """Ends the zygote (its running children stay their tests'); the exit statuses' folder goes with it."""
         if self._proc is not None and self._proc.poll() is None:
             self._proc.stdin.close()
             self._proc.wait()
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
 
 if __name__ == "__main__":
