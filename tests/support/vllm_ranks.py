@@ -5,15 +5,17 @@
 Started once per rank by tests/engines/vllm/test_vllm_ranks.py; ``PLAN`` is this rank's JSON: ``memnode`` (a node
 every rank reaches, over tcp and shm), ``kill_at``, ``runs`` (per run its placement, policy and this rank's own node
 with its pid) and ``refuse`` (the node this rank's device layers read: one that maps nothing on rank 1). Prints
-JSON lines, each naming its ``case``:
+JSON lines, each naming its ``case``. The cases after ``columns`` run the conversation's decode steps, as many as
+their tests read, each step's inputs the same in every case and run and vLLM's own outputs for them (the
+references) computed once:
 
 * ``agreement``: for each run, this rank's layers served by its own node (``remote``: graph mode in_graph, vLLM's
   FULL graphs; ``node``: graph mode device, the kernel reading the node's mapping), each decode step through
   vLLM's own ``Worker.execute_model`` and ``Worker.sample_tokens`` (hooked), beside vLLM's own layers over its own
   tables and over all-zero tables (the references, alike on every rank). Rank 1 kills its node (SIGKILL) before
-  step ``kill_at`` and waits until its client sees it down. A line a step: which reference each served layer's
-  output equals ("table", "zeros" or "neither") and what the check where vLLM reads the result said ("ok" or its
-  error).
+  step ``kill_at`` and waits until its client sees it down; two steps from it on. A line a step: which reference
+  each served layer's output equals ("table", "zeros" or "neither") and what the check where vLLM reads the result
+  said ("ok" or its error).
 * ``modes``: node layers whose table rank 1's GPU cannot register (its node serves from disk), under FULL graphs:
   each layer's graph mode and each placement's poller on this rank, the plugin's log lines, and whether every
   decode step was bit-identical to vLLM's own tables.
@@ -24,8 +26,9 @@ JSON lines, each naming its ``case``:
   a step as for ``agreement``.
 * ``pipeline``: the same two processes as two pipeline stages (TP 1): what building a served layer says.
 * ``eager`` (alone, where ``PLAN`` has ``eager``: the seconds a rank may run): remote layers in graph mode
-  eager_break, no CUDA graphs; per run (``runs``) this rank's own node, rank 1's killed before step ``kill_at``: a
-  line a step as for ``agreement``, and ``eager_zero_rows``: each layer's zero-rows count over the run.
+  eager_break, no CUDA graphs; per run (``runs``: a policy each) this rank's own node, rank 1's killed before step
+  ``kill_at``: a line a step as for ``agreement``, and ``eager_zero_rows``: each layer's zero-rows count over the
+  run.
 * ``columns`` (first, printed last): vLLM's own layers built three times over the same tables (vLLM's own head-sharded tables,
   every layer served remote over tcp, every layer served node: graph mode device), without and with sequence
   parallelism, the same steps through all three: per mode and placement whether every output was bit-identical
@@ -68,7 +71,7 @@ def main(rank: int, world: int, port: int, model_dir: str, table_file: str, plan
     hasher = vllm_cpu.make_hasher(cfg)
     if "eager" in plan:  # that case alone, in processes of its own
         try:
-            eager(rank, cfg, hasher, tables, plan)
+            eager(rank, cfg, Steps(cfg, hasher, tables), tables, plan)
         finally:
             hooks.configure(PluginConfig())
             vllm_cpu.close_parallel()
@@ -121,10 +124,12 @@ def main(rank: int, world: int, port: int, model_dir: str, table_file: str, plan
                 "steps": len(outs[0]),
                 "node": {"identical": same(outs[2]), "columns": columns["node"], "device": device},
             }
-        agreement(rank, cfg, hasher, tables, plan)  # from here on vLLM captures FULL graphs
-        modes(cfg, hasher, tables, plan["refuse"])
-        failed_arm(cfg, hasher, tables, memnode, plan["kill_at"])
-        dummies(cfg, hasher, tables, memnode)
+        full_graphs(cfg)  # from here on vLLM captures FULL graphs
+        steps = Steps(cfg, hasher, tables)
+        agreement(rank, cfg, steps, tables, plan)
+        modes(cfg, steps, tables, plan["refuse"])
+        failed_arm(cfg, steps, tables, memnode, plan["kill_at"])
+        dummies(cfg, steps, tables, memnode, hasher)
         pipeline(cfg, world, rank, port, memnode)
     finally:
         hooks.configure(PluginConfig())
@@ -159,28 +164,37 @@ def full_graphs(cfg) -> None:
 
 
 class Steps:
-    """The decode steps of the conversation, each through vLLM's Worker (``worker_step``) beside vLLM's own layers
-    over their own tables and over all-zero tables: the references each served layer's output is named by."""
+    """The conversation's decode steps, each through vLLM's Worker (``worker_step``), beside vLLM's own layers over
+    their own tables and over all-zero tables: the references each served layer's output is named by. Step ``i``
+    has the same inputs in every case and run of this process (its hash ids, its residual stream drawn once), so
+    the references of each step are computed once, for all of them."""
 
     def __init__(self, cfg, hasher, tables):
         import numpy as np
+        import torch
         from tableclient.engine import PluginConfig
 
-        self.hasher = hasher
-        self.own, self.zeros = build(cfg, tables, PluginConfig()), build(cfg, tables, PluginConfig(), zero=True)
-        self.rng = np.random.default_rng(0)
+        own, zeros = build(cfg, tables, PluginConfig()), build(cfg, tables, PluginConfig(), zero=True)
+        rng = np.random.default_rng(0)
+        self.inputs, self.references = [], []
+        for requests in vllm_cpu.decode_steps():
+            _, hashes, mask = vllm_cpu.hash_batch(hasher, requests)
+            x = rng.standard_normal((len(hashes), vllm_cpu.HC, vllm_cpu.HIDDEN)).astype(np.float32)
+            x = torch.from_numpy(x).to(torch.bfloat16)
+            self.inputs.append((hashes, x, mask))
+            self.references.append((vllm_cpu.step(own, hashes, x, mask), vllm_cpu.step(zeros, hashes, x, mask)))
 
-    def __call__(self, served, requests, **case) -> dict:
-        """One step of ``requests`` (``forward`` False: its model runner runs no layer); printed and returned:
-        ``rows`` (per layer "table", "zeros" or "neither"; none without a forward) and ``check``."""
-        import numpy as np
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    def __call__(self, served, i: int, **case) -> dict:
+        """Decode step ``i`` (``forward`` False: its model runner runs no layer); printed and returned: ``rows``
+        (per layer "table", "zeros" or "neither"; none without a forward) and ``check``."""
         import torch
 
         forward = case.pop("forward", True)
-        _, hashes, mask = vllm_cpu.hash_batch(self.hasher, requests)
-        x = self.rng.standard_normal((len(hashes), vllm_cpu.HC, vllm_cpu.HIDDEN)).astype(np.float32)
-        x = torch.from_numpy(x).to(torch.bfloat16)
-        want, zero = vllm_cpu.step(self.own, hashes, x, mask), vllm_cpu.step(self.zeros, hashes, x, mask)
+        hashes, x, mask = self.inputs[i]
+        want, zero = self.references[i]
         outs, check = [], "ok"
         try:
             vllm_cpu.worker_step(served, hashes, x, mask, outs=outs, forward=forward)
@@ -191,18 +205,18 @@ class Steps:
             for layer, got, a, b in zip(vllm_cpu.LAYERS, outs[-1], want, zero):
                 same = lambda r: torch.equal(got.view(torch.int16), r.view(torch.int16))  # noqa: E731
                 rows[str(layer)] = "table" if same(a) else "zeros" if same(b) else "neither"
-        line = {**case, "rows": rows, "check": check}
+        line = {**case, "step": i, "rows": rows, "check": check}
         print(json.dumps(line), flush=True)
         return line
 
 
-def agreement(rank: int, cfg, hasher, tables, plan: dict) -> None:
-    """Each step's rows, ranks agreeing or not, per run of ``plan["runs"]``."""
+def agreement(rank: int, cfg, steps: Steps, tables, plan: dict) -> None:
+    """Each step's rows, ranks agreeing or not, per run of ``plan["runs"]``: the steps before ``plan["kill_at"]``
+    and two from it on (the loss and that its outcome lasts)."""
     from conftest import wait_for
     from tableclient.vllm import hooks
 
     full_graphs(cfg)
-    steps = Steps(cfg, hasher, tables)
     for run in plan["runs"]:
         placement, policy, address, pid = run["placement"], run["policy"], run["address"], run["pid"]
         if placement == "node":  # graph mode device: the kernel reads this host's node's mapping (shm)
@@ -212,20 +226,21 @@ def agreement(rank: int, cfg, hasher, tables, plan: dict) -> None:
         served = build(cfg, tables, served_config(policy=policy, **where))
         mode = "device" if placement == "node" else "in_graph"
         assert [hooks.rows().layers[layer].graph_mode for layer in vllm_cpu.LAYERS] == [mode] * 2
-        for i, requests in enumerate(vllm_cpu.decode_steps()):
+        for i in range(plan["kill_at"] + 2):
             if i == plan["kill_at"] and rank == 1:
                 os.kill(pid, signal.SIGKILL)
                 wait_for(lambda: dead(pid), "the node to die")  # its sockets closed
                 if placement == "node":  # its mapping let go before the step (a device table's read is the host's)
                     client = hooks.rows().client("node")
                     wait_for(lambda: client.replicas()[address]["state"] == "down", "the client to see it down")
-            steps(served, requests, case="agreement", placement=placement, policy=policy, step=i)
+            steps(served, i, case="agreement", placement=placement, policy=policy)
 
 
-def eager(rank: int, cfg, hasher, tables, plan: dict) -> None:
+def eager(rank: int, cfg, steps: Steps, tables, plan: dict) -> None:
     """Remote layers in graph mode eager_break (vLLM without CUDA graphs, as --enforce-eager: its eager break runs
     inline; between segments in breakable piecewise graphs), each run on this rank's own node, rank 1's killed before
-    step ``kill_at``: a line a step as for ``agreement``, then each layer's zero-rows count of the run. A rank that
+    step ``kill_at`` (the steps before it and two from it on): a line a step as for ``agreement``, then each layer's
+    zero-rows count of the run. A rank that
     waits in a collective its peer never joins is ended (its stacks on stderr) after ``plan["eager"]`` seconds."""
     import faulthandler
 
@@ -235,35 +250,31 @@ def eager(rank: int, cfg, hasher, tables, plan: dict) -> None:
 
     faulthandler.dump_traceback_later(plan["eager"], exit=True)
     cfg.compilation_config.cudagraph_mode = CUDAGraphMode.NONE
-    steps = Steps(cfg, hasher, tables)
     for run in plan["runs"]:
         policy, address, pid = run["policy"], run["address"], run["pid"]
         graph = {layer: "eager_break" for layer in vllm_cpu.LAYERS}
         served = build(cfg, tables, served_config(policy=policy, address=address, transport="tcp", graph=graph))
         assert [hooks.rows().layers[layer].graph_mode for layer in vllm_cpu.LAYERS] == ["eager_break"] * 2
         before = zero_rows(vllm_cpu.LAYERS)
-        for i, requests in enumerate(vllm_cpu.decode_steps()):
+        for i in range(plan["kill_at"] + 2):
             if i == plan["kill_at"] and rank == 1:
                 os.kill(pid, signal.SIGKILL)
                 wait_for(lambda: dead(pid), "the node to die")  # its sockets closed
-            steps(served, requests, case="eager", policy=policy, step=i)
+            steps(served, i, case="eager", policy=policy)
         counted = {layer: n - before[layer] for layer, n in zero_rows(vllm_cpu.LAYERS).items()}
         print(json.dumps({"case": "eager_zero_rows", "policy": policy, "counted": counted}), flush=True)
     faulthandler.cancel_dump_traceback_later()
 
 
-def modes(cfg, hasher, tables, refuse: str) -> None:
-    """Node layers (graph mode device) under FULL graphs whose node, on rank 1, maps nothing into the process."""
+def modes(cfg, steps: Steps, tables, refuse: str) -> None:
+    """Node layers (graph mode device) under FULL graphs whose node, on rank 1, maps nothing into the process: four
+    decode steps."""
     from tableclient.vllm import hooks
 
     full_graphs(cfg)
-    steps = Steps(cfg, hasher, tables)
     with plugin_lines() as lines:
         served = build(cfg, tables, served_config(node_address=refuse, layers={1: "node", 14: "node"}))
-        identical = all(
-            steps(served, requests, case="modes_step", step=i)["rows"] == {"1": "table", "14": "table"}
-            for i, requests in enumerate(vllm_cpu.decode_steps())
-        )
+        identical = all(steps(served, i, case="modes_step")["rows"] == {"1": "table", "14": "table"} for i in range(4))
     graph_steps = hooks.graph_steps() or {}
     print(json.dumps({
         "case": "modes",
@@ -274,23 +285,22 @@ def modes(cfg, hasher, tables, refuse: str) -> None:
     }), flush=True)  # fmt: skip
 
 
-def failed_arm(cfg, hasher, tables, memnode: str, at: int) -> None:
-    """Remote layers in FULL graphs; step ``at`` armed and never run (its model runner returns at once)."""
+def failed_arm(cfg, steps: Steps, tables, memnode: str, at: int) -> None:
+    """Remote layers in FULL graphs; step ``at`` armed and never run (its model runner returns at once); the steps
+    before it, the one after it (whose arm fails) and one more (served again)."""
     full_graphs(cfg)
-    steps = Steps(cfg, hasher, tables)
     served = build(cfg, tables, served_config(address=memnode, transport="tcp", policy="fail"))
-    for i, requests in enumerate(vllm_cpu.decode_steps()):
-        steps(served, requests, case="failed_arm", step=i, forward=i != at)
+    for i in range(at + 3):
+        steps(served, i, case="failed_arm", forward=i != at)
 
 
-def dummies(cfg, hasher, tables, memnode: str) -> None:
-    """Remote layers in FULL graphs; a dummy batch that hashes nothing after step 0, one that runs the layers after
-    step 2."""
+def dummies(cfg, steps: Steps, tables, memnode: str, hasher) -> None:
+    """Remote layers in FULL graphs, four decode steps; a dummy batch that hashes nothing after step 0, one that runs
+    the layers after step 2."""
     full_graphs(cfg)
-    steps = Steps(cfg, hasher, tables)
     served = build(cfg, tables, served_config(address=memnode, transport="tcp", policy="fail"))
-    for i, requests in enumerate(vllm_cpu.decode_steps()):
-        steps(served, requests, case="dummy", step=i)
+    for i in range(4):
+        steps(served, i, case="dummy")
         if i in (0, 2):
             try:
                 vllm_cpu.dummy_step(served, hasher, forward=i == 2)

@@ -35,6 +35,7 @@ import json, os
 from dsv41_model import write_model_dir
 from vllm.engine.arg_utils import EngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm_cpu import model_class_inspected_here
 
 model = write_model_dir(os.environ["PLAN_MODEL"])
 out = []
@@ -42,7 +43,8 @@ for argv in json.loads(os.environ["PLAN_ARGVS"]):
     argv[argv.index("MODEL")] = model
     parser = FlexibleArgumentParser()
     EngineArgs.add_cli_args(parser)
-    cfg = EngineArgs.from_cli_args(parser.parse_args(argv)).create_engine_config()
+    with model_class_inspected_here():  # not in a process of its own: no GPU here (tests/support/vllm_cpu.py)
+        cfg = EngineArgs.from_cli_args(parser.parse_args(argv)).create_engine_config()
     kv = cfg.kv_transfer_config
     out.append({
         "connector": kv.kv_connector, "role": kv.kv_role, "cpu_bytes": kv.kv_connector_extra_config["cpu_bytes_to_use"],

@@ -36,6 +36,7 @@ from test_vllm_plugin import (  # noqa: E402,F401  (fixtures: the model, its tab
     build,
     engram_tables,
     hasher,
+    local_run,
     memnode,
     model_dir,
     model_tables,
@@ -65,7 +66,7 @@ def shm_rows() -> dict:
 
 def with_dead_ids(hasher):
     """A prefill whose ids hold DEAD_ID (a padded token, single columns), and vLLM's own dummy-run ids."""
-    _, hashes, mask = vllm_cpu.hash_batch(hasher, [([], list(range(3, 40)))])
+    _, hashes, mask = vllm_cpu.hash_batch(hasher, [([], list(range(3, 20)))])
     hashes = hashes.clone()
     hashes[5] = DEAD_ID
     hashes[9, :, ::3] = DEAD_ID
@@ -117,15 +118,14 @@ def _in_graph_waits(layer: int) -> float:
 
 @pytest.mark.parametrize("graph", ["device", "eager_break"])
 def test_node_layers_are_bit_identical_gathered_by_the_kernel_or_through_the_eager_break(
-    vllm_config, hasher, engram_tables, memnode, graph
+    vllm_config, hasher, engram_tables, memnode, local_run, graph
 ):
     """Placed node, a layer reads the table this host's daemon maps into the process (shm). In graph mode
     device (a node layer's default) the plugin's kernel gathers each step's rows from that mapping at step
     start, on the host not one row; with eager_break the host gathers them. Either way every output over
     prefill (an image span), chunked prefill, decode, dead ids and vLLM's dummy run is bit-identical to
     vLLM's own tables."""
-    local = build(vllm_config, engram_tables)
-    want = run(local, hasher)
+    local, want = build(vllm_config, engram_tables), local_run
     graphs = {} if graph == "device" else {"graph": {1: "eager_break", 14: "eager_break"}}
     node = build(vllm_config, engram_tables, placement={1: "node", 14: "node"}, node_address=memnode.address, **graphs)
     assert hooks.rows().client("node").transport == "shm"
@@ -236,7 +236,7 @@ def test_a_node_restart_is_registered_anew_and_a_node_on_other_data_is_never_rea
 
 
 def test_a_node_table_the_gpu_cannot_read_falls_back_to_the_eager_break_saying_why_in_one_line(
-    vllm_config, hasher, engram_tables, tmp_path, caplog
+    vllm_config, hasher, engram_tables, local_run, tmp_path, caplog
 ):
     """A node daemon serving the tables from disk maps nothing into the process: graph mode device cannot
     register them, so each layer logs one line with the reason and takes the host path (vLLM's eager break),
@@ -244,7 +244,7 @@ def test_a_node_table_the_gpu_cannot_read_falls_back_to_the_eager_break_saying_w
     that are not breakable are refused, naming why."""
     disk = start_daemon(str(tmp_path / "disk"), "--tables", engram_tables, "--disk-tables", "all")
     try:
-        want = run(build(vllm_config, engram_tables), hasher)
+        want = local_run
         node = {"placement": {1: "node", 14: "node"}, "node_address": disk.address}
         with caplog.at_level("WARNING", logger="tableclient.vllm"):
             engrams = build(vllm_config, engram_tables, **node)
@@ -320,7 +320,7 @@ def test_vllm_takes_graph_modes_device_in_graph_and_eager_break_and_refuses_befo
 
 @pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "FULL"])
 def test_remote_layers_in_full_graphs_wait_for_their_rows_inside_the_graph_bit_identical(
-    vllm_config, hasher, engram_tables, memnode, mode
+    vllm_config, hasher, engram_tables, memnode, local_run, mode
 ):
     """Remote layers under vLLM's FULL graphs (graph mode in_graph): the forward publishes each layer's ids
     right after vLLM's hasher and waits for its rows flag just before the layer (here the host stands in
@@ -329,8 +329,7 @@ def test_remote_layers_in_full_graphs_wait_for_their_rows_inside_the_graph_bit_i
     conversation (an image span's dead ids, chunked prefill, decode) is bit-identical to vLLM's own tables;
     only live ids are sent; a data-parallel dummy batch (armed for 0 tokens: its rows are padding vLLM
     drops) is released at once and reads nothing."""
-    local = build(vllm_config, engram_tables)
-    want = run(local, hasher)
+    want = local_run
     with graph_mode(vllm_config, mode):
         remote = build(vllm_config, engram_tables, address=memnode.address)
     waits = {layer: _in_graph_waits(layer) for layer in LAYERS}
