@@ -87,6 +87,13 @@ def memnode(engram_tables, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def local_outputs(model_config, engram_tables):
+    """The test conversation (:func:`run`, seed 0) through SGLang's own layers and tables: what a served model's
+    outputs must equal bit for bit. Built once a module (read, never changed)."""
+    return run(build(model_config, engram_tables))
+
+
+@pytest.fixture(scope="module")
 def plugin(memnode):
     """SGLang's own plugin loading, with the plugin's entry point enabled by TABLESERVER_ADDRESS."""
     from sglang.srt.plugins import load_plugins

@@ -2,10 +2,14 @@
 
     python tests/support/sglang_ranks.py RANK WORLD PORT TABLE_FILE PLAN
 
-Started once per rank by tests/engines/sglang/test_sglang_ranks.py; ``PLAN`` is this rank's JSON: ``memnode`` (a
-node every rank reaches), ``kill_at``, ``runs`` (per policy this rank's own node and its pid), ``node`` and
-``remote`` (the nodes of the modes case: on rank 1 one that maps nothing and one that seals its tcp payloads) and
-``restart_port`` and ``workdir`` (where this rank's own node of the idle case runs, twice, on that port). SGLang's process groups are its
+Started once per rank by tests/engines/sglang/test_sglang_ranks.py, which reads every case below from the one run
+of the two rank processes; ``PLAN`` is this rank's JSON: ``memnode`` (a node every rank reaches), ``kill_at``,
+``runs`` (the agreement and eager cases' runs: each its ``case``, ``policy``, eager's ``mode``, and this rank's node:
+on rank 1 one of the run's own, and its pid, killed before decode step ``kill_at``; on rank 0, which kills nothing,
+the memnode), ``node`` and ``remote`` (the nodes of the modes case: on rank 1 one that maps nothing and one that
+seals its tcp payloads), ``restart_port`` and ``workdir`` (where rank 1's own node of the idle case runs, twice, on
+that port) and ``bound`` (the seconds a rank may run: a rank left waiting in a collective its peer never joins ends
+itself, its stacks on stderr, before the test's own bound). SGLang's process groups are its
 own (``init_distributed_environment`` and ``initialize_model_parallel`` over gloo), its plugin loading its own, its
 hasher and Engram layers its own; the decode graph runner is SGLang's ``DecodeCudaGraphRunner`` class (built without
 the ``__init__`` that would capture on a GPU). A replay is the captured forward run again with the graph's flag
@@ -16,19 +20,19 @@ Prints JSON lines, each naming its ``case``:
 * ``modes``: layer 1 placed node (graph mode device), layer 14 remote in_graph; on rank 1 the node maps nothing
   and the remote node seals its tcp payloads: each layer's graph mode, each placement's poller, the plugin's log
   lines, and whether every decode step was bit-identical to SGLang's own tables.
-* ``agreement``: per run, both layers placed node (graph mode device) on this rank's own node; rank 1 kills its
-  node before decode step ``kill_at`` and waits until its client sees it down. A line a decode step: which
+* ``agreement``: per run (policy), both layers placed node (graph mode device) on this rank's node; rank 1 kills
+  its own node before decode step ``kill_at`` and waits until its client sees it down. A line a decode step: which
   reference each layer's output equals ("table", "zeros" or "neither") and what the result's check said.
 * ``failed_arm``: both layers remote in_graph; decode step ``kill_at`` is armed and its graph never runs.
+* ``eager``: per run (mode and policy), both layers remote on this rank's node, outside SGLang's decode graphs:
+  "eager" (decode graphs disabled: every decode step an eager forward) or "eager_break" (the eager breaks of a
+  breakable decode graph); rank 1's node killed before decode step ``kill_at``: a line a decode step as for
+  ``agreement``, and ``eager_zero_rows``: each layer's zero-rows count over the run.
 * ``idle``: DP attention (two attention-DP ranks, attention TP 1), both layers remote before_replay, policy zeros,
-  each rank its own node; rank 1's node dies before decode step ``kill_at`` and is back (restarted) after it, and
-  from then on rank 1's batches are idle (a replay of no real token) while rank 0 decodes.
-* ``eager`` (alone, where ``PLAN`` has ``eager``: the seconds a rank may run; ``runs`` then name a ``mode`` each):
-  both layers remote, outside SGLang's decode graphs: "eager" (decode graphs disabled: every decode step an eager
-  forward) or "eager_break" (the eager breaks of a breakable decode graph); rank 1's node killed before decode step
-  ``kill_at``: a line a decode step as for ``agreement``, and ``eager_zero_rows``: each layer's zero-rows count over
-  the run. Then ``eager_idle``: DP attention, decode graphs disabled, the shared node, policy fail; from decode step
-  ``kill_at`` on rank 1's batches are idle (no token) while rank 0 decodes.
+  rank 1 on a node of its own (rank 0 on the memnode); rank 1's node dies before decode step ``kill_at`` and is back
+  (restarted) after it, and from then on rank 1's batches are idle (a replay of no real token) while rank 0 decodes.
+* ``eager_idle``: DP attention, decode graphs disabled, the memnode, policy fail; from decode step ``kill_at`` on
+  rank 1's batches are idle (no token) while rank 0 decodes.
 """
 
 from __future__ import annotations
@@ -44,8 +48,11 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]  # tests/support, tests (conftest)
 import torchvision_cpu  # noqa: E402,F401  (before sglang: torchvision on a CPU torch)
 from rank_report import plugin_lines, zero_rows  # noqa: E402
 
-#: every GraphStep's deadline: far longer than a busy machine takes for a step, and the wait of an arm that fails
+#: every GraphStep's deadline: far longer than a busy machine takes for a step
 TIMEOUT = 30.0
+#: the failed_arm case's: its arm that fails waits it out (the native poller spinning on the armed step the while);
+#: still far longer than a step there takes on a busy machine (well under a second)
+FAILED_ARM_TIMEOUT = 5.0
 
 
 def layout(rank: int, world: int, attn_dp: int) -> None:
@@ -62,33 +69,33 @@ def layout(rank: int, world: int, attn_dp: int) -> None:
 
 
 def main(rank: int, world: int, port: int, table_file: str, plan: dict) -> None:
+    import faulthandler
+
     from sglang.srt.distributed.parallel_state import destroy_model_parallel, init_distributed_environment
     from sglang.srt.plugins import load_plugins
     from sglang_cpu import make_model_config
     from tableclient.sglang import PluginConfig, configure
 
+    faulthandler.dump_traceback_later(plan["bound"], exit=True)  # a rank its peer left waiting in a collective
     os.environ.update(TABLESERVER_ADDRESS=plan["memnode"], SGLANG_PLUGINS="tableserver")
     load_plugins()
     model_config = make_model_config()
     refs = References(model_config, table_file)  # whole tables, built before the process groups: no collective
     init_distributed_environment(world, rank, f"tcp://127.0.0.1:{port}", rank, backend="gloo")
-    if "eager" in plan:  # that case alone, in processes of its own
-        try:
-            eager(rank, world, port, refs, plan)
-        finally:
-            configure(PluginConfig())
-        return
     layout(rank, world, 1)
     try:
         modes(refs, plan)
         agreement(rank, refs, plan)
         failed_arm(refs, plan)
+        eager(rank, refs, plan)
         destroy_model_parallel()  # which forgets every published name, the WORLD group's too: published again
         init_distributed_environment(world, rank, f"tcp://127.0.0.1:{port}", rank, backend="gloo")
-        layout(rank, world, 2)
+        layout(rank, world, 2)  # DP attention from here on
         idle(rank, refs, plan)
+        eager_idle(rank, refs, plan)
     finally:
         configure(PluginConfig())
+    faulthandler.cancel_dump_traceback_later()
 
 
 class References:
@@ -263,12 +270,13 @@ def modes(refs: References, plan: dict) -> None:
 
 
 def agreement(rank: int, refs: References, plan: dict) -> None:
-    """Both layers device, each rank its own node per policy; rank 1's node lost before decode step ``kill_at``."""
+    """Both layers device, per policy on this rank's node (rank 1's its own); rank 1's node lost before decode step
+    ``kill_at``."""
     from conftest import wait_for
     from graph_ranks import dead
     from tableclient.sglang import graphs, hooks
 
-    for run in plan["runs"]:
+    for run in (r for r in plan["runs"] if r["case"] == "agreement"):
         policy, address, pid = run["policy"], run["address"], run["pid"]
         decode = Decode(refs)
         model, runner = decode.serve(node_address=address, placement={1: "node", 14: "node"}, policy=policy)
@@ -286,26 +294,18 @@ def agreement(rank: int, refs: References, plan: dict) -> None:
         graphs.close()
 
 
-def eager(rank: int, world: int, port: int, refs: References, plan: dict) -> None:
-    """The layers' rows outside SGLang's decode graphs: per run of ``plan["runs"]`` (its ``mode``: "eager", decode
-    graphs disabled, every step an eager forward; "eager_break", both layers in the eager breaks of a breakable
-    decode graph) both layers remote on this rank's own node, rank 1's killed before decode step ``kill_at``: a line
-    a decode step, then each layer's zero-rows count of the run. Then DP attention (two attention-DP ranks, decode
-    graphs disabled) on the shared node: from decode step ``kill_at`` on rank 1's batches are idle (no token) beside
-    rank 0's decode. A rank that waits in a collective its peer never joins is ended (its stacks on stderr) after
-    ``plan["eager"]`` seconds."""
-    import faulthandler
-
+def eager(rank: int, refs: References, plan: dict) -> None:
+    """The layers' rows outside SGLang's decode graphs: per eager run of ``plan["runs"]`` (its ``mode``: "eager",
+    decode graphs disabled, every step an eager forward; "eager_break", both layers in the eager breaks of a
+    breakable decode graph) both layers remote on this rank's node, rank 1's own killed before decode step
+    ``kill_at``: a line a decode step, then each layer's zero-rows count of the run."""
     from conftest import wait_for
     from graph_ranks import dead
-    from sglang.srt.distributed.parallel_state import destroy_model_parallel, init_distributed_environment
     from sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend import BreakableCudaGraphBackend
     from sglang_cpu import build
     from tableclient.sglang import graphs
 
-    faulthandler.dump_traceback_later(plan["eager"], exit=True)
-    layout(rank, world, 1)
-    for run in plan["runs"]:
+    for run in (r for r in plan["runs"] if r["case"] == "eager"):
         mode, policy, address, pid = run["mode"], run["policy"], run["address"], run["pid"]
         decode = Decode(refs)
         options = {"address": address, "policy": policy, "timeout": TIMEOUT}
@@ -327,13 +327,16 @@ def eager(rank: int, world: int, port: int, refs: References, plan: dict) -> Non
         counted = {layer: n - before[layer] for layer, n in zero_rows((1, 14)).items()}
         print(json.dumps({"case": "eager_zero_rows", "mode": mode, "policy": policy, "counted": counted}), flush=True)
         graphs.close()
-    destroy_model_parallel()  # which forgets every published name, the WORLD group's too: published again
-    init_distributed_environment(world, rank, f"tcp://127.0.0.1:{port}", rank, backend="gloo")
-    layout(rank, world, 2)
+
+
+def eager_idle(rank: int, refs: References, plan: dict) -> None:
+    """DP attention (two attention-DP ranks), decode graphs disabled, the memnode, policy fail: from decode step
+    ``kill_at`` on rank 1's batches are idle (no token) beside rank 0's decode."""
+    from sglang_cpu import build
+
     decode = Decode(refs)
     model = build(refs.model_config, refs.table_file, parallel={}, address=plan["memnode"], policy="fail")
     decode.run(model, None, "eager_idle", lambda step: "idle" if rank == 1 and step >= plan["kill_at"] else "decode")
-    faulthandler.cancel_dump_traceback_later()
 
 
 def failed_arm(refs: References, plan: dict) -> None:
@@ -341,13 +344,16 @@ def failed_arm(refs: References, plan: dict) -> None:
     from tableclient.sglang import graphs
 
     decode = Decode(refs)
-    model, runner = decode.serve(address=plan["memnode"], graph={1: "in_graph", 14: "in_graph"}, policy="fail")
+    model, runner = decode.serve(
+        address=plan["memnode"], graph={1: "in_graph", 14: "in_graph"}, policy="fail", timeout=FAILED_ARM_TIMEOUT
+    )
     decode.run(model, runner, "failed_arm", lambda step: "armed" if step == plan["kill_at"] else "decode")
     graphs.close()
 
 
 def idle(rank: int, refs: References, plan: dict) -> None:
-    """DP attention: rank 1's node dies before decode step ``kill_at``, is back after it, rank 1 idle from then on."""
+    """DP attention: rank 1's node dies before decode step ``kill_at``, is back after it, rank 1 idle from then on
+    (rank 0 on the memnode)."""
     from conftest import start_daemon, wait_for
     from graph_ranks import dead
     from tableclient.sglang import graphs, hooks
@@ -358,9 +364,9 @@ def idle(rank: int, refs: References, plan: dict) -> None:
             "--listen", f"127.0.0.1:{plan['restart_port']}", "--node-id", f"{name}{rank}",
         )  # fmt: skip
 
-    daemons = [node("idle")]
+    daemons = [node("idle")] if rank == 1 else []
     try:
-        address = daemons[0].address
+        address = daemons[0].address if rank == 1 else plan["memnode"]
         decode = Decode(refs)
         model, runner = decode.serve(address=address, policy="zeros")
         client = hooks.rows().client("remote")

@@ -34,6 +34,7 @@ from sglang_cpu import (  # noqa: E402,F401  (fixtures: one memory node and SGLa
     decode_runner,
     engram_tables,
     forward,
+    local_outputs,
     memnode,
     model_config,
     plugin,
@@ -118,8 +119,8 @@ def test_ids_before_replay_equal_sglangs_hasher_and_leave_its_history(plugin, mo
     [{}, {14: "in_graph"}, {1: "in_graph", 14: "in_graph"}],
     ids=["before_replay", "layer14_in_graph", "both_in_graph"],
 )
-def test_decode_steps_in_graphs_are_bit_identical(plugin, model_config, engram_tables, memnode, graph):
-    want = _local_outputs(model_config, engram_tables)
+def test_decode_steps_in_graphs_are_bit_identical(plugin, model_config, engram_tables, memnode, graph, local_outputs):
+    want = local_outputs
     waits = {layer: _graph_waits(layer, graph.get(layer, "before_replay")) for layer in (1, 14)}
     served = {t: server_rows(memnode, t) for t in ("engram.layer1", "engram.layer14")}
     model = build(model_config, engram_tables, address=memnode.address, graph=graph)
@@ -154,14 +155,10 @@ def _graph_waits(layer: int, phase: str) -> float:
     )
 
 
-def _local_outputs(model_config, engram_tables):
-    from sglang_cpu import run
-
-    return run(build(model_config, engram_tables))
-
-
-def test_an_eager_break_serves_the_layer_in_a_breakable_graph(plugin, model_config, engram_tables, memnode):
-    want = _local_outputs(model_config, engram_tables)
+def test_an_eager_break_serves_the_layer_in_a_breakable_graph(
+    plugin, model_config, engram_tables, memnode, local_outputs
+):
+    want = local_outputs
     model = build(model_config, engram_tables, address=memnode.address, graph={14: "eager_break"})
     runner = runner_for(model, BreakableCudaGraphBackend)
     capture(runner, model)
@@ -208,13 +205,13 @@ def test_graph_modes_in_the_configuration():
 
 @pytest.mark.parametrize("backend", [FullCudaGraphBackend, BreakableCudaGraphBackend], ids=["full", "breakable"])
 def test_node_layers_are_gathered_by_the_graphs_own_kernel_bit_identical(
-    plugin, model_config, engram_tables, memnode, backend
+    plugin, model_config, engram_tables, memnode, backend, local_outputs
 ):
     """Placed ``node`` (this host's daemon, its tables mapped here), both layers default to graph mode device:
     the captured forward launches the row kernel (Triton's interpreter here) right after SGLang's hasher, over
     the registered mapping; every decode step is bit-identical to SGLang's own tables, no decode row goes
     through the host path, and nothing a graph touches moves."""
-    want = _local_outputs(model_config, engram_tables)
+    want = local_outputs
     model = build(model_config, engram_tables, placement={1: "node", 14: "node"}, node_address=memnode.address)
     runner = runner_for(model, backend)
     capture(runner, model)
@@ -232,7 +229,7 @@ def test_node_layers_are_gathered_by_the_graphs_own_kernel_bit_identical(
 
 
 def test_a_node_table_the_gpu_cannot_read_takes_before_replay_with_one_line(
-    plugin, model_config, engram_tables, tmp_path, caplog
+    plugin, model_config, engram_tables, tmp_path, caplog, local_outputs
 ):
     """The node daemon serves the tables from disk (nothing to map, so nothing to register): the layers fall
     back to before_replay, saying why in one line each, and stay bit-identical."""
@@ -240,7 +237,7 @@ def test_a_node_table_the_gpu_cannot_read_takes_before_replay_with_one_line(
 
     from conftest import start_daemon
 
-    want = _local_outputs(model_config, engram_tables)
+    want = local_outputs
     d = start_daemon(str(tmp_path / "disk"), "--tables", engram_tables, "--disk-tables", "all")
     try:
         with caplog.at_level(logging.WARNING, logger="tableclient.graph"):
@@ -287,14 +284,16 @@ def scheduler_step(runner, model, ids, batch, x):
     return hooks.hook(PROCESS_RESULT)(lambda self, b, r: out["y"], None, batch, result)
 
 
-def test_policy_fail_is_checked_where_the_scheduler_reads_the_result(plugin, model_config, engram_tables, tmp_path):
+def test_policy_fail_is_checked_where_the_scheduler_reads_the_result(
+    plugin, model_config, engram_tables, tmp_path, local_outputs
+):
     """Policy fail with decode graphs: a step whose node died still replays (nothing raises on the launch
     path, the graph is never left waiting), and the step's result is refused where SGLang's scheduler
     processes it, naming the layer; the steps before it are bit-identical."""
     from conftest import start_daemon
     from tableclient.graph.step import GraphStepError
 
-    want = _local_outputs(model_config, engram_tables)
+    want = local_outputs
     d = start_daemon(str(tmp_path / "node"), "--tables", engram_tables)
     try:
         model = build(model_config, engram_tables, address=d.address, graph={14: "in_graph"}, policy="fail",

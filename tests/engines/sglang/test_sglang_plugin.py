@@ -43,6 +43,7 @@ from sglang_cpu import (  # noqa: E402,F401  (fixtures)
     engram_tables,
     extend_batch,
     forward,
+    local_outputs,
     make_tokenizer,
     memnode,
     model_config,
@@ -75,8 +76,8 @@ def test_every_layer_remote_is_bit_identical_and_served_remotely(plugin, model_c
     assert all(0 < n <= ids for n in served.values()), served  # distinct ids of each gather, from the server
 
 
-def test_mixed_placement_layer1_local_layer14_remote(plugin, model_config, engram_tables, memnode):
-    want = run(build(model_config, engram_tables))
+def test_mixed_placement_layer1_local_layer14_remote(plugin, model_config, engram_tables, memnode, local_outputs):
+    want = local_outputs
     before = {t: server_rows(memnode, t) for t in ("engram.layer1", "engram.layer14")}
     mixed = build(model_config, engram_tables, address=memnode.address, placement={1: "local", 14: "remote"})
     assert table_bytes(mixed[1][0]) == 264 * model_config[0].engram_num_embeddings[0]
@@ -86,17 +87,19 @@ def test_mixed_placement_layer1_local_layer14_remote(plugin, model_config, engra
     assert server_rows(memnode, "engram.layer14") > before["engram.layer14"]
 
 
-def test_node_placement_reads_this_hosts_server_over_shm(plugin, model_config, engram_tables, memnode):
-    want = run(build(model_config, engram_tables))
+def test_node_placement_reads_this_hosts_server_over_shm(plugin, model_config, engram_tables, memnode, local_outputs):
+    want = local_outputs
     node = build(model_config, engram_tables, placement={1: "node", 14: "node"}, node_address=memnode.address)
     assert_bit_identical(run(node), want)
     assert rows().client("node").transport == "shm"
 
 
-def test_tensor_parallel_ranks_get_whole_rows_without_a_collective(plugin, model_config, engram_tables, memnode):
+def test_tensor_parallel_ranks_get_whole_rows_without_a_collective(
+    plugin, model_config, engram_tables, memnode, local_outputs
+):
     """TP=2, rank 1: SGLang would shard the table and all-reduce; a served layer returns whole rows on
     every rank (no process group exists here: a collective would fail)."""
-    want = run(build(model_config, engram_tables))
+    want = local_outputs
     tp = build(model_config, engram_tables, address=memnode.address, tp=(2, 1))
     assert all(e.embed.tp_size == 2 for e in tp[1])
     assert_bit_identical(run(tp), want)
@@ -225,21 +228,13 @@ def test_scheduler_staging_channel_is_apart_from_the_forward(plugin, model_confi
 
 
 # ---------------------------------------------------------------------- checkpoint loading
-@pytest.mark.parametrize(
-    "iterator",
-    [
-        "buffered_multi_thread_safetensors_weights_iterator",  # SGLang's default
-        "safetensors_weights_iterator",
-    ],
-)
-def test_checkpoint_tensors_of_served_tables_are_never_read(plugin, memnode, tmp_path, iterator):
-    """SGLang's own safetensors iterators, hooked: layer 14's table (served) is neither yielded nor read
-    from disk; layer 1's (local) and every other tensor are, unchanged."""
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(path, tensors, {name: its bytes' span in the file}) of a checkpoint file, written once for the iterators."""
     import json
     import struct
 
     from safetensors.torch import save_file
-    from sglang.srt.model_loader import weight_utils
 
     rows = 600_000  # 154 MB of table per layer: far more than the readahead around what is read (8+ MB)
     g = torch.Generator().manual_seed(0)
@@ -250,18 +245,35 @@ def test_checkpoint_tensors_of_served_tables_are_never_read(plugin, memnode, tmp
     }
     tensors["layers.14.engram.wkv.weight"] = torch.randn(64, 32, generator=g)
     tensors["embed.weight"] = torch.randn(300, 64, generator=g)
-    path = str(tmp_path / "model-00001-of-00001.safetensors")
+    path = str(tmp_path_factory.mktemp("checkpoint") / "model-00001-of-00001.safetensors")
     save_file(tensors, path)
     with open(path, "rb") as f:
         header_len = struct.unpack("<Q", f.read(8))[0]
         header = json.loads(f.read(header_len))
         os.fsync(f.fileno())
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     spans = {
         k: (8 + header_len + v["data_offsets"][0], 8 + header_len + v["data_offsets"][1])
         for k, v in header.items()
         if k != "__metadata__"
     }
+    return path, tensors, spans
+
+
+@pytest.mark.parametrize(
+    "iterator",
+    [
+        "buffered_multi_thread_safetensors_weights_iterator",  # SGLang's default
+        "safetensors_weights_iterator",
+    ],
+)
+def test_checkpoint_tensors_of_served_tables_are_never_read(plugin, memnode, checkpoint, iterator):
+    """SGLang's own safetensors iterators, hooked: layer 14's table (served) is neither yielded nor read
+    from disk; layer 1's (local) and every other tensor are, unchanged."""
+    from sglang.srt.model_loader import weight_utils
+
+    path, tensors, spans = checkpoint
+    with open(path, "rb") as f:  # none of it in the page cache (the other iterator's reads neither)
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     if max(resident_share(path, *span) for span in spans.values()) > 0.5:
         pytest.skip("this filesystem keeps the file in the page cache (tmpfs?): cannot tell what was read")
 
@@ -297,29 +309,83 @@ def test_checkpoint_tensors_of_served_tables_are_never_read(plugin, memnode, tmp
 
 # ---------------------------------------------------------------------- refusing to start
 LOAD_PLUGINS = "from sglang.srt.plugins import load_plugins; load_plugins()\n"
+#: SGLang's plugin loading in fresh processes, as a scheduler process starts, one a case: an interpreter imports
+#: SGLang's plugin framework once (what every case imports first), then forks each case's process before any plugin
+#: is loaded; the case sets its environment and runs its code, exiting as the interpreter would. Prints
+#: {case: [exit status, stdout, stderr]}.
+FORK_CASES = r"""
+import json, os, sys, tempfile, traceback
+from sglang.srt.plugins import load_plugins  # noqa: F401  (SGLang imported, no plugin loaded)
+cases, said = json.loads(os.environ.pop("PLUGIN_CASES")), {}
+for name, (env, code) in cases.items():
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+            os.environ.update(env)
+            status = 0
+            try:
+                exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+            except SystemExit as e:  # what the interpreter does with it
+                if e.code is None or isinstance(e.code, int):
+                    status = e.code or 0
+                else:
+                    print(e.code, file=sys.stderr)
+                    status = 1
+            except BaseException:
+                traceback.print_exc()
+                status = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+        _, wait = os.waitpid(pid, 0)
+        out.seek(0)
+        err.seek(0)
+        said[name] = [os.waitstatus_to_exitcode(wait), out.read(), err.read()]
+print(json.dumps(said))
+"""
 
 
-def _launch(env_extra: dict, code: str = LOAD_PLUGINS):
-    """SGLang's plugin loading in a fresh process, as a scheduler process starts."""
-    return run_fresh(code, {"SGLANG_PLUGINS": "tableserver", **env_extra}, prelude="torchvision_cpu")
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Each case's process (a CompletedProcess: its exit status, stdout and stderr): SGLang's plugin loading with
+    no TABLESERVER_* variables but the case's own."""
+    import json
+    import subprocess
 
-
-def test_enabled_but_misconfigured_stops_start_up_with_one_line(tmp_path):
-    bad = tmp_path / "placement.toml"
+    bad = tmp_path_factory.mktemp("plugin") / "placement.toml"
     bad.write_text('address = "mem:7070"\n[layers]\n14 = "elsewhere"\n')
-    res = _launch({"TABLESERVER_SGLANG_CONFIG": str(bad)})
+    cases = {
+        "bad_layer": ({"TABLESERVER_SGLANG_CONFIG": str(bad)}, LOAD_PLUGINS),
+        "no_fallback_address": ({"TABLESERVER_ADDRESS": "mem:7070", "TABLESERVER_POLICY": "fallback"}, LOAD_PLUGINS),
+        "other_version": ({"TABLESERVER_ADDRESS": "mem:7070"}, as_version("sglang", "0.5.24", LOAD_PLUGINS)),
+        "not_configured": ({}, LOAD_PLUGINS + (
+            "from sglang.srt.layers.engram import EngramEmbedding\n"
+            "print(hasattr(EngramEmbedding.forward, '__wrapped__'))\n"
+        )),
+    }  # fmt: skip
+    res = run_fresh(FORK_CASES, {"SGLANG_PLUGINS": "tableserver", "PLUGIN_CASES": json.dumps(cases)}, "torchvision_cpu")
+    assert res.returncode == 0, res.stderr[-3000:]
+    return {name: subprocess.CompletedProcess(name, *said) for name, said in json.loads(res.stdout).items()}
+
+
+def test_enabled_but_misconfigured_stops_start_up_with_one_line(launched):
+    res = launched["bad_layer"]
     assert res.returncode != 0
     assert (
         res.stderr.strip().splitlines()[-1]
         == "tableserver plugin: layers.14 = 'elsewhere': use one of remote, node, local"
     )
-    res = _launch({"TABLESERVER_ADDRESS": "mem:7070", "TABLESERVER_POLICY": "fallback"})
+    res = launched["no_fallback_address"]
     assert res.returncode != 0 and "needs fallback_address" in res.stderr.strip().splitlines()[-1]
 
 
-def test_other_sglang_versions_are_refused(tmp_path):
+def test_other_sglang_versions_are_refused(launched):
     """Until a version is tested, the plugin refuses it at start-up (SGLang itself only logs plugin errors)."""
-    res = _launch({"TABLESERVER_ADDRESS": "mem:7070"}, as_version("sglang", "0.5.24", LOAD_PLUGINS))
+    res = launched["other_version"]
     assert res.returncode != 0
     assert res.stderr.strip().splitlines()[-1] == (
         "tableserver plugin: SGLang 0.5.24 is not supported (tested with 0.5.23, whose Engram internals it hooks): "
@@ -327,9 +393,6 @@ def test_other_sglang_versions_are_refused(tmp_path):
     )
 
 
-def test_not_configured_leaves_sglang_alone():
-    code = LOAD_PLUGINS + (
-        "from sglang.srt.layers.engram import EngramEmbedding\nprint(hasattr(EngramEmbedding.forward, '__wrapped__'))\n"
-    )
-    res = _launch({}, code)
+def test_not_configured_leaves_sglang_alone(launched):
+    res = launched["not_configured"]
     assert res.returncode == 0 and res.stdout.strip() == "False", res.stderr[-2000:]

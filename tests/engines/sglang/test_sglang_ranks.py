@@ -1,7 +1,7 @@
 """Tensor-parallel ranks in the released SGLang (0.5.23, pinned): two ranks in two processes over gloo
 (tests/support/sglang_ranks.py), each with SGLang's own process groups, plugin loading, hasher, Engram layers and
-decode graph runner class. Every test reads the one run of the rank processes: ranks agree, or all stop together
-(issue 50, items 13-16)."""
+decode graph runner class. Every test reads the one run of the two rank processes (every case, in turn): ranks agree,
+or all stop together (issue 50, items 13-16)."""
 
 from __future__ import annotations
 
@@ -16,22 +16,27 @@ from sglang_cpu import engram_tables, memnode, model_config  # noqa: E402,F401  
 
 KILL_AT = 2
 POLICIES = ("fail", "zeros")
+EAGER_MODES = ("eager", "eager_break")
 
 
 @pytest.fixture(scope="module")
 def ranks(engram_tables, memnode, tmp_path_factory):
-    """Each rank's JSON lines, by case: each rank with its own node per policy; rank 1's nodes of the modes case
-    one that maps nothing (it serves from disk) and one that seals its tcp payloads."""
+    """Each rank's JSON lines, by case, of the one run of the two rank processes (every case of
+    tests/support/sglang_ranks.py in turn). Each run of a node lost first (agreement: per policy; eager: per mode and
+    policy) gives rank 1 a node of its own, killed before decode step KILL_AT, and rank 0 the memnode (never lost);
+    rank 1's nodes of the modes case one that maps nothing (it serves from disk) and one that seals its tcp payloads.
+    A rank left waiting in a collective ends itself, its stacks on stderr, before the test's own bound."""
     import json
 
-    from conftest import start_daemon
+    from conftest import EVENT_TIMEOUT, start_daemon
     from tests_helpers import free_port_block, run_ranks
 
     tmp = tmp_path_factory.mktemp("sglang-ranks")
-    nodes = {
-        (policy, rank): start_daemon(str(tmp / f"{policy}{rank}"), "--tables", engram_tables)
-        for policy in POLICIES
-        for rank in range(2)
+    runs = [{"case": "agreement", "policy": p} for p in POLICIES]
+    runs += [{"case": "eager", "mode": m, "policy": p} for m in EAGER_MODES for p in ("zeros", "fail")]
+    own = {
+        i: start_daemon(str(tmp / f"{run['case']}-{run.get('mode', '')}{run['policy']}1"), "--tables", engram_tables)
+        for i, run in enumerate(runs)
     }
     disk = start_daemon(str(tmp / "disk"), "--tables", engram_tables, "--disk-tables", "all")
     sealed = start_daemon(str(tmp / "sealed"), "--tables", engram_tables, "--data-encryption", "on")
@@ -40,57 +45,27 @@ def ranks(engram_tables, memnode, tmp_path_factory):
         return json.dumps({
             "memnode": memnode.address,
             "kill_at": KILL_AT,
-            "runs": [{"policy": p, "address": nodes[(p, rank)].address, "pid": nodes[(p, rank)].proc.pid}
-                     for p in POLICIES],
+            "runs": [dict(run, address=own[i].address, pid=own[i].proc.pid) if rank == 1 else
+                     dict(run, address=memnode.address, pid=None) for i, run in enumerate(runs)],
             "node": disk.address if rank == 1 else memnode.address,
             "remote": sealed.address if rank == 1 else memnode.address,
             "restart_port": free_port_block(),
             "workdir": str(tmp),
+            "bound": EVENT_TIMEOUT * 0.9,
         })  # fmt: skip
 
     try:
         lines = run_ranks("sglang_ranks.py", [memnode, memnode], lambda rank, _: [engram_tables, plan(rank)])
     finally:
-        for d in (*nodes.values(), disk, sealed):
+        for d in (*own.values(), disk, sealed):
             d.stop()
     return by_case(lines)
-
-
-EAGER_MODES = ("eager", "eager_break")
 
 
 @pytest.fixture(scope="module")
-def eager_ranks(engram_tables, memnode, tmp_path_factory):
-    """The eager case of tests/support/sglang_ranks.py, in two rank processes of its own: per mode and policy each
-    rank its own node (rank 1's killed before decode step KILL_AT), then DP attention's idle batches on the shared
-    node; a rank left waiting in a collective ends itself, its stacks on stderr, before the test's own bound."""
-    import json
-
-    from conftest import EVENT_TIMEOUT, start_daemon
-    from tests_helpers import run_ranks
-
-    tmp = tmp_path_factory.mktemp("sglang-eager")
-    nodes = {
-        (mode, policy, rank): start_daemon(str(tmp / f"{mode}-{policy}{rank}"), "--tables", engram_tables)
-        for mode in EAGER_MODES
-        for policy in ("zeros", "fail")
-        for rank in range(2)
-    }
-
-    def plan(rank: int) -> str:
-        runs = [
-            {"mode": mode, "policy": policy, "address": d.address, "pid": d.proc.pid}
-            for (mode, policy, r), d in nodes.items()
-            if r == rank
-        ]
-        return json.dumps({"memnode": memnode.address, "kill_at": KILL_AT, "runs": runs, "eager": EVENT_TIMEOUT * 0.9})
-
-    try:
-        lines = run_ranks("sglang_ranks.py", [memnode, memnode], lambda rank, _: [engram_tables, plan(rank)])
-    finally:
-        for d in nodes.values():
-            d.stop()
-    return by_case(lines)
+def eager_ranks(ranks):
+    """The eager cases' lines (eager, eager_zero_rows, eager_idle) of the same run."""
+    return ranks
 
 
 def assert_eager_agreed(eager_ranks, mode: str) -> None:
