@@ -138,7 +138,8 @@ else
     # tcp's modes are the daemon tests' (tests/daemon/test_graphstep.py): here the stage itself, over shm
     stage modes 130 "$py" bench/bench_graph.py --device cpu --stage modes --steps 2 --buckets 1,8 --transports shm --out "$out"
     stage faults 75 "$py" bench/bench_graph.py --device cpu --stage faults --steps 3 --buckets 8 --out "$out"
-    stage wake $((150 * runs)) bash -c "$(declare -f wake); py=$py out=$out runs=$runs; wake --device cpu --steps 10"
+    # three steps of each kind: the stage's every path (no goal is judged on a CPU); more only repeat them
+    stage wake $((150 * runs)) bash -c "$(declare -f wake); py=$py out=$out runs=$runs; wake --device cpu --steps 3"
 fi
 if [ -n "$failed" ]; then
     echo "gpu_check ($mode): FAILED:$failed (logs in $out)"
