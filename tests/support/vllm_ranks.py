@@ -4,10 +4,11 @@
 
 Started once per rank by tests/engines/vllm/test_vllm_ranks.py; ``PLAN`` is this rank's JSON: ``memnode`` (a node
 every rank reaches, over tcp and shm), ``kill_at``, ``runs`` (per run its placement, policy and this rank's own node
-with its pid) and ``refuse`` (the node this rank's device layers read: one that maps nothing on rank 1). Prints
-JSON lines, each naming its ``case``. The cases after ``columns`` run the conversation's decode steps, as many as
-their tests read, each step's inputs the same in every case and run and vLLM's own outputs for them (the
-references) computed once:
+with its pid), ``eager`` (the same, per policy, for the eager case), ``refuse`` (the node this rank's device layers
+read: one that maps nothing on rank 1) and ``bound`` (the seconds a rank may run: one left waiting in a collective
+its peer never joins ends itself then, its stacks on stderr). Prints JSON lines, each naming its ``case``. The
+cases but ``columns`` run the conversation's decode steps, as many as their tests read, each step's inputs the same
+in every case and run and vLLM's own outputs for them (the references) computed once:
 
 * ``agreement``: for each run, this rank's layers served by its own node (``remote``: graph mode in_graph, vLLM's
   FULL graphs; ``node``: graph mode device, the kernel reading the node's mapping), each decode step through
@@ -25,14 +26,13 @@ references) computed once:
   steps, one whose dummy run hashes nothing (as vLLM's outside FULL replays) and one that runs the layers: a line
   a step as for ``agreement``.
 * ``pipeline``: the same two processes as two pipeline stages (TP 1): what building a served layer says.
-* ``eager`` (alone, where ``PLAN`` has ``eager``: the seconds a rank may run): remote layers in graph mode
-  eager_break, no CUDA graphs; per run (``runs``: a policy each) this rank's own node, rank 1's killed before step
-  ``kill_at``: a line a step as for ``agreement``, and ``eager_zero_rows``: each layer's zero-rows count over the
-  run.
-* ``columns`` (first, printed last): vLLM's own layers built three times over the same tables (vLLM's own head-sharded tables,
-  every layer served remote over tcp, every layer served node: graph mode device), without and with sequence
-  parallelism, the same steps through all three: per mode and placement whether every output was bit-identical
-  to vLLM's own, and the hash columns this rank's served layers gathered.
+* ``eager`` (first): remote layers in graph mode eager_break, no CUDA graphs; per run of ``PLAN``'s ``eager`` (a
+  policy each) this rank's own node, rank 1's killed before step ``kill_at``: a line a step as for ``agreement``, and
+  ``eager_zero_rows``: each layer's zero-rows count over the run.
+* ``columns`` (then, printed last): vLLM's own layers built three times over the same tables (vLLM's own
+  head-sharded tables, every layer served remote over tcp, every layer served node: graph mode device), without and
+  with sequence parallelism, the same steps through all three: per mode and placement whether every output was
+  bit-identical to vLLM's own, and the hash columns this rank's served layers gathered.
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ TIMEOUT = 30.0
 
 
 def main(rank: int, world: int, port: int, model_dir: str, table_file: str, plan: dict) -> dict:
+    import faulthandler
+
     import numpy as np
     import torch
     from conftest import local_tables
@@ -62,6 +64,8 @@ def main(rank: int, world: int, port: int, model_dir: str, table_file: str, plan
     from tableclient.vllm import hooks
     from vllm.plugins import load_general_plugins
 
+    # a rank left waiting in a collective its peer never joins ends here, its stacks on stderr, before the test's bound
+    faulthandler.dump_traceback_later(plan["bound"], exit=True)
     memnode = plan["memnode"]
     os.environ.update(TABLESERVER_ADDRESS=memnode, TABLESERVER_TRANSPORT="tcp", VLLM_PLUGINS="tableserver")
     load_general_plugins()
@@ -69,13 +73,6 @@ def main(rank: int, world: int, port: int, model_dir: str, table_file: str, plan
     vllm_cpu.init_parallel(cfg, world_size=world, rank=rank, port=port, tp=world)
     tables = local_tables(table_file)
     hasher = vllm_cpu.make_hasher(cfg)
-    if "eager" in plan:  # that case alone, in processes of its own
-        try:
-            eager(rank, cfg, Steps(cfg, hasher, tables), tables, plan)
-        finally:
-            hooks.configure(PluginConfig())
-            vllm_cpu.close_parallel()
-        return {"case": "done", "rank": rank}
     report = {"case": "columns", "rank": rank}
     placements = {
         "local": PluginConfig(transport="tcp"),
@@ -83,6 +80,8 @@ def main(rank: int, world: int, port: int, model_dir: str, table_file: str, plan
         "node": PluginConfig(node_address=memnode, layers={layer: "node" for layer in vllm_cpu.LAYERS}),
     }
     try:
+        steps = Steps(cfg, hasher, tables)
+        eager(rank, cfg, steps, tables, plan)  # first: vLLM without CUDA graphs
         for sp in (False, True):
             outs, columns, device = [], {}, False
             for placement, plugin_config in placements.items():
@@ -125,7 +124,6 @@ def main(rank: int, world: int, port: int, model_dir: str, table_file: str, plan
                 "node": {"identical": same(outs[2]), "columns": columns["node"], "device": device},
             }
         full_graphs(cfg)  # from here on vLLM captures FULL graphs
-        steps = Steps(cfg, hasher, tables)
         agreement(rank, cfg, steps, tables, plan)
         modes(cfg, steps, tables, plan["refuse"])
         failed_arm(cfg, steps, tables, memnode, plan["kill_at"])
@@ -134,6 +132,7 @@ def main(rank: int, world: int, port: int, model_dir: str, table_file: str, plan
     finally:
         hooks.configure(PluginConfig())
         vllm_cpu.close_parallel()
+    faulthandler.cancel_dump_traceback_later()
     return report
 
 
@@ -239,18 +238,14 @@ def agreement(rank: int, cfg, steps: Steps, tables, plan: dict) -> None:
 def eager(rank: int, cfg, steps: Steps, tables, plan: dict) -> None:
     """Remote layers in graph mode eager_break (vLLM without CUDA graphs, as --enforce-eager: its eager break runs
     inline; between segments in breakable piecewise graphs), each run on this rank's own node, rank 1's killed before
-    step ``kill_at`` (the steps before it and two from it on): a line a step as for ``agreement``, then each layer's
-    zero-rows count of the run. A rank that
-    waits in a collective its peer never joins is ended (its stacks on stderr) after ``plan["eager"]`` seconds."""
-    import faulthandler
-
+    step ``kill_at`` (the steps before it and two from it on), a run per ``plan["eager"]``: a line a step as for
+    ``agreement``, then each layer's zero-rows count of the run."""
     from conftest import wait_for
     from tableclient.vllm import hooks
     from vllm.config import CUDAGraphMode
 
-    faulthandler.dump_traceback_later(plan["eager"], exit=True)
     cfg.compilation_config.cudagraph_mode = CUDAGraphMode.NONE
-    for run in plan["runs"]:
+    for run in plan["eager"]:
         policy, address, pid = run["policy"], run["address"], run["pid"]
         graph = {layer: "eager_break" for layer in vllm_cpu.LAYERS}
         served = build(cfg, tables, served_config(policy=policy, address=address, transport="tcp", graph=graph))
@@ -263,7 +258,6 @@ def eager(rank: int, cfg, steps: Steps, tables, plan: dict) -> None:
             steps(served, i, case="eager", policy=policy)
         counted = {layer: n - before[layer] for layer, n in zero_rows(vllm_cpu.LAYERS).items()}
         print(json.dumps({"case": "eager_zero_rows", "policy": policy, "counted": counted}), flush=True)
-    faulthandler.cancel_dump_traceback_later()
 
 
 def modes(cfg, steps: Steps, tables, refuse: str) -> None:

@@ -1,8 +1,7 @@
 """Tensor and sequence parallelism in the released vLLM (0.33.0, pinned): two ranks in two processes over gloo
 (tests/support/vllm_ranks.py), each building vLLM's own layers; apart from tests/engines/vllm/test_vllm_plugin.py
 (whose fixtures it uses) so that the test workers share vLLM's minutes. Every test reads the one run of the rank
-processes (vLLM starts once a rank), or of the eager case's, apart: ranks agree, or all stop together (issue 50, items
-13-16)."""
+processes (vLLM starts once a rank): ranks agree, or all stop together (issue 50, items 13-16)."""
 
 from __future__ import annotations
 
@@ -23,16 +22,18 @@ PLACEMENTS = ("remote", "node")
 @pytest.fixture(scope="module")
 def ranks(model_dir, engram_tables, memnode, tmp_path_factory):
     """Each rank's JSON lines (tests/support/vllm_ranks.py): each rank with its own node per placement and policy
-    for the agreement, rank 1's device layers reading a node that maps nothing (it serves from disk)."""
+    for the agreement and per policy for the eager case, rank 1's device layers reading a node that maps nothing
+    (it serves from disk); a rank left waiting in a collective ends itself, its stacks on stderr, before the test's
+    own bound."""
     import json
 
-    from conftest import start_daemon
+    from conftest import EVENT_TIMEOUT, start_daemon
     from tests_helpers import run_ranks
 
     tmp = tmp_path_factory.mktemp("ranks")
     nodes = {
         (placement, policy, rank): start_daemon(str(tmp / f"{placement}-{policy}{rank}"), "--tables", engram_tables)
-        for placement in PLACEMENTS
+        for placement in (*PLACEMENTS, "eager")
         for policy in POLICIES
         for rank in range(2)
     }
@@ -44,8 +45,14 @@ def ranks(model_dir, engram_tables, memnode, tmp_path_factory):
             for (placement, policy, r), d in nodes.items()
             if r == rank
         ]
-        refuse = disk.address if rank == 1 else memnode.address
-        return json.dumps({"memnode": memnode.address, "kill_at": KILL_AT, "runs": runs, "refuse": refuse})
+        return json.dumps({
+            "memnode": memnode.address,
+            "kill_at": KILL_AT,
+            "runs": [run for run in runs if run["placement"] != "eager"],
+            "eager": [run for run in runs if run["placement"] == "eager"],
+            "refuse": disk.address if rank == 1 else memnode.address,
+            "bound": EVENT_TIMEOUT * 0.9,
+        })  # fmt: skip
 
     try:
         lines = run_ranks(
@@ -59,38 +66,10 @@ def ranks(model_dir, engram_tables, memnode, tmp_path_factory):
     return by_case(lines)
 
 
-@pytest.fixture(scope="module")
-def eager(model_dir, engram_tables, memnode, tmp_path_factory):
-    """The eager case of tests/support/vllm_ranks.py in two rank processes of its own (a rank left waiting in a
-    collective ends itself, its stacks on stderr, before the test's own bound): a run per policy of POLICIES, each
-    rank its own node per run, rank 1's killed before step KILL_AT. Each rank's lines by policy, then by case."""
-    import json
-
-    from conftest import EVENT_TIMEOUT, start_daemon
-    from tests_helpers import run_ranks
-
-    tmp = tmp_path_factory.mktemp("eager")
-    nodes = {
-        (policy, rank): start_daemon(str(tmp / f"{policy}{rank}"), "--tables", engram_tables)
-        for policy in POLICIES
-        for rank in range(2)
-    }
-
-    def plan(rank: int) -> str:
-        runs = [{"policy": p, "address": d.address, "pid": d.proc.pid} for (p, r), d in nodes.items() if r == rank]
-        return json.dumps({"memnode": memnode.address, "kill_at": KILL_AT, "runs": runs, "eager": EVENT_TIMEOUT * 0.9})
-
-    try:
-        lines = run_ranks(
-            "vllm_ranks.py", [memnode, memnode], lambda rank, _: [model_dir[0], engram_tables, plan(rank)]
-        )
-    finally:
-        for d in nodes.values():
-            d.stop()
-    return {
-        policy: by_case([[line for line in rank if line.get("policy") == policy] for rank in lines])
-        for policy in POLICIES
-    }
+def eager(ranks, policy: str) -> list[dict]:
+    """Each rank's lines of the eager case's run under ``policy``, by case."""
+    cases = ("eager", "eager_zero_rows")
+    return by_case([[line for c in cases for line in lines.get(c, []) if line["policy"] == policy] for lines in ranks])
 
 
 @pytest.mark.slow
@@ -202,14 +181,14 @@ def test_pipeline_parallelism_is_refused_at_start_up_with_one_line(ranks):
 
 
 @pytest.mark.slow
-def test_eager_break_layers_serve_zeros_on_every_rank_from_the_step_one_rank_fails(eager):
+def test_eager_break_layers_serve_zeros_on_every_rank_from_the_step_one_rank_fails(ranks):
     """Remote layers in graph mode eager_break (vLLM's eager break: rows gathered on the host, collected when the
     layer runs, outside any graph), policy zeros, rank 1's node lost before step KILL_AT. Each layer's outcome is
     reduced in its eager break, one MIN over vLLM's tensor-parallel CPU group, before vLLM's all-gather joins the
     ranks' columns: from that step on both ranks' layers run on zero rows (before, rank 0 served its table's rows
     and rank 1 zeros, which the all-gather blended), and the step is counted as zero rows on both ranks (rank 1
     failed, rank 0's own rows masked)."""
-    for rank, cases in enumerate(eager["zeros"]):
+    for rank, cases in enumerate(eager(ranks, "zeros")):
         steps = cases["eager"]
         assert len(steps) > KILL_AT + 1, (rank, steps)
         for s in steps:
@@ -220,13 +199,13 @@ def test_eager_break_layers_serve_zeros_on_every_rank_from_the_step_one_rank_fai
 
 
 @pytest.mark.slow
-def test_eager_break_layers_fail_on_every_rank_at_the_same_step(eager):
+def test_eager_break_layers_fail_on_every_rank_at_the_same_step(ranks):
     """As above under policy fail: from rank 1's node's loss on, both ranks raise at layer 1 of every such step, in
     its eager break, in one line naming the layer, the step (the same on both) and where it failed (here on rank 1,
     on another rank on rank 0). Before, rank 1 alone raised inside its forward while rank 0 waited in the layer's
     all-gather: the instance hung (here, the rank processes ended by their bound)."""
-    raised = [[s for s in cases["eager"] if s["step"] >= KILL_AT] for cases in eager["fail"]]
-    for rank, cases in enumerate(eager["fail"]):
+    raised = [[s for s in cases["eager"] if s["step"] >= KILL_AT] for cases in eager(ranks, "fail")]
+    for rank, cases in enumerate(eager(ranks, "fail")):
         steps = cases["eager"]
         assert len(steps) > KILL_AT + 1, (rank, steps)
         for s in steps:
