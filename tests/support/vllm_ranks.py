@@ -50,8 +50,12 @@ from graph_ranks import dead  # noqa: E402
 from rank_report import plugin_lines, zero_rows  # noqa: E402
 
 TABLES = tuple(f"engram.layer{layer}" for layer in vllm_cpu.LAYERS)
-#: every GraphStep's deadline: far longer than a busy machine takes for a step, and the wait of an arm that fails
+#: every GraphStep's deadline: far longer than a busy machine takes for a step
 TIMEOUT = 30.0
+#: the failed_arm case's deadline, and the wait of its arm that fails: waited out while the native poller spins on
+#: the step armed before (a core a rank), so shorter; still far longer than one of its decode steps (two tokens)
+#: takes to be served on a busy machine (well under a second)
+FAILED_ARM_TIMEOUT = 10.0
 
 
 def main(rank: int, world: int, port: int, model_dir: str, table_file: str, plan: dict) -> dict:
@@ -153,7 +157,8 @@ def served_config(**options):
     """The plugin's configuration of a served run: no test here is about liveness or a gather's budget."""
     from tableclient.engine import PluginConfig
 
-    return PluginConfig(timeout=TIMEOUT, liveness_timeout=600.0, gather_budget=600.0, **options)
+    options.setdefault("timeout", TIMEOUT)
+    return PluginConfig(liveness_timeout=600.0, gather_budget=600.0, **options)
 
 
 def full_graphs(cfg) -> None:
@@ -283,7 +288,8 @@ def failed_arm(cfg, steps: Steps, tables, memnode: str, at: int) -> None:
     """Remote layers in FULL graphs; step ``at`` armed and never run (its model runner returns at once); the steps
     before it, the one after it (whose arm fails) and one more (served again)."""
     full_graphs(cfg)
-    served = build(cfg, tables, served_config(address=memnode, transport="tcp", policy="fail"))
+    config = served_config(address=memnode, transport="tcp", policy="fail", timeout=FAILED_ARM_TIMEOUT)
+    served = build(cfg, tables, config)
     for i in range(at + 3):
         steps(served, i, case="failed_arm", forward=i != at)
 

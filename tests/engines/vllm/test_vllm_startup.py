@@ -69,29 +69,82 @@ def test_parameter_bytes_and_rss_with_and_without_the_plugin(tmp_path):
 
 # ---------------------------------------------------------------------- refusing to start
 LOAD_PLUGINS = "from vllm.plugins import load_general_plugins; load_general_plugins()\n"
+#: vLLM's plugin loading in fresh processes, as each vLLM process starts, one a case: an interpreter imports vLLM's
+#: plugin framework once (what every case imports first), then forks each case's process before any plugin is
+#: loaded; the case sets its environment and runs its code, exiting as the interpreter would. Prints
+#: {case: [exit status, stdout, stderr]}.
+FORK_CASES = r"""
+import json, os, sys, tempfile, traceback
+from vllm.plugins import load_general_plugins  # noqa: F401  (vLLM imported, no plugin loaded)
+cases, said = json.loads(os.environ.pop("PLUGIN_CASES")), {}
+for name, (env, code) in cases.items():
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+            os.environ.update(env)
+            status = 0
+            try:
+                exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+            except SystemExit as e:  # what the interpreter does with it
+                if e.code is None or isinstance(e.code, int):
+                    status = e.code or 0
+                else:
+                    print(e.code, file=sys.stderr)
+                    status = 1
+            except BaseException:
+                traceback.print_exc()
+                status = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+        _, wait = os.waitpid(pid, 0)
+        out.seek(0)
+        err.seek(0)
+        said[name] = [os.waitstatus_to_exitcode(wait), out.read(), err.read()]
+print(json.dumps(said))
+"""
 
 
-def _launch(env_extra: dict, code: str = LOAD_PLUGINS):
-    """vLLM's plugin loading in a fresh process, as each vLLM process starts."""
-    return run_fresh(code, {"VLLM_PLUGINS": "tableserver", **env_extra}, prelude="vllm_cpu")
-
-
-def test_enabled_but_misconfigured_stops_start_up_with_one_line(tmp_path):
-    bad = tmp_path / "placement.toml"
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Each case's process (a CompletedProcess: its exit status, stdout and stderr): vLLM's plugin loading with no
+    TABLESERVER_* variables but the case's own."""
+    bad = tmp_path_factory.mktemp("plugin") / "placement.toml"
     bad.write_text('address = "mem:7070"\n[layers]\n14 = "elsewhere"\n')
-    res = _launch({"TABLESERVER_VLLM_CONFIG": str(bad)})
+    cases = {
+        "bad_layer": ({"TABLESERVER_VLLM_CONFIG": str(bad)}, LOAD_PLUGINS),
+        "sglang_graph_mode": (
+            {"TABLESERVER_ADDRESS": "mem:7070", "TABLESERVER_GRAPH_MODE": "14=before_replay"}, LOAD_PLUGINS
+        ),
+        "other_version": ({"TABLESERVER_ADDRESS": "mem:7070"}, as_version("vllm", "0.33.1", LOAD_PLUGINS)),
+        "not_configured": ({}, LOAD_PLUGINS + (
+            "from vllm.models.deepseek_v41.common.engram import Engram\n"
+            "print(hasattr(Engram.prepare_embeddings, '__wrapped__'))\n"
+        )),
+    }  # fmt: skip
+    res = run_fresh(FORK_CASES, {"VLLM_PLUGINS": "tableserver", "PLUGIN_CASES": json.dumps(cases)}, prelude="vllm_cpu")
+    assert res.returncode == 0, res.stderr[-3000:]
+    return {name: subprocess.CompletedProcess(name, *said) for name, said in json.loads(res.stdout).items()}
+
+
+def test_enabled_but_misconfigured_stops_start_up_with_one_line(launched):
+    res = launched["bad_layer"]
     assert res.returncode != 0
     assert (
         res.stderr.strip().splitlines()[-1]
         == "tableserver plugin: layers.14 = 'elsewhere': use one of remote, node, local"
     )
-    res = _launch({"TABLESERVER_ADDRESS": "mem:7070", "TABLESERVER_GRAPH_MODE": "14=before_replay"})
+    res = launched["sglang_graph_mode"]
     assert res.returncode != 0
     assert "graph.14 = 'before_replay' is an SGLang decode-graph mode" in res.stderr.strip().splitlines()[-1]
 
 
-def test_other_vllm_versions_are_refused():
-    res = _launch({"TABLESERVER_ADDRESS": "mem:7070"}, as_version("vllm", "0.33.1", LOAD_PLUGINS))
+def test_other_vllm_versions_are_refused(launched):
+    res = launched["other_version"]
     assert res.returncode != 0
     assert res.stderr.strip().splitlines()[-1] == (
         "tableserver plugin: vLLM 0.33.1 is not supported (tested with 0.33.0, whose Engram internals it hooks): "
@@ -99,10 +152,6 @@ def test_other_vllm_versions_are_refused():
     )
 
 
-def test_not_configured_leaves_vllm_alone():
-    code = LOAD_PLUGINS + (
-        "from vllm.models.deepseek_v41.common.engram import Engram\n"
-        "print(hasattr(Engram.prepare_embeddings, '__wrapped__'))\n"
-    )
-    res = _launch({}, code)
+def test_not_configured_leaves_vllm_alone(launched):
+    res = launched["not_configured"]
     assert res.returncode == 0 and res.stdout.strip().splitlines()[-1] == "False", res.stderr[-2000:]
