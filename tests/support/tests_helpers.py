@@ -366,3 +366,47 @@ def stream_step(g, ids: dict, tokens: int, layers=None, published: dict | None =
     if errors:
         raise errors[0]
     return out
+
+
+_FORK_CASES = r"""
+import json, os, sys, tempfile, traceback
+{preload}
+cases, said = json.loads(os.environ.pop("PLUGIN_CASES")), {}
+for name, (env, code) in cases.items():
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+            os.environ.update(env)
+            status = 0
+            try:
+                exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+            except SystemExit as e:  # what the interpreter does with it
+                if e.code is None or isinstance(e.code, int):
+                    status = e.code or 0
+                else:
+                    print(e.code, file=sys.stderr)
+                    status = 1
+            except BaseException:
+                traceback.print_exc()
+                status = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+        _, wait = os.waitpid(pid, 0)
+        out.seek(0)
+        err.seek(0)
+        said[name] = [os.waitstatus_to_exitcode(wait), out.read(), err.read()]
+print(json.dumps(said))
+"""
+
+
+def fork_cases(preload: str) -> str:
+    """A ``python -c`` script that runs ``preload`` (an engine's plugin framework imported, no plugin loaded) once,
+    then forks a process a case of ``$PLUGIN_CASES`` ({name: [env, code]}) before any plugin is loaded: each sets
+    its environment and runs its code, exiting as the interpreter would. Prints {case: [exit status, stdout,
+    stderr]}."""
+    return _FORK_CASES.replace("{preload}", preload, 1)

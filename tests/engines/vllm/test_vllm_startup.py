@@ -14,7 +14,7 @@ import sys
 import pytest
 import vllm_cpu  # noqa: F401  (before vllm: Triton's interpreter, torchvision on a CPU torch)
 from conftest import EVENT_TIMEOUT, ROOT
-from tests_helpers import as_version, run_fresh
+from tests_helpers import as_version, fork_cases, run_fresh
 from vllm_cpu import LAYERS
 
 pytest.importorskip("torch")
@@ -73,40 +73,9 @@ LOAD_PLUGINS = "from vllm.plugins import load_general_plugins; load_general_plug
 #: plugin framework once (what every case imports first), then forks each case's process before any plugin is
 #: loaded; the case sets its environment and runs its code, exiting as the interpreter would. Prints
 #: {case: [exit status, stdout, stderr]}.
-FORK_CASES = r"""
-import json, os, sys, tempfile, traceback
-from vllm.plugins import load_general_plugins  # noqa: F401  (vLLM imported, no plugin loaded)
-cases, said = json.loads(os.environ.pop("PLUGIN_CASES")), {}
-for name, (env, code) in cases.items():
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            os.dup2(out.fileno(), 1)
-            os.dup2(err.fileno(), 2)
-            os.environ.update(env)
-            status = 0
-            try:
-                exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
-            except SystemExit as e:  # what the interpreter does with it
-                if e.code is None or isinstance(e.code, int):
-                    status = e.code or 0
-                else:
-                    print(e.code, file=sys.stderr)
-                    status = 1
-            except BaseException:
-                traceback.print_exc()
-                status = 1
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(status)
-        _, wait = os.waitpid(pid, 0)
-        out.seek(0)
-        err.seek(0)
-        said[name] = [os.waitstatus_to_exitcode(wait), out.read(), err.read()]
-print(json.dumps(said))
-"""
+FORK_CASES = fork_cases(
+    "from vllm.plugins import load_general_plugins  # noqa: F401  (vLLM imported, no plugin loaded)"
+)
 
 
 @pytest.fixture(scope="module")
